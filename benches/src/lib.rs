@@ -1,0 +1,1 @@
+//! Benchmark harness (issue 6).

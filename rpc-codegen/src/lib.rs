@@ -1,0 +1,1 @@
+//! Service IR and emitter; `.proto` front end (issue 4).

@@ -1,0 +1,1 @@
+//! Registered arenas, slot rings, the bulk pool and receive-slot guards (issue 3).

@@ -1,0 +1,1 @@
+//! The bootstrap handshake over TCP (issue 3).

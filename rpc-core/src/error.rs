@@ -1,0 +1,104 @@
+//! Transport errors: failures to set up or keep a connection, as opposed to a call's
+//! [`Status`](crate::Status). Every error says what was being done and why it failed.
+
+use std::fmt;
+
+use crate::verbs::VerbsError;
+
+/// What kind of transport failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The address could not be parsed or resolved.
+    InvalidAddress,
+    /// TCP connect or accept failed.
+    Connect,
+    /// The bootstrap handshake failed (garbage, wrong version, bad token, bad geometry).
+    Handshake,
+    /// A verb failed (see the source).
+    Verbs,
+    /// An I/O error.
+    Io,
+    /// The configuration is inconsistent.
+    Config,
+    /// The peer went away.
+    Disconnected,
+}
+
+/// A transport error.
+#[derive(Debug)]
+pub struct Error {
+    kind: ErrorKind,
+    context: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl Error {
+    /// An error of `kind` with a message saying what failed.
+    pub fn new(kind: ErrorKind, context: impl Into<String>) -> Error {
+        Error {
+            kind,
+            context: context.into(),
+            source: None,
+        }
+    }
+
+    /// An error of `kind` caused by `source`.
+    pub fn with_source(
+        kind: ErrorKind,
+        context: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Error {
+        Error {
+            kind,
+            context: context.into(),
+            source: Some(Box::new(source)),
+        }
+    }
+
+    /// The kind.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.context)?;
+        if let Some(s) = &self.source {
+            write!(f, ": {s}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+impl From<VerbsError> for Error {
+    fn from(e: VerbsError) -> Error {
+        Error::with_source(ErrorKind::Verbs, "RDMA verbs error", e)
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Error {
+        Error::with_source(ErrorKind::Io, "I/O error", e)
+    }
+}
+
+impl From<Error> for crate::Status {
+    fn from(e: Error) -> crate::Status {
+        let code = match e.kind {
+            ErrorKind::InvalidAddress | ErrorKind::Config => crate::Code::InvalidArgument,
+            ErrorKind::Handshake => crate::Code::Unauthenticated,
+            _ => crate::Code::Unavailable,
+        };
+        crate::Status::new(code, e.to_string())
+    }
+}

@@ -1,0 +1,431 @@
+//! Requests and responses as handlers and callers see them: a message plus metadata (a small
+//! ordered key/value map sent with the call) and, for requests, a timeout that travels with the
+//! call as its deadline. Shapes follow tonic's `Request`/`Response`.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Largest encoded metadata block a frame may carry, in bytes.
+pub const MAX_METADATA_LEN: usize = 4096;
+
+/// Per-call metadata: an ordered list of ASCII keys with binary-safe values. Empty metadata
+/// allocates nothing.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Metadata {
+    entries: Vec<(String, Vec<u8>)>,
+}
+
+/// Why a metadata entry was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidMetadata(pub &'static str);
+
+impl fmt::Display for InvalidMetadata {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid metadata: {}", self.0)
+    }
+}
+
+impl std::error::Error for InvalidMetadata {}
+
+impl Metadata {
+    /// Empty metadata (no allocation).
+    pub const fn new() -> Metadata {
+        Metadata {
+            entries: Vec::new(),
+        }
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there is no entry.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Sets `key` to `value`, replacing an existing entry. Keys are lower-case ASCII letters,
+    /// digits, `-`, `_` and `.`, 1 to 255 bytes (as gRPC's); values at most 65535 bytes.
+    ///
+    /// # Errors
+    /// When the key or the value is invalid, or the encoded metadata would exceed
+    /// [`MAX_METADATA_LEN`].
+    pub fn insert(
+        &mut self,
+        key: impl Into<String>,
+        value: impl Into<Vec<u8>>,
+    ) -> Result<(), InvalidMetadata> {
+        let key = key.into();
+        let value = value.into();
+        validate_key(&key)?;
+        if value.len() > u16::MAX as usize {
+            return Err(InvalidMetadata("value longer than 65535 bytes"));
+        }
+        let existing = self.entries.iter().position(|(k, _)| *k == key);
+        let old = existing.map_or(0, |i| entry_len(&self.entries[i].0, &self.entries[i].1));
+        if self.encoded_len() - old + entry_len(&key, &value) > MAX_METADATA_LEN {
+            return Err(InvalidMetadata("metadata larger than MAX_METADATA_LEN"));
+        }
+        match existing {
+            Some(i) => self.entries[i].1 = value,
+            None => self.entries.push((key, value)),
+        }
+        Ok(())
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.entries
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// The value of `key` as UTF-8 text.
+    pub fn get_str(&self, key: &str) -> Option<&str> {
+        self.get(key).and_then(|v| std::str::from_utf8(v).ok())
+    }
+
+    /// Removes `key`; returns its value.
+    pub fn remove(&mut self, key: &str) -> Option<Vec<u8>> {
+        let i = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.remove(i).1)
+    }
+
+    /// Entries in insertion order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.entries.iter().map(|(k, v)| (k.as_str(), v.as_slice()))
+    }
+
+    /// Size of [`Metadata::encode`]'s output.
+    pub fn encoded_len(&self) -> usize {
+        if self.entries.is_empty() {
+            return 0;
+        }
+        2 + self
+            .entries
+            .iter()
+            .map(|(k, v)| entry_len(k, v))
+            .sum::<usize>()
+    }
+
+    /// Encodes into `out` (which must hold [`Metadata::encoded_len`] bytes): a `u16` count,
+    /// then per entry a `u8` key length, the key, a `u16` value length and the value, all
+    /// little-endian. Empty metadata encodes to nothing. Returns the bytes written.
+    pub fn encode(&self, out: &mut [u8]) -> usize {
+        if self.entries.is_empty() {
+            return 0;
+        }
+        let mut o = 0;
+        out[o..o + 2].copy_from_slice(&(self.entries.len() as u16).to_le_bytes());
+        o += 2;
+        for (k, v) in &self.entries {
+            out[o] = k.len() as u8;
+            o += 1;
+            out[o..o + k.len()].copy_from_slice(k.as_bytes());
+            o += k.len();
+            out[o..o + 2].copy_from_slice(&(v.len() as u16).to_le_bytes());
+            o += 2;
+            out[o..o + v.len()].copy_from_slice(v);
+            o += v.len();
+        }
+        o
+    }
+
+    /// Decodes [`Metadata::encode`]'s output; `bytes` must be exactly one encoded block (an
+    /// empty slice is empty metadata).
+    ///
+    /// # Errors
+    /// On truncation, trailing bytes, invalid keys or duplicate keys.
+    pub fn decode(bytes: &[u8]) -> Result<Metadata, InvalidMetadata> {
+        let mut md = Metadata::new();
+        if bytes.is_empty() {
+            return Ok(md);
+        }
+        if bytes.len() > MAX_METADATA_LEN {
+            return Err(InvalidMetadata("metadata larger than MAX_METADATA_LEN"));
+        }
+        let truncated = InvalidMetadata("metadata truncated");
+        let count = u16::from_le_bytes([bytes[0], *bytes.get(1).ok_or(truncated.clone())?]);
+        let mut o = 2;
+        for _ in 0..count {
+            let klen = *bytes.get(o).ok_or(truncated.clone())? as usize;
+            o += 1;
+            let key = bytes.get(o..o + klen).ok_or(truncated.clone())?;
+            o += klen;
+            let key = std::str::from_utf8(key).map_err(|_| InvalidMetadata("key is not ASCII"))?;
+            validate_key(key)?;
+            let vl = bytes.get(o..o + 2).ok_or(truncated.clone())?;
+            let vlen = u16::from_le_bytes([vl[0], vl[1]]) as usize;
+            o += 2;
+            let value = bytes.get(o..o + vlen).ok_or(truncated.clone())?;
+            o += vlen;
+            if md.get(key).is_some() {
+                return Err(InvalidMetadata("duplicate key"));
+            }
+            md.entries.push((key.to_owned(), value.to_vec()));
+        }
+        if o != bytes.len() {
+            return Err(InvalidMetadata("trailing bytes after metadata"));
+        }
+        Ok(md)
+    }
+}
+
+fn entry_len(k: &str, v: &[u8]) -> usize {
+    1 + k.len() + 2 + v.len()
+}
+
+fn validate_key(key: &str) -> Result<(), InvalidMetadata> {
+    if key.is_empty() || key.len() > 255 {
+        return Err(InvalidMetadata("key must be 1 to 255 bytes"));
+    }
+    let ok = key
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.'));
+    if !ok {
+        return Err(InvalidMetadata(
+            "key must be lower-case ASCII letters, digits, '-', '_', '.'",
+        ));
+    }
+    Ok(())
+}
+
+impl fmt::Debug for Metadata {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut m = f.debug_map();
+        for (k, v) in &self.entries {
+            match std::str::from_utf8(v) {
+                Ok(s) => m.entry(k, &s),
+                Err(_) => m.entry(k, v),
+            };
+        }
+        m.finish()
+    }
+}
+
+/// A request: the message, its metadata and an optional timeout.
+#[derive(Debug, Clone, Default)]
+pub struct Request<T> {
+    metadata: Metadata,
+    message: T,
+    timeout: Option<Duration>,
+}
+
+impl<T> Request<T> {
+    /// A request carrying `message` with empty metadata and no timeout.
+    pub fn new(message: T) -> Request<T> {
+        Request {
+            metadata: Metadata::new(),
+            message,
+            timeout: None,
+        }
+    }
+
+    /// The message.
+    pub fn get_ref(&self) -> &T {
+        &self.message
+    }
+
+    /// The message, mutably.
+    pub fn get_mut(&mut self) -> &mut T {
+        &mut self.message
+    }
+
+    /// Takes the message out.
+    pub fn into_inner(self) -> T {
+        self.message
+    }
+
+    /// The metadata.
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    /// The metadata, mutably.
+    pub fn metadata_mut(&mut self) -> &mut Metadata {
+        &mut self.metadata
+    }
+
+    /// Sets the timeout: the call fails with `DEADLINE_EXCEEDED` when it has not completed
+    /// within `timeout`, and the server sees the deadline.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = Some(timeout);
+    }
+
+    /// The timeout; on the server side, the time that was left when the call arrived.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// Splits into parts.
+    pub fn into_parts(self) -> (Metadata, T, Option<Duration>) {
+        (self.metadata, self.message, self.timeout)
+    }
+
+    /// Builds from parts.
+    pub fn from_parts(metadata: Metadata, message: T, timeout: Option<Duration>) -> Request<T> {
+        Request {
+            metadata,
+            message,
+            timeout,
+        }
+    }
+
+    /// Maps the message, keeping metadata and timeout.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Request<U> {
+        Request {
+            metadata: self.metadata,
+            message: f(self.message),
+            timeout: self.timeout,
+        }
+    }
+}
+
+/// Conversion into a [`Request`]: a bare message or a request (as tonic's `IntoRequest`).
+pub trait IntoRequest<T> {
+    /// Wraps or passes through.
+    fn into_request(self) -> Request<T>;
+}
+
+impl<T> IntoRequest<T> for T {
+    fn into_request(self) -> Request<T> {
+        Request::new(self)
+    }
+}
+
+impl<T> IntoRequest<T> for Request<T> {
+    fn into_request(self) -> Request<T> {
+        self
+    }
+}
+
+/// Conversion into a streaming request: a stream of messages or a request holding one (as
+/// tonic's `IntoStreamingRequest`).
+pub trait IntoStreamingRequest {
+    /// The stream.
+    type Stream: futures_core::Stream<Item = Self::Message> + Send + 'static;
+    /// The message type.
+    type Message;
+    /// Wraps or passes through.
+    fn into_streaming_request(self) -> Request<Self::Stream>;
+}
+
+impl<S> IntoStreamingRequest for S
+where
+    S: futures_core::Stream + Send + 'static,
+{
+    type Stream = S;
+    type Message = S::Item;
+    fn into_streaming_request(self) -> Request<S> {
+        Request::new(self)
+    }
+}
+
+impl<S> IntoStreamingRequest for Request<S>
+where
+    S: futures_core::Stream + Send + 'static,
+{
+    type Stream = S;
+    type Message = S::Item;
+    fn into_streaming_request(self) -> Request<S> {
+        self
+    }
+}
+
+/// A response: the message and its metadata.
+#[derive(Debug, Clone, Default)]
+pub struct Response<T> {
+    metadata: Metadata,
+    message: T,
+}
+
+impl<T> Response<T> {
+    /// A response carrying `message` with empty metadata.
+    pub fn new(message: T) -> Response<T> {
+        Response {
+            metadata: Metadata::new(),
+            message,
+        }
+    }
+
+    /// The message.
+    pub fn get_ref(&self) -> &T {
+        &self.message
+    }
+
+    /// The message, mutably.
+    pub fn get_mut(&mut self) -> &mut T {
+        &mut self.message
+    }
+
+    /// Takes the message out.
+    pub fn into_inner(self) -> T {
+        self.message
+    }
+
+    /// The metadata.
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    /// The metadata, mutably.
+    pub fn metadata_mut(&mut self) -> &mut Metadata {
+        &mut self.metadata
+    }
+
+    /// Splits into parts.
+    pub fn into_parts(self) -> (Metadata, T) {
+        (self.metadata, self.message)
+    }
+
+    /// Builds from parts.
+    pub fn from_parts(metadata: Metadata, message: T) -> Response<T> {
+        Response { metadata, message }
+    }
+
+    /// Maps the message, keeping the metadata.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Response<U> {
+        Response {
+            metadata: self.metadata,
+            message: f(self.message),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_round_trips() {
+        let mut md = Metadata::new();
+        md.insert("x-user", "alice").unwrap();
+        md.insert("trace.id", vec![0u8, 255, 3]).unwrap();
+        md.insert("x-user", "bob").unwrap();
+        let mut buf = vec![0u8; md.encoded_len()];
+        assert_eq!(md.encode(&mut buf), buf.len());
+        let back = Metadata::decode(&buf).unwrap();
+        assert_eq!(back, md);
+        assert_eq!(back.get_str("x-user"), Some("bob"));
+    }
+
+    #[test]
+    fn empty_metadata_encodes_to_nothing() {
+        let md = Metadata::new();
+        assert_eq!(md.encoded_len(), 0);
+        assert_eq!(Metadata::decode(&[]).unwrap(), md);
+    }
+
+    #[test]
+    fn bad_metadata_is_refused() {
+        let mut md = Metadata::new();
+        assert!(md.insert("Upper", "v").is_err());
+        assert!(md.insert("", "v").is_err());
+        assert!(md.insert("k", vec![0u8; 70_000]).is_err());
+        assert!(Metadata::decode(&[1, 0, 3, b'a']).is_err());
+        assert!(Metadata::decode(&[1, 0, 1, b'a', 0, 0, 9]).is_err());
+        assert!(Metadata::decode(&[2, 0, 1, b'a', 0, 0, 1, b'a', 0, 0]).is_err());
+    }
+}

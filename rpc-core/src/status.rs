@@ -1,0 +1,264 @@
+//! The outcome of a call as the remote side (or the runtime on its behalf) reports it: gRPC's
+//! status codes with a message. Kept apart from transport errors ([`crate::Error`]), as tonic
+//! does.
+
+use std::fmt;
+
+/// gRPC status codes, same numbers as `google.rpc.Code`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Code {
+    /// Not an error.
+    Ok = 0,
+    /// The operation was cancelled, typically by the caller.
+    Cancelled = 1,
+    /// Unknown error.
+    Unknown = 2,
+    /// The client specified an invalid argument.
+    InvalidArgument = 3,
+    /// The deadline expired before the operation could complete.
+    DeadlineExceeded = 4,
+    /// Some requested entity was not found.
+    NotFound = 5,
+    /// The entity that a client attempted to create already exists.
+    AlreadyExists = 6,
+    /// The caller does not have permission.
+    PermissionDenied = 7,
+    /// Some resource has been exhausted (credits, memory, message size).
+    ResourceExhausted = 8,
+    /// The system is not in a state required for the operation.
+    FailedPrecondition = 9,
+    /// The operation was aborted.
+    Aborted = 10,
+    /// The operation was attempted past the valid range.
+    OutOfRange = 11,
+    /// The operation is not implemented or not supported (unknown method).
+    Unimplemented = 12,
+    /// Internal error: an invariant expected by the system is broken.
+    Internal = 13,
+    /// The service is currently unavailable (peer gone, connection lost).
+    Unavailable = 14,
+    /// Unrecoverable data loss or corruption.
+    DataLoss = 15,
+    /// The request does not have valid authentication credentials.
+    Unauthenticated = 16,
+}
+
+impl Code {
+    /// Code from its number; unknown numbers map to [`Code::Unknown`].
+    pub const fn from_u8(v: u8) -> Code {
+        match v {
+            0 => Code::Ok,
+            1 => Code::Cancelled,
+            2 => Code::Unknown,
+            3 => Code::InvalidArgument,
+            4 => Code::DeadlineExceeded,
+            5 => Code::NotFound,
+            6 => Code::AlreadyExists,
+            7 => Code::PermissionDenied,
+            8 => Code::ResourceExhausted,
+            9 => Code::FailedPrecondition,
+            10 => Code::Aborted,
+            11 => Code::OutOfRange,
+            12 => Code::Unimplemented,
+            13 => Code::Internal,
+            14 => Code::Unavailable,
+            15 => Code::DataLoss,
+            16 => Code::Unauthenticated,
+            _ => Code::Unknown,
+        }
+    }
+
+    /// The canonical upper-case name (`DEADLINE_EXCEEDED`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Code::Ok => "OK",
+            Code::Cancelled => "CANCELLED",
+            Code::Unknown => "UNKNOWN",
+            Code::InvalidArgument => "INVALID_ARGUMENT",
+            Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+            Code::NotFound => "NOT_FOUND",
+            Code::AlreadyExists => "ALREADY_EXISTS",
+            Code::PermissionDenied => "PERMISSION_DENIED",
+            Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+            Code::FailedPrecondition => "FAILED_PRECONDITION",
+            Code::Aborted => "ABORTED",
+            Code::OutOfRange => "OUT_OF_RANGE",
+            Code::Unimplemented => "UNIMPLEMENTED",
+            Code::Internal => "INTERNAL",
+            Code::Unavailable => "UNAVAILABLE",
+            Code::DataLoss => "DATA_LOSS",
+            Code::Unauthenticated => "UNAUTHENTICATED",
+        }
+    }
+}
+
+impl fmt::Display for Code {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A call's outcome other than success: a [`Code`] and a message, plus optional metadata sent
+/// back with it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Status {
+    code: Code,
+    message: String,
+    metadata: crate::Metadata,
+}
+
+impl Status {
+    /// A status with `code` and `message`.
+    pub fn new(code: Code, message: impl Into<String>) -> Status {
+        Status {
+            code,
+            message: message.into(),
+            metadata: crate::Metadata::new(),
+        }
+    }
+
+    /// The code.
+    pub fn code(&self) -> Code {
+        self.code
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Metadata sent with the status (trailers).
+    pub fn metadata(&self) -> &crate::Metadata {
+        &self.metadata
+    }
+
+    /// Mutable metadata sent with the status.
+    pub fn metadata_mut(&mut self) -> &mut crate::Metadata {
+        &mut self.metadata
+    }
+
+    /// `CANCELLED`.
+    pub fn cancelled(message: impl Into<String>) -> Status {
+        Status::new(Code::Cancelled, message)
+    }
+    /// `UNKNOWN`.
+    pub fn unknown(message: impl Into<String>) -> Status {
+        Status::new(Code::Unknown, message)
+    }
+    /// `INVALID_ARGUMENT`.
+    pub fn invalid_argument(message: impl Into<String>) -> Status {
+        Status::new(Code::InvalidArgument, message)
+    }
+    /// `DEADLINE_EXCEEDED`.
+    pub fn deadline_exceeded(message: impl Into<String>) -> Status {
+        Status::new(Code::DeadlineExceeded, message)
+    }
+    /// `NOT_FOUND`.
+    pub fn not_found(message: impl Into<String>) -> Status {
+        Status::new(Code::NotFound, message)
+    }
+    /// `ALREADY_EXISTS`.
+    pub fn already_exists(message: impl Into<String>) -> Status {
+        Status::new(Code::AlreadyExists, message)
+    }
+    /// `PERMISSION_DENIED`.
+    pub fn permission_denied(message: impl Into<String>) -> Status {
+        Status::new(Code::PermissionDenied, message)
+    }
+    /// `RESOURCE_EXHAUSTED`.
+    pub fn resource_exhausted(message: impl Into<String>) -> Status {
+        Status::new(Code::ResourceExhausted, message)
+    }
+    /// `FAILED_PRECONDITION`.
+    pub fn failed_precondition(message: impl Into<String>) -> Status {
+        Status::new(Code::FailedPrecondition, message)
+    }
+    /// `ABORTED`.
+    pub fn aborted(message: impl Into<String>) -> Status {
+        Status::new(Code::Aborted, message)
+    }
+    /// `OUT_OF_RANGE`.
+    pub fn out_of_range(message: impl Into<String>) -> Status {
+        Status::new(Code::OutOfRange, message)
+    }
+    /// `UNIMPLEMENTED`.
+    pub fn unimplemented(message: impl Into<String>) -> Status {
+        Status::new(Code::Unimplemented, message)
+    }
+    /// `INTERNAL`.
+    pub fn internal(message: impl Into<String>) -> Status {
+        Status::new(Code::Internal, message)
+    }
+    /// `UNAVAILABLE`.
+    pub fn unavailable(message: impl Into<String>) -> Status {
+        Status::new(Code::Unavailable, message)
+    }
+    /// `DATA_LOSS`.
+    pub fn data_loss(message: impl Into<String>) -> Status {
+        Status::new(Code::DataLoss, message)
+    }
+    /// `UNAUTHENTICATED`.
+    pub fn unauthenticated(message: impl Into<String>) -> Status {
+        Status::new(Code::Unauthenticated, message)
+    }
+}
+
+impl fmt::Debug for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Status");
+        d.field("code", &self.code).field("message", &self.message);
+        if !self.metadata.is_empty() {
+            d.field("metadata", &self.metadata);
+        }
+        d.finish()
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "status: {}, message: {:?}", self.code, self.message)
+    }
+}
+
+impl std::error::Error for Status {}
+
+impl From<std::io::Error> for Status {
+    fn from(e: std::io::Error) -> Status {
+        let code = match e.kind() {
+            std::io::ErrorKind::NotFound => Code::NotFound,
+            std::io::ErrorKind::PermissionDenied => Code::PermissionDenied,
+            std::io::ErrorKind::TimedOut => Code::DeadlineExceeded,
+            std::io::ErrorKind::ConnectionRefused
+            | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::ConnectionAborted
+            | std::io::ErrorKind::BrokenPipe
+            | std::io::ErrorKind::NotConnected
+            | std::io::ErrorKind::UnexpectedEof => Code::Unavailable,
+            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData => {
+                Code::InvalidArgument
+            }
+            _ => Code::Unknown,
+        };
+        Status::new(code, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_through_their_numbers() {
+        for v in 0..=16u8 {
+            assert_eq!(Code::from_u8(v) as u8, v);
+        }
+        assert_eq!(Code::from_u8(200), Code::Unknown);
+    }
+
+    #[test]
+    fn display_names_the_code_and_message() {
+        let s = Status::not_found("no such key");
+        assert_eq!(s.to_string(), "status: NOT_FOUND, message: \"no such key\"");
+    }
+}

@@ -1,0 +1,438 @@
+//! The verbs layer: one provider-neutral RDMA API, several providers.
+//!
+//! The object life cycle is that of libibverbs:
+//!
+//! ```text
+//! Provider::open ─> Context ─> Pd ─> Mr (lkey, rkey)
+//!                      │        └──> Qp (RC) ── RESET ─> INIT ─> RTR ─> RTS ─> (ERROR)
+//!                      ├──> CompChannel          ▲ needs the peer's Endpoint (out of band)
+//!                      └──> Cq ◀── completions of the QPs attached to it
+//! ```
+//!
+//! The RPC layers above are written once against these traits and monomorphised per provider:
+//! there is no `dyn` and no per-provider branch on the data path. The only place a provider is
+//! chosen at run time is [`ProviderKind::visit`], at setup.
+//!
+//! Providers:
+//! - [`soft`]: a software RNIC in user space (shared memory between processes of one host). The
+//!   default; needs no hardware, no root and no system package.
+//! - `ib` (cargo feature `ibverbs`): real RNICs through rdma-sys: InfiniBand, RoCE, and the
+//!   kernel's Soft-RoCE (`rdma_rxe`).
+//!
+//! # What a peer holding our keys can do
+//!
+//! A peer connected to one of our QPs and knowing an `rkey` of ours can read and/or write (as
+//! the region's [`Access`] allows) exactly the bytes of that registered region, and nothing else,
+//! until the region is deregistered. Every remote access is checked against key, bounds, rights
+//! and registration; a violation fails the peer's request with `REM_ACCESS_ERR` and moves the
+//! QPs to ERROR. Memory that was never registered with remote rights is never reachable.
+//!
+//! # Thread safety
+//!
+//! All objects are `Send + Sync`. Posting and polling take `&mut self`: one owner per QP and per
+//! CQ, as in eRPC, so the fast path needs no lock.
+
+pub mod error;
+pub mod soft;
+pub mod types;
+
+#[cfg(feature = "ibverbs")]
+pub mod ib;
+
+use std::fmt;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+pub use error::{ErrorKind, PostError, Result, Verb, VerbsError, WcError};
+pub use types::{
+    Access, Caps, ConnectAttr, DeviceInfo, Endpoint, GidFmt, LinkLayer, QpCaps, QpState, RecvWr,
+    RemoteMr, SendFlags, SendWr, Sge, Wc, WcFlags, WcOpcode, WcStatus, WrOp,
+};
+
+/// An RDMA provider: a family of verbs objects with the same semantics as libibverbs.
+///
+/// Implementations: [`soft::Soft`] and, with the `ibverbs` feature, `ib::Ib`.
+pub trait Provider: Sized + Send + Sync + 'static {
+    /// Short lower-case name (`soft`, `ib`): the value of `RPC_PROVIDER`.
+    const NAME: &'static str;
+    /// Upper-case tag used in logs (`SOFT`, `IB`), as NCCL prints `NET/IB`.
+    const TAG: &'static str;
+
+    /// An open device.
+    type Context: Context<Self>;
+    /// A protection domain.
+    type Pd: Pd<Self>;
+    /// A registered memory region.
+    type Mr: Mr;
+    /// A completion channel: something to sleep on instead of spinning.
+    type CompChannel: CompChannel;
+    /// A completion queue.
+    type Cq: Cq;
+    /// A reliable-connected queue pair.
+    type Qp: Qp;
+
+    /// Lists the devices of this provider. An empty list is not an error.
+    ///
+    /// # Errors
+    /// When the provider's library cannot be queried at all.
+    fn devices() -> Result<Vec<DeviceInfo>>;
+
+    /// Opens the named device, or the first usable one when `name` is `None`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NoDevice`] when there is none (the message says how to get one).
+    fn open(name: Option<&str>) -> Result<Self::Context>;
+}
+
+/// An open device (`ibv_context`).
+pub trait Context<P: Provider>: Send + Sync + fmt::Debug {
+    /// What the device is.
+    fn info(&self) -> &DeviceInfo;
+
+    /// What the device can do; these limits are enforced.
+    fn caps(&self) -> &Caps;
+
+    /// Allocates a protection domain (`ibv_alloc_pd`).
+    ///
+    /// # Errors
+    /// When the device refuses (out of resources).
+    fn alloc_pd(&self) -> Result<P::Pd>;
+
+    /// Creates a completion channel (`ibv_create_comp_channel`).
+    ///
+    /// # Errors
+    /// When no file descriptor can be created.
+    fn create_comp_channel(&self) -> Result<P::CompChannel>;
+
+    /// Creates a completion queue with room for at least `cqe` completions
+    /// (`ibv_create_cq`), optionally reporting events to `channel`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ExceedsCaps`] when `cqe` is over [`Caps::max_cqe`] or zero;
+    /// [`ErrorKind::WrongPd`] when `channel` belongs to another device.
+    fn create_cq(&self, cqe: u32, channel: Option<&P::CompChannel>) -> Result<P::Cq>;
+}
+
+/// A protection domain (`ibv_pd`): memory regions and queue pairs of one PD work together only.
+pub trait Pd<P: Provider>: Send + Sync + fmt::Debug {
+    /// Allocates `len` bytes of memory owned by the region and registers it with `access`.
+    ///
+    /// This is the memory to use for anything a peer reads or writes: the provider places it
+    /// where its RNIC reaches it best (the soft provider: shared memory a peer maps, so remote
+    /// operations are one memcpy; ib: page-aligned, pinned). The memory is zeroed.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for zero length or inconsistent flags;
+    /// [`ErrorKind::ExceedsCaps`] over [`Caps::max_mr_size`]; [`ErrorKind::OutOfMemory`]
+    /// (explained: RLIMIT_MEMLOCK) when memory cannot be allocated or pinned.
+    fn alloc_mr(&self, len: usize, access: Access) -> Result<P::Mr>;
+
+    /// Registers existing memory `[addr, addr + len)` with `access` (`ibv_reg_mr`).
+    ///
+    /// # Errors
+    /// As [`Pd::alloc_mr`], plus [`ErrorKind::InvalidArgument`] when the range overflows or is
+    /// not mapped.
+    ///
+    /// # Safety
+    /// The range must stay mapped and must not be freed until the returned region is dropped
+    /// and every work request that names it has completed. While a peer holds the rkey it may
+    /// write the bytes at any time (as `access` allows): the caller must not hold Rust
+    /// references to that memory across such writes.
+    unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: Access) -> Result<P::Mr>;
+
+    /// Creates an RC queue pair in RESET, whose completions go to `send_cq` and `recv_cq`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ExceedsCaps`] when `caps` exceeds the device's [`Caps`] or the CQs are too
+    /// small to hold every completion the QP can generate (CQ overrun is prevented by sizing);
+    /// [`ErrorKind::WrongPd`] when a CQ belongs to another device.
+    fn create_qp(&self, send_cq: &P::Cq, recv_cq: &P::Cq, caps: QpCaps) -> Result<P::Qp>;
+}
+
+/// A registered memory region (`ibv_mr`). Dropping it deregisters it (and frees the memory of a
+/// region made by [`Pd::alloc_mr`]).
+pub trait Mr: Send + Sync + fmt::Debug {
+    /// Start address in this process (what SGEs and remote operations name).
+    fn addr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the region is empty (never true: zero-length registrations are refused).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Local key.
+    fn lkey(&self) -> u32;
+    /// Remote key.
+    fn rkey(&self) -> u32;
+    /// Access rights.
+    fn access(&self) -> Access;
+
+    /// Pointer to the first byte.
+    fn as_ptr(&self) -> *mut u8 {
+        self.addr() as *mut u8
+    }
+
+    /// What a peer needs to address the whole region.
+    fn remote(&self) -> RemoteMr {
+        RemoteMr {
+            addr: self.addr(),
+            len: self.len() as u64,
+            rkey: self.rkey(),
+        }
+    }
+
+    /// An SGE for `[offset, offset + len)`, or `None` when the range is outside the region.
+    fn sge(&self, offset: usize, len: u32) -> Option<Sge> {
+        let end = offset.checked_add(len as usize)?;
+        if end > self.len() {
+            return None;
+        }
+        Some(Sge {
+            addr: self.addr() + offset as u64,
+            length: len,
+            lkey: self.lkey(),
+        })
+    }
+}
+
+/// A completion channel (`ibv_comp_channel`). Its file descriptor becomes readable when a CQ
+/// armed with [`Cq::req_notify`] gets a completion, so it can be registered with epoll/tokio.
+pub trait CompChannel: Send + Sync + fmt::Debug + AsRawFd {
+    /// Sleeps until an armed CQ of this channel has an event or `timeout` passes; consumes and
+    /// acknowledges the events (`ibv_get_cq_event` + `ibv_ack_cq_events`). Returns whether an
+    /// event arrived.
+    ///
+    /// The canonical loop: poll until empty, [`Cq::req_notify`], poll once more (a completion
+    /// may have landed before arming), then `wait`.
+    ///
+    /// # Errors
+    /// When the underlying descriptor fails.
+    fn wait(&self, timeout: Option<Duration>) -> Result<bool>;
+
+    /// Consumes pending events without blocking; returns how many there were.
+    ///
+    /// # Errors
+    /// When the underlying descriptor fails.
+    fn drain(&self) -> Result<u32>;
+}
+
+/// A completion queue (`ibv_cq`).
+pub trait Cq: Send + Sync + fmt::Debug {
+    /// Polls up to `wcs.len()` completions into `wcs`; returns how many (`ibv_poll_cq`).
+    /// No allocation, no system call, no lock.
+    ///
+    /// # Errors
+    /// When the CQ itself failed (overrun, corrupt shared state): not for failed work
+    /// requests, which arrive as completions with an error [`WcStatus`].
+    fn poll(&mut self, wcs: &mut [Wc]) -> Result<usize>;
+
+    /// Arms the CQ: the next completion (or the next solicited one) raises an event on the
+    /// completion channel (`ibv_req_notify_cq`).
+    ///
+    /// # Errors
+    /// When the CQ has no channel.
+    fn req_notify(&self, solicited_only: bool) -> Result<()>;
+
+    /// Capacity in completions.
+    fn capacity(&self) -> u32;
+}
+
+/// A reliable-connected queue pair (`ibv_qp` of type `IBV_QPT_RC`).
+///
+/// State transitions follow the RC state machine; posting in a state that does not allow it is
+/// an error (`post_recv` needs INIT, RTR or RTS; `post_send` needs RTS), never undefined. In
+/// ERROR every posted and every later work request completes with `WR_FLUSH_ERR`.
+pub trait Qp: Send + Sync + fmt::Debug {
+    /// QP number.
+    fn qp_num(&self) -> u32;
+
+    /// Current state (it can move to ERROR at any time on a failure).
+    fn state(&self) -> QpState;
+
+    /// The sizes actually granted at creation.
+    fn caps(&self) -> QpCaps;
+
+    /// What the peer needs to connect to this QP (send it out of band).
+    fn endpoint(&self) -> Endpoint;
+
+    /// RESET -> INIT, granting `access` to the peer (`qp_access_flags`).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidState`] unless in RESET.
+    fn modify_to_init(&mut self, access: Access) -> Result<()>;
+
+    /// INIT -> RTR with the peer's endpoint: after this, inbound traffic from that peer is
+    /// accepted. The path MTU is the minimum of `attr.path_mtu` and both ends' active MTU.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidState`] unless in INIT; [`ErrorKind::InvalidEndpoint`] when the
+    /// endpoint is for another provider, forged or stale (no such peer or QP).
+    fn modify_to_rtr(&mut self, remote: &Endpoint, attr: &ConnectAttr) -> Result<()>;
+
+    /// RTR -> RTS: sends may be posted.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidState`] unless in RTR.
+    fn modify_to_rts(&mut self, attr: &ConnectAttr) -> Result<()>;
+
+    /// Any state -> ERROR: outstanding work requests are flushed with `WR_FLUSH_ERR`.
+    ///
+    /// # Errors
+    /// When the provider fails to change the state.
+    fn modify_to_error(&mut self) -> Result<()>;
+
+    /// Any state -> RESET: queues are emptied without completions.
+    ///
+    /// # Errors
+    /// When the provider fails to change the state.
+    fn modify_to_reset(&mut self) -> Result<()>;
+
+    /// RESET/INIT -> INIT -> RTR -> RTS in one call.
+    ///
+    /// # Errors
+    /// As the three transitions.
+    fn connect(&mut self, remote: &Endpoint, attr: &ConnectAttr) -> Result<()> {
+        if self.state() == QpState::Reset {
+            self.modify_to_init(attr.access)?;
+        }
+        self.modify_to_rtr(remote, attr)?;
+        self.modify_to_rts(attr)
+    }
+
+    /// Posts send work requests (`ibv_post_send`). No allocation, no system call, no lock.
+    ///
+    /// # Errors
+    /// A [`PostError`] saying how many were posted and why the next was refused:
+    /// [`ErrorKind::QueueFull`] is back-pressure (poll, then post the rest);
+    /// [`ErrorKind::InvalidState`] before RTS; [`ErrorKind::InvalidArgument`] for too many
+    /// SGEs, inline data over the limit, or an unaligned atomic.
+    ///
+    /// # Safety
+    /// Every SGE of a non-inline request must name memory of a live region of this QP's PD
+    /// that stays valid, and (for READ and atomic results) is not accessed by Rust code, until
+    /// the request's completion has been polled, or until the QP has been moved to ERROR and
+    /// its flush completion polled, or the QP destroyed. Unsignaled requests complete when a
+    /// later signaled request on the same QP completes.
+    unsafe fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<(), PostError>;
+
+    /// Posts receive work requests (`ibv_post_recv`). No allocation, no system call, no lock.
+    ///
+    /// # Errors
+    /// As [`Qp::post_send`]; [`ErrorKind::InvalidState`] in RESET. In ERROR the request is
+    /// accepted and completes with `WR_FLUSH_ERR`, as in verbs.
+    ///
+    /// # Safety
+    /// Every SGE must name memory of a live region with `LOCAL_WRITE` that stays valid and is
+    /// not accessed by Rust code until the receive's completion has been polled (or the QP has
+    /// been destroyed).
+    unsafe fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError>;
+}
+
+/// The providers that can be chosen at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProviderKind {
+    /// The software RNIC ([`soft::Soft`]).
+    Soft,
+    /// Real RNICs through rdma-sys (feature `ibverbs`).
+    Ib,
+}
+
+/// Something to run with a provider type chosen at run time: see [`ProviderKind::visit`].
+pub trait ProviderVisitor {
+    /// What the visit returns.
+    type Output;
+    /// Runs with `P` as the provider.
+    fn visit<P: Provider>(self) -> Self::Output;
+}
+
+impl ProviderKind {
+    /// The environment variable naming the provider (`soft` or `ib`).
+    pub const ENV: &'static str = "RPC_PROVIDER";
+
+    /// The provider named by `RPC_PROVIDER`, or [`ProviderKind::Soft`] when unset.
+    ///
+    /// # Errors
+    /// When the variable names an unknown provider, or `ib` in a build without `ibverbs`.
+    pub fn from_env() -> Result<ProviderKind> {
+        match std::env::var(Self::ENV) {
+            Ok(v) => v.parse(),
+            Err(_) => Ok(ProviderKind::Soft),
+        }
+    }
+
+    /// The providers compiled into this build, default first.
+    pub fn compiled() -> &'static [ProviderKind] {
+        #[cfg(feature = "ibverbs")]
+        {
+            &[ProviderKind::Soft, ProviderKind::Ib]
+        }
+        #[cfg(not(feature = "ibverbs"))]
+        {
+            &[ProviderKind::Soft]
+        }
+    }
+
+    /// The lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ProviderKind::Soft => "soft",
+            ProviderKind::Ib => "ib",
+        }
+    }
+
+    /// Runs `v` with the provider type of `self`: the one place a provider is chosen at run
+    /// time. Everything `v` does is monomorphised for that provider.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Unsupported`] for `Ib` in a build without the `ibverbs` feature.
+    pub fn visit<V: ProviderVisitor>(self, v: V) -> Result<V::Output> {
+        match self {
+            ProviderKind::Soft => Ok(v.visit::<soft::Soft>()),
+            #[cfg(feature = "ibverbs")]
+            ProviderKind::Ib => Ok(v.visit::<ib::Ib>()),
+            #[cfg(not(feature = "ibverbs"))]
+            ProviderKind::Ib => Err(not_compiled()),
+        }
+    }
+}
+
+#[cfg(not(feature = "ibverbs"))]
+fn not_compiled() -> VerbsError {
+    VerbsError::new(
+        Verb::OpenDevice,
+        ErrorKind::Unsupported,
+        "the ib provider is not compiled in: build with `--features ibverbs` (needs Debian's \
+         libibverbs-dev librdmacm-dev libclang1-14 libclang-common-14-dev)",
+    )
+}
+
+impl std::str::FromStr for ProviderKind {
+    type Err = VerbsError;
+
+    fn from_str(s: &str) -> Result<ProviderKind> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "soft" | "" => Ok(ProviderKind::Soft),
+            "ib" | "ibverbs" | "verbs" => {
+                #[cfg(feature = "ibverbs")]
+                {
+                    Ok(ProviderKind::Ib)
+                }
+                #[cfg(not(feature = "ibverbs"))]
+                {
+                    Err(not_compiled())
+                }
+            }
+            _ => Err(VerbsError::new(
+                Verb::OpenDevice,
+                ErrorKind::InvalidArgument,
+                "unknown provider: RPC_PROVIDER must be `soft` or `ib`",
+            )),
+        }
+    }
+}
+
+impl fmt::Display for ProviderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}

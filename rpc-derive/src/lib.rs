@@ -1,0 +1,1 @@
+//! `#[service]` on a Rust trait (issue 4).
