@@ -96,3 +96,90 @@ impl IncomingCall<'_> {
         todo!("server runtime: issue 3")
     }
 }
+
+/// How an idle shard waits for work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PollMode {
+    /// Spin on the CQ forever: lowest latency, one core per shard.
+    Busy,
+    /// Spin, then yield, then sleep on the completion channel (default).
+    #[default]
+    Adaptive,
+    /// Sleep on the completion channel whenever the CQ is empty.
+    Event,
+}
+
+/// An RPC server. Built with [`Server::builder`].
+#[derive(Debug)]
+pub struct Server {
+    _private: (),
+}
+
+impl Server {
+    /// A builder with defaults: one shard, adaptive polling, provider from `RPC_PROVIDER`.
+    pub fn builder() -> ServerBuilder {
+        ServerBuilder { _private: () }
+    }
+}
+
+/// Configures and starts a [`Server`].
+#[derive(Debug)]
+pub struct ServerBuilder {
+    _private: (),
+}
+
+impl ServerBuilder {
+    /// Adds a service (generated `*Server<T>`).
+    pub fn add_service(self, service: impl Service) -> Self {
+        let _ = service;
+        todo!("server runtime: issue 3")
+    }
+
+    /// Number of shards (polling threads, one CQ each).
+    pub fn shards(self, n: usize) -> Self {
+        let _ = n;
+        todo!("server runtime: issue 3")
+    }
+
+    /// How idle shards wait.
+    pub fn poll_mode(self, mode: PollMode) -> Self {
+        let _ = mode;
+        todo!("server runtime: issue 3")
+    }
+
+    /// Binds the listener and starts the shards; returns a handle to the running server.
+    ///
+    /// # Errors
+    /// When the address is invalid, the port is taken, or the device cannot be opened.
+    pub async fn bind(self, addr: impl AsRef<str>) -> Result<RunningServer, crate::Error> {
+        let _ = addr.as_ref();
+        todo!("server runtime: issue 3")
+    }
+
+    /// Binds and serves until the process ends.
+    ///
+    /// # Errors
+    /// As [`ServerBuilder::bind`].
+    pub async fn serve(self, addr: impl AsRef<str>) -> Result<(), crate::Error> {
+        let _ = addr.as_ref();
+        todo!("server runtime: issue 3")
+    }
+}
+
+/// A running server.
+#[derive(Debug)]
+pub struct RunningServer {
+    _private: (),
+}
+
+impl RunningServer {
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> std::net::SocketAddr {
+        todo!("server runtime: issue 3")
+    }
+
+    /// Stops accepting, finishes in-flight calls, then stops the shards.
+    pub async fn shutdown(self) {
+        todo!("server runtime: issue 3")
+    }
+}
