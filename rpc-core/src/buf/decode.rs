@@ -73,10 +73,10 @@ impl<O: AsRef<[u8]> + Send + 'static> Buf for SlotReader<O> {
             self.pos += len;
             return b;
         }
-        if self.shared.is_none() {
-            if let Some(o) = self.owner.take() {
-                self.shared = Some(Bytes::from_owner(o));
-            }
+        if self.shared.is_none()
+            && let Some(o) = self.owner.take()
+        {
+            self.shared = Some(Bytes::from_owner(o));
         }
         let b = match &self.shared {
             Some(s) => s.slice(self.pos..self.pos + len),

@@ -44,7 +44,7 @@ impl Geometry {
     /// Whether the sizes are within limits (a peer's geometry is checked with this).
     pub fn is_valid(&self) -> bool {
         (Self::MIN_SLOT..=Self::MAX_SLOT).contains(&self.slot_size)
-            && self.slot_size % 64 == 0
+            && self.slot_size.is_multiple_of(64)
             && (1..=Self::MAX_SLOTS).contains(&self.send_slots)
             && (1..=Self::MAX_SLOTS).contains(&self.recv_slots)
     }

@@ -42,10 +42,12 @@ struct Storage([MaybeUninit<u8>; TASK_INLINE]);
 
 const _: () = assert!(align_of::<Storage>() == TASK_ALIGN);
 
+type PollFn<C> = unsafe fn(*mut u8, &mut Context<'_>, &mut C) -> Poll<()>;
+
 struct Slot<C: ?Sized> {
     storage: UnsafeCell<Storage>,
     /// `Some` while the slot holds a live task.
-    poll: Option<unsafe fn(*mut u8, &mut Context<'_>, &mut C) -> Poll<()>>,
+    poll: Option<PollFn<C>>,
     drop: unsafe fn(*mut u8),
     generation: u32,
 }
@@ -316,10 +318,8 @@ impl<C: ?Sized, N: Notify> TaskSlab<C, N> {
 
     /// Drops the task `id` without finishing it (cancellation). Stale ids are ignored.
     pub fn cancel(&mut self, id: TaskId) {
-        if let Some(slot) = self.slots.get(id.idx as usize) {
-            if slot.poll.is_some() && slot.generation == id.generation {
-                self.finish(id.idx);
-            }
+        if self.is_live(id) {
+            self.finish(id.idx);
         }
     }
 
@@ -496,7 +496,7 @@ mod tests {
     #[test]
     fn stale_wakers_are_harmless() {
         let n = Arc::new(CountNotify::default());
-        let mut slab: TaskSlab<(), _> = TaskSlab::new(1, n);
+        let slab: TaskSlab<(), _> = TaskSlab::new(1, n);
         let waker = slab.waker(0);
         drop(slab);
         // The shared state outlives the slab through the waker's count.
