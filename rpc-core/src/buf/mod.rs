@@ -9,10 +9,14 @@
 
 pub mod bulk;
 pub mod decode;
+pub mod encode;
+pub mod handoff;
 pub mod slots;
 pub mod task;
 
 pub use bulk::{BulkBuf, BulkPool};
 pub use decode::{SlotReader, ZERO_COPY_MIN};
-pub use slots::{Geometry, RecvSlot, SlotArena};
-pub use task::{FutureTask, Notify, SlabTask, TaskId, TaskSlab};
+pub use encode::{EncodeMsg, NoMsg, RawBytes};
+pub use handoff::{CancelOutcome, Exclusive, ExclusiveGuard, Mailbox, Taken};
+pub use slots::{Geometry, RecvSlot, Repost, SlotArena};
+pub use task::{CtxFamily, FutureTask, Notify, SlabTask, TaskId, TaskSlab};

@@ -191,12 +191,18 @@ impl<P: Provider> SlotArena<P> {
     /// # Safety
     /// The RECV of slot `idx` has completed (its completion was polled) and it is not posted
     /// again until the guard is dropped; `len` is the completion's byte length.
-    pub unsafe fn recv_slot(self: &Arc<Self>, idx: u32, len: u32) -> RecvSlot<P> {
+    pub unsafe fn recv_slot(self: &Arc<Self>, idx: u32, len: u32) -> RecvSlot {
         debug_assert!(idx < self.geometry.recv_slots);
+        let len = len.min(self.geometry.slot_size);
+        let off = self.offset_recv(idx);
+        // SAFETY: `off` is inside the MR (idx < recv_slots).
+        let ptr = unsafe { self.mr.as_ptr().add(off) };
+        let owner: Arc<dyn Repost> = Arc::clone(self) as Arc<dyn Repost>;
         RecvSlot {
-            arena: Arc::clone(self),
+            owner,
+            ptr,
             idx,
-            len: len.min(self.geometry.slot_size),
+            len,
         }
     }
 
@@ -218,24 +224,42 @@ impl<P: Provider> fmt::Debug for SlotArena<P> {
     }
 }
 
+/// What a [`RecvSlot`] needs of its arena: a way back to the repost queue. Object-safe, so a
+/// slot guard does not name the provider.
+pub trait Repost: Send + Sync + 'static {
+    /// Queues receive slot `idx` for reposting.
+    fn repost(&self, idx: u32);
+}
+
+impl<P: Provider> Repost for SlotArena<P> {
+    fn repost(&self, idx: u32) {
+        self.repost_later(idx);
+    }
+}
+
 /// A received frame's slot, owned by the runtime until dropped. Dropping it (on any thread)
 /// queues the slot for reposting. Its bytes can back `bytes::Bytes` without a copy
-/// (`Bytes::from_owner`).
-pub struct RecvSlot<P: Provider> {
-    arena: Arc<SlotArena<P>>,
+/// (`Bytes::from_owner`). The arena stays alive (and registered) while a guard exists.
+pub struct RecvSlot {
+    owner: Arc<dyn Repost>,
+    ptr: *const u8,
     idx: u32,
     len: u32,
 }
 
-impl<P: Provider> RecvSlot<P> {
+// SAFETY: the guard owns its slot's bytes exclusively (the RECV is not reposted while it
+// lives) and `owner` keeps the memory mapped; reading them from another thread is fine.
+unsafe impl Send for RecvSlot {}
+// SAFETY: shared access only reads the bytes, which nothing writes while the guard lives.
+unsafe impl Sync for RecvSlot {}
+
+impl RecvSlot {
     /// The received bytes.
     pub fn bytes(&self) -> &[u8] {
-        let off = self.arena.offset_recv(self.idx);
         // SAFETY: the slot's RECV completed and it is not reposted while this guard lives
         // (`SlotArena::recv_slot`'s contract), so neither the NIC nor a peer writes it; the
-        // range is inside the MR and `len <= slot_size`; the arena (and its MR) lives as long
-        // as `self.arena`.
-        unsafe { std::slice::from_raw_parts(self.arena.mr.as_ptr().add(off), self.len as usize) }
+        // range is inside the arena's MR (`len <= slot_size`), which `owner` keeps alive.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len as usize) }
     }
 
     /// The slot index.
@@ -244,19 +268,19 @@ impl<P: Provider> RecvSlot<P> {
     }
 }
 
-impl<P: Provider> AsRef<[u8]> for RecvSlot<P> {
+impl AsRef<[u8]> for RecvSlot {
     fn as_ref(&self) -> &[u8] {
         self.bytes()
     }
 }
 
-impl<P: Provider> Drop for RecvSlot<P> {
+impl Drop for RecvSlot {
     fn drop(&mut self) {
-        self.arena.repost_later(self.idx);
+        self.owner.repost(self.idx);
     }
 }
 
-impl<P: Provider> fmt::Debug for RecvSlot<P> {
+impl fmt::Debug for RecvSlot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RecvSlot")
             .field("idx", &self.idx)

@@ -24,11 +24,17 @@ use crossbeam_queue::ArrayQueue;
 pub const TASK_INLINE: usize = 1024;
 const TASK_ALIGN: usize = 64;
 
-/// A task the slab can hold: polled with a context argument of type `C` (the shard's view of the
-/// call's connection).
-pub trait SlabTask<C: ?Sized>: Send {
+/// The type of the context argument tasks are polled with, as a family over the lifetime of the
+/// borrow (the shard lends a view of the call's connection for the duration of one poll).
+pub trait CtxFamily: 'static {
+    /// The context borrowed for `'a`.
+    type Ctx<'a>: ?Sized;
+}
+
+/// A task the slab can hold: polled with a context argument of the family `C`.
+pub trait SlabTask<C: CtxFamily>: Send {
     /// Polls the task.
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>, ctx: &mut C) -> Poll<()>;
+    fn poll<'a>(self: Pin<&mut Self>, cx: &mut Context<'_>, ctx: &'a mut C::Ctx<'a>) -> Poll<()>;
 }
 
 /// What the shard's wakers do besides queueing: interrupt the shard's idle sleep.
@@ -42,9 +48,10 @@ struct Storage([MaybeUninit<u8>; TASK_INLINE]);
 
 const _: () = assert!(align_of::<Storage>() == TASK_ALIGN);
 
-type PollFn<C> = unsafe fn(*mut u8, &mut Context<'_>, &mut C) -> Poll<()>;
+type PollFn<C> =
+    for<'a, 'b> unsafe fn(*mut u8, &mut Context<'b>, &'a mut <C as CtxFamily>::Ctx<'a>) -> Poll<()>;
 
-struct Slot<C: ?Sized> {
+struct Slot<C: CtxFamily> {
     storage: UnsafeCell<Storage>,
     /// `Some` while the slot holds a live task.
     poll: Option<PollFn<C>>,
@@ -144,7 +151,7 @@ unsafe fn drop_raw<N: Notify>(data: *const ()) {
 }
 
 /// A fixed set of task slots with in-place futures.
-pub struct TaskSlab<C: ?Sized, N: Notify> {
+pub struct TaskSlab<C: CtxFamily, N: Notify> {
     slots: Box<[Slot<C>]>,
     free: Vec<u32>,
     wake: Arc<WakeShared<N>>,
@@ -154,7 +161,7 @@ pub struct TaskSlab<C: ?Sized, N: Notify> {
 // SAFETY: the slab is owned by one shard thread; the tasks it holds are `Send` (checked in
 // `spawn`), and the wake state is `Sync`. Moving the whole slab to another thread moves its
 // tasks with it, which `Send` tasks allow.
-unsafe impl<C: ?Sized, N: Notify> Send for TaskSlab<C, N> {}
+unsafe impl<C: CtxFamily, N: Notify> Send for TaskSlab<C, N> {}
 
 /// Handle to a spawned task: slot index and generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -165,10 +172,10 @@ pub struct TaskId {
     pub generation: u32,
 }
 
-unsafe fn poll_in_place<T: SlabTask<C>, C: ?Sized>(
+unsafe fn poll_in_place<'a, T: SlabTask<C>, C: CtxFamily>(
     p: *mut u8,
     cx: &mut Context<'_>,
-    ctx: &mut C,
+    ctx: &'a mut C::Ctx<'a>,
 ) -> Poll<()> {
     // SAFETY: `p` points to a live `T` written by `spawn` into a slot that never moves (the
     // slots are a boxed slice allocated once) until `drop_in_place` runs: pinning holds.
@@ -184,13 +191,17 @@ unsafe fn drop_in_place<T>(p: *mut u8) {
 
 struct Boxed<T>(Pin<Box<T>>);
 
-impl<T: SlabTask<C>, C: ?Sized> SlabTask<C> for Boxed<T> {
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>, ctx: &mut C) -> Poll<()> {
+impl<T: SlabTask<C>, C: CtxFamily> SlabTask<C> for Boxed<T> {
+    fn poll<'a>(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        ctx: &'a mut C::Ctx<'a>,
+    ) -> Poll<()> {
         self.0.as_mut().poll(cx, ctx)
     }
 }
 
-impl<C: ?Sized, N: Notify> TaskSlab<C, N> {
+impl<C: CtxFamily, N: Notify> TaskSlab<C, N> {
     /// A slab of `n` slots; `notify` is called whenever a parked task is woken.
     pub fn new(n: u32, notify: N) -> TaskSlab<C, N> {
         let slots = (0..n)
@@ -241,10 +252,10 @@ impl<C: ?Sized, N: Notify> TaskSlab<C, N> {
     /// Moves `task` into a free slot and polls it once. Returns `Ok(None)` when it finished at
     /// once (the slot is free again), `Ok(Some(id))` when it is parked, and gives the task back
     /// when no slot is free.
-    pub fn spawn<T: SlabTask<C> + 'static>(
+    pub fn spawn<'a, T: SlabTask<C> + 'static>(
         &mut self,
         task: T,
-        ctx: &mut C,
+        ctx: &'a mut C::Ctx<'a>,
     ) -> Result<Option<TaskId>, T> {
         let Some(idx) = self.free.pop() else {
             return Err(task);
@@ -296,7 +307,7 @@ impl<C: ?Sized, N: Notify> TaskSlab<C, N> {
 
     /// Polls the task `id` if it is still live (a stale id from an earlier task in the slot is
     /// ignored). Returns whether the slot is free afterwards.
-    pub fn poll(&mut self, id: TaskId, ctx: &mut C) -> bool {
+    pub fn poll<'a>(&mut self, id: TaskId, ctx: &'a mut C::Ctx<'a>) -> bool {
         let Some(slot) = self.slots.get(id.idx as usize) else {
             return true;
         };
@@ -358,7 +369,7 @@ impl<C: ?Sized, N: Notify> TaskSlab<C, N> {
     }
 }
 
-impl<C: ?Sized, N: Notify> Drop for TaskSlab<C, N> {
+impl<C: CtxFamily, N: Notify> Drop for TaskSlab<C, N> {
     fn drop(&mut self) {
         for idx in 0..self.slots.len() as u32 {
             self.finish(idx);
@@ -366,7 +377,7 @@ impl<C: ?Sized, N: Notify> Drop for TaskSlab<C, N> {
     }
 }
 
-impl<C: ?Sized, N: Notify> std::fmt::Debug for TaskSlab<C, N> {
+impl<C: CtxFamily, N: Notify> std::fmt::Debug for TaskSlab<C, N> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TaskSlab")
             .field("slots", &self.slots.len())
@@ -395,11 +406,11 @@ impl<Fut, F> FutureTask<Fut, F> {
 
 impl<Fut, F, C> SlabTask<C> for FutureTask<Fut, F>
 where
-    C: ?Sized,
+    C: CtxFamily,
     Fut: Future + Send,
-    F: FnOnce(Fut::Output, &mut C) + Send,
+    F: for<'a> FnOnce(Fut::Output, &'a mut C::Ctx<'a>) + Send,
 {
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>, ctx: &mut C) -> Poll<()> {
+    fn poll<'a>(self: Pin<&mut Self>, cx: &mut Context<'_>, ctx: &'a mut C::Ctx<'a>) -> Poll<()> {
         // SAFETY: structural pinning of `fut` (never moved out of `self`); `on_done` is not
         // pinned (only taken by value).
         let this = unsafe { self.get_unchecked_mut() };
@@ -422,6 +433,15 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
 
+    struct VecCtx;
+    impl CtxFamily for VecCtx {
+        type Ctx<'a> = Vec<u32>;
+    }
+    struct UnitCtx;
+    impl CtxFamily for UnitCtx {
+        type Ctx<'a> = ();
+    }
+
     #[derive(Default)]
     struct CountNotify(AtomicUsize);
     impl Notify for Arc<CountNotify> {
@@ -433,7 +453,7 @@ mod tests {
     #[test]
     fn ready_task_finishes_inline_and_frees_its_slot() {
         let n = Arc::new(CountNotify::default());
-        let mut slab: TaskSlab<Vec<u32>, _> = TaskSlab::new(2, Arc::clone(&n));
+        let mut slab: TaskSlab<VecCtx, _> = TaskSlab::new(2, Arc::clone(&n));
         let mut out = Vec::new();
         let t = FutureTask::new(async { 5u32 }, |v, out: &mut Vec<u32>| out.push(v));
         assert!(matches!(slab.spawn(t, &mut out), Ok(None)));
@@ -445,7 +465,7 @@ mod tests {
     #[test]
     fn parked_task_is_repolled_after_wake() {
         let n = Arc::new(CountNotify::default());
-        let mut slab: TaskSlab<Vec<u32>, _> = TaskSlab::new(4, Arc::clone(&n));
+        let mut slab: TaskSlab<VecCtx, _> = TaskSlab::new(4, Arc::clone(&n));
         let (tx, rx) = tokio::sync::oneshot::channel::<u32>();
         let mut out = Vec::new();
         let t = FutureTask::new(
@@ -466,7 +486,7 @@ mod tests {
     #[test]
     fn large_futures_are_boxed_and_cancel_drops() {
         let n = Arc::new(CountNotify::default());
-        let mut slab: TaskSlab<(), _> = TaskSlab::new(1, n);
+        let mut slab: TaskSlab<UnitCtx, _> = TaskSlab::new(1, n);
         let big = [0u8; 4096];
         let (_tx, rx) = tokio::sync::oneshot::channel::<u32>();
         let dropped = Arc::new(AtomicUsize::new(0));
@@ -496,7 +516,7 @@ mod tests {
     #[test]
     fn stale_wakers_are_harmless() {
         let n = Arc::new(CountNotify::default());
-        let slab: TaskSlab<(), _> = TaskSlab::new(1, n);
+        let slab: TaskSlab<UnitCtx, _> = TaskSlab::new(1, n);
         let waker = slab.waker(0);
         drop(slab);
         // The shared state outlives the slab through the waker's count.
