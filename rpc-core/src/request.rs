@@ -211,6 +211,7 @@ pub struct Request<T> {
     metadata: Metadata,
     message: T,
     timeout: Option<Duration>,
+    response_hint: Option<usize>,
 }
 
 impl<T> Request<T> {
@@ -220,6 +221,7 @@ impl<T> Request<T> {
             metadata: Metadata::new(),
             message,
             timeout: None,
+            response_hint: None,
         }
     }
 
@@ -259,6 +261,19 @@ impl<T> Request<T> {
         self.timeout
     }
 
+    /// Tells the runtime how large the response will be (bytes of the encoded message). When it
+    /// is above the eager threshold, the client lends a landing zone of that size with the
+    /// request, and the server RDMA-WRITEs the response straight into it (one copy, no extra
+    /// round trip). Without a hint a large response is fetched with an RDMA READ instead.
+    pub fn set_response_size_hint(&mut self, bytes: usize) {
+        self.response_hint = Some(bytes);
+    }
+
+    /// The response size hint.
+    pub fn response_size_hint(&self) -> Option<usize> {
+        self.response_hint
+    }
+
     /// Splits into parts.
     pub fn into_parts(self) -> (Metadata, T, Option<Duration>) {
         (self.metadata, self.message, self.timeout)
@@ -270,6 +285,7 @@ impl<T> Request<T> {
             metadata,
             message,
             timeout,
+            response_hint: None,
         }
     }
 
@@ -279,6 +295,7 @@ impl<T> Request<T> {
             metadata: self.metadata,
             message: f(self.message),
             timeout: self.timeout,
+            response_hint: self.response_hint,
         }
     }
 }
