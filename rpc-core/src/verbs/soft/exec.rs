@@ -126,7 +126,8 @@ pub(crate) fn local_pieces(
             continue;
         }
         if !inline {
-            let m = LocalMr::lookup(dev, sge.lkey).ok_or((WcStatus::LocProtErr, vendor::BAD_KEY))?;
+            let m =
+                LocalMr::lookup(dev, sge.lkey).ok_or((WcStatus::LocProtErr, vendor::BAD_KEY))?;
             if m.pd != pd {
                 return Err((WcStatus::LocProtErr, vendor::WRONG_PD));
             }
@@ -470,10 +471,7 @@ impl Conn {
     ) {
         let base = self.rq_cqe + (idx & self.rq_mask) as usize * layout::RCQE;
         let flags = if imm.is_some() { 1u32 } else { 0 };
-        let meta = status as u32
-            | (opcode as u32) << 8
-            | flags << 16
-            | u32::from(solicited) << 24;
+        let meta = status as u32 | (opcode as u32) << 8 | flags << 16 | u32::from(solicited) << 24;
         self.i32(base + rcqe::BYTE_LEN)
             .store(byte_len, Ordering::Relaxed);
         self.i32(base + rcqe::IMM)
@@ -535,13 +533,10 @@ impl Conn {
                 let map = match (&c.1, c.0 == key) {
                     (Some(m), true) => m.clone(),
                     _ => {
-                        let m = self
-                            .peer
-                            .map_mr(slot, key, fd, mlen)
-                            .map_err(|e| match e {
-                                MapError::Stale => vendor::BAD_KEY,
-                                MapError::Failed => vendor::MAP_FAILED,
-                            })?;
+                        let m = self.peer.map_mr(slot, key, fd, mlen).map_err(|e| match e {
+                            MapError::Stale => vendor::BAD_KEY,
+                            MapError::Failed => vendor::MAP_FAILED,
+                        })?;
                         *c = (key, Some(m.clone()));
                         m
                     }
@@ -579,7 +574,11 @@ impl Conn {
                 } else {
                     std::ptr::null_mut()
                 };
-                Ok(Target { ptr, addr, len: len_us })
+                Ok(Target {
+                    ptr,
+                    addr,
+                    len: len_us,
+                })
             }
             _ => Err(vendor::CORRUPT),
         }
@@ -797,7 +796,13 @@ impl Conn {
         Outcome::ok(0)
     }
 
-    fn read(&mut self, local: &Pieces, remote_addr: u64, rkey: u32, peer_access: Access) -> Outcome {
+    fn read(
+        &mut self,
+        local: &Pieces,
+        remote_addr: u64,
+        rkey: u32,
+        peer_access: Access,
+    ) -> Outcome {
         if local.total == 0 {
             return Outcome::ok(0);
         }

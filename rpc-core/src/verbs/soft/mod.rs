@@ -234,8 +234,13 @@ impl Device {
         let verb = Verb::OpenDevice;
         let pid = std::process::id();
         let nonce = shm::random_u64();
-        let pub_fd = shm::memfd("soft-rnic-pub", layout::PUB_LEN as u64)
-            .map_err(|e| os_err(verb, e, "soft RNIC: cannot create the shared control segment"))?;
+        let pub_fd = shm::memfd("soft-rnic-pub", layout::PUB_LEN as u64).map_err(|e| {
+            os_err(
+                verb,
+                e,
+                "soft RNIC: cannot create the shared control segment",
+            )
+        })?;
         let inbox_fd = shm::memfd("soft-rnic-inbox", layout::INBOX_LEN as u64)
             .map_err(|e| os_err(verb, e, "soft RNIC: cannot create the shared inbox segment"))?;
         let pub_map = Mapping::map(pub_fd.as_fd(), layout::PUB_LEN, true)
@@ -264,11 +269,7 @@ impl Device {
         w32(&pub_map, layout::hdr::VERSION, layout::VERSION);
         w32(&pub_map, layout::hdr::PID, pid);
         w64(&pub_map, layout::hdr::NONCE, nonce);
-        w32(
-            &pub_map,
-            layout::hdr::INBOX_FD,
-            inbox_fd.as_raw_fd() as u32,
-        );
+        w32(&pub_map, layout::hdr::INBOX_FD, inbox_fd.as_raw_fd() as u32);
         w64(&pub_map, layout::hdr::PUB_LEN, layout::PUB_LEN as u64);
         w64(&pub_map, layout::hdr::INBOX_LEN, layout::INBOX_LEN as u64);
         w64(&inbox, layout::IN_NONCE, nonce);
@@ -337,12 +338,7 @@ impl Device {
     }
 
     /// The peer named by (`pid`, `fd`, `nonce`), attached (mapped and validated) on first use.
-    pub(crate) fn attach(
-        self: &Arc<Self>,
-        pid: u32,
-        fd: u32,
-        nonce: u64,
-    ) -> Result<Arc<Peer>> {
+    pub(crate) fn attach(self: &Arc<Self>, pid: u32, fd: u32, nonce: u64) -> Result<Arc<Peer>> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = peers.get(&nonce).and_then(Weak::upgrade) {
             if p.pid == pid {
@@ -407,7 +403,9 @@ impl Provider for Soft {
                 return Err(VerbsError::new(
                     Verb::OpenDevice,
                     ErrorKind::NoDevice,
-                    format!("no soft device named {n:?}: the soft provider has one device, `soft0`"),
+                    format!(
+                        "no soft device named {n:?}: the soft provider has one device, `soft0`"
+                    ),
                 ));
             }
         }
