@@ -1,5 +1,6 @@
 //! The verbs conformance suite for the soft provider: both peers in one process, and across
 //! two processes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod conformance;
 

@@ -307,11 +307,11 @@ struct KillOnDrop(Option<Child>);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            if c.try_wait().ok().flatten().is_none() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
+        if let Some(c) = self.0.as_mut()
+            && c.try_wait().ok().flatten().is_none()
+        {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }

@@ -425,10 +425,9 @@ impl Conn {
             && armed
                 .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
                 .is_ok()
+            && let Some(fd) = &self.efd
         {
-            if let Some(fd) = &self.efd {
-                shm::signal_fd(fd.as_fd());
-            }
+            shm::signal_fd(fd.as_fd());
         }
     }
 
@@ -869,7 +868,7 @@ impl Conn {
             self.fail_peer();
             return Outcome::err(WcStatus::RemOpErr, vendor::ATOMIC_NOT_SHARED);
         }
-        if t.ptr as usize % 8 != 0 {
+        if !(t.ptr as usize).is_multiple_of(8) {
             drop(pins);
             self.fail_peer();
             return Outcome::err(WcStatus::RemInvReqErr, vendor::OUT_OF_BOUNDS);
@@ -907,8 +906,9 @@ unsafe fn copy_out(local: &Pieces, targets: &[Target], pid: u32) -> std::result:
                 let (p, l) = src[li];
                 let take = (l - loff).min(t.len - done);
                 // SAFETY: `loff + take <= l`: inside local piece `li`.
+                let base = unsafe { p.add(loff) };
                 iov[n] = libc::iovec {
-                    iov_base: unsafe { p.add(loff) }.cast(),
+                    iov_base: base.cast(),
                     iov_len: take,
                 };
                 n += 1;

@@ -250,6 +250,7 @@ impl QpShared {
         self.send_cq.set_ready(self.send_bit, solicited);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn complete(
         &self,
         p: &Progress<'_>,
@@ -1143,11 +1144,11 @@ impl Qp for SoftQp {
         }
         let mut guard = s.try_progress();
         let mut now = 0u64;
-        if let Some(p) = guard.as_mut() {
-            if s.sq_exec.load(Ordering::Relaxed) != s.sq_head.load(Ordering::Relaxed) {
-                now = shm::now_ns();
-                s.run_pending(p, now);
-            }
+        if let Some(p) = guard.as_mut()
+            && s.sq_exec.load(Ordering::Relaxed) != s.sq_head.load(Ordering::Relaxed)
+        {
+            now = shm::now_ns();
+            s.run_pending(p, now);
         }
         let delay = s.delay_ns.load(Ordering::Relaxed);
         for (i, wr) in wrs.iter().enumerate() {
