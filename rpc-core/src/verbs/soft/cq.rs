@@ -65,10 +65,9 @@ impl CqShared {
             && armed
                 .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
                 .is_ok()
+            && let Some(ch) = &self.channel
         {
-            if let Some(ch) = &self.channel {
-                ch.wake();
-            }
+            ch.wake();
         }
     }
 
@@ -191,14 +190,14 @@ impl SoftCq {
                 ),
             ));
         }
-        if let Some(ch) = channel {
-            if ch.inner.dev_nonce != dev.nonce {
-                return Err(VerbsError::new(
-                    verb,
-                    ErrorKind::WrongPd,
-                    "the completion channel belongs to another soft context",
-                ));
-            }
+        if let Some(ch) = channel
+            && ch.inner.dev_nonce != dev.nonce
+        {
+            return Err(VerbsError::new(
+                verb,
+                ErrorKind::WrongPd,
+                "the completion channel belongs to another soft context",
+            ));
         }
         let (slot, _) = dev.cq_slots.alloc().ok_or_else(|| {
             VerbsError::new(
@@ -265,10 +264,10 @@ impl Cq for SoftCq {
                 while bits != 0 {
                     let b = bits.trailing_zeros() as usize;
                     bits &= bits - 1;
-                    if let Some(Some(side)) = sides.get(w * 64 + b) {
-                        if !side.recv {
-                            side.qp.progress_pending(now);
-                        }
+                    if let Some(Some(side)) = sides.get(w * 64 + b)
+                        && !side.recv
+                    {
+                        side.qp.progress_pending(now);
                     }
                 }
             }

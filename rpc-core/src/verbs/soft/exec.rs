@@ -126,7 +126,8 @@ pub(crate) fn local_pieces(
             continue;
         }
         if !inline {
-            let m = LocalMr::lookup(dev, sge.lkey).ok_or((WcStatus::LocProtErr, vendor::BAD_KEY))?;
+            let m =
+                LocalMr::lookup(dev, sge.lkey).ok_or((WcStatus::LocProtErr, vendor::BAD_KEY))?;
             if m.pd != pd {
                 return Err((WcStatus::LocProtErr, vendor::WRONG_PD));
             }
@@ -424,10 +425,9 @@ impl Conn {
             && armed
                 .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
                 .is_ok()
+            && let Some(fd) = &self.efd
         {
-            if let Some(fd) = &self.efd {
-                shm::signal_fd(fd.as_fd());
-            }
+            shm::signal_fd(fd.as_fd());
         }
     }
 
@@ -470,10 +470,7 @@ impl Conn {
     ) {
         let base = self.rq_cqe + (idx & self.rq_mask) as usize * layout::RCQE;
         let flags = if imm.is_some() { 1u32 } else { 0 };
-        let meta = status as u32
-            | (opcode as u32) << 8
-            | flags << 16
-            | u32::from(solicited) << 24;
+        let meta = status as u32 | (opcode as u32) << 8 | flags << 16 | u32::from(solicited) << 24;
         self.i32(base + rcqe::BYTE_LEN)
             .store(byte_len, Ordering::Relaxed);
         self.i32(base + rcqe::IMM)
@@ -535,13 +532,10 @@ impl Conn {
                 let map = match (&c.1, c.0 == key) {
                     (Some(m), true) => m.clone(),
                     _ => {
-                        let m = self
-                            .peer
-                            .map_mr(slot, key, fd, mlen)
-                            .map_err(|e| match e {
-                                MapError::Stale => vendor::BAD_KEY,
-                                MapError::Failed => vendor::MAP_FAILED,
-                            })?;
+                        let m = self.peer.map_mr(slot, key, fd, mlen).map_err(|e| match e {
+                            MapError::Stale => vendor::BAD_KEY,
+                            MapError::Failed => vendor::MAP_FAILED,
+                        })?;
                         *c = (key, Some(m.clone()));
                         m
                     }
@@ -579,7 +573,11 @@ impl Conn {
                 } else {
                     std::ptr::null_mut()
                 };
-                Ok(Target { ptr, addr, len: len_us })
+                Ok(Target {
+                    ptr,
+                    addr,
+                    len: len_us,
+                })
             }
             _ => Err(vendor::CORRUPT),
         }
@@ -797,7 +795,13 @@ impl Conn {
         Outcome::ok(0)
     }
 
-    fn read(&mut self, local: &Pieces, remote_addr: u64, rkey: u32, peer_access: Access) -> Outcome {
+    fn read(
+        &mut self,
+        local: &Pieces,
+        remote_addr: u64,
+        rkey: u32,
+        peer_access: Access,
+    ) -> Outcome {
         if local.total == 0 {
             return Outcome::ok(0);
         }
@@ -864,7 +868,7 @@ impl Conn {
             self.fail_peer();
             return Outcome::err(WcStatus::RemOpErr, vendor::ATOMIC_NOT_SHARED);
         }
-        if t.ptr as usize % 8 != 0 {
+        if !(t.ptr as usize).is_multiple_of(8) {
             drop(pins);
             self.fail_peer();
             return Outcome::err(WcStatus::RemInvReqErr, vendor::OUT_OF_BOUNDS);
@@ -902,8 +906,9 @@ unsafe fn copy_out(local: &Pieces, targets: &[Target], pid: u32) -> std::result:
                 let (p, l) = src[li];
                 let take = (l - loff).min(t.len - done);
                 // SAFETY: `loff + take <= l`: inside local piece `li`.
+                let base = unsafe { p.add(loff) };
                 iov[n] = libc::iovec {
-                    iov_base: unsafe { p.add(loff) }.cast(),
+                    iov_base: base.cast(),
                     iov_len: take,
                 };
                 n += 1;

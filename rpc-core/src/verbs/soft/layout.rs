@@ -224,7 +224,7 @@ const _: () = assert!(PUB_HEAP < PUB_LEN / 2);
 const _: () = assert!(IN_HEAP < INBOX_LEN / 2);
 const _: () = assert!(QP_ENTRY >= qp::RQ_PROD + 4);
 const _: () = assert!(MAX_MR <= 1 << MR_SLOT_BITS && MAX_QP <= 1 << QP_SLOT_BITS);
-const _: () = assert!(CQ_IN_ENTRY % 64 == 0 && MR_TABLE % 4096 == 0);
+const _: () = assert!(CQ_IN_ENTRY.is_multiple_of(64) && MR_TABLE.is_multiple_of(4096));
 
 /// A first-fit allocator of byte ranges inside a heap (setup path only).
 #[derive(Debug)]

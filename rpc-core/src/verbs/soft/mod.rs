@@ -10,7 +10,7 @@
 //!   `F_SEAL_FUTURE_WRITE` so peers can only map it read-only) and an *inbox* that peers map
 //!   read-write (receive-completion rings, doorbell words, "your QP failed" flags). See
 //!   [`layout`](self) for the words. The instance's identity (pid, descriptor number, random
-//!   nonce) travels in [`Endpoint::gid`]; a peer finds it with `pidfd_open` + `pidfd_getfd`
+//!   nonce) travels in [`Endpoint::gid`](crate::verbs::Endpoint::gid); a peer finds it with `pidfd_open` + `pidfd_getfd`
 //!   (fallback `/proc/PID/fd/N`) and validates it before use.
 //! - [`Pd::alloc_mr`] memory lives in its own memfd (sealed against shrinking, so a peer can
 //!   never make us fault). A peer maps it lazily on first access and caches the mapping: an
@@ -18,7 +18,7 @@
 //!   involved. [`Pd::reg_mr`] on arbitrary memory works too: a peer in another process reaches
 //!   it with `process_vm_readv/writev` (one system call per piece), a peer in the same process
 //!   copies directly. Atomics need the target in shared memory or in the same process.
-//! - Work requests execute synchronously inside [`Qp::post_send`], on the caller's thread: the
+//! - Work requests execute synchronously inside [`Qp::post_send`](crate::verbs::Qp::post_send), on the caller's thread: the
 //!   caller's CPU is the NIC. A SEND claims the next receive the peer posted (lock-free ring in
 //!   the peer's segments), checks it, copies the payload straight into the peer's receive
 //!   buffers and publishes the peer's completion, ringing its doorbell if its CQ is armed.
@@ -30,9 +30,9 @@
 //! # Progress is manual for RNR retries
 //!
 //! A SEND (or WRITE_WITH_IMM) that finds no receive posted is queued with everything posted
-//! after it (RC order is kept) and retried every [`ConnectAttr::rnr_timer`] from later
-//! [`Qp::post_send`] and [`Cq::poll`] calls, up to `rnr_retry` times (7: forever), then fails
-//! with `RNR_RETRY_EXC_ERR`. While such work is queued, [`CompChannel::wait`] does not sleep
+//! after it (RC order is kept) and retried every [`ConnectAttr::rnr_timer`](crate::verbs::ConnectAttr::rnr_timer) from later
+//! [`Qp::post_send`](crate::verbs::Qp::post_send) and [`Cq::poll`](crate::verbs::Cq::poll) calls, up to `rnr_retry` times (7: forever), then fails
+//! with `RNR_RETRY_EXC_ERR`. While such work is queued, [`CompChannel::wait`](crate::verbs::CompChannel::wait) does not sleep
 //! past the next retry time (it returns `true` so the caller polls). The same machinery waits
 //! for a peer QP that is not connected yet (`retry_cnt` times every ACK timeout, then
 //! `RETRY_EXC_ERR`).
@@ -234,8 +234,13 @@ impl Device {
         let verb = Verb::OpenDevice;
         let pid = std::process::id();
         let nonce = shm::random_u64();
-        let pub_fd = shm::memfd("soft-rnic-pub", layout::PUB_LEN as u64)
-            .map_err(|e| os_err(verb, e, "soft RNIC: cannot create the shared control segment"))?;
+        let pub_fd = shm::memfd("soft-rnic-pub", layout::PUB_LEN as u64).map_err(|e| {
+            os_err(
+                verb,
+                e,
+                "soft RNIC: cannot create the shared control segment",
+            )
+        })?;
         let inbox_fd = shm::memfd("soft-rnic-inbox", layout::INBOX_LEN as u64)
             .map_err(|e| os_err(verb, e, "soft RNIC: cannot create the shared inbox segment"))?;
         let pub_map = Mapping::map(pub_fd.as_fd(), layout::PUB_LEN, true)
@@ -264,11 +269,7 @@ impl Device {
         w32(&pub_map, layout::hdr::VERSION, layout::VERSION);
         w32(&pub_map, layout::hdr::PID, pid);
         w64(&pub_map, layout::hdr::NONCE, nonce);
-        w32(
-            &pub_map,
-            layout::hdr::INBOX_FD,
-            inbox_fd.as_raw_fd() as u32,
-        );
+        w32(&pub_map, layout::hdr::INBOX_FD, inbox_fd.as_raw_fd() as u32);
         w64(&pub_map, layout::hdr::PUB_LEN, layout::PUB_LEN as u64);
         w64(&pub_map, layout::hdr::INBOX_LEN, layout::INBOX_LEN as u64);
         w64(&inbox, layout::IN_NONCE, nonce);
@@ -337,17 +338,12 @@ impl Device {
     }
 
     /// The peer named by (`pid`, `fd`, `nonce`), attached (mapped and validated) on first use.
-    pub(crate) fn attach(
-        self: &Arc<Self>,
-        pid: u32,
-        fd: u32,
-        nonce: u64,
-    ) -> Result<Arc<Peer>> {
+    pub(crate) fn attach(self: &Arc<Self>, pid: u32, fd: u32, nonce: u64) -> Result<Arc<Peer>> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = peers.get(&nonce).and_then(Weak::upgrade) {
-            if p.pid == pid {
-                return Ok(p);
-            }
+        if let Some(p) = peers.get(&nonce).and_then(Weak::upgrade)
+            && p.pid == pid
+        {
+            return Ok(p);
         }
         peers.retain(|_, w| w.strong_count() > 0);
         let p = Arc::new(Peer::attach(self, pid, fd, nonce)?);
@@ -402,14 +398,14 @@ impl Provider for Soft {
     }
 
     fn open(name: Option<&str>) -> Result<SoftContext> {
-        if let Some(n) = name {
-            if n != DEVICE_NAME {
-                return Err(VerbsError::new(
-                    Verb::OpenDevice,
-                    ErrorKind::NoDevice,
-                    format!("no soft device named {n:?}: the soft provider has one device, `soft0`"),
-                ));
-            }
+        if let Some(n) = name
+            && n != DEVICE_NAME
+        {
+            return Err(VerbsError::new(
+                Verb::OpenDevice,
+                ErrorKind::NoDevice,
+                format!("no soft device named {n:?}: the soft provider has one device, `soft0`"),
+            ));
         }
         Ok(SoftContext {
             dev: Device::open()?,

@@ -37,10 +37,7 @@ pub struct SoftMr {
 #[derive(Debug)]
 enum Backing {
     /// Memory owned by the region: a sealed memfd, mapped here.
-    Shm {
-        _fd: OwnedFd,
-        _map: Mapping,
-    },
+    Shm { _fd: OwnedFd, _map: Mapping },
     /// Caller's memory.
     User,
 }
@@ -189,7 +186,8 @@ impl SoftMr {
         })?;
         let key = slot | (gen_ << layout::MR_SLOT_BITS);
         let e = layout::mr_entry(slot as usize);
-        dev.pub32(e + mr::ACCESS).store(access.bits(), Ordering::Relaxed);
+        dev.pub32(e + mr::ACCESS)
+            .store(access.bits(), Ordering::Relaxed);
         dev.pub32(e + mr::KIND).store(kind, Ordering::Relaxed);
         dev.pub32(e + mr::FD).store(fd, Ordering::Relaxed);
         dev.pub64(e + mr::ADDR).store(addr, Ordering::Relaxed);

@@ -189,10 +189,10 @@ impl Peer {
         len: u64,
     ) -> std::result::Result<Arc<Mapping>, MapError> {
         let mut mrs = self.mrs.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((k, m)) = mrs.get(&slot) {
-            if *k == key {
-                return Ok(m.clone());
-            }
+        if let Some((k, m)) = mrs.get(&slot)
+            && *k == key
+        {
+            return Ok(m.clone());
         }
         let len = usize::try_from(len).map_err(|_| MapError::Failed)?;
         let dup = shm::pidfd_getfd(self.live.pidfd.as_fd(), self.pid, fd)

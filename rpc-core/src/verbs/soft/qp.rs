@@ -250,6 +250,7 @@ impl QpShared {
         self.send_cq.set_ready(self.send_bit, solicited);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn complete(
         &self,
         p: &Progress<'_>,
@@ -741,7 +742,9 @@ impl QpShared {
 
 impl Drop for QpShared {
     fn drop(&mut self) {
-        self.dev.pub32(self.entry + qp::QP_NUM).store(0, Ordering::SeqCst);
+        self.dev
+            .pub32(self.entry + qp::QP_NUM)
+            .store(0, Ordering::SeqCst);
         let stride = self.rq_stride;
         self.dev
             .pub_heap
@@ -750,10 +753,8 @@ impl Drop for QpShared {
             .in_heap
             .free(self.rq_cqe, self.rq_cap as usize * layout::RCQE);
         self.dev.qp_slots.free(self.slot);
-        self.send_cq
-            .unreserve(u64::from(self.caps.max_send_wr));
-        self.recv_cq
-            .unreserve(u64::from(self.caps.max_recv_wr));
+        self.send_cq.unreserve(u64::from(self.caps.max_send_wr));
+        self.recv_cq.unreserve(u64::from(self.caps.max_recv_wr));
         if *self.pending_marked.get_mut() {
             self.send_cq.pending_count.fetch_sub(1, Ordering::AcqRel);
         }
@@ -805,7 +806,11 @@ impl SoftQp {
             return Err(over("max_recv_sge", caps.max_recv_sge, CAPS.max_sge));
         }
         if caps.max_inline_data > CAPS.max_inline {
-            return Err(over("max_inline_data", caps.max_inline_data, CAPS.max_inline));
+            return Err(over(
+                "max_inline_data",
+                caps.max_inline_data,
+                CAPS.max_inline,
+            ));
         }
         // CQ overrun is prevented by sizing.
         let (scq, rcq) = (&send_cq.shared, &recv_cq.shared);
@@ -823,7 +828,10 @@ impl SoftQp {
             })
         };
         if Arc::ptr_eq(scq, rcq) {
-            sizing(scq, u64::from(caps.max_send_wr) + u64::from(caps.max_recv_wr))?;
+            sizing(
+                scq,
+                u64::from(caps.max_send_wr) + u64::from(caps.max_recv_wr),
+            )?;
         } else {
             sizing(scq, u64::from(caps.max_send_wr))?;
             if let Err(e) = sizing(rcq, u64::from(caps.max_recv_wr)) {
@@ -1136,11 +1144,11 @@ impl Qp for SoftQp {
         }
         let mut guard = s.try_progress();
         let mut now = 0u64;
-        if let Some(p) = guard.as_mut() {
-            if s.sq_exec.load(Ordering::Relaxed) != s.sq_head.load(Ordering::Relaxed) {
-                now = shm::now_ns();
-                s.run_pending(p, now);
-            }
+        if let Some(p) = guard.as_mut()
+            && s.sq_exec.load(Ordering::Relaxed) != s.sq_head.load(Ordering::Relaxed)
+        {
+            now = shm::now_ns();
+            s.run_pending(p, now);
         }
         let delay = s.delay_ns.load(Ordering::Relaxed);
         for (i, wr) in wrs.iter().enumerate() {
@@ -1278,7 +1286,8 @@ impl SoftQp {
     /// Post-time checks of a send work request (what `ibv_post_send` refuses with EINVAL).
     fn check_wr(&self, wr: &SendWr<'_>) -> Result<()> {
         let s = &*self.s;
-        let bad = |detail: String| VerbsError::new(Verb::PostSend, ErrorKind::InvalidArgument, detail);
+        let bad =
+            |detail: String| VerbsError::new(Verb::PostSend, ErrorKind::InvalidArgument, detail);
         if wr.sg_list.len() > s.caps.max_send_sge as usize {
             return Err(bad(format!(
                 "work request {:#x} has {} SGEs, the QP was created with max_send_sge = {}",
@@ -1290,7 +1299,10 @@ impl SoftQp {
         if wr.flags.contains(SendFlags::INLINE) {
             if !matches!(
                 wr.op,
-                WrOp::Send | WrOp::SendWithImm { .. } | WrOp::Write { .. } | WrOp::WriteWithImm { .. }
+                WrOp::Send
+                    | WrOp::SendWithImm { .. }
+                    | WrOp::Write { .. }
+                    | WrOp::WriteWithImm { .. }
             ) {
                 return Err(bad(format!(
                     "work request {:#x}: INLINE is only for SEND and WRITE",

@@ -78,7 +78,7 @@ impl Mapping {
     /// The 32-bit word at `off`, or `None` when `off` is out of bounds or unaligned.
     #[inline]
     pub(crate) fn u32_at(&self, off: usize) -> Option<&AtomicU32> {
-        if off % 4 != 0 || !self.contains(off, 4) {
+        if !off.is_multiple_of(4) || !self.contains(off, 4) {
             return None;
         }
         // SAFETY: `off..off+4` is inside the mapping (checked above), which lives as long as
@@ -91,7 +91,7 @@ impl Mapping {
     /// The 64-bit word at `off`, or `None` when `off` is out of bounds or unaligned.
     #[inline]
     pub(crate) fn u64_at(&self, off: usize) -> Option<&AtomicU64> {
-        if off % 8 != 0 || !self.contains(off, 8) {
+        if !off.is_multiple_of(8) || !self.contains(off, 8) {
             return None;
         }
         // SAFETY: as in `u32_at`, with 8-byte alignment and bounds checked.
@@ -113,12 +113,8 @@ impl Drop for Mapping {
 pub(crate) fn memfd(name: &str, len: u64) -> io::Result<OwnedFd> {
     let cname = std::ffi::CString::new(name).map_err(|_| io::Error::other("memfd name has NUL"))?;
     // SAFETY: `cname` is a valid NUL-terminated string for the duration of the call.
-    let fd = unsafe {
-        libc::memfd_create(
-            cname.as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-        )
-    };
+    let fd =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -181,7 +177,8 @@ pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
 /// A duplicate of descriptor `fd` of the process behind `pidfd` (`pidfd_getfd`), falling back to
 /// opening `/proc/PID/fd/N` when the syscall is unavailable.
 pub(crate) fn pidfd_getfd(pidfd: BorrowedFd<'_>, pid: u32, fd: u32) -> io::Result<OwnedFd> {
-    let target = libc::c_int::try_from(fd).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
+    let target =
+        libc::c_int::try_from(fd).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
     // SAFETY: raw syscall with integer arguments; the result is checked.
     let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) };
     if r >= 0 {
@@ -328,7 +325,10 @@ pub(crate) fn is_mapped(addr: usize, len: usize) -> bool {
 pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(p).ok().filter(|p| p.is_power_of_two()).unwrap_or(4096)
+    usize::try_from(p)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
 }
 
 /// Direction of a cross-process copy.
@@ -359,7 +359,7 @@ pub(crate) unsafe fn cma_copy(
         if total == 0 {
             return Ok(());
         }
-        let mut remote = libc::iovec {
+        let remote = libc::iovec {
             iov_base: remote_addr as *mut libc::c_void,
             iov_len: total,
         };
@@ -369,10 +369,10 @@ pub(crate) unsafe fn cma_copy(
         let r = unsafe {
             match dir {
                 CmaDir::Write => {
-                    libc::process_vm_writev(pid, local[first..].as_ptr(), cnt, &mut remote, 1, 0)
+                    libc::process_vm_writev(pid, local[first..].as_ptr(), cnt, &remote, 1, 0)
                 }
                 CmaDir::Read => {
-                    libc::process_vm_readv(pid, local[first..].as_ptr(), cnt, &mut remote, 1, 0)
+                    libc::process_vm_readv(pid, local[first..].as_ptr(), cnt, &remote, 1, 0)
                 }
             }
         };
@@ -419,11 +419,14 @@ mod tests {
         add_seals(fd.as_fd(), libc::F_SEAL_SHRINK | libc::F_SEAL_GROW).unwrap();
         assert_eq!(file_size(fd.as_fd()).unwrap(), 8192);
         let m = Mapping::map(fd.as_fd(), 8192, true).unwrap();
-        m.u64_at(8).unwrap().store(7, std::sync::atomic::Ordering::Relaxed);
+        m.u64_at(8)
+            .unwrap()
+            .store(7, std::sync::atomic::Ordering::Relaxed);
         assert!(m.u64_at(8190).is_none());
         assert!(m.u32_at(3).is_none());
         // SAFETY: plain syscall on a descriptor we own.
-        assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 0) }, 0, "shrink is sealed");
+        let r = unsafe { libc::ftruncate(fd.as_raw_fd(), 0) };
+        assert_ne!(r, 0, "shrink is sealed");
     }
 
     #[test]
