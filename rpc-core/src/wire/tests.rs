@@ -308,27 +308,29 @@ fn control_frames_still_go_when_data_credits_are_exhausted() {
 #[test]
 fn the_last_credit_is_for_credit_updates() {
     let mut l = Link::new(Config {
-        initial_send_credits: 3,
-        recv_depth: 3,
+        initial_send_credits: 4,
+        recv_depth: 4,
         credit_update_threshold: 2,
         ..cfg()
     });
     l.auto_repost = false;
     let a = l.unary(b"a", None);
+    let _b = l.unary(b"b", None);
     assert_eq!(l.c.send_credits(), 2);
-    // Server: take the request, re-post its slot, owe one.
+    // Server: take the requests, re-post one slot, owe one.
+    l.deliver_to_server().unwrap();
     l.deliver_to_server().unwrap();
     l.s.recv_reposted(1).unwrap();
-    // Client: cancel uses one, leaving the last.
+    // Client: a Cancel uses one, leaving the last.
     assert!(l.c.cancel_local(a));
     let h = l.c.cancel(a).unwrap();
     l.send_c(h, &[], &[]);
     assert_eq!(l.c.send_credits(), 1);
-    let b =
+    let idle =
         l.c.start_call(M, CallKind::ServerStreaming, None, 0)
             .unwrap();
     assert_eq!(
-        l.c.cancel(b),
+        l.c.cancel(idle),
         Err(SendError::BadState(
             "the Request was never sent: nothing to cancel, finish the call"
         ))
@@ -338,17 +340,30 @@ fn the_last_credit_is_for_credit_updates() {
         l.c.credit_update(),
         Err(SendError::Invalid("CreditUpdate with no credit owed"))
     );
-    // Once the client owes something, the last credit carries it.
+    // The server owes; a CreditUpdate may take its last credit too, but it has plenty.
     l.deliver_to_server().unwrap(); // Cancel
-    l.s.recv_reposted(1).unwrap();
+    l.s.recv_reposted(2).unwrap();
+    assert!(l.s.wants_credit_update());
     let h = l.s.credit_update().unwrap();
-    assert_eq!(h.credits, 2);
+    assert_eq!(h.credits, 3);
     l.send_s(h, &[], &[]);
     assert_eq!(l.deliver_to_client().unwrap().ev, Event::CreditOnly);
-    assert_eq!(l.c.send_credits(), 3);
+    assert_eq!(l.c.send_credits(), 4);
+    // Down to the last credit, only a CreditUpdate goes.
+    for _ in 0..3 {
+        let h = l.c.bulk_release(a).unwrap();
+        l.send_c(h, &[], &[]);
+    }
+    assert_eq!(l.c.send_credits(), 1);
+    assert_eq!(l.c.bulk_release(a), Err(SendError::NoCredit));
     l.c.recv_reposted(1).unwrap();
-    assert!(l.c.credit_update().is_ok());
-    assert_eq!(l.c.send_credits(), 2);
+    let h = l.c.credit_update().unwrap();
+    assert_eq!(h.credits, 1);
+    assert_eq!(l.c.send_credits(), 0);
+    assert_eq!(
+        l.c.credit_update(),
+        Err(SendError::Invalid("CreditUpdate with no credit owed"))
+    );
     assert_eq!(
         l.c.recv_reposted(1),
         Err(SendError::Invalid(
@@ -356,6 +371,117 @@ fn the_last_credit_is_for_credit_updates() {
         ))
     );
     l.check();
+}
+
+#[test]
+fn a_starved_peer_always_gets_its_credits_back() {
+    // The smallest legal rings: reserve 2, depth 4, so at most 2 data credits, and a threshold
+    // that is never reached by itself. The client sends as many requests as it can, the
+    // server answers with data frames as it can, and credits return only on traffic or when
+    // `wants_credit_update` says so. Nothing may ever get stuck.
+    let mut l = Link::new(Config {
+        initial_send_credits: 4,
+        recv_depth: 4,
+        credit_update_threshold: 4,
+        ..cfg()
+    });
+    let mut pending: VecDeque<CallId> = VecDeque::new();
+    let mut done = 0;
+    for _step in 0..2_000 {
+        let mut progress = false;
+        while l.c.data_credits() > 0 && pending.len() < 6 {
+            let call = l.unary(b"q", None);
+            pending.push_back(call);
+            progress = true;
+        }
+        while !l.to_s.is_empty() {
+            l.deliver_to_server().unwrap();
+            progress = true;
+        }
+        while let Some(&call) = pending.front() {
+            match l.s.response(call, 1, 0, None, false) {
+                Ok(h) => {
+                    l.send_s(h, &[], b"a");
+                    l.s.finish(call);
+                    pending.pop_front();
+                    progress = true;
+                }
+                Err(SendError::NoCredit) => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        while !l.to_c.is_empty() {
+            if let Event::Response { call, .. } = l.deliver_to_client().unwrap().ev {
+                l.c.finish(call);
+                done += 1;
+            }
+            progress = true;
+        }
+        for client in [true, false] {
+            let conn = if client { &mut l.c } else { &mut l.s };
+            if conn.wants_credit_update() {
+                let h = conn.credit_update().unwrap();
+                if client {
+                    l.send_c(h, &[], &[]);
+                    l.deliver_to_server().unwrap();
+                } else {
+                    l.send_s(h, &[], &[]);
+                    l.deliver_to_client().unwrap();
+                }
+                progress = true;
+            }
+        }
+        l.check();
+        assert!(progress, "stuck after {done} calls: {:?} / {:?}", l.c, l.s);
+    }
+    assert!(done > 1_000, "{done} calls in 2,000 steps");
+}
+
+#[test]
+fn one_way_streams_never_stall() {
+    // Only the server sends data; the client returns credits with CreditUpdates alone (the
+    // stream window is large enough never to need a WindowUpdate). At the smallest legal
+    // rings the server must never be left waiting.
+    let mut l = Link::new(Config {
+        initial_send_credits: 4,
+        recv_depth: 4,
+        credit_update_threshold: 4,
+        stream_window: 10_000,
+        ..cfg()
+    });
+    let call =
+        l.c.start_call(M, CallKind::ServerStreaming, None, l.now)
+            .unwrap();
+    let h = l.c.request(call, 0, 0, None, None, l.now).unwrap();
+    l.send_c(h, &[], &[]);
+    l.deliver_to_server().unwrap();
+    let mut received = 0;
+    for _step in 0..1_000 {
+        let mut progress = false;
+        while let Ok(h) = l.s.stream_message(call, 1, 0, None) {
+            l.send_s(h, &[], b"m");
+            progress = true;
+        }
+        while !l.to_c.is_empty() {
+            if let Event::StreamMessage { .. } = l.deliver_to_client().unwrap().ev {
+                received += 1;
+            }
+            progress = true;
+        }
+        if l.c.wants_credit_update() {
+            let h = l.c.credit_update().unwrap();
+            l.send_c(h, &[], &[]);
+            l.deliver_to_server().unwrap();
+            progress = true;
+        }
+        l.check();
+        assert!(
+            progress,
+            "stalled after {received} messages: {:?} / {:?}",
+            l.c, l.s
+        );
+    }
+    assert!(received >= 1_000);
 }
 
 #[test]
@@ -1114,7 +1240,11 @@ fn config_validation() {
             ..cfg()
         },
         Config {
-            initial_send_credits: 2,
+            initial_send_credits: 3,
+            ..cfg()
+        },
+        Config {
+            recv_depth: 3,
             ..cfg()
         },
         Config {
