@@ -484,9 +484,10 @@ mod tests {
 
     #[test]
     fn id_collisions_are_detected() {
-        // `/p.S/M137571` and `/p.S/M239410` both hash to 0x3a1fae34 (found by brute force).
-        let (x, y) = ("M137571", "M239410");
-        assert_eq!(method_id("/p.S/M137571"), method_id("/p.S/M239410"));
+        // `/p.S/M794331` and `/p.S/M1219000` both hash to 0x43c8856c (found by brute force).
+        let (x, y) = ("M794331", "M1219000");
+        assert_eq!(method_id("/p.S/M794331"), 0x43c8856c);
+        assert_eq!(method_id("/p.S/M1219000"), 0x43c8856c);
         let s = ServiceDef {
             name: "S".into(),
             proto_name: "S".into(),
