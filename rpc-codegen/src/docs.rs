@@ -88,18 +88,16 @@ fn sanitize(line: &str) -> String {
             i += 2;
             continue;
         }
-        if c == '[' {
-            if let Some(close) = chars[i + 1..].iter().position(|&c| c == ']') {
-                let close = i + 1 + close;
-                let next = chars.get(close + 1).copied();
-                if !matches!(next, Some('(') | Some('[')) {
-                    out.push_str("\\[");
-                    out.extend(&chars[i + 1..close]);
-                    out.push_str("\\]");
-                    i = close + 1;
-                    continue;
-                }
-            }
+        if c == '['
+            && let Some(close) = chars[i + 1..].iter().position(|&c| c == ']')
+            && !matches!(chars.get(i + 1 + close + 1), Some('(') | Some('['))
+        {
+            let close = i + 1 + close;
+            out.push_str("\\[");
+            out.extend(&chars[i + 1..close]);
+            out.push_str("\\]");
+            i = close + 1;
+            continue;
         }
         let rest: String = chars[i..].iter().take(8).collect();
         let prev = if i == 0 { None } else { Some(chars[i - 1]) };
@@ -139,7 +137,10 @@ mod tests {
     #[test]
     fn brackets_and_urls_are_made_safe_for_rustdoc() {
         let d = doc_lines(
-            &lines(&[" see [RFC 1] and [docs](https://x.y/z), or https://a.b/c.", "no space"]),
+            &lines(&[
+                " see [RFC 1] and [docs](https://x.y/z), or https://a.b/c.",
+                "no space",
+            ]),
             &[],
         );
         assert_eq!(
@@ -154,7 +155,16 @@ mod tests {
     #[test]
     fn code_blocks_do_not_become_doctests() {
         let d = doc_lines(
-            &lines(&[" Example:", "", "     let x = 1;", "     f(x);", "", " ```", " a b", " ```"]),
+            &lines(&[
+                " Example:",
+                "",
+                "     let x = 1;",
+                "     f(x);",
+                "",
+                " ```",
+                " a b",
+                " ```",
+            ]),
             &[],
         );
         assert_eq!(

@@ -34,7 +34,10 @@ impl Default for EmitOptions {
 ///
 /// # Errors
 /// Every problem [`ServiceDef::validate`] finds.
-pub fn generate(service: &ServiceDef, options: &EmitOptions) -> Result<TokenStream, Vec<CodegenError>> {
+pub fn generate(
+    service: &ServiceDef,
+    options: &EmitOptions,
+) -> Result<TokenStream, Vec<CodegenError>> {
     service.validate()?;
     let mut out = TokenStream::new();
     if options.build_client {

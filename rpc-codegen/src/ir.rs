@@ -175,8 +175,7 @@ impl ServiceDef {
             });
         };
 
-        if !is_ident(&self.name) || !is_ident(&self.server_mod()) || !is_ident(&self.client_mod())
-        {
+        if !is_ident(&self.name) || !is_ident(&self.server_mod()) || !is_ident(&self.client_mod()) {
             err(
                 None,
                 format!(
@@ -363,7 +362,7 @@ impl MethodDef {
 
     /// The name of the client's blocking variant (`say_hello_blocking`).
     pub fn blocking_name(&self) -> String {
-        format!("{}_blocking", self.plain_name())
+        format!("{}_blocking", self.plain_name().trim_end_matches('_'))
     }
 }
 
@@ -476,7 +475,8 @@ mod tests {
         let errors = s.validate().unwrap_err();
         let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
         assert!(
-            text.iter().any(|t| t.contains("associated type `ListAStream`")),
+            text.iter()
+                .any(|t| t.contains("associated type `ListAStream`")),
             "{text:#?}"
         );
         assert!(text.iter().any(|t| t.contains("same path")), "{text:#?}");
@@ -492,10 +492,7 @@ mod tests {
             name: "S".into(),
             proto_name: "S".into(),
             package: "p".into(),
-            methods: vec![
-                method(&x.to_lowercase(), x),
-                method(&y.to_lowercase(), y),
-            ],
+            methods: vec![method(&x.to_lowercase(), x), method(&y.to_lowercase(), y)],
             docs: vec![],
         };
         let errors = s.validate().unwrap_err();

@@ -74,8 +74,7 @@ mod tonic;
 
 pub use emit::{EmitOptions, generate, pretty};
 pub use ir::{
-    CODEGEN_NAMES, CallKind, CodegenError, MethodDef, RESERVED_METHOD_NAMES, ServiceDef,
-    method_id,
+    CODEGEN_NAMES, CallKind, CodegenError, MethodDef, RESERVED_METHOD_NAMES, ServiceDef, method_id,
 };
 #[cfg(feature = "proto")]
 pub use proto::{Builder, ServiceGenerator, compile_protos, configure, service_def};

@@ -53,6 +53,7 @@ pub struct Builder {
     include_file: Option<PathBuf>,
     file_descriptor_set_path: Option<PathBuf>,
     emit_rerun_if_changed: bool,
+    #[cfg(feature = "tonic")]
     emit_tonic: bool,
 }
 
@@ -76,6 +77,7 @@ pub fn configure() -> Builder {
         file_descriptor_set_path: None,
         // Build scripts run with OUT_DIR set; tests and tools do not.
         emit_rerun_if_changed: std::env::var_os("OUT_DIR").is_some(),
+        #[cfg(feature = "tonic")]
         emit_tonic: false,
     }
 }
@@ -120,8 +122,10 @@ impl Builder {
     /// Uses an existing Rust type for a protobuf path (prost's `extern_path`), e.g.
     /// `extern_path(".common", "::common_protos")`.
     pub fn extern_path(mut self, proto_path: impl AsRef<str>, rust_path: impl AsRef<str>) -> Self {
-        self.extern_path
-            .push((proto_path.as_ref().to_owned(), rust_path.as_ref().to_owned()));
+        self.extern_path.push((
+            proto_path.as_ref().to_owned(),
+            rust_path.as_ref().to_owned(),
+        ));
         self
     }
 
@@ -314,6 +318,7 @@ impl Builder {
             build_server: self.build_server,
             ..EmitOptions::default()
         };
+        #[cfg_attr(not(feature = "tonic"), allow(unused_mut))]
         let mut generator = ServiceGenerator::new(options);
         #[cfg(feature = "tonic")]
         if self.emit_tonic {
@@ -344,18 +349,17 @@ impl Builder {
 fn protox_message(e: &protox::Error) -> String {
     use miette::Diagnostic;
     let mut location = e.file().map(str::to_owned);
-    if let (Some(source), Some(mut labels)) = (e.source_code(), e.labels()) {
-        if let Some(label) = labels.next() {
-            if let Ok(span) = source.read_span(label.inner(), 0, 0) {
-                let file = span.name().map(str::to_owned).or(location.clone());
-                location = Some(format!(
-                    "{}:{}:{}",
-                    file.unwrap_or_default(),
-                    span.line() + 1,
-                    span.column() + 1
-                ));
-            }
-        }
+    if let (Some(source), Some(mut labels)) = (e.source_code(), e.labels())
+        && let Some(label) = labels.next()
+        && let Ok(span) = source.read_span(label.inner(), 0, 0)
+    {
+        let file = span.name().map(str::to_owned).or(location.clone());
+        location = Some(format!(
+            "{}:{}:{}",
+            file.unwrap_or_default(),
+            span.line() + 1,
+            span.column() + 1
+        ));
     }
     match location {
         Some(at) => format!("{at}: {e}"),
@@ -407,7 +411,7 @@ impl prost_build::ServiceGenerator for ServiceGenerator {
             Ok(def) => def,
             Err(e) => return self.fail(vec![e], buf),
         };
-        #[allow(unused_mut)]
+        #[cfg_attr(not(feature = "tonic"), allow(unused_mut))]
         let mut tokens = match generate(&def, &self.options) {
             Ok(tokens) => tokens,
             Err(errors) => return self.fail(errors, buf),
@@ -435,6 +439,7 @@ impl prost_build::ServiceGenerator for ServiceGenerator {
             };
             push_pretty(&def, &tokens, buf, &mut self.errors.borrow_mut());
         }
+        #[cfg(not(feature = "tonic"))]
         let _ = (package, buf);
     }
 }
