@@ -215,9 +215,18 @@ fn method_desc(service: &ServiceDef, m: &MethodDef) -> TokenStream {
     quote! { MethodDesc::new(#path, CallKind::#kind) }
 }
 
+/// The method's docs, or one line naming its path when it has none.
+fn method_docs(service: &ServiceDef, m: &MethodDef, verb: &str) -> TokenStream {
+    if m.docs.is_empty() {
+        doc_attrs(&[format!(" {verb} `{}`.", service.method_path(m))])
+    } else {
+        doc_attrs(&m.docs)
+    }
+}
+
 fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
     let name = ident(&m.name);
-    let docs = doc_attrs(&m.docs);
+    let docs = method_docs(service, m, "Calls");
     let input = rebase(&m.input_type);
     let output = rebase(&m.output_type);
     let desc = method_desc(service, m);
@@ -324,7 +333,10 @@ fn server(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
     });
     let const_names = service.methods.iter().map(|m| ident(&m.const_name()));
     let methods_doc = format!(" Every method of `{full_name}`, in declaration order.");
-    let trait_items = service.methods.iter().map(|m| trait_item(&trait_name, m));
+    let trait_items = service
+        .methods
+        .iter()
+        .map(|m| trait_item(&trait_name, m, method_docs(service, m, "Handles")));
     let arms = service.methods.iter().map(|m| dispatch_arm(&trait_name, m));
     let server_doc = format!(
         " Serves a [`{trait_name}`] implementation as `{full_name}`: hand it to the server \
@@ -396,9 +408,8 @@ fn server(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
     }
 }
 
-fn trait_item(trait_name: &Ident, m: &MethodDef) -> TokenStream {
+fn trait_item(trait_name: &Ident, m: &MethodDef, docs: TokenStream) -> TokenStream {
     let name = ident(&m.name);
-    let docs = doc_attrs(&m.docs);
     let input = rebase(&m.input_type);
     let output = rebase(&m.output_type);
     let request = if m.client_streaming {

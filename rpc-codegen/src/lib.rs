@@ -55,7 +55,7 @@
 //!
 //! # tonic
 //!
-//! With the `tonic` feature, [`Builder::emit_tonic`] also emits tonic's gRPC client and server
+//! With the `tonic` feature, `Builder::emit_tonic` also emits tonic's gRPC client and server
 //! for each service in the same prost pass, in a `<service>_tonic` module, plus a
 //! `<Service>TonicAdapter<T>` that serves an implementation of our trait over gRPC (unary and
 //! server-streaming methods; client-streaming and bidirectional methods answer

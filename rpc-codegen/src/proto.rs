@@ -35,7 +35,7 @@ use crate::ir::{CodegenError, MethodDef, ServiceDef};
 /// ```
 ///
 /// The crate needs `prost` (and `prost-types` for well-known types) and `rpc-core` as
-/// dependencies; with [`Builder::emit_tonic`] also `tonic` and `tonic-prost`.
+/// dependencies; with `Builder::emit_tonic` (feature `tonic`) also `tonic` and `tonic-prost`.
 #[derive(Clone, Debug)]
 pub struct Builder {
     build_client: bool,

@@ -84,6 +84,7 @@ impl TonicPart {
             #[doc = #doc]
             #vis mod #module {
                 #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+                #![allow(rustdoc::bare_urls, rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
                 #tonic
                 #adapter
             }
