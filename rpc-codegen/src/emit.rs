@@ -74,7 +74,15 @@ fn ident(name: &str) -> Ident {
 /// The module-level `#![allow]` every generated module opens with.
 fn allow() -> TokenStream {
     quote! {
-        #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+        #![allow(
+            unused_variables,
+            unused_imports,
+            dead_code,
+            missing_docs,
+            private_interfaces,
+            private_bounds,
+            clippy::all
+        )]
     }
 }
 
@@ -378,7 +386,7 @@ fn server(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
 
             impl<T> ::core::clone::Clone for #server<T> {
                 fn clone(&self) -> Self {
-                    Self { inner: Arc::clone(&self.inner) }
+                    Self { inner: ::core::clone::Clone::clone(&self.inner) }
                 }
             }
 
@@ -459,7 +467,7 @@ fn dispatch_arm(trait_name: &Ident, m: &MethodDef) -> TokenStream {
     };
     quote! {
         id if id == #c.id => {
-            let inner = Arc::clone(&self.inner);
+            let inner = ::core::clone::Clone::clone(&self.inner);
             call.#run(move |request| async move {
                 <T as #trait_name>::#name(&inner, request).await
             })

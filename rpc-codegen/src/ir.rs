@@ -271,8 +271,9 @@ impl ServiceDef {
                 Some(&j) => err(
                     Some(i),
                     format!(
-                        "methods #{j} and #{i} have the same path `{path}`; method names must be \
-                         unique"
+                        "methods `{}` and `{}` have the same path `{path}`; method names must be \
+                         unique",
+                        self.methods[j].name, m.name
                     ),
                 ),
                 None => {

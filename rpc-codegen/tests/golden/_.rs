@@ -6,7 +6,15 @@ pub struct Poke {
 }
 /// Generated client implementations.
 pub mod bare_client {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct BareClient {
@@ -60,7 +68,15 @@ pub mod bare_client {
 }
 /// Generated server implementations.
 pub mod bare_server {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// `/Bare/Poke`.
     pub const POKE: MethodDesc = MethodDesc::new("/Bare/Poke", CallKind::Unary);
@@ -92,7 +108,7 @@ pub mod bare_server {
     impl<T> ::core::clone::Clone for BareServer<T> {
         fn clone(&self) -> Self {
             Self {
-                inner: Arc::clone(&self.inner),
+                inner: ::core::clone::Clone::clone(&self.inner),
             }
         }
     }
@@ -111,7 +127,7 @@ pub mod bare_server {
         fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
             match method {
                 id if id == POKE.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Bare>::poke(&inner, request).await
                     })

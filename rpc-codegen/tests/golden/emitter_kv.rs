@@ -1,6 +1,14 @@
 /// Generated client implementations.
 pub(crate) mod kv_client {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use crate::rt::codegen::*;
     /// A store.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
@@ -77,7 +85,15 @@ pub(crate) mod kv_client {
 }
 /// Generated server implementations.
 pub(crate) mod kv_server {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use crate::rt::codegen::*;
     /// `/store.v1.Kv/Get`.
     pub const GET: MethodDesc = MethodDesc::new("/store.v1.Kv/Get", CallKind::Unary);
@@ -126,7 +142,7 @@ pub(crate) mod kv_server {
     impl<T> ::core::clone::Clone for KvServer<T> {
         fn clone(&self) -> Self {
             Self {
-                inner: Arc::clone(&self.inner),
+                inner: ::core::clone::Clone::clone(&self.inner),
             }
         }
     }
@@ -145,13 +161,13 @@ pub(crate) mod kv_server {
         fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
             match method {
                 id if id == GET.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Kv>::get(&inner, request).await
                     })
                 }
                 id if id == WATCH.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.streaming(move |request| async move {
                         <T as Kv>::watch(&inner, request).await
                     })

@@ -15,7 +15,15 @@ pub struct HelloReply {
 }
 /// Generated client implementations.
 pub mod greeter_client {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::my_reexport::rpc_core::codegen::*;
     /// Says hello.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]

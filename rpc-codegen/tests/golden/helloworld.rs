@@ -15,7 +15,15 @@ pub struct HelloReply {
 }
 /// Generated client implementations.
 pub mod greeter_client {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// Says hello.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
@@ -76,7 +84,15 @@ pub mod greeter_client {
 }
 /// Generated server implementations.
 pub mod greeter_server {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// `/helloworld.Greeter/SayHello`.
     pub const SAY_HELLO: MethodDesc = MethodDesc::new(
@@ -112,7 +128,7 @@ pub mod greeter_server {
     impl<T> ::core::clone::Clone for GreeterServer<T> {
         fn clone(&self) -> Self {
             Self {
-                inner: Arc::clone(&self.inner),
+                inner: ::core::clone::Clone::clone(&self.inner),
             }
         }
     }
@@ -131,7 +147,7 @@ pub mod greeter_server {
         fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
             match method {
                 id if id == SAY_HELLO.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Greeter>::say_hello(&inner, request).await
                     })

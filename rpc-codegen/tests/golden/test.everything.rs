@@ -13,7 +13,15 @@ pub struct Type {
 }
 /// Generated client implementations.
 pub mod route_guide_client {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// Route guide, in the shape of gRPC's example (see <https://grpc.io/docs/> for \[the original\]).
     ///
@@ -134,7 +142,15 @@ pub mod route_guide_client {
 }
 /// Generated server implementations.
 pub mod route_guide_server {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// `/test.everything.RouteGuide/GetFeature`.
     pub const GET_FEATURE: MethodDesc = MethodDesc::new(
@@ -235,7 +251,7 @@ pub mod route_guide_server {
     impl<T> ::core::clone::Clone for RouteGuideServer<T> {
         fn clone(&self) -> Self {
             Self {
-                inner: Arc::clone(&self.inner),
+                inner: ::core::clone::Clone::clone(&self.inner),
             }
         }
     }
@@ -254,25 +270,25 @@ pub mod route_guide_server {
         fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
             match method {
                 id if id == GET_FEATURE.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as RouteGuide>::get_feature(&inner, request).await
                     })
                 }
                 id if id == LIST_FEATURES.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.server_streaming(move |request| async move {
                         <T as RouteGuide>::list_features(&inner, request).await
                     })
                 }
                 id if id == RECORD_ROUTE.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.client_streaming(move |request| async move {
                         <T as RouteGuide>::record_route(&inner, request).await
                     })
                 }
                 id if id == ROUTE_CHAT.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.streaming(move |request| async move {
                         <T as RouteGuide>::route_chat(&inner, request).await
                     })
@@ -284,7 +300,15 @@ pub mod route_guide_server {
 }
 /// Generated client implementations.
 pub mod clock_client {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// Well-known types as requests and responses.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
@@ -407,7 +431,15 @@ pub mod clock_client {
 }
 /// Generated server implementations.
 pub mod clock_server {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// `/test.everything.Clock/Now`.
     pub const NOW: MethodDesc = MethodDesc::new(
@@ -467,7 +499,7 @@ pub mod clock_server {
     impl<T> ::core::clone::Clone for ClockServer<T> {
         fn clone(&self) -> Self {
             Self {
-                inner: Arc::clone(&self.inner),
+                inner: ::core::clone::Clone::clone(&self.inner),
             }
         }
     }
@@ -486,19 +518,19 @@ pub mod clock_server {
         fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
             match method {
                 id if id == NOW.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Clock>::now(&inner, request).await
                     })
                 }
                 id if id == PING.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Clock>::ping(&inner, request).await
                     })
                 }
                 id if id == GET_TIME.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Clock>::get_time(&inner, request).await
                     })
@@ -510,7 +542,15 @@ pub mod clock_server {
 }
 /// Generated client implementations.
 pub mod keywords_client {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// Methods whose names are Rust keywords.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
@@ -661,7 +701,15 @@ pub mod keywords_client {
 }
 /// Generated server implementations.
 pub mod keywords_server {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// `/test.everything.Keywords/type`.
     pub const TYPE: MethodDesc = MethodDesc::new(
@@ -749,7 +797,7 @@ pub mod keywords_server {
     impl<T> ::core::clone::Clone for KeywordsServer<T> {
         fn clone(&self) -> Self {
             Self {
-                inner: Arc::clone(&self.inner),
+                inner: ::core::clone::Clone::clone(&self.inner),
             }
         }
     }
@@ -768,31 +816,31 @@ pub mod keywords_server {
         fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
             match method {
                 id if id == TYPE.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Keywords>::r#type(&inner, request).await
                     })
                 }
                 id if id == MATCH.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Keywords>::r#match(&inner, request).await
                     })
                 }
                 id if id == ASYNC.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.server_streaming(move |request| async move {
                         <T as Keywords>::r#async(&inner, request).await
                     })
                 }
                 id if id == LOOP.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.client_streaming(move |request| async move {
                         <T as Keywords>::r#loop(&inner, request).await
                     })
                 }
                 id if id == SELF.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Keywords>::self_(&inner, request).await
                     })

@@ -16,7 +16,15 @@ pub mod located {
 }
 /// Generated client implementations.
 pub mod deep_client {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// Lives in `test.nested.deep`, speaks `test.common` messages.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
@@ -77,7 +85,15 @@ pub mod deep_client {
 }
 /// Generated server implementations.
 pub mod deep_server {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
     use ::rpc_core::codegen::*;
     /// `/test.nested.deep.Deep/Locate`.
     pub const LOCATE: MethodDesc = MethodDesc::new(
@@ -113,7 +129,7 @@ pub mod deep_server {
     impl<T> ::core::clone::Clone for DeepServer<T> {
         fn clone(&self) -> Self {
             Self {
-                inner: Arc::clone(&self.inner),
+                inner: ::core::clone::Clone::clone(&self.inner),
             }
         }
     }
@@ -132,7 +148,7 @@ pub mod deep_server {
         fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
             match method {
                 id if id == LOCATE.id => {
-                    let inner = Arc::clone(&self.inner);
+                    let inner = ::core::clone::Clone::clone(&self.inner);
                     call.unary(move |request| async move {
                         <T as Deep>::locate(&inner, request).await
                     })
