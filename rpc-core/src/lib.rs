@@ -30,7 +30,8 @@ pub mod streaming;
 pub mod verbs;
 pub mod wire;
 
-pub use client::Channel;
+pub use client::{Channel, ChannelBuilder, PollerMode};
+pub use server::{PollMode, RunningServer, Server, ServerBuilder};
 pub use error::{Error, ErrorKind};
 pub use method::{CallKind, MethodDesc};
 pub use request::{
