@@ -115,6 +115,7 @@ pub(crate) struct Driver<P: Provider> {
     cancel_retry: VecDeque<CallId>,
     cq: P::Cq,
     channel: P::CompChannel,
+    wcs: [Wc; POLL_BATCH],
     _pd: Arc<P::Pd>,
     _ctx: P::Context,
 }
@@ -133,7 +134,9 @@ pub(crate) struct ClientCore<P: Provider> {
     driver: Exclusive<Driver<P>>,
     cells: Box<[Cell<P>]>,
     free: ArrayQueue<u32>,
-    permits: tokio::sync::Semaphore,
+    /// Callers waiting for a free cell (slow path only).
+    waiters: std::sync::atomic::AtomicUsize,
+    cell_freed: tokio::sync::Notify,
     submitted: ArrayQueue<(u32, u32)>,
     cancelled: ArrayQueue<(u32, u32)>,
     arena: Arc<SlotArena<P>>,
@@ -185,6 +188,7 @@ impl<P: Provider> ClientCore<P> {
             link: parts.link,
             cq: parts.cq,
             channel: parts.channel,
+            wcs: [Wc::default(); POLL_BATCH],
             _pd: parts.pd,
             _ctx: parts.ctx,
         };
@@ -201,7 +205,8 @@ impl<P: Provider> ClientCore<P> {
                 })
                 .collect(),
             free,
-            permits: tokio::sync::Semaphore::new(n),
+            waiters: std::sync::atomic::AtomicUsize::new(0),
+            cell_freed: tokio::sync::Notify::new(),
             submitted: ArrayQueue::new(n),
             cancelled: ArrayQueue::new(n),
             arena,
@@ -234,7 +239,7 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) fn kill(&self, status: Status) {
         let _ = self.dead_status.set(status);
         self.dead.store(true, Ordering::Release);
-        self.permits.close();
+        self.cell_freed.notify_waiters();
         self.doorbell.ring_always();
         // Whoever drives next fails the calls; make sure someone does.
         self.progress();
@@ -257,21 +262,39 @@ impl<P: Provider> ClientCore<P> {
             .wrapping_add(1)
     }
 
+    /// A free call cell; waits (without spinning) when all are in flight.
     async fn acquire(&self) -> Result<(u32, u32), Status> {
-        if self.is_dead() {
-            return Err(self.dead_status());
+        loop {
+            if self.is_dead() {
+                return Err(self.dead_status());
+            }
+            if let Some(idx) = self.free.pop() {
+                return Ok((idx, self.claim(idx)));
+            }
+            // Slow path: register as a waiter, then re-check before sleeping (a cell freed in
+            // between is seen, or its release sees us and notifies).
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            let notified = self.cell_freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let again = self.free.pop();
+            if again.is_none() && !self.is_dead() {
+                if self.mode == PollerMode::Caller {
+                    // Nobody else may be driving: make progress while waiting.
+                    self.progress();
+                    tokio::select! {
+                        _ = &mut notified => {}
+                        _ = tokio::task::yield_now() => {}
+                    }
+                } else {
+                    notified.await;
+                }
+            }
+            self.waiters.fetch_sub(1, Ordering::SeqCst);
+            if let Some(idx) = again {
+                return Ok((idx, self.claim(idx)));
+            }
         }
-        let permit = self
-            .permits
-            .acquire()
-            .await
-            .map_err(|_| self.dead_status())?;
-        permit.forget();
-        let Some(idx) = self.free.pop() else {
-            self.permits.add_permits(1);
-            return Err(Status::internal("call cells out of sync with permits"));
-        };
-        Ok((idx, self.claim(idx)))
     }
 
     fn acquire_blocking(&self) -> Result<(u32, u32), Status> {
@@ -280,28 +303,20 @@ impl<P: Provider> ClientCore<P> {
             if self.is_dead() {
                 return Err(self.dead_status());
             }
-            match self.permits.try_acquire() {
-                Ok(p) => {
-                    p.forget();
-                    let Some(idx) = self.free.pop() else {
-                        self.permits.add_permits(1);
-                        return Err(Status::internal("call cells out of sync with permits"));
-                    };
-                    return Ok((idx, self.claim(idx)));
-                }
-                Err(tokio::sync::TryAcquireError::Closed) => return Err(self.dead_status()),
-                Err(tokio::sync::TryAcquireError::NoPermits) => {
-                    self.progress();
-                    spins = backoff(spins);
-                }
+            if let Some(idx) = self.free.pop() {
+                return Ok((idx, self.claim(idx)));
             }
+            self.progress();
+            spins = backoff(spins);
         }
     }
 
     fn release_cell(&self, idx: u32) {
         self.cells[idx as usize].mb.release();
         let _ = self.free.push(idx);
-        self.permits.add_permits(1);
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.cell_freed.notify_one();
+        }
     }
 
     /// Encodes the request: eager into a send slot, or by rendezvous from a bulk buffer.
@@ -516,7 +531,7 @@ impl<P: Provider> ClientCore<P> {
                 idle = 0;
                 continue;
             }
-            if self.is_dead() && self.permits.available_permits() == self.cells.len() {
+            if self.is_dead() && self.free.len() == self.cells.len() {
                 // Nothing in flight on a dead connection: sleep until stopped.
                 wait_readable(&[self.doorbell.fd()], MAX_SLEEP);
                 continue;
@@ -630,7 +645,7 @@ impl<P: Provider> Driver<P> {
                 warn!("{}: connection failed: {e}", core.describe);
                 let _ = core.dead_status.set(e.status());
                 core.dead.store(true, Ordering::Release);
-                core.permits.close();
+                core.cell_freed.notify_waiters();
                 self.fail_all(core, e.status())
             }
         }
@@ -670,13 +685,13 @@ impl<P: Provider> Driver<P> {
                 Taken::Empty => {}
             }
         }
-        let mut wcs = [Wc::default(); POLL_BATCH];
         let n = self
             .cq
-            .poll(&mut wcs)
+            .poll(&mut self.wcs)
             .map_err(|e| LinkError::Verbs(e.to_string()))?;
-        for wc in &wcs[..n] {
-            self.on_completion(core, wc)?;
+        for i in 0..n {
+            let wc = self.wcs[i];
+            self.on_completion(core, &wc)?;
         }
         work += n;
         if n > 0 {

@@ -37,6 +37,9 @@ const POLL_BATCH: usize = 32;
 const SPIN_ITERS: u32 = 20_000;
 /// Empty loop iterations spent yielding before sleeping (adaptive mode).
 const YIELD_ITERS: u32 = 200;
+/// Idle iterations between two passes over the connections (reposts, credits, deadlines,
+/// inbox) when nothing happens; after any work the pass runs at once.
+const MAINTAIN_EVERY: u32 = 64;
 /// Longest sleep, so shutdown and deadlines are noticed.
 const MAX_SLEEP: Duration = Duration::from_millis(50);
 
@@ -145,6 +148,8 @@ pub(crate) struct ServerConn<P: Provider> {
 pub(crate) struct Shard<P: Provider> {
     // Field order is drop order: connections (QPs, arenas) before the CQ, PD and device.
     conns: Vec<Option<ServerConn<P>>>,
+    /// Indices of the live connections (what `maintain` walks).
+    live: Vec<u16>,
     generations: Vec<u8>,
     tasks: Tasks,
     task_owner: Vec<(u16, CallId)>,
@@ -163,6 +168,7 @@ pub(crate) struct Shard<P: Provider> {
     live_calls: Arc<AtomicUsize>,
     epoch: Instant,
     max_inline: u32,
+    wcs: [Wc; POLL_BATCH],
 }
 
 /// Opens the shard's device objects on the calling thread and returns the shard, ready to run.
@@ -206,6 +212,7 @@ pub(crate) fn open<P: Provider>(
     };
     let shard = Shard {
         conns: (0..n).map(|_| None).collect(),
+        live: Vec::with_capacity(n),
         generations: vec![0; n],
         task_owner: vec![(0, CallId(0)); cfg.tasks_per_shard as usize],
         tasks,
@@ -224,6 +231,7 @@ pub(crate) fn open<P: Provider>(
         live_calls,
         epoch,
         max_inline,
+        wcs: [Wc::default(); POLL_BATCH],
     };
     Ok((shard, handle))
 }
@@ -504,12 +512,15 @@ impl<P: Provider> Shard<P> {
         }
         let mut idle: u32 = 0;
         loop {
-            let mut work = self.drain_inbox();
-            work += self.poll_cq();
+            let mut work = self.poll_cq();
             work += self.run_ready();
-            work += self.maintain();
-            if self.stop.load(Ordering::Acquire) && self.live_calls.load(Ordering::Acquire) == 0 {
-                break;
+            if work > 0 || idle % MAINTAIN_EVERY == 0 {
+                work += self.drain_inbox();
+                work += self.maintain();
+                if self.stop.load(Ordering::Acquire) && self.live_calls.load(Ordering::Acquire) == 0
+                {
+                    break;
+                }
             }
             if work > 0 {
                 idle = 0;
@@ -644,6 +655,7 @@ impl<P: Provider> Shard<P> {
             hello.endpoint.qp_num
         );
         let calls = (0..hello.max_calls).map(|_| SrvCall::empty()).collect();
+        self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
             link,
             calls,
@@ -678,16 +690,16 @@ impl<P: Provider> Shard<P> {
     }
 
     fn poll_cq(&mut self) -> usize {
-        let mut wcs = [Wc::default(); POLL_BATCH];
-        let n = match self.cq.poll(&mut wcs) {
+        let n = match self.cq.poll(&mut self.wcs) {
             Ok(n) => n,
             Err(e) => {
                 warn!("poll_cq failed: {e}");
                 return 0;
             }
         };
-        for wc in &wcs[..n] {
-            self.on_completion(wc);
+        for i in 0..n {
+            let wc = self.wcs[i];
+            self.on_completion(&wc);
         }
         n
     }
@@ -1012,8 +1024,11 @@ impl<P: Provider> Shard<P> {
         let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
         let mut n_expired = 0;
         let mut work = 0;
-        for (idx, slot) in self.conns.iter_mut().enumerate() {
-            let Some(conn) = slot else { continue };
+        for &i in &self.live {
+            let idx = i as usize;
+            let Some(Some(conn)) = self.conns.get_mut(idx) else {
+                continue;
+            };
             match conn.link.post_recvs(true) {
                 Ok(k) => work += k as usize,
                 Err(e) => {
