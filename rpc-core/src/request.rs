@@ -212,6 +212,7 @@ pub struct Request<T> {
     message: T,
     timeout: Option<Duration>,
     response_hint: Option<usize>,
+    peer: Option<crate::server::Peer>,
 }
 
 impl<T> Request<T> {
@@ -222,6 +223,7 @@ impl<T> Request<T> {
             message,
             timeout: None,
             response_hint: None,
+            peer: None,
         }
     }
 
@@ -274,6 +276,17 @@ impl<T> Request<T> {
         self.response_hint
     }
 
+    /// Server side: the connection this request arrived on, for one-sided READ and WRITE of
+    /// memory the client registered and advertised in the request (explicit bulk handles).
+    /// `None` on the client side.
+    pub fn peer(&self) -> Option<&crate::server::Peer> {
+        self.peer.as_ref()
+    }
+
+    pub(crate) fn set_peer(&mut self, peer: Option<crate::server::Peer>) {
+        self.peer = peer;
+    }
+
     /// Splits into parts.
     pub fn into_parts(self) -> (Metadata, T, Option<Duration>) {
         (self.metadata, self.message, self.timeout)
@@ -286,6 +299,7 @@ impl<T> Request<T> {
             message,
             timeout,
             response_hint: None,
+            peer: None,
         }
     }
 
@@ -296,6 +310,7 @@ impl<T> Request<T> {
             message: f(self.message),
             timeout: self.timeout,
             response_hint: self.response_hint,
+            peer: self.peer,
         }
     }
 }

@@ -14,7 +14,19 @@ struct Echo {
 
 static ECHO: MethodDesc = MethodDesc::new("/test.Echo/Echo", CallKind::Unary);
 static FAIL: MethodDesc = MethodDesc::new("/test.Echo/Fail", CallKind::Unary);
-static METHODS: [MethodDesc; 2] = [ECHO, FAIL];
+static SUM: MethodDesc = MethodDesc::new("/test.Echo/Sum", CallKind::Unary);
+static METHODS: [MethodDesc; 3] = [ECHO, FAIL, SUM];
+
+/// A bulk handle: the client's region, read and then overwritten one-sided by the handler.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Handle {
+    #[prost(fixed64, tag = "1")]
+    addr: u64,
+    #[prost(fixed64, tag = "2")]
+    len: u64,
+    #[prost(fixed32, tag = "3")]
+    rkey: u32,
+}
 
 struct EchoSvc;
 
@@ -28,6 +40,30 @@ impl Service for EchoSvc {
     fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
         if method == ECHO.id {
             call.unary(|req: Request<Echo>| async move { Ok(Response::new(req.into_inner())) })
+        } else if method == SUM.id {
+            call.unary(|req: Request<Handle>| async move {
+                let peer = req
+                    .peer()
+                    .cloned()
+                    .ok_or_else(|| Status::internal("no peer"))?;
+                let h = req.into_inner();
+                let remote = rpc_core::verbs::RemoteMr {
+                    addr: h.addr,
+                    len: h.len,
+                    rkey: h.rkey,
+                };
+                let data = peer.read(remote).await?;
+                let sum: u64 = data.iter().map(|&b| u64::from(b)).sum();
+                let mut out = peer.buffer(data.len())?;
+                for (i, b) in out.iter_mut().enumerate() {
+                    *b = (i % 251) as u8;
+                }
+                peer.write(out, remote).await?;
+                Ok(Response::new(Echo {
+                    seq: sum,
+                    data: Bytes::new(),
+                }))
+            })
         } else if method == FAIL.id {
             call.unary(|_req: Request<Echo>| async move {
                 Err::<Response<Echo>, _>(Status::not_found("nothing here"))
@@ -72,5 +108,22 @@ async fn echo_round_trips() {
         .unwrap_err();
     assert_eq!(e.code(), rpc_core::Code::NotFound);
     assert_eq!(e.message(), "nothing here");
+
+    // Explicit bulk handle: the handler reads the region, then overwrites it.
+    let n = 3 << 20;
+    let mut region = ch.alloc_region(n).await.unwrap();
+    // SAFETY: no request advertises the region yet.
+    unsafe { region.as_mut_slice() }.fill(3);
+    let r = region.remote();
+    let h = Handle {
+        addr: r.addr,
+        len: r.len,
+        rkey: r.rkey,
+    };
+    let sum: Response<Echo> = ch.unary(&SUM, Request::new(h)).await.unwrap();
+    assert_eq!(sum.into_inner().seq, 3 * n as u64);
+    // SAFETY: the call is over.
+    let bytes = unsafe { region.as_slice() };
+    assert!(bytes.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
     server.shutdown().await;
 }

@@ -150,6 +150,7 @@ pub(crate) struct ClientCore<P: Provider> {
     max_message: u64,
     pub(crate) counters: Counters,
     pub(crate) describe: String,
+    pd: Arc<P::Pd>,
 }
 
 impl<P: Provider> std::fmt::Debug for ClientCore<P> {
@@ -180,6 +181,7 @@ impl<P: Provider> ClientCore<P> {
         let n = parts.max_calls as usize;
         let arena = Arc::clone(&parts.link.arena);
         let bulk = Arc::clone(&parts.link.bulk);
+        let pd = Arc::clone(&parts.pd);
         let driver = Driver {
             calls: (0..n).map(|_| DrvCall::empty()).collect(),
             cell_slot: vec![None; n].into_boxed_slice(),
@@ -220,7 +222,36 @@ impl<P: Provider> ClientCore<P> {
             max_message: parts.max_message,
             counters: Counters::default(),
             describe: parts.describe,
+            pd,
         }))
+    }
+
+    /// Allocates registered memory peers may read and write through its rkey.
+    pub(crate) fn alloc_region(&self, len: usize) -> Result<Box<dyn crate::verbs::Mr>, Status> {
+        use crate::verbs::{Access, Pd};
+        let access = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+        let mr = self
+            .pd
+            .alloc_mr(len, access)
+            .map_err(|e| Status::resource_exhausted(format!("register {len} bytes: {e}")))?;
+        Ok(Box::new(mr))
+    }
+
+    /// Registers caller memory for remote read and write.
+    ///
+    /// # Safety
+    /// As [`crate::verbs::Pd::reg_mr`].
+    pub(crate) unsafe fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Box<dyn crate::verbs::Mr>, Status> {
+        use crate::verbs::{Access, Pd};
+        let access = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+        // SAFETY: forwarded contract.
+        let mr = unsafe { self.pd.reg_mr(ptr, len, access) }
+            .map_err(|e| Status::resource_exhausted(format!("register {len} bytes: {e}")))?;
+        Ok(Box::new(mr))
     }
 
     /// Whether the connection is gone.
@@ -923,8 +954,10 @@ impl<P: Provider> Driver<P> {
     }
 
     fn expire_pending(&mut self, core: &ClientCore<P>, call: CallId) {
-        if let Some(pos) = self.pending.iter().position(|p| p.2 == call) {
-            if let Some((idx, generation, call, sub)) = self.pending.remove(pos) {
+        if let Some(pos) = self.pending.iter().position(|p| p.2 == call)
+            && let Some((idx, generation, call, sub)) = self.pending.remove(pos)
+        {
+            {
                 core.arena.release_send(sub.staged.slot);
                 self.link.wire.finish(call);
                 let status = Status::deadline_exceeded("deadline exceeded waiting for credit");
@@ -961,6 +994,7 @@ impl<P: Provider> Driver<P> {
                 self.on_read_done(core, aux as usize)
             }
             Some(WrKind::Write) => check(wc),
+            Some(WrKind::Bulk) => Err(LinkError::Protocol("bulk completion on a client".into())),
             None => Err(LinkError::Protocol(
                 "completion with an unknown work-request id".into(),
             )),

@@ -225,6 +225,38 @@ impl Channel {
         }
     }
 
+    /// Allocates `len` bytes of registered memory that the server may read and write through
+    /// its handle ([`Region::remote`]): the client side of explicit bulk handles. Fill it, pass
+    /// `region.remote()` (`{addr, len, rkey}`) in a request, and the handler moves the bytes
+    /// with one-sided RDMA READ or WRITE ([`crate::server::Peer`]). The region belongs to the
+    /// current connection: after a reconnect, allocate it again.
+    ///
+    /// # Errors
+    /// `RESOURCE_EXHAUSTED` when the memory cannot be allocated or registered (RLIMIT_MEMLOCK
+    /// on real RNICs); `UNAVAILABLE` when the connection is gone and cannot be re-established.
+    pub async fn alloc_region(&self, len: usize) -> Result<Region, Status> {
+        let conn = self.conn().await?;
+        let mr = with_any!(AnyCore, &conn.core, c => c.alloc_region(len))?;
+        Ok(Region { mr, _conn: conn })
+    }
+
+    /// Registers existing memory `[ptr, ptr + len)` for remote read and write, as
+    /// [`Channel::alloc_region`] does for memory it allocates.
+    ///
+    /// # Errors
+    /// As [`Channel::alloc_region`].
+    ///
+    /// # Safety
+    /// The memory must stay allocated and must not be moved until the region is dropped; while
+    /// a request that advertises it is in flight the server may write it at any time, so Rust
+    /// code must not hold references into it then.
+    pub async unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Region, Status> {
+        let conn = self.conn().await?;
+        // SAFETY: forwarded contract.
+        let mr = with_any!(AnyCore, &conn.core, c => unsafe { c.register(ptr, len) })?;
+        Ok(Region { mr, _conn: conn })
+    }
+
     /// Whether the current connection is up (false after the server went away, until the next
     /// call reconnects).
     pub fn is_connected(&self) -> bool {
@@ -324,6 +356,58 @@ impl Channel {
     {
         let _ = request;
         Err(streaming_unsupported(method))
+    }
+}
+
+/// Client memory registered for the server's one-sided access (see
+/// [`Channel::alloc_region`]). Deregistered when dropped.
+pub struct Region {
+    mr: Box<dyn crate::verbs::Mr>,
+    _conn: Arc<Conn>,
+}
+
+impl Region {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.mr.len()
+    }
+
+    /// Whether the region is empty (never: zero-length registrations are refused).
+    pub fn is_empty(&self) -> bool {
+        self.mr.len() == 0
+    }
+
+    /// What the server needs: `{addr, len, rkey}`.
+    pub fn remote(&self) -> crate::verbs::RemoteMr {
+        self.mr.remote()
+    }
+
+    /// The bytes.
+    ///
+    /// # Safety
+    /// No request that advertises this region may be in flight (the server could write it
+    /// meanwhile: a data race).
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the MR's memory is mapped for `len` bytes while `mr` lives; the caller
+        // guarantees no remote writer.
+        unsafe { std::slice::from_raw_parts(self.mr.as_ptr(), self.mr.len()) }
+    }
+
+    /// The bytes, mutably.
+    ///
+    /// # Safety
+    /// As [`Region::as_slice`].
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only local reference.
+        unsafe { std::slice::from_raw_parts_mut(self.mr.as_ptr(), self.mr.len()) }
+    }
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("remote", &self.remote())
+            .finish()
     }
 }
 
