@@ -1,0 +1,243 @@
+//! Plots with plotters: latency against size (log-log) and throughput against outstanding
+//! calls, each as SVG and PNG.
+//!
+//! Text needs a font. plotters' default `ttf` feature finds system fonts through fontconfig
+//! (a system package); instead the `ab_glyph` feature renders with a font we register: DejaVu
+//! Sans, shipped inside the `dejavu` crate. Its licence (the Bitstream Vera licence and the
+//! DejaVu changes placed in the public domain) allows embedding and redistribution with
+//! software. So the PNGs carry their text on any machine, and the SVGs name `sans-serif`,
+//! which every viewer has.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use anyhow::{Result, anyhow};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::report::{Row, System, size_name};
+
+const FONT: &str = "sans-serif";
+
+fn register_font() -> Result<()> {
+    static DONE: OnceLock<bool> = OnceLock::new();
+    let ok = *DONE.get_or_init(|| {
+        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(anyhow!("the embedded DejaVu Sans font did not load"))
+    }
+}
+
+fn color(s: System) -> RGBColor {
+    match s {
+        System::Rpc => RGBColor(0xd6, 0x27, 0x28),
+        System::TonicCt => RGBColor(0x1f, 0x77, 0xb4),
+        System::TonicMt => RGBColor(0x2c, 0xa0, 0x2c),
+        System::Raw => RGBColor(0x55, 0x55, 0x55),
+    }
+}
+
+fn label(s: System, provider: &str) -> String {
+    match s {
+        System::Raw => format!("raw {provider} SEND/RECV"),
+        other => other.name().to_string(),
+    }
+}
+
+/// Writes `latency.{svg,png}` and `throughput.{svg,png}` into `dir`; returns the files.
+///
+/// # Errors
+/// When a file cannot be written or the font cannot be loaded.
+pub fn write_all(dir: &Path, rows: &[Row], provider: &str, title: &str) -> Result<Vec<PathBuf>> {
+    register_font()?;
+    std::fs::create_dir_all(dir)?;
+    let mut files = Vec::new();
+    let lat = |ext: &str| dir.join(format!("latency.{ext}"));
+    let tput = |ext: &str| dir.join(format!("throughput.{ext}"));
+    let size = (960, 620);
+    latency(SVGBackend::new(&lat("svg"), size).into_drawing_area(), rows, provider, title)?;
+    latency(BitMapBackend::new(&lat("png"), size).into_drawing_area(), rows, provider, title)?;
+    files.extend([lat("svg"), lat("png")]);
+    let size = (1200, 520);
+    throughput(SVGBackend::new(&tput("svg"), size).into_drawing_area(), rows, provider, title)?;
+    throughput(BitMapBackend::new(&tput("png"), size).into_drawing_area(), rows, provider, title)?;
+    files.extend([tput("svg"), tput("png")]);
+    Ok(files)
+}
+
+fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+    anyhow!("plot: {e:?}")
+}
+
+fn systems(rows: &[Row]) -> Vec<System> {
+    let mut s: Vec<System> = rows.iter().map(|r| r.system).collect();
+    s.sort();
+    s.dedup();
+    s
+}
+
+fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = values
+        .filter(|v| *v > 0.0 && v.is_finite())
+        .fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    if lo > hi {
+        return (1.0, 10.0);
+    }
+    // Whole decades around the data.
+    (10f64.powf(lo.log10().floor()), 10f64.powf(hi.log10().ceil()))
+}
+
+fn latency<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    rows: &[Row],
+    provider: &str,
+    title: &str,
+) -> Result<()> {
+    root.fill(&WHITE).map_err(err)?;
+    let (xmin, xmax) = rows
+        .iter()
+        .map(|r| r.size as f64)
+        .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
+    let (xmin, xmax) = if xmin <= xmax { (xmin, xmax) } else { (1.0, 2.0) };
+    let (ymin, ymax) = bounds(rows.iter().flat_map(|r| [r.p50_us, r.p99_us]).flatten());
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("Round-trip latency, 1 call outstanding: {title}"),
+            (FONT, 20),
+        )
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(
+            (xmin / 1.5..xmax * 1.5).log_scale(),
+            (ymin..ymax).log_scale(),
+        )
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("payload bytes each way")
+        .y_desc("µs (solid: p50, dashed: p99)")
+        .x_label_formatter(&|v| size_name(v.round() as usize))
+        .y_label_formatter(&|v| format!("{v}"))
+        .label_style((FONT, 14))
+        .draw()
+        .map_err(err)?;
+    for sys in systems(rows) {
+        let c = color(sys);
+        let mine: Vec<&Row> = rows.iter().filter(|r| r.system == sys).collect();
+        let p50: Vec<(f64, f64)> = mine
+            .iter()
+            .filter_map(|r| Some((r.size as f64, r.p50_us?)))
+            .collect();
+        let p99: Vec<(f64, f64)> = mine
+            .iter()
+            .filter_map(|r| Some((r.size as f64, r.p99_us?)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(p50.clone(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(label(sys, provider))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2)));
+        chart
+            .draw_series(p50.iter().map(|p| Circle::new(*p, 4, c.filled())))
+            .map_err(err)?;
+        chart
+            .draw_series(DashedLineSeries::new(p99, 6, 4, c.stroke_width(1)))
+            .map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font((FONT, 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+fn throughput<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    rows: &[Row],
+    provider: &str,
+    title: &str,
+) -> Result<()> {
+    root.fill(&WHITE).map_err(err)?;
+    let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    // The smallest size, and 4 KiB (or the next one) when there is one.
+    let mut panels: Vec<usize> = sizes.first().copied().into_iter().collect();
+    if let Some(&s) = sizes.iter().find(|&&s| s == 4096).or(sizes.get(1)) {
+        panels.push(s);
+    }
+    let (title_area, body) = root.split_vertically(36);
+    title_area
+        .titled(
+            &format!("Calls per second against calls outstanding: {title}"),
+            (FONT, 20),
+        )
+        .map_err(err)?;
+    let areas = body.split_evenly((1, panels.len().max(1)));
+    for (area, &size) in areas.iter().zip(&panels) {
+        let here: Vec<&Row> = rows.iter().filter(|r| r.size == size).collect();
+        let kmax = here
+            .iter()
+            .flat_map(|r| r.rates.keys().copied())
+            .max()
+            .unwrap_or(64)
+            .max(2) as f64;
+        let (ymin, ymax) = bounds(
+            here.iter()
+                .flat_map(|r| r.rates.values().map(|s| s.calls_per_s)),
+        );
+        let mut chart = ChartBuilder::on(area)
+            .caption(format!("{} calls", size_name(size)), (FONT, 16))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d((0.8..kmax * 1.25).log_scale(), (ymin..ymax).log_scale())
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("calls outstanding")
+            .y_desc("calls/s")
+            .x_label_formatter(&|v| format!("{}", v.round()))
+            .y_label_formatter(&|v| format!("{v:e}"))
+            .label_style((FONT, 13))
+            .draw()
+            .map_err(err)?;
+        for r in &here {
+            let c = color(r.system);
+            let pts: Vec<(f64, f64)> = r
+                .rates
+                .iter()
+                .map(|(&k, s)| (k as f64, s.calls_per_s))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+                .map_err(err)?
+                .label(label(r.system, provider))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2))
+                });
+            chart
+                .draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))
+                .map_err(err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .label_font((FONT, 13))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    root.present().map_err(err)?;
+    Ok(())
+}

@@ -1,0 +1,181 @@
+//! System (a): rdma-rpc, through the client generated from `bench.proto`.
+//!
+//! One outstanding call: blocking calls (`echo_blocking`) on a channel whose calling thread
+//! polls the completion queue itself (`PollerMode::Caller`): the lowest-latency path. Many
+//! outstanding: `k` tasks on one current-thread tokio runtime sharing one channel, still
+//! polled by the calling (only) thread, or, with `AsyncMode::Poller`, tasks on a two-worker
+//! runtime with a dedicated poller thread.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context as _, Result, bail};
+use bytes::Bytes;
+use rpc_core::verbs::ProviderKind;
+use rpc_core::{Channel, PollerMode, Request};
+
+use crate::client::{self, BenchClient, CALL_TIMEOUT, MAX_OUTSTANDING, Probe, StopRule};
+use crate::measure::{self, LatencyRun, Plan, RateRun};
+use crate::proto::EchoRequest;
+use crate::proto::bench_client::BenchClient as Generated;
+
+/// How the many-outstanding phases drive calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AsyncMode {
+    /// Tasks on one current-thread runtime; the same thread polls the CQ (one client thread).
+    Caller,
+    /// Tasks on a two-worker runtime; a dedicated poller thread polls the CQ.
+    Poller,
+}
+
+/// A connected rdma-rpc client.
+struct RpcClient {
+    rt: tokio::runtime::Runtime,
+    client: Generated,
+    /// For `AsyncMode::Poller`: its own runtime and channel.
+    poller: Option<(tokio::runtime::Runtime, Generated)>,
+}
+
+/// Connects to the rdma-rpc server at `addr`.
+///
+/// # Errors
+/// When the connection or handshake fails.
+pub fn connect(
+    addr: SocketAddr,
+    provider: ProviderKind,
+    mode: AsyncMode,
+) -> Result<Box<dyn BenchClient>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let client = rt.block_on(open(addr, provider, PollerMode::Caller))?;
+    let poller = match mode {
+        AsyncMode::Caller => None,
+        AsyncMode::Poller => {
+            let prt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            let c = prt.block_on(open(addr, provider, PollerMode::Thread))?;
+            Some((prt, c))
+        }
+    };
+    Ok(Box::new(RpcClient { rt, client, poller }))
+}
+
+async fn open(addr: SocketAddr, provider: ProviderKind, mode: PollerMode) -> Result<Generated> {
+    let ch = Channel::builder(addr.to_string())
+        .provider(provider)
+        .poller(mode)
+        .max_concurrent_calls(MAX_OUTSTANDING as u32)
+        .connect()
+        .await
+        .with_context(|| format!("rdma-rpc: connect to {addr}"))?;
+    Ok(Generated::new(ch))
+}
+
+fn request(payload: &Bytes) -> Request<EchoRequest> {
+    let mut r = Request::new(EchoRequest {
+        payload: payload.clone(),
+        reply_size: 0,
+    });
+    r.set_timeout(CALL_TIMEOUT);
+    // Large replies land straight in a zone the client lends (one RDMA WRITE); the hint is
+    // ignored below the eager threshold. Payload plus protobuf framing.
+    r.set_response_size_hint(payload.len() + 16);
+    r
+}
+
+fn check(size: usize, got: usize) -> Result<()> {
+    if got != size {
+        bail!("rdma-rpc: echo of {size} bytes came back with {got}");
+    }
+    Ok(())
+}
+
+async fn call_once(client: Generated, payload: Bytes) -> Result<()> {
+    let size = payload.len();
+    let r = client
+        .echo(request(&payload))
+        .await
+        .map_err(|s| anyhow::anyhow!("rdma-rpc: echo of {size} bytes: {s}"))?;
+    check(size, r.get_ref().payload.len())
+}
+
+impl RpcClient {
+    fn blocking_call(&self, payload: &Bytes) -> Result<()> {
+        let r = self
+            .client
+            .echo_blocking(request(payload))
+            .map_err(|s| anyhow::anyhow!("rdma-rpc: echo of {} bytes: {s}", payload.len()))?;
+        check(payload.len(), r.get_ref().payload.len())
+    }
+
+    fn windowed(
+        &self,
+        k: usize,
+        payload: &Bytes,
+        stop: StopRule,
+    ) -> Result<(u64, std::time::Duration)> {
+        let (rt, client) = match &self.poller {
+            None => (&self.rt, self.client.clone()),
+            Some((rt, c)) => (rt, c.clone()),
+        };
+        let payload = payload.clone();
+        rt.block_on(client::windowed_async(k, stop, move || {
+            call_once(client.clone(), payload.clone())
+        }))
+    }
+}
+
+impl BenchClient for RpcClient {
+    fn latency(&mut self, size: usize, plan: &Plan, probe: &mut dyn Probe) -> Result<LatencyRun> {
+        let payload = client::payload(size);
+        let start = Instant::now();
+        let mut n = 0;
+        while !plan.warm(start, n) {
+            self.blocking_call(&payload)?;
+            n += 1;
+        }
+        let before = probe.snapshot()?;
+        let mut hist = measure::histogram();
+        let start = Instant::now();
+        let mut calls = 0u64;
+        while !plan.done(start, plan.latency, calls) {
+            let t0 = Instant::now();
+            self.blocking_call(&payload)?;
+            measure::record(&mut hist, t0.elapsed());
+            calls += 1;
+        }
+        let wall = start.elapsed();
+        let cpu = probe.snapshot()?.since(before);
+        Ok(LatencyRun {
+            hist,
+            calls,
+            wall,
+            cpu,
+        })
+    }
+
+    fn rate(
+        &mut self,
+        size: usize,
+        outstanding: usize,
+        plan: &Plan,
+        probe: &mut dyn Probe,
+    ) -> Result<RateRun> {
+        let payload = client::payload(size);
+        let p = *plan;
+        self.windowed(outstanding, &payload, Arc::new(move |t, n| p.warm(t, n)))?;
+        let before = probe.snapshot()?;
+        let (calls, wall) = self.windowed(
+            outstanding,
+            &payload,
+            Arc::new(move |t, n| p.done(t, p.rate, n)),
+        )?;
+        let cpu = probe.snapshot()?.since(before);
+        Ok(RateRun { calls, wall, cpu })
+    }
+}

@@ -1,0 +1,473 @@
+//! `rpc-bench run`: the interleaved runs, from the client side.
+//!
+//! For each repetition, for each size, for each system in turn (a, b, c, a, b, c, ...): start
+//! that system's server process on the server host, connect, warm up and time one-outstanding
+//! calls, then warm up and time each many-outstanding count, disconnect, stop the server. Only
+//! one system's processes exist at a time, so a busy-polling server never steals the core of
+//! another system's measurement. Figures are medians over the repetitions.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rpc_core::verbs::ProviderKind;
+
+use crate::client::{BenchClient, MAX_OUTSTANDING, Probe, Snapshot};
+use crate::control::{self, Remote};
+use crate::measure::{self, Machine, Plan};
+use crate::report::{self, Cell, Issue3, LatencyFig, RateFig, Report, System};
+use crate::rpc_client::AsyncMode;
+use crate::server::PollArg;
+use crate::sys;
+use crate::tonic_client::{self, Flavor, Window};
+
+/// The sizes of issue 6.
+pub const DEFAULT_SIZES: [usize; 6] = [32, 256, 4 << 10, 64 << 10, 1 << 20, 16 << 20];
+/// Goodput is shown from this size up.
+pub const LARGE_FROM: usize = 64 << 10;
+/// The issue-3 bulk size.
+pub const BULK_SIZE: usize = 4 << 20;
+/// Largest payload the harness accepts (tonic's limit is set to 64 MiB).
+pub const MAX_SIZE: usize = 32 << 20;
+/// Default HTTP/2 window for tonic: large enough that 16 MiB messages are not throttled by
+/// flow control (the default 64 KiB window costs tonic most of its bulk goodput).
+pub const DEFAULT_TONIC_WINDOW: u32 = 8 << 20;
+
+/// Arguments of `rpc-bench run`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RunArgs {
+    /// CI mode: short phases, 3 repetitions; finishes in under a minute.
+    #[arg(long)]
+    pub quick: bool,
+    /// Interleaved repetitions (default 5, quick 3); figures are their medians.
+    #[arg(long)]
+    pub reps: Option<usize>,
+    /// Payload sizes, comma-separated (32, 4KiB, 16MiB, ...).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    pub sizes: Option<Vec<usize>>,
+    /// Outstanding-call counts of the throughput phases (1 is always the latency phase).
+    #[arg(long, value_delimiter = ',', default_value = "8,64")]
+    pub outstanding: Vec<usize>,
+    /// Systems, in the order they are interleaved.
+    #[arg(long, value_delimiter = ',', value_enum, default_value = "rpc,tonic-ct,tonic-mt,raw")]
+    pub systems: Vec<System>,
+    /// Where the JSON results go.
+    #[arg(long, default_value = "bench-out/results.json")]
+    pub json: PathBuf,
+    /// Directory for the plots (default: the JSON file's directory).
+    #[arg(long)]
+    pub plots: Option<PathBuf>,
+    /// Draw no plots.
+    #[arg(long)]
+    pub no_plots: bool,
+    /// Two-host mode: the address of `rpc-bench serve --listen ADDR` on the server host.
+    #[arg(long, value_name = "ADDR")]
+    pub connect: Option<String>,
+    /// RDMA provider for rdma-rpc and the raw ping-pong: soft, or ib (build with
+    /// `--features ibverbs`).
+    #[arg(long, default_value = "soft")]
+    pub provider: String,
+    /// Core for this (client) process (default 1 on machines with 2 or more CPUs).
+    #[arg(long)]
+    pub client_core: Option<usize>,
+    /// Core for the server processes (default 0).
+    #[arg(long)]
+    pub server_core: Option<usize>,
+    /// Pin nothing.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// rdma-rpc's shard poll mode.
+    #[arg(long, value_enum, default_value = "busy")]
+    pub rpc_poll: PollArg,
+    /// How rdma-rpc's many-outstanding phases drive calls.
+    #[arg(long, value_enum, default_value = "caller")]
+    pub rpc_async: AsyncMode,
+    /// tonic: initial HTTP/2 stream and connection window, bytes (0: tonic's 64 KiB default).
+    #[arg(long, default_value_t = DEFAULT_TONIC_WINDOW)]
+    pub tonic_window: u32,
+    /// tonic: adaptive (BDP) HTTP/2 windows.
+    #[arg(long)]
+    pub tonic_adaptive_window: bool,
+    /// tonic: serve through the generated adapter instead of a native tonic implementation.
+    #[arg(long)]
+    pub tonic_adapter: bool,
+    /// Skip an outstanding count when count x size exceeds this many bytes.
+    #[arg(long, default_value_t = 128 << 20)]
+    pub max_inflight: usize,
+    /// Warm-up before each timed phase, seconds.
+    #[arg(long)]
+    pub warmup_secs: Option<f64>,
+    /// Length of each latency phase, seconds.
+    #[arg(long)]
+    pub latency_secs: Option<f64>,
+    /// Length of each throughput phase, seconds.
+    #[arg(long)]
+    pub rate_secs: Option<f64>,
+    /// Skip the issue-3 extras (32 outstanding, 4 MiB echo, memcpy).
+    #[arg(long)]
+    pub no_issue3: bool,
+    /// Abort the whole run after this many seconds (default 300 quick, 1800 full).
+    #[arg(long)]
+    pub max_secs: Option<u64>,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// `32`, `256B`, `4KiB`, `4K`, `16MiB`, `1M` -> bytes.
+///
+/// # Errors
+/// For anything else.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let n: usize = n.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let mul = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        _ => return Err(format!("bad size unit in {s:?} (use B, KiB or MiB)")),
+    };
+    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+/// Everything fixed for the run.
+struct Cfg {
+    provider: ProviderKind,
+    plan: Plan,
+    server_core: Option<usize>,
+    rpc_poll: PollArg,
+    rpc_async: AsyncMode,
+    window: Window,
+    adapter: bool,
+    max_inflight: usize,
+    server_max_secs: u64,
+}
+
+struct RemoteProbe<'a>(&'a mut Remote);
+
+impl Probe for RemoteProbe<'_> {
+    fn snapshot(&mut self) -> Result<Snapshot> {
+        let server = self.0.server_cpu()?;
+        Ok(Snapshot {
+            client: sys::process_cpu(),
+            server,
+        })
+    }
+}
+
+fn server_args(cfg: &Cfg, system: System, size: usize) -> Vec<String> {
+    let mut a: Vec<String> = Vec::new();
+    let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
+    match system {
+        System::Rpc => push(&[
+            "--system",
+            "rpc",
+            "--provider",
+            cfg.provider.name(),
+            "--poll",
+            match cfg.rpc_poll {
+                PollArg::Busy => "busy",
+                PollArg::Adaptive => "adaptive",
+                PollArg::Event => "event",
+            },
+        ]),
+        System::TonicCt | System::TonicMt => {
+            push(&[
+                "--system",
+                "tonic",
+                "--runtime",
+                if system == System::TonicCt { "ct" } else { "mt" },
+            ]);
+            push(&["--window", &cfg.window.initial.unwrap_or(0).to_string()]);
+            if cfg.window.adaptive {
+                push(&["--adaptive-window"]);
+            }
+            if cfg.adapter {
+                push(&["--adapter"]);
+            }
+        }
+        System::Raw => push(&[
+            "--system",
+            "raw",
+            "--provider",
+            cfg.provider.name(),
+            "--max-size",
+            &size.to_string(),
+        ]),
+    }
+    // tonic-mt spreads over every core: pinning it to one would cripple it.
+    if let Some(c) = cfg.server_core
+        && system != System::TonicMt
+    {
+        push(&["--core", &c.to_string()]);
+    }
+    push(&["--max-secs", &cfg.server_max_secs.to_string()]);
+    a
+}
+
+/// Runs `f` with the calling thread allowed on every core (threads it spawns keep that), then
+/// restores the previous affinity.
+fn unpinned<T>(f: impl FnOnce() -> T) -> T {
+    let before = sys::current_affinity();
+    let all: Vec<usize> = (0..sys::online_cpus()).collect();
+    sys::pin_current_thread(&all);
+    let r = f();
+    sys::pin_current_thread(&before);
+    r
+}
+
+fn connect(
+    cfg: &Cfg,
+    system: System,
+    addr: std::net::SocketAddr,
+    size: usize,
+) -> Result<Box<dyn BenchClient>> {
+    match system {
+        System::Rpc if cfg.rpc_async == AsyncMode::Poller => {
+            unpinned(|| crate::rpc_client::connect(addr, cfg.provider, cfg.rpc_async))
+        }
+        System::Rpc => crate::rpc_client::connect(addr, cfg.provider, cfg.rpc_async),
+        System::TonicCt => tonic_client::connect(addr, Flavor::Ct, cfg.window),
+        System::TonicMt => unpinned(|| tonic_client::connect(addr, Flavor::Mt, cfg.window)),
+        System::Raw => crate::raw::connect(cfg.provider, addr, size),
+    }
+}
+
+fn run_cell(
+    remote: &mut Remote,
+    cfg: &Cfg,
+    rep: usize,
+    system: System,
+    size: usize,
+    ks: &[usize],
+) -> Cell {
+    let mut cell = Cell {
+        rep,
+        system,
+        size,
+        load1: measure::load_avg().map(|l| l[0]),
+        latency: None,
+        rates: Vec::new(),
+        skipped: Vec::new(),
+        error: None,
+    };
+    let r = (|| -> Result<()> {
+        let addr = remote.start(&server_args(cfg, system, size))?;
+        let mut client = connect(cfg, system, addr, size)?;
+        let mut probe = RemoteProbe(remote);
+        let lat = client.latency(size, &cfg.plan, &mut probe)?;
+        cell.latency = Some(LatencyFig::from_run(size, &lat));
+        for &k in ks {
+            if k.saturating_mul(size) > cfg.max_inflight {
+                cell.skipped.push(k);
+                continue;
+            }
+            let r = client.rate(size, k, &cfg.plan, &mut probe)?;
+            cell.rates.push(RateFig::from_run(size, k, &r));
+        }
+        drop(client);
+        Ok(())
+    })();
+    let stopped = remote.stop();
+    if let Err(e) = r.and(stopped) {
+        cell.error = Some(format!(
+            "{} {}: {e:#}",
+            system.name(),
+            report::size_name(size)
+        ));
+    }
+    cell
+}
+
+/// Runs the benchmark; writes the JSON file and plots; returns the report.
+///
+/// # Errors
+/// When the arguments are invalid or the server host cannot be reached. Failed cells are
+/// recorded in the report instead.
+pub fn run(args: &RunArgs, command: String) -> Result<Report> {
+    let started = Instant::now();
+    let quick = args.quick;
+    let secs = |v: Option<f64>, quick_d: f64, full: f64| {
+        Duration::from_secs_f64(v.unwrap_or(if quick { quick_d } else { full }).max(0.0))
+    };
+    let plan = Plan {
+        warmup: secs(args.warmup_secs, 0.02, 0.2),
+        latency: secs(args.latency_secs, 0.1, 0.8),
+        rate: secs(args.rate_secs, 0.05, 0.4),
+        min_calls: if quick { 3 } else { 10 },
+        max_phase: Duration::from_secs(if quick { 5 } else { 20 }),
+    };
+    let reps = args.reps.unwrap_or(if quick { 3 } else { 5 }).max(1);
+    let sizes = args.sizes.clone().unwrap_or_else(|| DEFAULT_SIZES.to_vec());
+    if sizes.iter().any(|&s| s == 0 || s > MAX_SIZE) {
+        bail!("sizes must be between 1 byte and {}", report::size_name(MAX_SIZE));
+    }
+    if args.outstanding.iter().any(|&k| k == 0 || k > MAX_OUTSTANDING) {
+        bail!("outstanding counts must be between 1 and {MAX_OUTSTANDING}");
+    }
+    if args.systems.is_empty() {
+        bail!("no system to run");
+    }
+    let provider: ProviderKind = args.provider.parse()?;
+    let max_secs = args.max_secs.unwrap_or(if quick { 300 } else { 1800 });
+    control::watchdog(Duration::from_secs(max_secs), "run");
+
+    let cpus = sys::online_cpus();
+    let pin = !args.no_pin && cpus >= 2;
+    let client_core = args.client_core.or(pin.then_some(1));
+    let server_core = args.server_core.or(pin.then_some(0));
+    if let Some(c) = client_core
+        && !args.no_pin
+        && !sys::pin_current_thread(&[c])
+    {
+        eprintln!("rpc-bench: could not pin the client to core {c}; running unpinned");
+    }
+    let cfg = Cfg {
+        provider,
+        plan,
+        server_core: server_core.filter(|_| !args.no_pin),
+        rpc_poll: args.rpc_poll,
+        rpc_async: args.rpc_async,
+        window: Window {
+            initial: (args.tonic_window > 0).then_some(args.tonic_window),
+            adaptive: args.tonic_adaptive_window,
+        },
+        adapter: args.tonic_adapter,
+        max_inflight: args.max_inflight,
+        server_max_secs: max_secs.min(600),
+    };
+
+    let mut remote = match &args.connect {
+        Some(addr) => Remote::connect(addr)?,
+        None => Remote::spawn_local(max_secs + 30)?,
+    };
+    let machine = Machine::this();
+    let server_machine = remote.info().unwrap_or_else(|e| format!("unknown ({e:#})"));
+    let load_before = measure::load_avg();
+    let started_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+
+    let issue3 = !args.no_issue3 && args.systems.contains(&System::Rpc);
+    let per_rep = sizes.len() * args.systems.len() + if issue3 { 2 } else { 0 };
+    let bar = if args.no_progress {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::with_draw_target(Some((reps * per_rep) as u64), ProgressDrawTarget::stderr())
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:32.cyan/blue} {pos}/{len} {elapsed_precise} eta {eta} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+
+    let mut cells = Vec::new();
+    let mut bulk_cells = Vec::new();
+    let mut memcpy = Vec::new();
+    for rep in 0..reps {
+        for &size in &sizes {
+            for &system in &args.systems {
+                bar.set_message(format!(
+                    "rep {}/{reps}: {} {}",
+                    rep + 1,
+                    system.name(),
+                    report::size_name(size)
+                ));
+                let mut ks = args.outstanding.clone();
+                if issue3 && system == System::Rpc && size == 32 && !ks.contains(&32) {
+                    ks.push(32);
+                }
+                let cell = run_cell(&mut remote, &cfg, rep, system, size, &ks);
+                if let Some(e) = &cell.error {
+                    bar.suspend(|| eprintln!("rpc-bench: {e}"));
+                }
+                cells.push(cell);
+                bar.inc(1);
+            }
+        }
+        if issue3 {
+            bar.set_message(format!("rep {}/{reps}: rdma-rpc 4 MiB echo", rep + 1));
+            let cell = run_cell(&mut remote, &cfg, rep, System::Rpc, BULK_SIZE, &[4]);
+            if let Some(e) = &cell.error {
+                bar.suspend(|| eprintln!("rpc-bench: {e}"));
+            }
+            bulk_cells.push(cell);
+            bar.inc(1);
+            bar.set_message(format!("rep {}/{reps}: memcpy 4 MiB", rep + 1));
+            memcpy.push(measure::memcpy_gbps(BULK_SIZE, plan.rate.max(plan.warmup)));
+            bar.inc(1);
+        }
+        // Streaming figures (issue 7: streaming ping-pong latency, streaming throughput against
+        // tonic's streaming) go here, interleaved like the unary ones, once the runtime serves
+        // streaming calls; today it answers UNIMPLEMENTED, so nothing is measured.
+    }
+    bar.finish_and_clear();
+    drop(remote);
+
+    let rows = report::summarize(&cells);
+    let ratios = report::ratios(&rows);
+    let i3 = if issue3 {
+        let rpc32 = rows.iter().find(|r| r.system == System::Rpc && r.size == 32);
+        let bulk = report::summarize(&bulk_cells);
+        Issue3 {
+            p50_us: rpc32.and_then(|r| r.p50_us),
+            p99_us: rpc32.and_then(|r| r.p99_us),
+            calls_per_s_32: rpc32.and_then(|r| r.rates.get(&32)).map(|r| r.calls_per_s),
+            goodput_4mib_gbps: bulk
+                .first()
+                .and_then(|r| r.rates.values().map(|s| s.goodput_gbps).reduce(f64::max)),
+            memcpy_4mib_gbps: report::median(memcpy),
+        }
+    } else {
+        Issue3::default()
+    };
+    let targets = report::targets(&rows, &ratios, &i3);
+    let errors: Vec<String> = cells
+        .iter()
+        .chain(&bulk_cells)
+        .filter_map(|c| c.error.clone())
+        .collect();
+    cells.extend(bulk_cells);
+    let config = serde_json::json!({
+        "provider": provider.name(),
+        "reps": reps,
+        "sizes": sizes,
+        "outstanding": args.outstanding,
+        "systems": args.systems,
+        "two_host": args.connect,
+        "client_core": client_core.filter(|_| !args.no_pin),
+        "server_core": cfg.server_core,
+        "rpc_poll": format!("{:?}", args.rpc_poll).to_lowercase(),
+        "rpc_async": args.rpc_async,
+        "tonic_window": cfg.window,
+        "tonic_adapter": cfg.adapter,
+        "max_inflight": args.max_inflight,
+        "quick": quick,
+    });
+    let report = Report {
+        command,
+        machine,
+        server_machine,
+        started_unix,
+        seconds: started.elapsed().as_secs_f64(),
+        load_before,
+        load_after: measure::load_avg(),
+        config,
+        plan,
+        rows,
+        ratios,
+        issue3: i3,
+        targets,
+        streaming: None,
+        cells,
+        errors,
+    };
+    if let Some(dir) = args.json.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    std::fs::write(&args.json, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("write {}", args.json.display()))?;
+    Ok(report)
+}
