@@ -66,7 +66,10 @@ pub fn supervise(opts: &SuperviseOpts) -> Result<()> {
     // The first line of our output tells a parent runner where we are.
     println!("LISTEN {local}");
     std::io::stdout().flush()?;
-    eprintln!("rpc-bench serve: control on {local}; servers bind {}:0", local.ip());
+    eprintln!(
+        "rpc-bench serve: control on {local}; servers bind {}:0",
+        local.ip()
+    );
     loop {
         let (stream, peer) = listener.accept().context("accept control connection")?;
         eprintln!("rpc-bench serve: runner connected from {peer}");
@@ -124,7 +127,10 @@ impl ServerProc {
         let line = p.read_line()?;
         match line.strip_prefix("READY ") {
             Some(port) => {
-                let port = port.trim().parse().context("server process sent a bad port")?;
+                let port = port
+                    .trim()
+                    .parse()
+                    .context("server process sent a bad port")?;
                 Ok((p, port))
             }
             None => bail!("server process failed to start: {line}"),
@@ -232,7 +238,13 @@ impl Remote {
     pub fn spawn_local(max_secs: u64) -> Result<Remote> {
         let exe = std::env::current_exe().context("locate the rpc-bench executable")?;
         let mut child = Command::new(exe)
-            .args(["serve", "--listen", "127.0.0.1:0", "--once", "--die-with-parent"])
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--once",
+                "--die-with-parent",
+            ])
             .arg("--max-secs")
             .arg(max_secs.to_string())
             .stdin(Stdio::null())

@@ -194,5 +194,7 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
 }
 
 fn fmt_load(l: Option<[f64; 3]>) -> String {
-    l.map_or("unknown".into(), |l| format!("{:.2}/{:.2}/{:.2}", l[0], l[1], l[2]))
+    l.map_or("unknown".into(), |l| {
+        format!("{:.2}/{:.2}/{:.2}", l[0], l[1], l[2])
+    })
 }

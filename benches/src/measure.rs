@@ -29,7 +29,10 @@ pub struct Plan {
 }
 
 mod secs {
-    pub fn serialize<S: serde::Serializer>(d: &std::time::Duration, s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: serde::Serializer>(
+        d: &std::time::Duration,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
         s.serialize_f64(d.as_secs_f64())
     }
 }
@@ -154,11 +157,19 @@ impl Machine {
         let kernel = read("/proc/sys/kernel/osrelease").trim().to_string();
         let host = read("/proc/sys/kernel/hostname").trim().to_string();
         Machine {
-            host: if host.is_empty() { "unknown".into() } else { host },
+            host: if host.is_empty() {
+                "unknown".into()
+            } else {
+                host
+            },
             cpu,
             cpus: sys::online_cpus(),
             mem_gib,
-            kernel: if kernel.is_empty() { "unknown".into() } else { kernel },
+            kernel: if kernel.is_empty() {
+                "unknown".into()
+            } else {
+                kernel
+            },
         }
     }
 

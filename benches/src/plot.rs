@@ -13,6 +13,7 @@ use std::sync::OnceLock;
 
 use anyhow::{Result, anyhow};
 use plotters::coord::Shift;
+use plotters::coord::combinators::BindKeyPoints;
 use plotters::prelude::*;
 
 use crate::report::{Row, System, size_name};
@@ -58,12 +59,32 @@ pub fn write_all(dir: &Path, rows: &[Row], provider: &str, title: &str) -> Resul
     let lat = |ext: &str| dir.join(format!("latency.{ext}"));
     let tput = |ext: &str| dir.join(format!("throughput.{ext}"));
     let size = (960, 620);
-    latency(SVGBackend::new(&lat("svg"), size).into_drawing_area(), rows, provider, title)?;
-    latency(BitMapBackend::new(&lat("png"), size).into_drawing_area(), rows, provider, title)?;
+    latency(
+        SVGBackend::new(&lat("svg"), size).into_drawing_area(),
+        rows,
+        provider,
+        title,
+    )?;
+    latency(
+        BitMapBackend::new(&lat("png"), size).into_drawing_area(),
+        rows,
+        provider,
+        title,
+    )?;
     files.extend([lat("svg"), lat("png")]);
     let size = (1200, 520);
-    throughput(SVGBackend::new(&tput("svg"), size).into_drawing_area(), rows, provider, title)?;
-    throughput(BitMapBackend::new(&tput("png"), size).into_drawing_area(), rows, provider, title)?;
+    throughput(
+        SVGBackend::new(&tput("svg"), size).into_drawing_area(),
+        rows,
+        provider,
+        title,
+    )?;
+    throughput(
+        BitMapBackend::new(&tput("png"), size).into_drawing_area(),
+        rows,
+        provider,
+        title,
+    )?;
     files.extend([tput("svg"), tput("png")]);
     Ok(files)
 }
@@ -87,7 +108,10 @@ fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
         return (1.0, 10.0);
     }
     // Whole decades around the data.
-    (10f64.powf(lo.log10().floor()), 10f64.powf(hi.log10().ceil()))
+    (
+        10f64.powf(lo.log10().floor()),
+        10f64.powf(hi.log10().ceil()),
+    )
 }
 
 fn latency<DB: DrawingBackend>(
@@ -101,8 +125,15 @@ fn latency<DB: DrawingBackend>(
         .iter()
         .map(|r| r.size as f64)
         .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
-    let (xmin, xmax) = if xmin <= xmax { (xmin, xmax) } else { (1.0, 2.0) };
+    let (xmin, xmax) = if xmin <= xmax {
+        (xmin, xmax)
+    } else {
+        (1.0, 2.0)
+    };
     let (ymin, ymax) = bounds(rows.iter().flat_map(|r| [r.p50_us, r.p99_us]).flatten());
+    let mut ticks: Vec<f64> = rows.iter().map(|r| r.size as f64).collect();
+    ticks.sort_by(f64::total_cmp);
+    ticks.dedup();
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!("Round-trip latency, 1 call outstanding: {title}"),
@@ -112,7 +143,7 @@ fn latency<DB: DrawingBackend>(
         .x_label_area_size(44)
         .y_label_area_size(70)
         .build_cartesian_2d(
-            (xmin / 1.5..xmax * 1.5).log_scale(),
+            (xmin / 1.5..xmax * 1.5).log_scale().with_key_points(ticks),
             (ymin..ymax).log_scale(),
         )
         .map_err(err)?;
@@ -185,12 +216,11 @@ fn throughput<DB: DrawingBackend>(
     let areas = body.split_evenly((1, panels.len().max(1)));
     for (area, &size) in areas.iter().zip(&panels) {
         let here: Vec<&Row> = rows.iter().filter(|r| r.size == size).collect();
-        let kmax = here
-            .iter()
-            .flat_map(|r| r.rates.keys().copied())
-            .max()
-            .unwrap_or(64)
-            .max(2) as f64;
+        let mut ks: Vec<usize> = here.iter().flat_map(|r| r.rates.keys().copied()).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        let kmax = ks.last().copied().unwrap_or(64).max(2) as f64;
+        let ticks: Vec<f64> = ks.iter().map(|&k| k as f64).collect();
         let (ymin, ymax) = bounds(
             here.iter()
                 .flat_map(|r| r.rates.values().map(|s| s.calls_per_s)),
@@ -200,7 +230,10 @@ fn throughput<DB: DrawingBackend>(
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(70)
-            .build_cartesian_2d((0.8..kmax * 1.25).log_scale(), (ymin..ymax).log_scale())
+            .build_cartesian_2d(
+                (0.8..kmax * 1.25).log_scale().with_key_points(ticks),
+                (ymin..ymax).log_scale(),
+            )
             .map_err(err)?;
         chart
             .configure_mesh()

@@ -99,9 +99,10 @@ impl<P: Provider> Rig<P> {
 
     /// Posts `n` receives of the whole receive buffer.
     fn post_recvs(&mut self, n: usize) -> Result<()> {
-        let sge = [self.recv_mr.sge(0, self.recv_mr.len() as u32).ok_or_else(|| {
-            anyhow!("raw: receive buffer larger than 4 GiB")
-        })?];
+        let sge = [self
+            .recv_mr
+            .sge(0, self.recv_mr.len() as u32)
+            .ok_or_else(|| anyhow!("raw: receive buffer larger than 4 GiB"))?];
         let wrs = [RecvWr {
             wr_id: 0,
             sg_list: &sge,
@@ -226,7 +227,9 @@ fn serve_one<P: Provider>(mut stream: TcpStream, max_size: usize) -> Result<()> 
     stream.set_nodelay(true)?;
     let mut rig = Rig::<P>::new(max_size)?;
     let mut peer = [0u8; Endpoint::ENCODED_LEN];
-    stream.read_exact(&mut peer).context("raw: read the client's endpoint")?;
+    stream
+        .read_exact(&mut peer)
+        .context("raw: read the client's endpoint")?;
     stream.write_all(&rig.qp.endpoint().to_bytes())?;
     rig.connect(&peer)?;
     rig.post_recvs(RECV_DEPTH as usize)?;
@@ -301,11 +304,15 @@ impl ProviderVisitor for Connect {
         let mut rig = Rig::<P>::new(self.max_size)?;
         stream.write_all(&rig.qp.endpoint().to_bytes())?;
         let mut peer = [0u8; Endpoint::ENCODED_LEN];
-        stream.read_exact(&mut peer).context("raw: read the server's endpoint")?;
+        stream
+            .read_exact(&mut peer)
+            .context("raw: read the server's endpoint")?;
         rig.connect(&peer)?;
         rig.post_recvs(RECV_DEPTH as usize)?;
         let mut go = [0u8; 1];
-        stream.read_exact(&mut go).context("raw: wait for the server")?;
+        stream
+            .read_exact(&mut go)
+            .context("raw: wait for the server")?;
         if go != *b"G" {
             bail!("raw: unexpected byte from the server");
         }

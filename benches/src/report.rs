@@ -9,9 +9,7 @@ use serde::Serialize;
 use crate::measure::{LatencyRun, Machine, Plan, RateRun};
 
 /// A system under test.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum System {
     /// (a) rdma-rpc.
@@ -143,6 +141,8 @@ pub struct Cell {
     pub skipped: Vec<usize>,
     /// What failed, if anything.
     pub error: Option<String>,
+    /// Wall seconds the cell took, server start and stop included.
+    pub secs: f64,
 }
 
 /// Medians over repetitions for one (system, size).
@@ -299,7 +299,11 @@ fn best_tonic(
         .filter(|r| r.system.is_tonic())
         .filter_map(|r| f(r).map(|v| (v, r.system)))
         .reduce(|a, b| {
-            let better = if lower_is_better { b.0 < a.0 } else { b.0 > a.0 };
+            let better = if lower_is_better {
+                b.0 < a.0
+            } else {
+                b.0 > a.0
+            };
             if better { b } else { a }
         })
 }
@@ -431,8 +435,20 @@ pub fn targets(rows: &[Row], ratios: &[Ratio], i3: &Issue3) -> Vec<Target> {
             0.4,
             true,
         ),
-        Target::new(6, "32 B p50: tonic / rdma-rpc", r32.and_then(|r| r.p50), 50.0, true),
-        Target::new(6, "32 B p99: tonic / rdma-rpc", r32.and_then(|r| r.p99), 30.0, true),
+        Target::new(
+            6,
+            "32 B p50: tonic / rdma-rpc",
+            r32.and_then(|r| r.p50),
+            50.0,
+            true,
+        ),
+        Target::new(
+            6,
+            "32 B p99: tonic / rdma-rpc",
+            r32.and_then(|r| r.p99),
+            30.0,
+            true,
+        ),
         Target::new(
             6,
             "32 B calls/s at 64 outstanding: rdma-rpc / tonic",
@@ -533,12 +549,18 @@ fn times(v: Option<f64>) -> String {
 /// The table printed on stdout.
 pub fn table(report: &Report, ks: &[usize], large_from: usize) -> String {
     let mut s = String::new();
-    let raw_name = format!("raw-{}", report.config["provider"].as_str().unwrap_or("soft"));
+    let raw_name = format!(
+        "raw-{}",
+        report.config["provider"].as_str().unwrap_or("soft")
+    );
     let _ = writeln!(
         s,
         "Round-trip latency (µs) with 1 call outstanding; calls/s at 1/{} outstanding; goodput = \
          (request + response payload) / time; CPU = user + sys of both processes per call.",
-        ks.iter().map(usize::to_string).collect::<Vec<_>>().join("/")
+        ks.iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join("/")
     );
     let _ = writeln!(
         s,
@@ -550,7 +572,9 @@ pub fn table(report: &Report, ks: &[usize], large_from: usize) -> String {
         "{:<8} {:<9} {:>8} {:>8} {:>8} {:>8}",
         "size", "system", "p50", "p99", "p99.9", "mean"
     );
-    let all_k: Vec<usize> = std::iter::once(1).chain(ks.iter().copied()).collect();
+    let mut all_k: Vec<usize> = std::iter::once(1).chain(ks.iter().copied()).collect();
+    all_k.sort_unstable();
+    all_k.dedup();
     for k in &all_k {
         let _ = write!(head, " {:>9}", format!("calls/s@{k}"));
     }
@@ -709,7 +733,10 @@ mod tests {
         assert_eq!(r.rpc_over_raw_p50, Some(2.0));
         assert_eq!(r.p999, None);
         let t = targets(&rows, &[r.clone()], &Issue3::default());
-        let p50 = t.iter().find(|t| t.what.starts_with("32 B p50: tonic")).unwrap();
+        let p50 = t
+            .iter()
+            .find(|t| t.what.starts_with("32 B p50: tonic"))
+            .unwrap();
         assert_eq!(p50.met, Some(true));
         let raw = t.iter().find(|t| t.what.contains("raw")).unwrap();
         assert_eq!(raw.met, Some(true));

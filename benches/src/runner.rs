@@ -50,7 +50,12 @@ pub struct RunArgs {
     #[arg(long, value_delimiter = ',', default_value = "8,64")]
     pub outstanding: Vec<usize>,
     /// Systems, in the order they are interleaved.
-    #[arg(long, value_delimiter = ',', value_enum, default_value = "rpc,tonic-ct,tonic-mt,raw")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_enum,
+        default_value = "rpc,tonic-ct,tonic-mt,raw"
+    )]
     pub systems: Vec<System>,
     /// Where the JSON results go.
     #[arg(long, default_value = "bench-out/results.json")]
@@ -92,9 +97,10 @@ pub struct RunArgs {
     /// tonic: serve through the generated adapter instead of a native tonic implementation.
     #[arg(long)]
     pub tonic_adapter: bool,
-    /// Skip an outstanding count when count x size exceeds this many bytes.
-    #[arg(long, default_value_t = 128 << 20)]
-    pub max_inflight: usize,
+    /// Skip an outstanding count when count x size exceeds this many bytes (default 128 MiB,
+    /// quick 16 MiB).
+    #[arg(long, value_parser = parse_size)]
+    pub max_inflight: Option<usize>,
     /// Warm-up before each timed phase, seconds.
     #[arg(long)]
     pub warmup_secs: Option<f64>,
@@ -130,7 +136,8 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         "m" | "mib" | "mb" => 1 << 20,
         _ => return Err(format!("bad size unit in {s:?} (use B, KiB or MiB)")),
     };
-    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
+    n.checked_mul(mul)
+        .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 /// Everything fixed for the run.
@@ -179,7 +186,11 @@ fn server_args(cfg: &Cfg, system: System, size: usize) -> Vec<String> {
                 "--system",
                 "tonic",
                 "--runtime",
-                if system == System::TonicCt { "ct" } else { "mt" },
+                if system == System::TonicCt {
+                    "ct"
+                } else {
+                    "mt"
+                },
             ]);
             push(&["--window", &cfg.window.initial.unwrap_or(0).to_string()]);
             if cfg.window.adaptive {
@@ -244,7 +255,9 @@ fn run_cell(
     size: usize,
     ks: &[usize],
 ) -> Cell {
+    let started = Instant::now();
     let mut cell = Cell {
+        secs: 0.0,
         rep,
         system,
         size,
@@ -279,6 +292,7 @@ fn run_cell(
             report::size_name(size)
         ));
     }
+    cell.secs = started.elapsed().as_secs_f64();
     cell
 }
 
@@ -303,9 +317,16 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
     let reps = args.reps.unwrap_or(if quick { 3 } else { 5 }).max(1);
     let sizes = args.sizes.clone().unwrap_or_else(|| DEFAULT_SIZES.to_vec());
     if sizes.iter().any(|&s| s == 0 || s > MAX_SIZE) {
-        bail!("sizes must be between 1 byte and {}", report::size_name(MAX_SIZE));
+        bail!(
+            "sizes must be between 1 byte and {}",
+            report::size_name(MAX_SIZE)
+        );
     }
-    if args.outstanding.iter().any(|&k| k == 0 || k > MAX_OUTSTANDING) {
+    if args
+        .outstanding
+        .iter()
+        .any(|&k| k == 0 || k > MAX_OUTSTANDING)
+    {
         bail!("outstanding counts must be between 1 and {MAX_OUTSTANDING}");
     }
     if args.systems.is_empty() {
@@ -336,7 +357,9 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
             adaptive: args.tonic_adaptive_window,
         },
         adapter: args.tonic_adapter,
-        max_inflight: args.max_inflight,
+        max_inflight: args
+            .max_inflight
+            .unwrap_or(if quick { 16 << 20 } else { 128 << 20 }),
         server_max_secs: max_secs.min(600),
     };
 
@@ -359,8 +382,10 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         ProgressBar::with_draw_target(Some((reps * per_rep) as u64), ProgressDrawTarget::stderr())
     };
     bar.set_style(
-        ProgressStyle::with_template("{bar:32.cyan/blue} {pos}/{len} {elapsed_precise} eta {eta} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(
+            "{bar:32.cyan/blue} {pos}/{len} {elapsed_precise} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
 
     let mut cells = Vec::new();
@@ -409,7 +434,9 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
     let rows = report::summarize(&cells);
     let ratios = report::ratios(&rows);
     let i3 = if issue3 {
-        let rpc32 = rows.iter().find(|r| r.system == System::Rpc && r.size == 32);
+        let rpc32 = rows
+            .iter()
+            .find(|r| r.system == System::Rpc && r.size == 32);
         let bulk = report::summarize(&bulk_cells);
         Issue3 {
             p50_us: rpc32.and_then(|r| r.p50_us),
@@ -443,7 +470,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         "rpc_async": args.rpc_async,
         "tonic_window": cfg.window,
         "tonic_adapter": cfg.adapter,
-        "max_inflight": args.max_inflight,
+        "max_inflight": cfg.max_inflight,
         "quick": quick,
     });
     let report = Report {

@@ -214,14 +214,20 @@ fn start_tonic(args: &ServerArgs) -> Result<(u16, Keep)> {
                         .into_service()
                         .max_decoding_message_size(MAX_MESSAGE)
                         .max_encoding_message_size(MAX_MESSAGE);
-                    server.add_service(svc).serve_with_incoming(incoming).await?;
+                    server
+                        .add_service(svc)
+                        .serve_with_incoming(incoming)
+                        .await?;
                 } else {
                     let svc = crate::proto::bench_tonic::bench_server::BenchServer::new(
                         TonicBenchService,
                     )
                     .max_decoding_message_size(MAX_MESSAGE)
                     .max_encoding_message_size(MAX_MESSAGE);
-                    server.add_service(svc).serve_with_incoming(incoming).await?;
+                    server
+                        .add_service(svc)
+                        .serve_with_incoming(incoming)
+                        .await?;
                 }
                 Ok::<_, anyhow::Error>(())
             });

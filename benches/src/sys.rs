@@ -100,7 +100,13 @@ pub fn die_with_parent() -> bool {
     // SAFETY: PR_SET_PDEATHSIG takes a signal number and touches no memory of ours; getppid
     // has no preconditions.
     unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        );
         libc::getppid() != 1
     }
 }

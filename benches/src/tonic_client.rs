@@ -107,7 +107,12 @@ async fn call_once(mut client: Generated<tonic::transport::Channel>, payload: By
 }
 
 impl TonicClient {
-    fn windowed(&self, k: usize, payload: &Bytes, stop: StopRule) -> Result<(u64, std::time::Duration)> {
+    fn windowed(
+        &self,
+        k: usize,
+        payload: &Bytes,
+        stop: StopRule,
+    ) -> Result<(u64, std::time::Duration)> {
         let client = self.client.clone();
         let payload = payload.clone();
         self.rt.block_on(client::windowed_async(k, stop, move || {
