@@ -56,7 +56,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Run the benchmark (the default).
-    Run(runner::RunArgs),
+    Run(Box<runner::RunArgs>),
     /// Serve benchmark servers for a runner on another host (two-host mode).
     Serve(ServeArgs),
     /// One benchmark server process (started by `serve`).

@@ -732,7 +732,7 @@ mod tests {
         assert_eq!(r.best_tonic["calls_per_s@64"], System::TonicMt);
         assert_eq!(r.rpc_over_raw_p50, Some(2.0));
         assert_eq!(r.p999, None);
-        let t = targets(&rows, &[r.clone()], &Issue3::default());
+        let t = targets(&rows, std::slice::from_ref(r), &Issue3::default());
         let p50 = t
             .iter()
             .find(|t| t.what.starts_with("32 B p50: tonic"))

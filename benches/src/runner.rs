@@ -498,3 +498,57 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         .with_context(|| format!("write {}", args.json.display()))?;
     Ok(report)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("32"), Ok(32));
+        assert_eq!(parse_size("256B"), Ok(256));
+        assert_eq!(parse_size("4KiB"), Ok(4096));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("16MiB"), Ok(16 << 20));
+        assert!(parse_size("MiB").is_err());
+        assert!(parse_size("4 GiB").is_err());
+        assert!(parse_size("99999999999999999999").is_err());
+    }
+
+    #[test]
+    fn tonic_mt_servers_are_not_pinned() {
+        let cfg = Cfg {
+            provider: ProviderKind::Soft,
+            plan: Plan {
+                warmup: Duration::ZERO,
+                latency: Duration::ZERO,
+                rate: Duration::ZERO,
+                min_calls: 1,
+                max_phase: Duration::from_secs(1),
+            },
+            server_core: Some(0),
+            rpc_poll: PollArg::Busy,
+            rpc_async: AsyncMode::Caller,
+            window: Window {
+                initial: Some(1 << 20),
+                adaptive: false,
+            },
+            adapter: false,
+            max_inflight: 1 << 20,
+            server_max_secs: 10,
+        };
+        let mt = server_args(&cfg, System::TonicMt, 32);
+        assert!(!mt.contains(&"--core".to_string()));
+        assert!(
+            mt.windows(2)
+                .any(|w| w[0] == "--window" && w[1] == "1048576")
+        );
+        let rpc = server_args(&cfg, System::Rpc, 32);
+        assert!(rpc.windows(2).any(|w| w[0] == "--core" && w[1] == "0"));
+        let raw = server_args(&cfg, System::Raw, 4096);
+        assert!(
+            raw.windows(2)
+                .any(|w| w[0] == "--max-size" && w[1] == "4096")
+        );
+    }
+}

@@ -1,0 +1,228 @@
+//! End to end: the harness runs every system in separate processes and writes its JSON file
+//! and plots; the two-host mode works through `serve --listen` on loopback. Short phases: these
+//! check that figures are produced, not how fast anything is.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const EXE: &str = env!("CARGO_BIN_EXE_rpc-bench");
+
+fn scratch(name: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let dir = std::env::temp_dir().join(format!("rpc-bench-{name}-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `rpc-bench` with `args`, killed after `limit`; returns (success, stdout + stderr).
+fn run(args: &[&str], limit: Duration) -> (bool, String) {
+    let mut child = Command::new(EXE)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (status.is_some_and(|s| s.success()), text)
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn row<'a>(report: &'a serde_json::Value, system: &str, size: u64) -> &'a serde_json::Value {
+    report["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["system"] == system && r["size"] == size)
+        .unwrap_or_else(|| panic!("no row for {system} {size}"))
+}
+
+const SHORT: &[&str] = &[
+    "--reps",
+    "1",
+    "--warmup-secs",
+    "0.01",
+    "--latency-secs",
+    "0.05",
+    "--rate-secs",
+    "0.05",
+    "--outstanding",
+    "4",
+    "--no-progress",
+    "--max-secs",
+    "150",
+];
+
+#[test]
+fn one_host_run_measures_every_system_and_writes_json_and_plots() {
+    let dir = scratch("one-host");
+    let json_path = dir.join("results.json");
+    let mut args = vec![
+        "run",
+        "--quick",
+        "--sizes",
+        "32,64KiB",
+        "--systems",
+        "rpc,tonic-ct,tonic-mt,raw",
+        "--json",
+        json_path.to_str().unwrap(),
+    ];
+    args.extend_from_slice(SHORT);
+    let (ok, out) = run(&args, Duration::from_secs(180));
+    assert!(ok, "rpc-bench run failed:\n{out}");
+    assert!(out.contains("rdma-rpc"), "no table:\n{out}");
+    let r = json(&json_path);
+    assert_eq!(r["errors"].as_array().unwrap().len(), 0, "{out}");
+    for system in ["rpc", "tonic-ct", "tonic-mt", "raw"] {
+        for size in [32, 64 << 10] {
+            let row = row(&r, system, size);
+            assert_eq!(row["reps"], 1, "{system} {size}");
+            assert!(row["p50_us"].as_f64().unwrap() > 0.0, "{system} {size}");
+            assert!(
+                row["p999_us"].as_f64().unwrap() >= row["p50_us"].as_f64().unwrap(),
+                "{system} {size}"
+            );
+            for k in ["1", "4"] {
+                let rate = &row["rates"][k];
+                assert!(
+                    rate["calls_per_s"].as_f64().unwrap() > 0.0,
+                    "{system} {size} @{k}"
+                );
+                assert!(
+                    rate["cpu_us_per_call"].as_f64().unwrap() > 0.0,
+                    "{system} {size} @{k}"
+                );
+            }
+        }
+    }
+    // Ratios against tonic and the raw floor, and every target with a verdict or "not
+    // measured" (16 MiB and 64 outstanding were not run).
+    let ratio32 = r["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["size"] == 32)
+        .unwrap();
+    assert!(ratio32["p50"].as_f64().unwrap() > 0.0);
+    assert!(ratio32["rpc_over_raw_p50"].as_f64().unwrap() > 0.0);
+    let targets = r["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 9);
+    let i3 = &r["issue3"];
+    assert!(i3["calls_per_s_32"].as_f64().unwrap() > 0.0);
+    assert!(i3["goodput_4mib_gbps"].as_f64().unwrap() > 0.0);
+    assert!(i3["memcpy_4mib_gbps"].as_f64().unwrap() > 0.0);
+    assert!(r["streaming"].is_null());
+    for name in ["latency", "throughput"] {
+        let png = std::fs::read(dir.join(format!("{name}.png"))).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{name}.png");
+        let svg = std::fs::read_to_string(dir.join(format!("{name}.svg"))).unwrap();
+        assert!(
+            svg.contains("<svg") && svg.contains("rdma-rpc"),
+            "{name}.svg"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_host_mode_runs_through_serve_listen() {
+    let dir = scratch("two-host");
+    let json_path = dir.join("results.json");
+    let mut serve = Command::new(EXE)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--once",
+            "--max-secs",
+            "120",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(serve.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line.trim().strip_prefix("LISTEN ").unwrap().to_string();
+    let mut args = vec![
+        "run",
+        "--connect",
+        &addr,
+        "--sizes",
+        "256",
+        "--systems",
+        "rpc,raw",
+        "--no-issue3",
+        "--no-plots",
+        "--json",
+        json_path.to_str().unwrap(),
+    ];
+    args.extend_from_slice(SHORT);
+    let (ok, out) = run(&args, Duration::from_secs(120));
+    // `--once`: the supervisor exits when the runner disconnects.
+    let start = Instant::now();
+    while serve.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let exited = serve.try_wait().unwrap().is_some();
+    if !exited {
+        let _ = serve.kill();
+        let _ = serve.wait();
+    }
+    assert!(ok, "rpc-bench run --connect failed:\n{out}");
+    assert!(exited, "serve --once did not exit after the runner left");
+    let r = json(&json_path);
+    assert!(row(&r, "rpc", 256)["p50_us"].as_f64().unwrap() > 0.0);
+    assert!(row(&r, "raw", 256)["p50_us"].as_f64().unwrap() > 0.0);
+    assert_eq!(r["config"]["two_host"], addr.as_str());
+    assert!(r["issue3"]["p50_us"].is_null());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_arguments_are_refused_with_a_reason() {
+    let (ok, out) = run(
+        &["run", "--sizes", "3XB", "--no-progress"],
+        Duration::from_secs(30),
+    );
+    assert!(!ok);
+    assert!(out.contains("bad size unit"), "{out}");
+    let (ok, out) = run(
+        &["run", "--outstanding", "0", "--no-progress"],
+        Duration::from_secs(30),
+    );
+    assert!(!ok);
+    assert!(out.contains("outstanding counts"), "{out}");
+    let (ok, out) = run(
+        &["run", "--connect", "127.0.0.1:1", "--no-progress"],
+        Duration::from_secs(30),
+    );
+    assert!(!ok);
+    assert!(out.contains("connect to `rpc-bench serve`"), "{out}");
+}
