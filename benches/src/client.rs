@@ -13,7 +13,8 @@ use crate::sys::CpuTime;
 /// Most calls outstanding at once that the clients are set up for.
 pub const MAX_OUTSTANDING: usize = 128;
 
-/// How long one call may take before it counts as failed.
+/// How long one call may take before it counts as failed, unless the command line says
+/// otherwise.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// CPU time of both processes at one instant.

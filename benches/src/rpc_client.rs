@@ -8,14 +8,14 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use bytes::Bytes;
 use rpc_core::verbs::ProviderKind;
 use rpc_core::{Channel, PollerMode, Request};
 
-use crate::client::{self, BenchClient, CALL_TIMEOUT, MAX_OUTSTANDING, Probe, StopRule};
+use crate::client::{self, BenchClient, MAX_OUTSTANDING, Probe, StopRule};
 use crate::measure::{self, LatencyRun, Plan, RateRun};
 use crate::proto::EchoRequest;
 use crate::proto::bench_client::BenchClient as Generated;
@@ -32,13 +32,14 @@ pub enum AsyncMode {
 
 /// A connected rdma-rpc client.
 struct RpcClient {
+    deadline: Option<Duration>,
     rt: tokio::runtime::Runtime,
     client: Generated,
     /// For `AsyncMode::Poller`: its own runtime and channel.
     poller: Option<(tokio::runtime::Runtime, Generated)>,
 }
 
-/// Connects to the rdma-rpc server at `addr`.
+/// Connects to the rdma-rpc server at `addr`. Calls carry `deadline` as their timeout.
 ///
 /// # Errors
 /// When the connection or handshake fails.
@@ -46,6 +47,7 @@ pub fn connect(
     addr: SocketAddr,
     provider: ProviderKind,
     mode: AsyncMode,
+    deadline: Option<Duration>,
 ) -> Result<Box<dyn BenchClient>> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -62,7 +64,12 @@ pub fn connect(
             Some((prt, c))
         }
     };
-    Ok(Box::new(RpcClient { rt, client, poller }))
+    Ok(Box::new(RpcClient {
+        deadline,
+        rt,
+        client,
+        poller,
+    }))
 }
 
 async fn open(addr: SocketAddr, provider: ProviderKind, mode: PollerMode) -> Result<Generated> {
@@ -76,12 +83,14 @@ async fn open(addr: SocketAddr, provider: ProviderKind, mode: PollerMode) -> Res
     Ok(Generated::new(ch))
 }
 
-fn request(payload: &Bytes) -> Request<EchoRequest> {
+fn request(payload: &Bytes, deadline: Option<Duration>) -> Request<EchoRequest> {
     let mut r = Request::new(EchoRequest {
         payload: payload.clone(),
         reply_size: 0,
     });
-    r.set_timeout(CALL_TIMEOUT);
+    if let Some(d) = deadline {
+        r.set_timeout(d);
+    }
     // Large replies land straight in a zone the client lends (one RDMA WRITE); the hint is
     // ignored below the eager threshold. Payload plus protobuf framing.
     r.set_response_size_hint(payload.len() + 16);
@@ -95,10 +104,10 @@ fn check(size: usize, got: usize) -> Result<()> {
     Ok(())
 }
 
-async fn call_once(client: Generated, payload: Bytes) -> Result<()> {
+async fn call_once(client: Generated, payload: Bytes, deadline: Option<Duration>) -> Result<()> {
     let size = payload.len();
     let r = client
-        .echo(request(&payload))
+        .echo(request(&payload, deadline))
         .await
         .map_err(|s| anyhow::anyhow!("rdma-rpc: echo of {size} bytes: {s}"))?;
     check(size, r.get_ref().payload.len())
@@ -108,7 +117,7 @@ impl RpcClient {
     fn blocking_call(&self, payload: &Bytes) -> Result<()> {
         let r = self
             .client
-            .echo_blocking(request(payload))
+            .echo_blocking(request(payload, self.deadline))
             .map_err(|s| anyhow::anyhow!("rdma-rpc: echo of {} bytes: {s}", payload.len()))?;
         check(payload.len(), r.get_ref().payload.len())
     }
@@ -124,8 +133,9 @@ impl RpcClient {
             Some((rt, c)) => (rt, c.clone()),
         };
         let payload = payload.clone();
+        let deadline = self.deadline;
         rt.block_on(client::windowed_async(k, stop, move || {
-            call_once(client.clone(), payload.clone())
+            call_once(client.clone(), payload.clone(), deadline)
         }))
     }
 }

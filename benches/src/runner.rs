@@ -119,6 +119,10 @@ pub struct RunArgs {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Timeout each rdma-rpc and tonic call carries, seconds (0: none; a hung call then
+    /// stops the run only at `--max-secs`).
+    #[arg(long, default_value_t = crate::client::CALL_TIMEOUT.as_secs_f64())]
+    pub call_timeout: f64,
 }
 
 /// `32`, `256B`, `4KiB`, `4K`, `16MiB`, `1M` -> bytes.
@@ -151,6 +155,7 @@ struct Cfg {
     adapter: bool,
     max_inflight: usize,
     server_max_secs: u64,
+    deadline: Option<Duration>,
 }
 
 struct RemoteProbe<'a>(&'a mut Remote);
@@ -238,11 +243,13 @@ fn connect(
 ) -> Result<Box<dyn BenchClient>> {
     match system {
         System::Rpc if cfg.rpc_async == AsyncMode::Poller => {
-            unpinned(|| crate::rpc_client::connect(addr, cfg.provider, cfg.rpc_async))
+            unpinned(|| crate::rpc_client::connect(addr, cfg.provider, cfg.rpc_async, cfg.deadline))
         }
-        System::Rpc => crate::rpc_client::connect(addr, cfg.provider, cfg.rpc_async),
-        System::TonicCt => tonic_client::connect(addr, Flavor::Ct, cfg.window),
-        System::TonicMt => unpinned(|| tonic_client::connect(addr, Flavor::Mt, cfg.window)),
+        System::Rpc => crate::rpc_client::connect(addr, cfg.provider, cfg.rpc_async, cfg.deadline),
+        System::TonicCt => tonic_client::connect(addr, Flavor::Ct, cfg.window, cfg.deadline),
+        System::TonicMt => {
+            unpinned(|| tonic_client::connect(addr, Flavor::Mt, cfg.window, cfg.deadline))
+        }
         System::Raw => crate::raw::connect(cfg.provider, addr, size),
     }
 }
@@ -357,6 +364,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
             adaptive: args.tonic_adaptive_window,
         },
         adapter: args.tonic_adapter,
+        deadline: (args.call_timeout > 0.0).then(|| Duration::from_secs_f64(args.call_timeout)),
         max_inflight: args
             .max_inflight
             .unwrap_or(if quick { 16 << 20 } else { 128 << 20 }),
@@ -471,6 +479,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         "tonic_window": cfg.window,
         "tonic_adapter": cfg.adapter,
         "max_inflight": cfg.max_inflight,
+        "call_timeout_s": cfg.deadline.map(|d| d.as_secs_f64()),
         "quick": quick,
     });
     let report = Report {
@@ -536,6 +545,7 @@ mod tests {
             adapter: false,
             max_inflight: 1 << 20,
             server_max_secs: 10,
+            deadline: None,
         };
         let mt = server_args(&cfg, System::TonicMt, 32);
         assert!(!mt.contains(&"--core".to_string()));

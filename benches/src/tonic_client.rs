@@ -3,12 +3,12 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use bytes::Bytes;
 
-use crate::client::{self, BenchClient, CALL_TIMEOUT, Probe, StopRule};
+use crate::client::{self, BenchClient, Probe, StopRule};
 use crate::measure::{self, LatencyRun, Plan, RateRun};
 use crate::proto::EchoRequest;
 use crate::proto::bench_tonic::bench_client::BenchClient as Generated;
@@ -53,15 +53,21 @@ pub fn runtime(flavor: Flavor) -> Result<tokio::runtime::Runtime> {
 }
 
 struct TonicClient {
+    deadline: Option<Duration>,
     rt: tokio::runtime::Runtime,
     client: Generated<tonic::transport::Channel>,
 }
 
-/// Connects to the tonic server at `addr`.
+/// Connects to the tonic server at `addr`. Calls carry `deadline` as their timeout.
 ///
 /// # Errors
 /// When the connection fails.
-pub fn connect(addr: SocketAddr, flavor: Flavor, window: Window) -> Result<Box<dyn BenchClient>> {
+pub fn connect(
+    addr: SocketAddr,
+    flavor: Flavor,
+    window: Window,
+    deadline: Option<Duration>,
+) -> Result<Box<dyn BenchClient>> {
     let rt = runtime(flavor)?;
     let client = rt.block_on(async {
         let mut ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
@@ -85,16 +91,26 @@ pub fn connect(addr: SocketAddr, flavor: Flavor, window: Window) -> Result<Box<d
                 .max_encoding_message_size(MAX_MESSAGE),
         )
     })?;
-    Ok(Box::new(TonicClient { rt, client }))
+    Ok(Box::new(TonicClient {
+        deadline,
+        rt,
+        client,
+    }))
 }
 
-async fn call_once(mut client: Generated<tonic::transport::Channel>, payload: Bytes) -> Result<()> {
+async fn call_once(
+    mut client: Generated<tonic::transport::Channel>,
+    payload: Bytes,
+    deadline: Option<Duration>,
+) -> Result<()> {
     let size = payload.len();
     let mut req = tonic::Request::new(EchoRequest {
         payload,
         reply_size: 0,
     });
-    req.set_timeout(CALL_TIMEOUT);
+    if let Some(d) = deadline {
+        req.set_timeout(d);
+    }
     let r = client
         .echo(req)
         .await
@@ -115,8 +131,9 @@ impl TonicClient {
     ) -> Result<(u64, std::time::Duration)> {
         let client = self.client.clone();
         let payload = payload.clone();
+        let deadline = self.deadline;
         self.rt.block_on(client::windowed_async(k, stop, move || {
-            call_once(client.clone(), payload.clone())
+            call_once(client.clone(), payload.clone(), deadline)
         }))
     }
 }
@@ -128,13 +145,14 @@ impl BenchClient for TonicClient {
         self.windowed(1, &payload, Arc::new(move |t, n| p.warm(t, n)))?;
         let before = probe.snapshot()?;
         let client = self.client.clone();
+        let deadline = self.deadline;
         let (hist, calls, wall) = self.rt.block_on(async move {
             let mut hist = measure::histogram();
             let start = Instant::now();
             let mut calls = 0u64;
             while !p.done(start, p.latency, calls) {
                 let t0 = Instant::now();
-                call_once(client.clone(), payload.clone()).await?;
+                call_once(client.clone(), payload.clone(), deadline).await?;
                 measure::record(&mut hist, t0.elapsed());
                 calls += 1;
             }
