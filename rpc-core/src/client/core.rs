@@ -143,6 +143,8 @@ pub(crate) struct ClientCore<P: Provider> {
     bulk: Arc<BulkPool<P>>,
     doorbell: Arc<Doorbell>,
     dead: AtomicBool,
+    /// The server sent GoAway: calls in flight finish here, new calls go to a new connection.
+    draining: AtomicBool,
     dead_status: OnceLock<Status>,
     stop: AtomicBool,
     mode: PollerMode,
@@ -215,6 +217,7 @@ impl<P: Provider> ClientCore<P> {
             bulk,
             doorbell: Doorbell::new()?,
             dead: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             dead_status: OnceLock::new(),
             stop: AtomicBool::new(false),
             mode: parts.mode,
@@ -257,6 +260,11 @@ impl<P: Provider> ClientCore<P> {
     /// Whether the connection is gone.
     pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
+    }
+
+    /// Whether new calls should use another connection (dead, or the server is draining).
+    pub(crate) fn is_usable(&self) -> bool {
+        !self.dead.load(Ordering::Acquire) && !self.draining.load(Ordering::Acquire)
     }
 
     fn dead_status(&self) -> Status {
@@ -1108,7 +1116,11 @@ impl<P: Provider> Driver<P> {
                 }
             }
             Event::GoAway => {
-                info!("{}: server is going away", core.describe);
+                info!(
+                    "{}: server is going away: new calls will reconnect",
+                    core.describe
+                );
+                core.draining.store(true, Ordering::Release);
             }
             Event::CreditOnly | Event::WindowUpdate { .. } | Event::StreamMessage { .. } => {}
             Event::Request { .. } | Event::Cancel { .. } | Event::EndOfStream { .. } => {

@@ -145,6 +145,10 @@ impl Conn {
     fn is_dead(&self) -> bool {
         with_any!(AnyCore, &self.core, c => c.is_dead())
     }
+
+    fn is_usable(&self) -> bool {
+        with_any!(AnyCore, &self.core, c => c.is_usable())
+    }
 }
 
 struct Shared {
@@ -204,12 +208,12 @@ impl Channel {
     /// The live connection, reconnecting once if it was lost.
     async fn conn(&self) -> Result<Arc<Conn>, Status> {
         let c = self.shared.conn.load_full();
-        if !c.is_dead() {
+        if c.is_usable() {
             return Ok(c);
         }
         let _g = self.shared.reconnect.lock().await;
         let c = self.shared.conn.load_full();
-        if !c.is_dead() {
+        if c.is_usable() {
             return Ok(c);
         }
         match open(&self.shared.builder).await {

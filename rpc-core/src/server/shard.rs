@@ -139,6 +139,8 @@ enum Deferred {
 /// One connection of the shard.
 pub(crate) struct ServerConn<P: Provider> {
     link: Link<P>,
+    /// GoAway was sent (the server is draining).
+    goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
     deferred: VecDeque<Deferred>,
     _closed: tokio::sync::oneshot::Sender<()>,
@@ -682,6 +684,7 @@ impl<P: Provider> Shard<P> {
         self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
             link,
+            goaway_sent: false,
             calls,
             deferred: VecDeque::with_capacity(cfg.geometry.send_slots as usize),
             _closed: closed,
@@ -1147,6 +1150,7 @@ impl<P: Provider> Shard<P> {
 
     /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines.
     fn maintain(&mut self) -> usize {
+        let stopping = self.stop.load(Ordering::Acquire);
         let mut failed = None;
         let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
         let mut n_expired = 0;
@@ -1156,6 +1160,20 @@ impl<P: Provider> Shard<P> {
             let Some(Some(conn)) = self.conns.get_mut(idx) else {
                 continue;
             };
+            if stopping && !conn.goaway_sent {
+                // Draining: tell the client to start no new call here.
+                match conn
+                    .link
+                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.go_away())
+                {
+                    Ok(()) => conn.goaway_sent = true,
+                    Err(FrameError::Link(e)) => {
+                        failed = Some((conn.link.key(), e));
+                        break;
+                    }
+                    Err(_) => {}
+                }
+            }
             match conn.link.post_recvs(true) {
                 Ok(k) => work += k as usize,
                 Err(e) => {
