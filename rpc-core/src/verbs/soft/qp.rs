@@ -991,8 +991,10 @@ impl SoftQp {
 impl Drop for SoftQp {
     fn drop(&mut self) {
         let s = &*self.s;
-        // Peers see ERROR: their operations towards us fail with RETRY_EXC_ERR.
+        // Peers see the QP gone: their operations towards us fail with RETRY_EXC_ERR and
+        // its endpoint is refused as stale (the slot itself is freed once the CQs let go).
         s.set_state(QpState::Error);
+        s.dev.pub32(s.entry + qp::QP_NUM).store(0, Ordering::SeqCst);
         {
             let mut p = s.progress_blocking();
             p.exec().conn = None;
