@@ -40,6 +40,9 @@ pub mod route_guide_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -59,6 +62,10 @@ pub mod route_guide_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn get_feature(
             &self,
             request: impl IntoRequest<super::super::common::Point>,
@@ -89,6 +96,10 @@ pub mod route_guide_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn list_features(
             &self,
             request: impl IntoRequest<super::super::common::Rectangle>,
@@ -107,6 +118,10 @@ pub mod route_guide_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn record_route(
             &self,
             request: impl IntoStreamingRequest<Message = super::super::common::Point>,
@@ -125,6 +140,10 @@ pub mod route_guide_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn route_chat(
             &self,
             request: impl IntoStreamingRequest<Message = super::super::common::RouteNote>,
@@ -321,6 +340,9 @@ pub mod clock_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -340,6 +362,10 @@ pub mod clock_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn now(
             &self,
             request: impl IntoRequest<()>,
@@ -370,6 +396,10 @@ pub mod clock_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn ping(
             &self,
             request: impl IntoRequest<()>,
@@ -400,6 +430,10 @@ pub mod clock_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         #[deprecated]
         pub async fn get_time(
             &self,
@@ -563,6 +597,9 @@ pub mod keywords_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -582,6 +619,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn r#type(
             &self,
             request: impl IntoRequest<super::Type>,
@@ -612,6 +653,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn r#match(
             &self,
             request: impl IntoRequest<super::Type>,
@@ -642,6 +687,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn r#async(
             &self,
             request: impl IntoRequest<super::Type>,
@@ -657,6 +706,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn r#loop(
             &self,
             request: impl IntoStreamingRequest<Message = super::Type>,
@@ -672,6 +725,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn self_(
             &self,
             request: impl IntoRequest<super::Type>,
