@@ -139,3 +139,23 @@ async fn client_calls(client: kv_client::KvClient) -> Result<(), Status> {
     let _ = client.ping(()).await?;
     Ok(())
 }
+
+/// The runtime reached through a re-export (`crate = ".."`).
+mod rt {
+    pub use rpc_core::codegen;
+}
+
+/// A service without methods, with the runtime path overridden.
+#[rpc_derive::service(crate = "crate::rt")]
+pub trait Idle {}
+
+struct Nobody;
+
+impl Idle for Nobody {}
+
+#[test]
+fn crate_path_and_empty_services() {
+    let server = idle_server::IdleServer::new(Nobody);
+    assert_eq!(server.name(), "Idle");
+    assert!(idle_server::METHODS.is_empty());
+}
