@@ -6,6 +6,7 @@
 //! the tests can never pass there by skipping. `RPC_IB_REQUIRE_DEVICE=1` does the same on a
 //! cluster node.
 #![cfg(feature = "ibverbs")]
+#![allow(clippy::unwrap_used)] // test helpers panic on purpose: a failure is a test failure
 
 use std::time::{Duration, Instant};
 
