@@ -5,8 +5,9 @@
 #   softroce/vm.sh prepare                  build the guest image into the cache (idempotent)
 #   softroce/vm.sh run EXE [ARGS...]        boot, run EXE in the guest, exit with its exit code
 #                                           (works as a cargo runner, see below)
-#   softroce/vm.sh batch [-a "ARGS"] EXE... boot once, run each EXE in turn (each with ARGS);
-#                                           exit 0 when all pass, else the first failure's code
+#   softroce/vm.sh batch EXE [ARGS...] [::: EXE [ARGS...]]...
+#                                           boot once, run the programs in turn; exit 0 when
+#                                           all pass, else the first failure's exit code
 #   softroce/vm.sh shell                    interactive guest shell with the rxe devices up
 #
 # cargo runner:  CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/softroce/vm.sh run" \
@@ -256,8 +257,8 @@ stage_exe() {
 
 q() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
 
-# boot MODE: MODE is run (one program, $@) or batch (ARGS string in $BATCH_ARGS, programs $@)
-# or shell.
+# boot MODE ARGS...: MODE is run (one program and its arguments), batch (programs and their
+# arguments separated by `:::`) or shell.
 boot() {
   local mode=$1; shift
   prepare
@@ -268,15 +269,29 @@ boot() {
   STAGE="$work/stage"
   mkdir -p "$STAGE/softroce" "$STAGE$PWD"
 
-  local exes=() e
-  for e in "$@"; do
-    if [[ "$mode" == run && ${#exes[@]} -eq 1 ]]; then break; fi
-    [[ "$e" == */* ]] || e=$(command -v -- "$e") || die "not found: $e"
-    e=$(realpath -- "$e") || die "not found: $e"
-    [[ -f "$e" && -x "$e" ]] || die "not an executable: $e"
-    exes+=("$e")
-    stage_exe "$e"
+  # Each program becomes one line of the guest script: the quoted executable and arguments.
+  local lines=() names=() line= want_exe=1 a e
+  for a in "$@" :::; do
+    if [[ "$a" == ::: && "$mode" != run ]]; then
+      [[ -n "$line" ]] && lines+=("$line")
+      line= want_exe=1
+      continue
+    fi
+    if [[ -n "$want_exe" ]]; then
+      e=$a
+      [[ "$e" == */* ]] || e=$(command -v -- "$e") || die "not found: $a"
+      e=$(realpath -- "$e") || die "not found: $a"
+      [[ -f "$e" && -x "$e" ]] || die "not an executable: $e"
+      stage_exe "$e"
+      names+=("$(basename "$e")")
+      line=$(q "$e") want_exe=
+    elif [[ "$a" != ::: ]]; then
+      line+=" $(q "$a")"
+    fi
   done
+  [[ "$mode" == run && -n "$line" ]] && lines+=("$line")
+  [[ ${#lines[@]} -ge 1 ]] || die "no program to run"
+
   local x
   for x in ${SOFTROCE_EXTRA:-}; do
     if [[ -d "$x" ]]; then x=$(realpath "$x"); mkdir -p "$STAGE$x"; cp -a "$x/." "$STAGE$x/"
@@ -302,25 +317,20 @@ boot() {
       echo "export $k=$(q "${!k}")"
     done
   } >"$STAGE/softroce/env"
-  local tt=${SOFTROCE_TEST_TIMEOUT:-600}
+  local tt=${SOFTROCE_TEST_TIMEOUT:-600} n=${#lines[@]} i
   {
-    echo 'set -u'
-    if [[ "$mode" == run ]]; then
-      shift
-      printf 'exec timeout -s KILL %s %s' "$tt" "$(q "${exes[0]}")"
-      for a in "$@"; do printf ' %s' "$(q "$a")"; done
-      echo
+    if [[ "$mode" != batch ]]; then
+      echo "exec timeout -s KILL $tt ${lines[0]}"
     else
-      echo 'first=0 n=0 failed=0'
-      local i=0
-      for e in "${exes[@]}"; do
-        i=$((i + 1))
-        echo "echo \"=== softroce [$i/${#exes[@]}] $(basename "$e") \$(cut -d' ' -f1 /proc/uptime)s\" >&2"
-        echo "timeout -s KILL $tt $(q "$e") ${BATCH_ARGS:-}; rc=\$?"
-        echo "echo \"=== softroce [$i/${#exes[@]}] $(basename "$e") exit \$rc \$(cut -d' ' -f1 /proc/uptime)s\" >&2"
+      echo 'first=0 failed=0'
+      echo 'up() { cut -d" " -f1 /proc/uptime; }'
+      for i in "${!lines[@]}"; do
+        echo "echo \"=== softroce [$((i + 1))/$n] ${names[$i]} (guest t=\$(up)s)\" >&2"
+        echo "timeout -s KILL $tt ${lines[$i]}; rc=\$?"
+        echo "echo \"=== softroce [$((i + 1))/$n] ${names[$i]}: exit \$rc (guest t=\$(up)s)\" >&2"
         echo '[ $rc -ne 0 ] && { failed=$((failed + 1)); [ $first -eq 0 ] && first=$rc; }'
       done
-      echo "echo \"=== softroce: ${#exes[@]} programs, \$failed failed\" >&2"
+      echo "echo \"=== softroce: $n programs, \$failed failed\" >&2"
       echo 'exit $first'
     fi
   } >"$STAGE/softroce/cmd"
@@ -409,11 +419,7 @@ cmd=${1:-}
 case "$cmd" in
   prepare) prepare; say "image: $CACHE (recipe $RECIPE)"; exit 0 ;;
   run) [[ $# -ge 1 ]] || usage; boot run "$@" ;;
-  batch)
-    BATCH_ARGS=
-    if [[ "${1:-}" == -a ]]; then BATCH_ARGS=$2; shift 2; fi
-    [[ $# -ge 1 ]] || usage
-    boot batch "$@" ;;
+  batch) [[ $# -ge 1 ]] || usage; boot batch "$@" ;;
   shell) boot shell /bin/true ;;
   *) usage ;;
 esac

@@ -20,13 +20,13 @@
 //!
 //! # Connections
 //!
-//! The path MTU is the minimum of both ends' active MTU and [`ConnectAttr::path_mtu`]; RoCE
+//! The path MTU is the minimum of both ends' active MTU and [`ConnectAttr::path_mtu`](crate::verbs::ConnectAttr::path_mtu); RoCE
 //! address vectors carry a GRH with the peer's GID and our GID index; PSNs are random and
-//! exchanged in the [`Endpoint`]. Read/atomic depths are clamped to the device limits.
+//! exchanged in the [`Endpoint`](crate::verbs::Endpoint). Read/atomic depths are clamped to the device limits.
 //!
 //! # Memory
 //!
-//! [`Pd::alloc_mr`] maps page-aligned anonymous memory and registers it. Before pinning, the
+//! [`Pd::alloc_mr`](crate::verbs::Pd::alloc_mr) maps page-aligned anonymous memory and registers it. Before pinning, the
 //! RLIMIT_MEMLOCK is checked ([`Memlock`]); too low a limit (or ENOMEM from the driver) is
 //! reported with the fix (`ulimit -l unlimited`, LimitMEMLOCK=infinity, `--ulimit
 //! memlock=-1`).
