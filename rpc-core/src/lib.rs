@@ -21,6 +21,7 @@ pub mod client;
 pub mod codegen;
 pub mod connect;
 mod error;
+pub mod link;
 pub mod method;
 mod request;
 pub mod server;

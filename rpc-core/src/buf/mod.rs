@@ -1,1 +1,22 @@
-//! Registered arenas, slot rings, the bulk pool and receive-slot guards (issue 3).
+//! Registered memory and preallocated storage of the data path.
+//!
+//! - [`slots`]: a connection's arena carved into send and receive slot rings, with receive-slot
+//!   guards that repost their RECV when dropped.
+//! - [`bulk`]: the pool of registered buffers for rendezvous payloads and landing zones.
+//! - [`decode`]: a `Buf` that decodes prost messages from registered memory, borrowing it for
+//!   large `bytes` fields.
+//! - [`task`]: in-place storage for handler futures and allocation-free wakers.
+
+pub mod bulk;
+pub mod decode;
+pub mod encode;
+pub mod handoff;
+pub mod slots;
+pub mod task;
+
+pub use bulk::{BulkBuf, BulkPool};
+pub use decode::{SlotReader, ZERO_COPY_MIN};
+pub use encode::{EncodeMsg, NoMsg, RawBytes};
+pub use handoff::{CancelOutcome, Exclusive, ExclusiveGuard, Mailbox, Taken};
+pub use slots::{Geometry, RecvSlot, Repost, SlotArena};
+pub use task::{CtxFamily, FutureTask, Notify, SlabTask, TaskId, TaskSlab};

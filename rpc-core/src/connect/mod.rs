@@ -1,1 +1,415 @@
-//! The bootstrap handshake over TCP (issue 3).
+//! The bootstrap handshake over TCP: the client says [`Hello`] (its QP endpoint, ring geometry,
+//! call table size and the optional shared-secret token), the server answers [`Welcome`] (its
+//! endpoint, geometry, call table size and the shard that took the connection) or a
+//! [`Refusal`] saying why. The TCP connection then stays open as the liveness channel: when
+//! either process dies its kernel closes the socket and the other side fails the connection's
+//! calls with `UNAVAILABLE` at once.
+//!
+//! Every message is length-prefixed (`u32` LE) and at most [`MAX_MESSAGE`] bytes; the server
+//! reads it under a timeout and validates every field before it allocates anything, so garbage,
+//! a wrong version or a stranger without the token gets a clear error and no resources.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::buf::Geometry;
+use crate::verbs::Endpoint;
+use crate::{Error, ErrorKind};
+
+/// Magic at the start of every handshake message.
+pub const MAGIC: [u8; 4] = *b"RRPC";
+/// Handshake protocol version.
+pub const VERSION: u16 = 1;
+/// Largest handshake message.
+pub const MAX_MESSAGE: usize = 512;
+/// Longest shared-secret token.
+pub const MAX_TOKEN: usize = 64;
+/// How long a peer may take to send its handshake message.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+const KIND_HELLO: u8 = 1;
+const KIND_WELCOME: u8 = 2;
+const KIND_REFUSAL: u8 = 3;
+
+/// The client's half of the handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Provider tag (`Endpoint::PROVIDER_*`): both ends must use the same provider.
+    pub provider: u8,
+    /// The client QP's endpoint.
+    pub endpoint: Endpoint,
+    /// The client's slot geometry (its receive ring is the server's credit limit).
+    pub geometry: Geometry,
+    /// Size of the client's call table.
+    pub max_calls: u32,
+    /// Shared-secret token (empty when none).
+    pub token: Vec<u8>,
+}
+
+/// The server's acceptance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Welcome {
+    /// The server QP's endpoint.
+    pub endpoint: Endpoint,
+    /// The server's slot geometry for this connection.
+    pub geometry: Geometry,
+    /// Size of the server's call table for this connection.
+    pub max_calls: u32,
+    /// Shard that owns the connection.
+    pub shard: u16,
+    /// Number of shards.
+    pub shards: u16,
+}
+
+/// Why the server refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// Reason, for the client's error message.
+    pub reason: String,
+}
+
+/// A decoded handshake message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// Client hello.
+    Hello(Hello),
+    /// Server acceptance.
+    Welcome(Welcome),
+    /// Server refusal.
+    Refusal(Refusal),
+}
+
+fn handshake_err(why: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Handshake, why)
+}
+
+struct W(Vec<u8>);
+
+impl W {
+    fn header(kind: u8) -> W {
+        let mut v = Vec::with_capacity(128);
+        v.extend_from_slice(&MAGIC);
+        v.extend_from_slice(&VERSION.to_le_bytes());
+        v.push(kind);
+        v.push(0);
+        W(v)
+    }
+    fn u8(&mut self, x: u8) {
+        self.0.push(x);
+    }
+    fn u16(&mut self, x: u16) {
+        self.0.extend_from_slice(&x.to_le_bytes());
+    }
+    fn u32(&mut self, x: u32) {
+        self.0.extend_from_slice(&x.to_le_bytes());
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.0.extend_from_slice(b);
+    }
+    fn geometry(&mut self, g: &Geometry) {
+        self.u32(g.slot_size);
+        self.u32(g.send_slots);
+        self.u32(g.recv_slots);
+    }
+}
+
+struct R<'a>(&'a [u8]);
+
+impl<'a> R<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Error> {
+        if self.0.len() < n {
+            return Err(handshake_err("handshake message truncated"));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, Error> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, Error> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Result<u32, Error> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn geometry(&mut self) -> Result<Geometry, Error> {
+        let g = Geometry {
+            slot_size: self.u32()?,
+            send_slots: self.u32()?,
+            recv_slots: self.u32()?,
+        };
+        if !g.is_valid() {
+            return Err(handshake_err(format!(
+                "peer ring geometry out of range: {g:?}"
+            )));
+        }
+        Ok(g)
+    }
+    fn endpoint(&mut self) -> Result<Endpoint, Error> {
+        let b = self.take(Endpoint::ENCODED_LEN)?;
+        Endpoint::from_bytes(b)
+            .map_err(|e| Error::with_source(ErrorKind::Handshake, "bad peer endpoint", e))
+    }
+}
+
+impl Message {
+    /// Encodes the message without its length prefix.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Message::Hello(h) => {
+                let mut w = W::header(KIND_HELLO);
+                w.u8(h.provider);
+                w.u8(h.token.len().min(MAX_TOKEN) as u8);
+                w.bytes(&h.token[..h.token.len().min(MAX_TOKEN)]);
+                w.bytes(&h.endpoint.to_bytes());
+                w.geometry(&h.geometry);
+                w.u32(h.max_calls);
+                w.0
+            }
+            Message::Welcome(m) => {
+                let mut w = W::header(KIND_WELCOME);
+                w.bytes(&m.endpoint.to_bytes());
+                w.geometry(&m.geometry);
+                w.u32(m.max_calls);
+                w.u16(m.shard);
+                w.u16(m.shards);
+                w.0
+            }
+            Message::Refusal(r) => {
+                let mut w = W::header(KIND_REFUSAL);
+                let reason = &r.reason.as_bytes()[..r.reason.len().min(MAX_MESSAGE - 16)];
+                w.u16(reason.len() as u16);
+                w.bytes(reason);
+                w.0
+            }
+        }
+    }
+
+    /// Decodes a message (without its length prefix).
+    ///
+    /// # Errors
+    /// A handshake error saying what is wrong: not an rdma-rpc peer (magic), another protocol
+    /// version, an unknown kind, a truncated or oversized message, out-of-range values.
+    pub fn decode(buf: &[u8]) -> Result<Message, Error> {
+        let mut r = R(buf);
+        if r.take(4)? != MAGIC {
+            return Err(handshake_err(
+                "peer is not an rdma-rpc endpoint (bad handshake magic): is this the right port?",
+            ));
+        }
+        let version = r.u16()?;
+        if version != VERSION {
+            return Err(handshake_err(format!(
+                "handshake version {version} not supported (this side speaks {VERSION})"
+            )));
+        }
+        let kind = r.u8()?;
+        let _reserved = r.u8()?;
+        let msg = match kind {
+            KIND_HELLO => {
+                let provider = r.u8()?;
+                let tlen = r.u8()? as usize;
+                if tlen > MAX_TOKEN {
+                    return Err(handshake_err("token longer than 64 bytes"));
+                }
+                let token = r.take(tlen)?.to_vec();
+                let endpoint = r.endpoint()?;
+                let geometry = r.geometry()?;
+                let max_calls = r.u32()?;
+                if max_calls == 0 || max_calls > Geometry::MAX_SLOTS {
+                    return Err(handshake_err("peer call table size out of range"));
+                }
+                Message::Hello(Hello {
+                    provider,
+                    endpoint,
+                    geometry,
+                    max_calls,
+                    token,
+                })
+            }
+            KIND_WELCOME => {
+                let endpoint = r.endpoint()?;
+                let geometry = r.geometry()?;
+                let max_calls = r.u32()?;
+                if max_calls == 0 || max_calls > Geometry::MAX_SLOTS {
+                    return Err(handshake_err("peer call table size out of range"));
+                }
+                let shard = r.u16()?;
+                let shards = r.u16()?;
+                if shards == 0 || shard >= shards {
+                    return Err(handshake_err("peer shard index out of range"));
+                }
+                Message::Welcome(Welcome {
+                    endpoint,
+                    geometry,
+                    max_calls,
+                    shard,
+                    shards,
+                })
+            }
+            KIND_REFUSAL => {
+                let n = r.u16()? as usize;
+                let reason = String::from_utf8_lossy(r.take(n)?).into_owned();
+                Message::Refusal(Refusal { reason })
+            }
+            k => return Err(handshake_err(format!("unknown handshake message kind {k}"))),
+        };
+        if !r.0.is_empty() {
+            return Err(handshake_err("trailing bytes after handshake message"));
+        }
+        Ok(msg)
+    }
+}
+
+/// Writes one length-prefixed message.
+///
+/// # Errors
+/// On I/O failure.
+pub async fn send<S: AsyncWriteExt + Unpin>(stream: &mut S, msg: &Message) -> Result<(), Error> {
+    let body = msg.encode();
+    let mut framed = Vec::with_capacity(4 + body.len());
+    framed.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    framed.extend_from_slice(&body);
+    stream
+        .write_all(&framed)
+        .await
+        .map_err(|e| Error::with_source(ErrorKind::Connect, "sending handshake", e))?;
+    stream
+        .flush()
+        .await
+        .map_err(|e| Error::with_source(ErrorKind::Connect, "sending handshake", e))
+}
+
+/// Reads one length-prefixed message within [`HANDSHAKE_TIMEOUT`].
+///
+/// # Errors
+/// On timeout, I/O failure, an oversized length or an invalid message.
+pub async fn recv<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Message, Error> {
+    let read = async {
+        let mut len = [0u8; 4];
+        stream.read_exact(&mut len).await?;
+        let len = u32::from_le_bytes(len) as usize;
+        if len > MAX_MESSAGE {
+            return Ok(Err(handshake_err(format!(
+                "handshake message of {len} bytes is over the {MAX_MESSAGE}-byte limit: peer is \
+                 not an rdma-rpc endpoint"
+            ))));
+        }
+        let mut body = vec![0u8; len];
+        stream.read_exact(&mut body).await?;
+        Ok::<_, std::io::Error>(Message::decode(&body))
+    };
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, read).await {
+        Err(_) => Err(handshake_err("peer sent no handshake within 5 s")),
+        Ok(Err(e)) => Err(Error::with_source(
+            ErrorKind::Handshake,
+            "reading handshake",
+            e,
+        )),
+        Ok(Ok(r)) => r,
+    }
+}
+
+/// Constant-time comparison of tokens (no early exit on the first differing byte).
+pub fn token_matches(expected: &[u8], got: &[u8]) -> bool {
+    if expected.len() != got.len() {
+        return false;
+    }
+    expected
+        .iter()
+        .zip(got)
+        .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+        == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep() -> Endpoint {
+        Endpoint {
+            provider: Endpoint::PROVIDER_SOFT,
+            port: 1,
+            lid: 0,
+            qp_num: 17,
+            psn: 0x1234,
+            mtu: 4096,
+            gid: [7; 16],
+            aux: 3,
+        }
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        let g = Geometry::default();
+        for m in [
+            Message::Hello(Hello {
+                provider: 1,
+                endpoint: ep(),
+                geometry: g,
+                max_calls: 64,
+                token: b"secret".to_vec(),
+            }),
+            Message::Welcome(Welcome {
+                endpoint: ep(),
+                geometry: g,
+                max_calls: 64,
+                shard: 1,
+                shards: 2,
+            }),
+            Message::Refusal(Refusal {
+                reason: "bad token".into(),
+            }),
+        ] {
+            assert_eq!(Message::decode(&m.encode()).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn garbage_and_wrong_versions_are_refused_with_reasons() {
+        let e = Message::decode(b"GET / HTTP/1.1\r\n").unwrap_err();
+        assert!(e.to_string().contains("not an rdma-rpc endpoint"), "{e}");
+        let mut m = Message::Refusal(Refusal {
+            reason: String::new(),
+        })
+        .encode();
+        m[4] = 9;
+        let e = Message::decode(&m).unwrap_err();
+        assert!(e.to_string().contains("version 9"), "{e}");
+        let good = Message::Hello(Hello {
+            provider: 1,
+            endpoint: ep(),
+            geometry: Geometry::default(),
+            max_calls: 64,
+            token: vec![],
+        })
+        .encode();
+        for cut in 0..good.len() {
+            assert!(Message::decode(&good[..cut]).is_err());
+        }
+        let mut bad_geom = good.clone();
+        let off = good.len() - 16;
+        bad_geom[off..off + 4].copy_from_slice(&7u32.to_le_bytes());
+        assert!(Message::decode(&bad_geom).is_err());
+    }
+
+    #[test]
+    fn tokens_compare_exactly() {
+        assert!(token_matches(b"abc", b"abc"));
+        assert!(!token_matches(b"abc", b"abd"));
+        assert!(!token_matches(b"abc", b"ab"));
+        assert!(token_matches(b"", b""));
+    }
+
+    #[tokio::test]
+    async fn oversized_lengths_are_refused_before_reading() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+        let e = recv(&mut b).await.unwrap_err();
+        assert!(e.to_string().contains("over the 512-byte limit"), "{e}");
+    }
+}

@@ -1,17 +1,36 @@
 //! The server: shards (one thread per core, each owning a CQ, its connections' QPs, slots and
-//! in-flight calls), the acceptor, and the [`Service`] contract generated servers implement.
+//! in-flight calls), the acceptor (TCP handshake, then liveness), and the [`Service`] contract
+//! generated servers implement.
 //!
-//! CONTRACT ONLY for now: the runtime behind it lands with issue 3.
+//! ```text
+//! acceptor (tokio): accept ─> Hello ─> checks ─> shard inbox ─> shard creates QP ─> Welcome
+//!                   then holds the TCP connection: EOF => shard drops the connection's calls
+//! shard i (thread): poll CQ ─> frames ─> Service::call ─> handler runs inline or parks
+//!                   ─> response encoded into a send slot ─> SEND
+//! ```
 
-use std::future::Future;
-use std::marker::PhantomData;
+mod call;
+pub(crate) mod notify;
+mod router;
+mod shard;
 
-use futures_core::Stream;
-use prost::Message;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{info, warn};
+
+pub use call::{CallCtx, CallFamily, Dispatched, IncomingCall};
+
+use crate::buf::Geometry;
+use crate::connect::{self, Hello, Message, Refusal};
 use crate::method::MethodDesc;
-use crate::streaming::Streaming;
-use crate::{Request, Response, Status};
+use crate::verbs::{Endpoint, Provider, ProviderKind, ProviderVisitor};
+use crate::{Error, ErrorKind};
+use router::Router;
+use shard::{ShardHandle, ShardMsg};
 
 /// A service the server can dispatch to. Generated `*Server<T>` types implement it; users do not
 /// need to.
@@ -28,75 +47,6 @@ pub trait Service: Send + Sync + 'static {
     fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched;
 }
 
-/// A call that arrived for a service, not yet handed to its handler.
-#[derive(Debug)]
-pub struct IncomingCall<'a> {
-    _shard: PhantomData<&'a mut ()>,
-}
-
-/// Proof that an [`IncomingCall`] was handled (returned by its methods).
-#[derive(Debug)]
-#[must_use]
-pub struct Dispatched(());
-
-impl IncomingCall<'_> {
-    /// Runs a unary handler: decodes the request, calls `handler`, encodes its response or
-    /// status.
-    pub fn unary<Req, Resp, F, Fut>(self, handler: F) -> Dispatched
-    where
-        Req: Message + Default + Send + 'static,
-        Resp: Message + Send + 'static,
-        F: FnOnce(Request<Req>) -> Fut,
-        Fut: Future<Output = Result<Response<Resp>, Status>> + Send + 'static,
-    {
-        let _ = handler;
-        todo!("server runtime: issue 3")
-    }
-
-    /// Runs a server-streaming handler.
-    pub fn server_streaming<Req, Resp, S, F, Fut>(self, handler: F) -> Dispatched
-    where
-        Req: Message + Default + Send + 'static,
-        Resp: Message + Send + 'static,
-        S: Stream<Item = Result<Resp, Status>> + Send + 'static,
-        F: FnOnce(Request<Req>) -> Fut,
-        Fut: Future<Output = Result<Response<S>, Status>> + Send + 'static,
-    {
-        let _ = handler;
-        todo!("streaming runtime: issue 7")
-    }
-
-    /// Runs a client-streaming handler.
-    pub fn client_streaming<Req, Resp, F, Fut>(self, handler: F) -> Dispatched
-    where
-        Req: Message + Default + Send + 'static,
-        Resp: Message + Send + 'static,
-        F: FnOnce(Request<Streaming<Req>>) -> Fut,
-        Fut: Future<Output = Result<Response<Resp>, Status>> + Send + 'static,
-    {
-        let _ = handler;
-        todo!("streaming runtime: issue 7")
-    }
-
-    /// Runs a bidirectional-streaming handler.
-    pub fn streaming<Req, Resp, S, F, Fut>(self, handler: F) -> Dispatched
-    where
-        Req: Message + Default + Send + 'static,
-        Resp: Message + Send + 'static,
-        S: Stream<Item = Result<Resp, Status>> + Send + 'static,
-        F: FnOnce(Request<Streaming<Req>>) -> Fut,
-        Fut: Future<Output = Result<Response<S>, Status>> + Send + 'static,
-    {
-        let _ = handler;
-        todo!("streaming runtime: issue 7")
-    }
-
-    /// Answers `UNIMPLEMENTED` (unknown method).
-    pub fn unimplemented(self) -> Dispatched {
-        todo!("server runtime: issue 3")
-    }
-}
-
 /// How an idle shard waits for work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum PollMode {
@@ -109,6 +59,34 @@ pub enum PollMode {
     Event,
 }
 
+/// Everything a shard needs to know, fixed when the server starts.
+#[derive(Debug, Clone)]
+pub(crate) struct ServerConfig {
+    pub(crate) shards: u16,
+    pub(crate) cores: Option<Vec<usize>>,
+    pub(crate) poll_mode: PollMode,
+    pub(crate) provider: ProviderKind,
+    pub(crate) device: Option<String>,
+    pub(crate) token: Option<Vec<u8>>,
+    pub(crate) geometry: Geometry,
+    pub(crate) max_conns_per_shard: u32,
+    pub(crate) tasks_per_shard: u32,
+    pub(crate) max_message: u64,
+    pub(crate) bulk_cache_bytes: usize,
+    pub(crate) max_calls_per_conn: u32,
+}
+
+impl ServerConfig {
+    /// The core shard `id` is pinned to, if pinning was asked for.
+    pub(crate) fn core_of(&self, id: u16) -> Option<usize> {
+        let cores = self.cores.as_ref()?;
+        if cores.is_empty() {
+            return None;
+        }
+        Some(cores[id as usize % cores.len()])
+    }
+}
+
 /// An RPC server. Built with [`Server::builder`].
 #[derive(Debug)]
 pub struct Server {
@@ -116,70 +94,418 @@ pub struct Server {
 }
 
 impl Server {
-    /// A builder with defaults: one shard, adaptive polling, provider from `RPC_PROVIDER`.
+    /// A builder with defaults: one shard, adaptive polling, the provider named by
+    /// `RPC_PROVIDER` (soft when unset).
     pub fn builder() -> ServerBuilder {
-        ServerBuilder { _private: () }
+        ServerBuilder {
+            services: Vec::new(),
+            cfg: ServerConfig {
+                shards: 1,
+                cores: None,
+                poll_mode: PollMode::Adaptive,
+                provider: ProviderKind::from_env().unwrap_or(ProviderKind::Soft),
+                device: None,
+                token: None,
+                geometry: Geometry::default(),
+                max_conns_per_shard: 64,
+                tasks_per_shard: 4096,
+                max_message: 256 << 20,
+                bulk_cache_bytes: 256 << 20,
+                max_calls_per_conn: 1024,
+            },
+            provider_error: ProviderKind::from_env().err().map(|e| e.to_string()),
+        }
     }
 }
 
 /// Configures and starts a [`Server`].
-#[derive(Debug)]
 pub struct ServerBuilder {
-    _private: (),
+    services: Vec<Arc<dyn Service>>,
+    cfg: ServerConfig,
+    provider_error: Option<String>,
+}
+
+impl std::fmt::Debug for ServerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerBuilder")
+            .field(
+                "services",
+                &self.services.iter().map(|s| s.name()).collect::<Vec<_>>(),
+            )
+            .field("cfg", &self.cfg)
+            .finish()
+    }
 }
 
 impl ServerBuilder {
     /// Adds a service (generated `*Server<T>`).
-    pub fn add_service(self, service: impl Service) -> Self {
-        let _ = service;
-        todo!("server runtime: issue 3")
+    pub fn add_service(mut self, service: impl Service) -> Self {
+        self.services.push(Arc::new(service));
+        self
     }
 
-    /// Number of shards (polling threads, one CQ each).
-    pub fn shards(self, n: usize) -> Self {
-        let _ = n;
-        todo!("server runtime: issue 3")
+    /// Number of shards (polling threads, one CQ each). Default 1.
+    pub fn shards(mut self, n: usize) -> Self {
+        self.cfg.shards = n.clamp(1, 256) as u16;
+        self
     }
 
-    /// How idle shards wait.
-    pub fn poll_mode(self, mode: PollMode) -> Self {
-        let _ = mode;
-        todo!("server runtime: issue 3")
+    /// Pins shard `i` to `cores[i % cores.len()]`.
+    pub fn pin_cores(mut self, cores: Vec<usize>) -> Self {
+        self.cfg.cores = Some(cores);
+        self
+    }
+
+    /// How idle shards wait. Default [`PollMode::Adaptive`].
+    pub fn poll_mode(mut self, mode: PollMode) -> Self {
+        self.cfg.poll_mode = mode;
+        self
+    }
+
+    /// The provider (overrides `RPC_PROVIDER`).
+    pub fn provider(mut self, provider: ProviderKind) -> Self {
+        self.cfg.provider = provider;
+        self.provider_error = None;
+        self
+    }
+
+    /// The device to open (default: the provider's first usable one).
+    pub fn device(mut self, name: impl Into<String>) -> Self {
+        self.cfg.device = Some(name.into());
+        self
+    }
+
+    /// Requires clients to present this shared secret in the handshake (at most 64 bytes).
+    pub fn auth_token(mut self, token: impl Into<Vec<u8>>) -> Self {
+        self.cfg.token = Some(token.into());
+        self
+    }
+
+    /// Slot geometry of each connection (slot size = largest eager frame, ring depths).
+    pub fn geometry(mut self, geometry: Geometry) -> Self {
+        self.cfg.geometry = geometry;
+        self
+    }
+
+    /// Largest message accepted or sent (default 256 MiB).
+    pub fn max_message(mut self, bytes: u64) -> Self {
+        self.cfg.max_message = bytes;
+        self
+    }
+
+    /// Connections each shard accepts (default 64).
+    pub fn max_connections_per_shard(mut self, n: u32) -> Self {
+        self.cfg.max_conns_per_shard = n.max(1);
+        self
+    }
+
+    /// Calls in flight per shard (handler task slots; default 4096).
+    pub fn max_calls_per_shard(mut self, n: u32) -> Self {
+        self.cfg.tasks_per_shard = n.max(1);
+        self
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        if let Some(e) = &self.provider_error {
+            return Err(Error::new(ErrorKind::Config, e.clone()));
+        }
+        if !self.cfg.geometry.is_valid() {
+            return Err(Error::new(ErrorKind::Config, "slot geometry out of range"));
+        }
+        if self
+            .cfg
+            .token
+            .as_ref()
+            .is_some_and(|t| t.len() > connect::MAX_TOKEN)
+        {
+            return Err(Error::new(
+                ErrorKind::Config,
+                "auth token longer than 64 bytes",
+            ));
+        }
+        Ok(())
     }
 
     /// Binds the listener and starts the shards; returns a handle to the running server.
+    /// Must be called inside a tokio runtime (the acceptor and handler timers run on it).
     ///
     /// # Errors
     /// When the address is invalid, the port is taken, or the device cannot be opened.
-    pub async fn bind(self, addr: impl AsRef<str>) -> Result<RunningServer, crate::Error> {
-        let _ = addr.as_ref();
-        todo!("server runtime: issue 3")
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it completes stops what it started.
+    pub async fn bind(self, addr: impl AsRef<str>) -> Result<RunningServer, Error> {
+        self.check()?;
+        let router = Router::new(self.services).map_err(|e| Error::new(ErrorKind::Config, e))?;
+        let listener = TcpListener::bind(addr.as_ref()).await.map_err(|e| {
+            Error::with_source(ErrorKind::Connect, format!("bind {}", addr.as_ref()), e)
+        })?;
+        let local = listener.local_addr()?;
+        let cfg = Arc::new(self.cfg);
+        let rt = tokio::runtime::Handle::current();
+        let shards = cfg.provider.visit(StartShards {
+            cfg: Arc::clone(&cfg),
+            router: Arc::new(router),
+            rt,
+        })??;
+        let shards = Arc::new(shards);
+        info!(
+            "rdma-rpc server on {local}: provider {}, {} shard(s), poll mode {:?}",
+            cfg.provider, cfg.shards, cfg.poll_mode
+        );
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let acceptor = tokio::spawn(accept_loop(
+            listener,
+            Arc::clone(&cfg),
+            Arc::clone(&shards),
+            stop_rx,
+        ));
+        Ok(RunningServer {
+            local,
+            shards,
+            stop_tx,
+            acceptor,
+        })
     }
 
     /// Binds and serves until the process ends.
     ///
     /// # Errors
     /// As [`ServerBuilder::bind`].
-    pub async fn serve(self, addr: impl AsRef<str>) -> Result<(), crate::Error> {
-        let _ = addr.as_ref();
-        todo!("server runtime: issue 3")
+    pub async fn serve(self, addr: impl AsRef<str>) -> Result<(), Error> {
+        let server = self.bind(addr).await?;
+        std::future::pending::<()>().await;
+        drop(server);
+        Ok(())
     }
+}
+
+struct StartShards {
+    cfg: Arc<ServerConfig>,
+    router: Arc<Router>,
+    rt: tokio::runtime::Handle,
+}
+
+impl ProviderVisitor for StartShards {
+    type Output = Result<Vec<ShardHandle>, Error>;
+
+    fn visit<P: Provider>(self) -> Self::Output {
+        let epoch = Instant::now();
+        let mut handles = Vec::new();
+        for id in 0..self.cfg.shards {
+            let (shard, mut handle) = shard::open::<P>(
+                id,
+                self.cfg.shards,
+                Arc::clone(&self.cfg),
+                Arc::clone(&self.router),
+                epoch,
+            )?;
+            let rt = self.rt.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("rpc-shard-{id}"))
+                .spawn(move || shard.run(rt))
+                .map_err(|e| Error::with_source(ErrorKind::Io, "spawn shard thread", e))?;
+            handle.thread = std::sync::Mutex::new(Some(thread));
+            handles.push(handle);
+        }
+        Ok(handles)
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    cfg: Arc<ServerConfig>,
+    shards: Arc<Vec<ShardHandle>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut next = 0usize;
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = stop.changed() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let shard = next % shards.len();
+        next = next.wrapping_add(1);
+        tokio::spawn(serve_connection(
+            stream,
+            peer,
+            Arc::clone(&cfg),
+            Arc::clone(&shards),
+            shard,
+            stop.clone(),
+        ));
+    }
+}
+
+/// One client's TCP side: the handshake, then liveness until either side closes.
+async fn serve_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    cfg: Arc<ServerConfig>,
+    shards: Arc<Vec<ShardHandle>>,
+    shard: usize,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let hello = match connect::recv(&mut stream).await {
+        Ok(Message::Hello(h)) => h,
+        Ok(_) => {
+            refuse(&mut stream, peer, "expected a Hello").await;
+            return;
+        }
+        Err(e) => {
+            refuse(&mut stream, peer, &e.to_string()).await;
+            return;
+        }
+    };
+    if let Err(why) = check_hello(&hello, &cfg) {
+        refuse(&mut stream, peer, &why).await;
+        return;
+    }
+    let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
+    let (closed_tx, mut closed_rx) = tokio::sync::oneshot::channel();
+    let handle = &shards[shard];
+    handle.send(ShardMsg::Connect {
+        hello,
+        peer,
+        reply: reply_tx,
+        closed: closed_tx,
+    });
+    let (welcome, key) = match reply_rx.await {
+        Ok(Ok(x)) => x,
+        Ok(Err(why)) => {
+            refuse(&mut stream, peer, &why).await;
+            return;
+        }
+        Err(_) => {
+            refuse(&mut stream, peer, "server shutting down").await;
+            return;
+        }
+    };
+    if let Err(e) = connect::send(&mut stream, &Message::Welcome(welcome)).await {
+        warn!("handshake with {peer} failed: {e}");
+        handle.send(ShardMsg::Disconnect(key));
+        return;
+    }
+    // Liveness: the client never sends more on TCP; EOF or an error means it is gone.
+    let mut byte = [0u8; 1];
+    use tokio::io::AsyncReadExt;
+    tokio::select! {
+        _ = stream.read(&mut byte) => {
+            handle.send(ShardMsg::Disconnect(key));
+        }
+        _ = &mut closed_rx => {}
+        _ = stop.changed() => {}
+    }
+}
+
+fn check_hello(h: &Hello, cfg: &ServerConfig) -> Result<(), String> {
+    let expected = match cfg.provider {
+        ProviderKind::Soft => Endpoint::PROVIDER_SOFT,
+        ProviderKind::Ib => Endpoint::PROVIDER_IB,
+    };
+    if h.provider != expected || h.endpoint.provider != expected {
+        return Err(format!(
+            "provider mismatch: this server uses {}; set RPC_PROVIDER={} on the client",
+            cfg.provider, cfg.provider
+        ));
+    }
+    if let Some(token) = &cfg.token
+        && !connect::token_matches(token, &h.token)
+    {
+        return Err("authentication failed: missing or wrong token".into());
+    }
+    if h.max_calls > cfg.max_calls_per_conn {
+        return Err(format!(
+            "client call table of {} exceeds this server's limit of {}",
+            h.max_calls, cfg.max_calls_per_conn
+        ));
+    }
+    Ok(())
+}
+
+async fn refuse(stream: &mut TcpStream, peer: SocketAddr, why: &str) {
+    warn!("refused connection from {peer}: {why}");
+    let _ = connect::send(
+        stream,
+        &Message::Refusal(Refusal {
+            reason: why.to_owned(),
+        }),
+    )
+    .await;
 }
 
 /// A running server.
 #[derive(Debug)]
 pub struct RunningServer {
-    _private: (),
+    local: SocketAddr,
+    shards: Arc<Vec<ShardHandle>>,
+    stop_tx: tokio::sync::watch::Sender<bool>,
+    acceptor: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for ShardHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardHandle")
+            .field("live_calls", &self.live_calls.load(Ordering::Relaxed))
+            .finish()
+    }
 }
 
 impl RunningServer {
     /// The address the listener is bound to.
-    pub fn local_addr(&self) -> std::net::SocketAddr {
-        todo!("server runtime: issue 3")
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
     }
 
-    /// Stops accepting, finishes in-flight calls, then stops the shards.
+    /// Calls accepted and not yet answered, over all shards.
+    pub fn live_calls(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.live_calls.load(Ordering::Acquire))
+            .sum()
+    }
+
+    /// Stops accepting, lets in-flight calls finish, then stops the shards and closes every
+    /// connection.
+    ///
+    /// # Cancel safety
+    /// Dropping the future leaves the shards stopping in the background.
     pub async fn shutdown(self) {
-        todo!("server runtime: issue 3")
+        let _ = self.stop_tx.send(true);
+        self.acceptor.abort();
+        for s in self.shards.iter() {
+            s.stop.store(true, Ordering::Release);
+            s.doorbell.ring_always();
+        }
+        let shards = Arc::clone(&self.shards);
+        let _ = tokio::task::spawn_blocking(move || {
+            for s in shards.iter() {
+                let t = s.thread.lock().ok().and_then(|mut t| t.take());
+                if let Some(t) = t {
+                    let _ = t.join();
+                }
+            }
+        })
+        .await;
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        let _ = self.stop_tx.send(true);
+        self.acceptor.abort();
+        for s in self.shards.iter() {
+            s.stop.store(true, Ordering::Release);
+            s.doorbell.ring_always();
+        }
     }
 }

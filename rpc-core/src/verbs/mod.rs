@@ -235,6 +235,12 @@ pub trait CompChannel: Send + Sync + fmt::Debug + AsRawFd {
     /// # Errors
     /// When the underlying descriptor fails.
     fn drain(&self) -> Result<u32>;
+
+    /// The descriptor, borrowed (for `poll(2)` sets).
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the descriptor is owned by `self` and stays open while the borrow lives.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.as_raw_fd()) }
+    }
 }
 
 /// A completion queue (`ibv_cq`).

@@ -1,0 +1,290 @@
+//! One registered arena per connection, carved into fixed-size send and receive slots.
+//!
+//! ```text
+//! arena (one MR, LOCAL_WRITE):  [ send 0 | send 1 | ... | send S-1 | recv 0 | ... | recv R-1 ]
+//! ```
+//!
+//! Ownership of a slot moves between the runtime and the NIC and is never shared:
+//!
+//! - a **send slot** is taken from the free queue by whoever encodes a frame into it, handed to
+//!   the NIC by `post_send`, and returned to the free queue when the send's completion is
+//!   polled;
+//! - a **receive slot** is owned by the NIC while its RECV is posted; its completion hands it to
+//!   a [`RecvSlot`] guard; dropping the guard (on any thread) puts the index on the repost
+//!   queue, and the connection's driver posts the RECV again in its next batch.
+//!
+//! Both queues are lock-free (`crossbeam-queue`); nothing here allocates after construction.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crossbeam_queue::ArrayQueue;
+
+use crate::verbs::{Access, Mr, Pd, Provider, Result, Sge};
+
+/// Sizes of a connection's slot rings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Bytes per slot (send and receive alike): the largest eager frame.
+    pub slot_size: u32,
+    /// Number of send slots.
+    pub send_slots: u32,
+    /// Number of receive slots (the credits the peer gets).
+    pub recv_slots: u32,
+}
+
+impl Geometry {
+    /// Smallest slot: room for the largest frame header and a little payload.
+    pub const MIN_SLOT: u32 = 256;
+    /// Largest slot.
+    pub const MAX_SLOT: u32 = 1 << 20;
+    /// Most slots in one ring.
+    pub const MAX_SLOTS: u32 = 1 << 14;
+
+    /// Whether the sizes are within limits (a peer's geometry is checked with this).
+    pub fn is_valid(&self) -> bool {
+        (Self::MIN_SLOT..=Self::MAX_SLOT).contains(&self.slot_size)
+            && self.slot_size.is_multiple_of(64)
+            && (1..=Self::MAX_SLOTS).contains(&self.send_slots)
+            && (1..=Self::MAX_SLOTS).contains(&self.recv_slots)
+    }
+
+    fn arena_len(&self) -> usize {
+        self.slot_size as usize * (self.send_slots as usize + self.recv_slots as usize)
+    }
+}
+
+impl Default for Geometry {
+    fn default() -> Self {
+        Geometry {
+            slot_size: 8192,
+            send_slots: 128,
+            recv_slots: 128,
+        }
+    }
+}
+
+/// The registered slot memory of one connection and its two free/repost queues. Shared (in an
+/// `Arc`) by the connection's driver and every [`RecvSlot`] guard, so the memory outlives any
+/// guard still held by user code after the connection is gone.
+pub struct SlotArena<P: Provider> {
+    mr: P::Mr,
+    geometry: Geometry,
+    free_send: ArrayQueue<u32>,
+    repost: ArrayQueue<u32>,
+}
+
+impl<P: Provider> SlotArena<P> {
+    /// Allocates and registers the arena (local access only: slots are reached by SEND/RECV,
+    /// never by a peer's one-sided operation). All send slots start free; all receive slots
+    /// start on the repost queue, so the driver's first batch posts them.
+    ///
+    /// # Errors
+    /// When the geometry is invalid or registration fails.
+    pub fn new(pd: &P::Pd, geometry: Geometry) -> Result<Arc<SlotArena<P>>> {
+        if !geometry.is_valid() {
+            return Err(crate::verbs::VerbsError::new(
+                crate::verbs::Verb::AllocMr,
+                crate::verbs::ErrorKind::InvalidArgument,
+                "slot geometry out of range",
+            ));
+        }
+        let mr = pd.alloc_mr(geometry.arena_len(), Access::LOCAL_WRITE)?;
+        let free_send = ArrayQueue::new(geometry.send_slots as usize);
+        for i in 0..geometry.send_slots {
+            let _ = free_send.push(i);
+        }
+        let repost = ArrayQueue::new(geometry.recv_slots as usize);
+        for i in 0..geometry.recv_slots {
+            let _ = repost.push(i);
+        }
+        Ok(Arc::new(SlotArena {
+            mr,
+            geometry,
+            free_send,
+            repost,
+        }))
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    /// The memory region.
+    pub fn mr(&self) -> &P::Mr {
+        &self.mr
+    }
+
+    fn offset_send(&self, idx: u32) -> usize {
+        debug_assert!(idx < self.geometry.send_slots);
+        idx as usize * self.geometry.slot_size as usize
+    }
+
+    fn offset_recv(&self, idx: u32) -> usize {
+        debug_assert!(idx < self.geometry.recv_slots);
+        (self.geometry.send_slots as usize + idx as usize) * self.geometry.slot_size as usize
+    }
+
+    /// Takes a free send slot; `None` when all are in flight (back-pressure).
+    pub fn take_send(&self) -> Option<u32> {
+        self.free_send.pop()
+    }
+
+    /// Returns a send slot whose send completed.
+    pub fn release_send(&self, idx: u32) {
+        debug_assert!(idx < self.geometry.send_slots);
+        // Capacity equals the number of send slots and each index is held once: cannot fail.
+        let _ = self.free_send.push(idx);
+    }
+
+    /// How many send slots are free.
+    pub fn free_sends(&self) -> usize {
+        self.free_send.len()
+    }
+
+    /// The bytes of send slot `idx`, to encode a frame into.
+    ///
+    /// # Safety
+    /// The caller owns slot `idx` (took it with [`SlotArena::take_send`] and has not posted or
+    /// released it), so nothing else reads or writes it while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn send_buf(&self, idx: u32) -> &mut [u8] {
+        let off = self.offset_send(idx);
+        // SAFETY: `off + slot_size` is inside the MR (idx < send_slots, arena_len covers all
+        // slots); the caller owns the slot exclusively, so no other reference to these bytes
+        // exists and the NIC does not touch them until they are posted.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.mr.as_ptr().add(off),
+                self.geometry.slot_size as usize,
+            )
+        }
+    }
+
+    /// The SGE covering the first `len` bytes of send slot `idx`.
+    pub fn send_sge(&self, idx: u32, len: u32) -> Sge {
+        debug_assert!(len <= self.geometry.slot_size);
+        Sge {
+            addr: self.mr.addr() + self.offset_send(idx) as u64,
+            length: len,
+            lkey: self.mr.lkey(),
+        }
+    }
+
+    /// The SGE covering receive slot `idx` (for `post_recv`).
+    pub fn recv_sge(&self, idx: u32) -> Sge {
+        Sge {
+            addr: self.mr.addr() + self.offset_recv(idx) as u64,
+            length: self.geometry.slot_size,
+            lkey: self.mr.lkey(),
+        }
+    }
+
+    /// Pops a receive slot to post again; `None` when none is waiting.
+    pub fn take_repost(&self) -> Option<u32> {
+        self.repost.pop()
+    }
+
+    /// Hands a completed receive slot to a guard.
+    ///
+    /// # Safety
+    /// The RECV of slot `idx` has completed (its completion was polled) and it is not posted
+    /// again until the guard is dropped; `len` is the completion's byte length.
+    pub unsafe fn recv_slot(self: &Arc<Self>, idx: u32, len: u32) -> RecvSlot {
+        debug_assert!(idx < self.geometry.recv_slots);
+        let len = len.min(self.geometry.slot_size);
+        let off = self.offset_recv(idx);
+        // SAFETY: `off` is inside the MR (idx < recv_slots).
+        let ptr = unsafe { self.mr.as_ptr().add(off) };
+        let owner: Arc<dyn Repost> = Arc::clone(self) as Arc<dyn Repost>;
+        RecvSlot {
+            owner,
+            ptr,
+            idx,
+            len,
+        }
+    }
+
+    /// Returns a receive slot to the repost queue without a guard (e.g. a flushed receive).
+    pub fn repost_later(&self, idx: u32) {
+        debug_assert!(idx < self.geometry.recv_slots);
+        // Capacity equals the number of receive slots and each index is held once.
+        let _ = self.repost.push(idx);
+    }
+}
+
+impl<P: Provider> fmt::Debug for SlotArena<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotArena")
+            .field("geometry", &self.geometry)
+            .field("free_send", &self.free_send.len())
+            .field("repost", &self.repost.len())
+            .finish()
+    }
+}
+
+/// What a [`RecvSlot`] needs of its arena: a way back to the repost queue. Object-safe, so a
+/// slot guard does not name the provider.
+pub trait Repost: Send + Sync + 'static {
+    /// Queues receive slot `idx` for reposting.
+    fn repost(&self, idx: u32);
+}
+
+impl<P: Provider> Repost for SlotArena<P> {
+    fn repost(&self, idx: u32) {
+        self.repost_later(idx);
+    }
+}
+
+/// A received frame's slot, owned by the runtime until dropped. Dropping it (on any thread)
+/// queues the slot for reposting. Its bytes can back `bytes::Bytes` without a copy
+/// (`Bytes::from_owner`). The arena stays alive (and registered) while a guard exists.
+pub struct RecvSlot {
+    owner: Arc<dyn Repost>,
+    ptr: *const u8,
+    idx: u32,
+    len: u32,
+}
+
+// SAFETY: the guard owns its slot's bytes exclusively (the RECV is not reposted while it
+// lives) and `owner` keeps the memory mapped; reading them from another thread is fine.
+unsafe impl Send for RecvSlot {}
+// SAFETY: shared access only reads the bytes, which nothing writes while the guard lives.
+unsafe impl Sync for RecvSlot {}
+
+impl RecvSlot {
+    /// The received bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the slot's RECV completed and it is not reposted while this guard lives
+        // (`SlotArena::recv_slot`'s contract), so neither the NIC nor a peer writes it; the
+        // range is inside the arena's MR (`len <= slot_size`), which `owner` keeps alive.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len as usize) }
+    }
+
+    /// The slot index.
+    pub fn index(&self) -> u32 {
+        self.idx
+    }
+}
+
+impl AsRef<[u8]> for RecvSlot {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
+impl Drop for RecvSlot {
+    fn drop(&mut self) {
+        self.owner.repost(self.idx);
+    }
+}
+
+impl fmt::Debug for RecvSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecvSlot")
+            .field("idx", &self.idx)
+            .field("len", &self.len)
+            .finish()
+    }
+}

@@ -1,0 +1,699 @@
+//! One connection's transport: its RC queue pair, its slot arena, its protocol state
+//! ([`wire::Conn`]) and the verbs it posts. Shared by server shards and clients; generic over
+//! the provider, so everything here is monomorphised and the data path has no `dyn`.
+//!
+//! Frames are built in place in a send slot:
+//!
+//! ```text
+//! slot:  [ .. spare .. | header | metadata | payload | .. unused .. ]
+//!        0             ^ MAX_HEADER_LEN - header_len
+//!                                ^ MAX_HEADER_LEN
+//! ```
+//!
+//! The metadata and the protobuf payload are encoded first, at `MAX_HEADER_LEN`; the header is
+//! written right before them once the protocol state commits the frame (so a frame can wait for
+//! credits with its body already encoded), and the SEND starts at the header. One serialization
+//! into registered memory; the only copy after it is the NIC's.
+//!
+//! Work-request ids name the link (`key`, with a generation so completions of a closed link are
+//! ignored), the kind of work and a slot or call index.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::buf::{BulkBuf, BulkPool, EncodeMsg, RecvSlot, SlotArena};
+use crate::verbs::{
+    PostError, Provider, Qp, RecvWr, SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOp,
+};
+use crate::wire::{self, BulkDesc, FrameHeader, MAX_HEADER_LEN, SendError};
+use crate::{Metadata, Status};
+
+/// Largest RDMA READ/WRITE posted as one work request; larger transfers are pipelined in
+/// chunks of this size.
+pub const CHUNK: usize = 4 << 20;
+
+/// Which link a work request belongs to: index and generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LinkKey {
+    /// Index in the owner's table.
+    pub idx: u16,
+    /// Generation of that table entry.
+    pub generation: u8,
+}
+
+/// What a work request was for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum WrKind {
+    /// A SEND of send slot `aux`.
+    Send = 1,
+    /// A RECV into receive slot `aux`.
+    Recv = 2,
+    /// The last chunk of an RDMA READ for transfer `aux`.
+    Read = 3,
+    /// The last chunk of an RDMA WRITE(_WITH_IMM) for transfer `aux`.
+    Write = 4,
+    /// A work request whose completion means nothing (inline sends).
+    Nop = 5,
+}
+
+/// Encodes a work-request id.
+pub const fn wr_id(key: LinkKey, kind: WrKind, aux: u32) -> u64 {
+    (key.idx as u64) << 48 | (key.generation as u64) << 40 | (kind as u64) << 32 | aux as u64
+}
+
+/// Decodes a work-request id: link key, kind (None if unknown) and aux.
+pub const fn split_wr_id(id: u64) -> (LinkKey, Option<WrKind>, u32) {
+    let key = LinkKey {
+        idx: (id >> 48) as u16,
+        generation: (id >> 40) as u8,
+    };
+    let kind = match (id >> 32) as u8 {
+        1 => Some(WrKind::Send),
+        2 => Some(WrKind::Recv),
+        3 => Some(WrKind::Read),
+        4 => Some(WrKind::Write),
+        5 => Some(WrKind::Nop),
+        _ => None,
+    };
+    (key, kind, id as u32)
+}
+
+/// Why a link failed: the connection must be closed and its calls failed.
+#[derive(Debug, Clone)]
+pub enum LinkError {
+    /// A verb failed (posting on a QP in ERROR, ...).
+    Verbs(String),
+    /// A work completion failed.
+    Completion(crate::verbs::WcError),
+    /// The peer broke the protocol.
+    Protocol(String),
+}
+
+impl std::fmt::Display for LinkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LinkError::Verbs(s) => write!(f, "verbs: {s}"),
+            LinkError::Completion(e) => write!(f, "{e}"),
+            LinkError::Protocol(s) => write!(f, "protocol violation by peer: {s}"),
+        }
+    }
+}
+
+impl LinkError {
+    /// The status calls of a failed link end with.
+    pub fn status(&self) -> Status {
+        match self {
+            LinkError::Protocol(_) => Status::internal(format!("connection closed: {self}")),
+            _ => Status::unavailable(format!("connection lost: {self}")),
+        }
+    }
+}
+
+/// Why a frame could not be sent now.
+#[derive(Debug)]
+pub enum FrameError {
+    /// Back-pressure: no send slot or no credit. Try again after completions arrive.
+    Busy,
+    /// The protocol refused the frame (the call is gone, or a caller bug).
+    Refused(SendError),
+    /// The message does not fit (caller should have planned a bulk transfer).
+    TooLarge,
+    /// The link failed.
+    Link(LinkError),
+}
+
+impl From<LinkError> for FrameError {
+    fn from(e: LinkError) -> FrameError {
+        FrameError::Link(e)
+    }
+}
+
+/// A frame body encoded in a send slot, waiting for its header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Staged {
+    /// The send slot.
+    pub slot: u32,
+    /// Encoded metadata bytes.
+    pub md_len: usize,
+    /// Encoded payload bytes.
+    pub payload_len: usize,
+}
+
+/// Why a staged frame was not sent.
+#[derive(Debug)]
+pub enum CommitError {
+    /// No credit: the frame is handed back, still staged.
+    NoCredit(Staged),
+    /// The protocol refused the frame; its slot was released.
+    Refused(SendError),
+    /// The link failed; the slot was released.
+    Link(LinkError),
+}
+
+/// A received frame: the slot holding it, its header, where its metadata and payload are in
+/// the slot, and what the protocol made of it.
+#[derive(Debug)]
+pub struct Inbound {
+    /// The receive slot (dropping it reposts the RECV).
+    pub slot: RecvSlot,
+    /// The header.
+    pub header: FrameHeader,
+    /// Metadata bytes within the slot.
+    pub metadata: std::ops::Range<usize>,
+    /// Payload bytes within the slot.
+    pub payload: std::ops::Range<usize>,
+    /// The protocol's reading of the frame.
+    pub event: wire::Event,
+}
+
+/// What a receive completion carried.
+#[derive(Debug)]
+pub enum Received {
+    /// A frame in a receive slot.
+    Frame(Inbound),
+    /// A WRITE_WITH_IMM landed (a whole frame in a landing zone of call `imm`); the receive
+    /// slot it consumed is already queued for reposting.
+    Written {
+        /// The immediate (a call id).
+        imm: u32,
+        /// Bytes written.
+        len: u32,
+    },
+}
+
+/// One connection's transport state. Owned by one thread at a time.
+pub struct Link<P: Provider> {
+    /// The queue pair.
+    pub qp: P::Qp,
+    /// Send and receive slots.
+    pub arena: Arc<SlotArena<P>>,
+    /// Protocol state.
+    pub wire: wire::Conn,
+    /// Bulk buffers of this link's protection domain.
+    pub bulk: Arc<BulkPool<P>>,
+    key: LinkKey,
+    max_inline: u32,
+    epoch: Instant,
+}
+
+impl<P: Provider> std::fmt::Debug for Link<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("key", &self.key)
+            .field("qp", &self.qp.qp_num())
+            .field("credits", &self.wire.send_credits())
+            .finish()
+    }
+}
+
+fn post_err(verb: &str, e: &PostError) -> LinkError {
+    LinkError::Verbs(format!("{verb}: {e}"))
+}
+
+impl<P: Provider> Link<P> {
+    /// A link over a connected QP. Posts every receive slot (the credits the peer starts with).
+    ///
+    /// # Errors
+    /// When posting the receives fails.
+    pub fn new(
+        qp: P::Qp,
+        arena: Arc<SlotArena<P>>,
+        wire: wire::Conn,
+        bulk: Arc<BulkPool<P>>,
+        key: LinkKey,
+        max_inline: u32,
+        epoch: Instant,
+    ) -> Result<Link<P>, LinkError> {
+        let mut link = Link {
+            qp,
+            arena,
+            wire,
+            bulk,
+            key,
+            max_inline,
+            epoch,
+        };
+        link.post_recvs(false)?;
+        Ok(link)
+    }
+
+    /// The link's key.
+    pub fn key(&self) -> LinkKey {
+        self.key
+    }
+
+    /// Nanoseconds since the runtime's epoch: the protocol's clock.
+    pub fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Posts the receive slots waiting on the repost queue, in batches. With `report`, the
+    /// protocol counts them as credits to return to the peer (false only for the initial post).
+    ///
+    /// # Errors
+    /// When `post_recv` fails.
+    pub fn post_recvs(&mut self, report: bool) -> Result<u32, LinkError> {
+        const BATCH: usize = 16;
+        let mut total = 0;
+        loop {
+            let mut sges = [Sge::default(); BATCH];
+            let mut ids = [0u64; BATCH];
+            let mut n = 0;
+            while n < BATCH {
+                let Some(idx) = self.arena.take_repost() else {
+                    break;
+                };
+                sges[n] = self.arena.recv_sge(idx);
+                ids[n] = wr_id(self.key, WrKind::Recv, idx);
+                n += 1;
+            }
+            if n == 0 {
+                break;
+            }
+            let wrs: [RecvWr<'_>; BATCH] = std::array::from_fn(|i| RecvWr {
+                wr_id: ids[i],
+                sg_list: std::slice::from_ref(&sges[i]),
+            });
+            // SAFETY: each SGE names a receive slot of this link's arena, which lives (in
+            // `self.arena`, and in any guard) until the QP is gone; the slot is owned by the
+            // NIC from now until its completion is polled (it came off the repost queue, so no
+            // guard refers to it).
+            let r = unsafe { self.qp.post_recv(&wrs[..n]) };
+            if let Err(e) = r {
+                for id in &ids[e.posted.min(n)..n] {
+                    self.arena.repost_later(split_wr_id(*id).2);
+                }
+                return Err(post_err("post_recv", &e));
+            }
+            total += n as u32;
+        }
+        if report && total > 0 {
+            self.wire
+                .recv_reposted(total)
+                .map_err(|e| LinkError::Protocol(format!("credit accounting: {e}")))?;
+        }
+        Ok(total)
+    }
+
+    /// Encodes `metadata` and `msg` into send slot `slot` after the header room; returns the
+    /// metadata and payload lengths, or `None` when they do not fit the slot.
+    pub fn encode_body(
+        &self,
+        slot: u32,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+    ) -> Option<(usize, usize)> {
+        // SAFETY: the caller took `slot` from the arena and has not posted it.
+        let buf = unsafe { self.arena.send_buf(slot) };
+        let body = buf.get_mut(MAX_HEADER_LEN..)?;
+        let md_len = metadata.encoded_len();
+        let md = body.get_mut(..md_len)?;
+        metadata.encode(md);
+        let n = msg.encode_into(body.get_mut(md_len..)?)?;
+        Some((md_len, n))
+    }
+
+    /// Writes `header` right before the body of send slot `slot` and posts the SEND. The slot
+    /// returns to the free queue when the send completes (at once for inline sends).
+    ///
+    /// # Errors
+    /// When the header does not fit or `post_send` fails.
+    pub fn post_frame(&mut self, slot: u32, header: &FrameHeader) -> Result<(), LinkError> {
+        let hlen = header.encoded_len();
+        let body = header.metadata_len as usize + header.payload_len as usize;
+        let start = MAX_HEADER_LEN - hlen;
+        {
+            // SAFETY: the caller owns `slot` (taken, not posted).
+            let buf = unsafe { self.arena.send_buf(slot) };
+            if MAX_HEADER_LEN + body > buf.len() {
+                self.arena.release_send(slot);
+                return Err(LinkError::Protocol("frame larger than a slot".into()));
+            }
+            if let Err(e) = header.encode(&mut buf[start..MAX_HEADER_LEN]) {
+                self.arena.release_send(slot);
+                return Err(LinkError::Protocol(format!("header encode: {e}")));
+            }
+        }
+        let len = (hlen + body) as u32;
+        let mut sge = self
+            .arena
+            .send_sge(slot, MAX_HEADER_LEN as u32 + body as u32);
+        sge.addr += start as u64;
+        sge.length = len;
+        let inline = len <= self.max_inline;
+        let wr = SendWr {
+            wr_id: if inline {
+                wr_id(self.key, WrKind::Nop, slot)
+            } else {
+                wr_id(self.key, WrKind::Send, slot)
+            },
+            op: WrOp::Send,
+            sg_list: std::slice::from_ref(&sge),
+            flags: if inline {
+                SendFlags::SIGNALED | SendFlags::INLINE
+            } else {
+                SendFlags::SIGNALED
+            },
+        };
+        // SAFETY: the SGE covers bytes of a send slot we own, inside the arena's MR, valid until
+        // the send completes (the slot is released only by its completion, or right after an
+        // inline post, when the NIC has already copied the bytes).
+        let r = unsafe { self.qp.post_send(std::slice::from_ref(&wr)) };
+        match r {
+            Ok(()) => {
+                if inline {
+                    self.arena.release_send(slot);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.arena.release_send(slot);
+                Err(post_err("post_send(SEND)", &e))
+            }
+        }
+    }
+
+    /// Takes a send slot and encodes `metadata` and `msg` into it, ready for a header.
+    ///
+    /// # Errors
+    /// [`FrameError::Busy`] when no send slot is free; [`FrameError::TooLarge`] when the body
+    /// does not fit a slot.
+    pub fn stage(&self, metadata: &Metadata, msg: &dyn EncodeMsg) -> Result<Staged, FrameError> {
+        let Some(slot) = self.arena.take_send() else {
+            return Err(FrameError::Busy);
+        };
+        match self.encode_body(slot, metadata, msg) {
+            Some((md_len, payload_len)) => Ok(Staged {
+                slot,
+                md_len,
+                payload_len,
+            }),
+            None => {
+                self.arena.release_send(slot);
+                Err(FrameError::TooLarge)
+            }
+        }
+    }
+
+    /// Builds the header of a staged frame with `build` (which commits the frame in the
+    /// protocol state, spending a credit) and posts it.
+    ///
+    /// # Errors
+    /// [`CommitError::NoCredit`] gives the staged frame back to try again later; other errors
+    /// release its slot.
+    pub fn commit(
+        &mut self,
+        staged: Staged,
+        build: impl FnOnce(&mut wire::Conn, usize, usize) -> Result<FrameHeader, SendError>,
+    ) -> Result<(), CommitError> {
+        match build(&mut self.wire, staged.payload_len, staged.md_len) {
+            Ok(h) => self.post_frame(staged.slot, &h).map_err(CommitError::Link),
+            Err(SendError::NoCredit) => Err(CommitError::NoCredit(staged)),
+            Err(e) => {
+                self.arena.release_send(staged.slot);
+                Err(CommitError::Refused(e))
+            }
+        }
+    }
+
+    /// Drops a staged frame, releasing its slot.
+    pub fn discard(&self, staged: Staged) {
+        self.arena.release_send(staged.slot);
+    }
+
+    /// [`Link::stage`] then [`Link::commit`]; no credit is [`FrameError::Busy`].
+    ///
+    /// # Errors
+    /// As the two steps.
+    pub fn send_frame(
+        &mut self,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+        build: impl FnOnce(&mut wire::Conn, usize, usize) -> Result<FrameHeader, SendError>,
+    ) -> Result<(), FrameError> {
+        let staged = self.stage(metadata, msg)?;
+        match self.commit(staged, build) {
+            Ok(()) => Ok(()),
+            Err(CommitError::NoCredit(st)) => {
+                self.discard(st);
+                Err(FrameError::Busy)
+            }
+            Err(CommitError::Refused(e)) => Err(FrameError::Refused(e)),
+            Err(CommitError::Link(e)) => Err(FrameError::Link(e)),
+        }
+    }
+
+    /// Posts an RDMA READ of `remote` into `local[..remote.len]`, in chunks; only the last chunk
+    /// is signaled (RC completes READs in order), with `wr_id(key, Read, aux)`.
+    ///
+    /// # Errors
+    /// When `local` is too small or `post_send` fails.
+    ///
+    /// # Safety
+    /// `local` must stay alive, and not be read by Rust code, until the last chunk's completion
+    /// is polled or the QP failed.
+    pub unsafe fn post_read(
+        &mut self,
+        aux: u32,
+        local: &BulkBuf<P>,
+        remote: BulkDesc,
+    ) -> Result<(), LinkError> {
+        let total = remote.len as usize;
+        if total > local.capacity() {
+            return Err(LinkError::Protocol(
+                "bulk READ larger than the local buffer".into(),
+            ));
+        }
+        let mut off = 0usize;
+        loop {
+            let n = (total - off).min(CHUNK);
+            let last = off + n >= total;
+            let Some(sge) = local.sge(off, n as u32) else {
+                return Err(LinkError::Protocol(
+                    "bulk READ outside the local buffer".into(),
+                ));
+            };
+            let wr = SendWr {
+                wr_id: wr_id(self.key, if last { WrKind::Read } else { WrKind::Nop }, aux),
+                op: WrOp::Read {
+                    remote_addr: remote.addr + off as u64,
+                    rkey: remote.rkey,
+                },
+                sg_list: std::slice::from_ref(&sge),
+                flags: if last {
+                    SendFlags::SIGNALED
+                } else {
+                    SendFlags::NONE
+                },
+            };
+            // SAFETY: the SGE is inside `local`'s MR, which the caller keeps alive and untouched
+            // until the completion (this function's contract).
+            unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
+                .map_err(|e| post_err("post_send(RDMA_READ)", &e))?;
+            off += n;
+            if last {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Posts an RDMA WRITE of `local[start..start + len]` to `remote`, in chunks; the last chunk is a
+    /// WRITE_WITH_IMM carrying `imm` (so the peer gets one receive completion once every byte
+    /// landed) and is signaled with `wr_id(key, Write, aux)`. Consumes one send credit (the
+    /// peer's receive slot): the caller must have built the frame with the protocol first.
+    ///
+    /// # Errors
+    /// When `post_send` fails.
+    ///
+    /// # Safety
+    /// `local` must stay alive and unmodified until the last chunk's completion is polled or
+    /// the QP failed.
+    pub unsafe fn post_write_imm(
+        &mut self,
+        aux: u32,
+        local: &BulkBuf<P>,
+        start: usize,
+        len: usize,
+        remote: BulkDesc,
+        imm: u32,
+    ) -> Result<(), LinkError> {
+        if len as u64 > remote.len {
+            return Err(LinkError::Protocol(
+                "bulk WRITE larger than the landing zone".into(),
+            ));
+        }
+        let mut off = 0usize;
+        loop {
+            let n = (len - off).min(CHUNK);
+            let last = off + n >= len;
+            let Some(sge) = local.sge(start + off, n as u32) else {
+                return Err(LinkError::Protocol(
+                    "bulk WRITE outside the local buffer".into(),
+                ));
+            };
+            let remote_addr = remote.addr + off as u64;
+            let wr = SendWr {
+                wr_id: wr_id(
+                    self.key,
+                    if last { WrKind::Write } else { WrKind::Nop },
+                    aux,
+                ),
+                op: if last {
+                    WrOp::WriteWithImm {
+                        remote_addr,
+                        rkey: remote.rkey,
+                        imm,
+                    }
+                } else {
+                    WrOp::Write {
+                        remote_addr,
+                        rkey: remote.rkey,
+                    }
+                },
+                sg_list: std::slice::from_ref(&sge),
+                flags: if last {
+                    SendFlags::SIGNALED
+                } else {
+                    SendFlags::NONE
+                },
+            };
+            // SAFETY: the SGE is inside `local`'s MR, kept alive and unmodified by the caller
+            // until the completion (this function's contract).
+            unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
+                .map_err(|e| post_err("post_send(RDMA_WRITE_WITH_IMM)", &e))?;
+            off += n;
+            if last {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Parses a frame in `bytes` and runs it through the protocol.
+    ///
+    /// # Errors
+    /// When the bytes are not a valid frame or the frame breaks the protocol.
+    pub fn parse(
+        &mut self,
+        bytes: &[u8],
+    ) -> Result<
+        (
+            FrameHeader,
+            std::ops::Range<usize>,
+            std::ops::Range<usize>,
+            wire::Event,
+        ),
+        LinkError,
+    > {
+        let frame = wire::decode(bytes).map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        let base = bytes.as_ptr() as usize;
+        let md_start = frame.metadata.as_ptr() as usize - base;
+        let pl_start = frame.payload.as_ptr() as usize - base;
+        let md = md_start..md_start + frame.metadata.len();
+        let pl = pl_start..pl_start + frame.payload.len();
+        let header = frame.header;
+        let now = self.now();
+        let event = self
+            .wire
+            .handle_frame(&header, now)
+            .map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        Ok((header, md, pl, event))
+    }
+
+    /// Handles a receive completion of this link.
+    ///
+    /// # Errors
+    /// When the completion failed (other than a flush, which is `Ok(None)`), or the frame is
+    /// invalid.
+    pub fn on_recv(&mut self, wc: &Wc, slot_idx: u32) -> Result<Option<Received>, LinkError> {
+        if wc.status != WcStatus::Success {
+            self.arena.repost_later(slot_idx);
+            if wc.status == WcStatus::WrFlushErr {
+                return Ok(None);
+            }
+            return Err(LinkError::Completion(crate::verbs::WcError { wc: *wc }));
+        }
+        if slot_idx >= self.arena.geometry().recv_slots {
+            return Err(LinkError::Protocol(
+                "receive completion for an unknown slot".into(),
+            ));
+        }
+        // SAFETY: this is the completion of the RECV posted for `slot_idx` (its wr_id says so
+        // and it was polled); the slot is not posted again until the guard drops.
+        let slot = unsafe { self.arena.recv_slot(slot_idx, wc.byte_len) };
+        if wc.opcode == WcOpcode::RecvRdmaWithImm {
+            drop(slot);
+            return Ok(Some(Received::Written {
+                imm: wc.imm_data,
+                len: wc.byte_len,
+            }));
+        }
+        let (header, metadata, payload, event) = self.parse(slot.bytes())?;
+        Ok(Some(Received::Frame(Inbound {
+            slot,
+            header,
+            metadata,
+            payload,
+            event,
+        })))
+    }
+
+    /// Sends a CreditUpdate if the protocol asks for one.
+    ///
+    /// # Errors
+    /// When posting fails.
+    pub fn maybe_credit_update(&mut self) -> Result<(), LinkError> {
+        if self.wire.wants_credit_update() {
+            match self.send_frame(&Metadata::new(), &crate::buf::NoMsg, |w, _, _| {
+                w.credit_update()
+            }) {
+                Ok(()) | Err(FrameError::Busy) | Err(FrameError::Refused(_)) => {}
+                Err(FrameError::TooLarge) => {}
+                Err(FrameError::Link(e)) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// The registered memory of the slots (for tests and stats).
+    pub fn slot_mr(&self) -> &P::Mr {
+        self.arena.mr()
+    }
+}
+
+/// Metadata decoded from a frame, or the reason it is invalid.
+pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, Status> {
+    Metadata::decode(bytes).map_err(|e| Status::internal(format!("bad metadata from peer: {e}")))
+}
+
+impl<P: Provider> Drop for Link<P> {
+    fn drop(&mut self) {
+        // Move the QP to ERROR so the NIC stops touching our buffers before they are freed;
+        // the QP itself is destroyed when `qp` drops.
+        let _ = self.qp.modify_to_error();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wr_ids_round_trip() {
+        let k = LinkKey {
+            idx: 513,
+            generation: 7,
+        };
+        for kind in [
+            WrKind::Send,
+            WrKind::Recv,
+            WrKind::Read,
+            WrKind::Write,
+            WrKind::Nop,
+        ] {
+            let id = wr_id(k, kind, 0xdead_beef);
+            assert_eq!(split_wr_id(id), (k, Some(kind), 0xdead_beef));
+        }
+        assert_eq!(split_wr_id(0).1, None);
+    }
+}

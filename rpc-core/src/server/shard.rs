@@ -1,0 +1,1067 @@
+//! A server shard: one thread (pinned to a core when asked), one CQ, the QPs of the connections
+//! assigned to it, their slots, and a task slab of in-flight handler futures.
+//!
+//! The poll loop: take new connections and disconnects from the inbox (lock-free), poll the CQ in
+//! batches and handle each completion (dispatching requests to handlers, which run inline until
+//! they wait), poll woken handler tasks, repost receive slots and return credits, expire
+//! deadlines; when idle, spin, then yield, then sleep on the completion channel and the shard's
+//! doorbell. Per call: no lock, no allocation, no system call.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::SegQueue;
+use tracing::{debug, info, warn};
+
+use crate::buf::{BulkBuf, BulkPool, EncodeMsg, NoMsg, RawBytes, SlotArena, TaskId};
+use crate::connect::{Hello, Welcome};
+use crate::link::{
+    CommitError, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind, decode_metadata,
+    split_wr_id,
+};
+use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks};
+use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
+use crate::server::router::Router;
+use crate::server::{PollMode, ServerConfig};
+use crate::verbs::{
+    Access, CompChannel, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Wc, WcStatus,
+};
+use crate::wire::{self, BulkDesc, CallId, Event, MAX_HEADER_LEN, Role, Transfer};
+use crate::{Metadata, Status};
+
+/// Completions taken per `poll`.
+const POLL_BATCH: usize = 32;
+/// Empty loop iterations spent spinning before yielding (adaptive mode).
+const SPIN_ITERS: u32 = 20_000;
+/// Empty loop iterations spent yielding before sleeping (adaptive mode).
+const YIELD_ITERS: u32 = 200;
+/// Longest sleep, so shutdown and deadlines are noticed.
+const MAX_SLEEP: Duration = Duration::from_millis(50);
+
+/// A message to a shard from the acceptor.
+pub(crate) enum ShardMsg {
+    /// A client that passed the handshake checks: create its QP and answer.
+    Connect {
+        hello: Hello,
+        peer: std::net::SocketAddr,
+        reply: tokio::sync::oneshot::Sender<Result<(Welcome, LinkKey), String>>,
+        /// Dropped by the shard when it closes the connection: the acceptor then closes TCP.
+        closed: tokio::sync::oneshot::Sender<()>,
+    },
+    /// The client's TCP connection ended: drop its calls and QP.
+    Disconnect(LinkKey),
+}
+
+/// What the acceptor and the server handle see of a shard.
+pub(crate) struct ShardHandle {
+    pub(crate) inbox: Arc<SegQueue<ShardMsg>>,
+    pub(crate) doorbell: Arc<Doorbell>,
+    pub(crate) stop: Arc<AtomicBool>,
+    pub(crate) live_calls: Arc<AtomicUsize>,
+    pub(crate) thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl ShardHandle {
+    pub(crate) fn send(&self, msg: ShardMsg) {
+        self.inbox.push(msg);
+        self.doorbell.ring();
+    }
+}
+
+/// A call of the server, indexed by the client's call slot.
+struct SrvCall<P: Provider> {
+    id: CallId,
+    task: Option<TaskId>,
+    landing: Option<BulkDesc>,
+    /// The client lent a buffer (rendezvous payload or landing zone) for this call.
+    lent: bool,
+    /// A rendezvous request payload being READ: the buffer and what to dispatch it with.
+    reading: Option<PendingDispatch<P>>,
+    /// Our buffer lent to the client (rendezvous response) or being WRITTEN (landing).
+    resp_bulk: Option<BulkBuf<P>>,
+    /// The call was dropped while its READ was in flight: release after the READ completes.
+    drop_after_read: bool,
+    /// Counted in the shard's live calls (accepted, not finished).
+    active: bool,
+}
+
+/// Uncounts a call from the shard's live calls (once).
+fn retire<P: Provider>(live: &AtomicUsize, c: &mut SrvCall<P>) {
+    if c.active {
+        c.active = false;
+        live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl<P: Provider> SrvCall<P> {
+    fn empty() -> SrvCall<P> {
+        SrvCall {
+            id: CallId(0),
+            task: None,
+            landing: None,
+            lent: false,
+            reading: None,
+            resp_bulk: None,
+            drop_after_read: false,
+            active: false,
+        }
+    }
+}
+
+struct PendingDispatch<P: Provider> {
+    buf: BulkBuf<P>,
+    method: u32,
+    metadata: Metadata,
+    deadline_at: Option<u64>,
+}
+
+/// A staged terminal frame waiting for a credit.
+#[derive(Clone, Copy, Debug)]
+enum Deferred {
+    Response {
+        call: CallId,
+        staged: Staged,
+        bulk: Option<BulkDesc>,
+    },
+    Status {
+        call: CallId,
+        staged: Staged,
+        code: u8,
+    },
+}
+
+/// One connection of the shard.
+pub(crate) struct ServerConn<P: Provider> {
+    link: Link<P>,
+    calls: Box<[SrvCall<P>]>,
+    deferred: VecDeque<Deferred>,
+    _closed: tokio::sync::oneshot::Sender<()>,
+    peer: std::net::SocketAddr,
+}
+
+/// The shard.
+pub(crate) struct Shard<P: Provider> {
+    // Field order is drop order: connections (QPs, arenas) before the CQ, PD and device.
+    conns: Vec<Option<ServerConn<P>>>,
+    generations: Vec<u8>,
+    tasks: Tasks,
+    task_owner: Vec<(u16, CallId)>,
+    cq: P::Cq,
+    channel: P::CompChannel,
+    bulk: Arc<BulkPool<P>>,
+    pd: Arc<P::Pd>,
+    ctx: P::Context,
+    id: u16,
+    nshards: u16,
+    cfg: Arc<ServerConfig>,
+    router: Arc<Router>,
+    inbox: Arc<SegQueue<ShardMsg>>,
+    doorbell: Arc<Doorbell>,
+    stop: Arc<AtomicBool>,
+    live_calls: Arc<AtomicUsize>,
+    epoch: Instant,
+    max_inline: u32,
+}
+
+/// Opens the shard's device objects on the calling thread and returns the shard, ready to run.
+pub(crate) fn open<P: Provider>(
+    id: u16,
+    nshards: u16,
+    cfg: Arc<ServerConfig>,
+    router: Arc<Router>,
+    epoch: Instant,
+) -> Result<(Shard<P>, ShardHandle), crate::Error> {
+    let ctx = P::open(cfg.device.as_deref())?;
+    let pd = Arc::new(ctx.alloc_pd()?);
+    let channel = ctx.create_comp_channel()?;
+    let per_conn = qp_caps(&cfg, ctx.caps().max_inline);
+    let cqe = (per_conn.max_send_wr + per_conn.max_recv_wr)
+        .saturating_mul(cfg.max_conns_per_shard)
+        .min(ctx.caps().max_cqe);
+    let cq = ctx.create_cq(cqe, Some(&channel))?;
+    let doorbell = Doorbell::new()?;
+    let tasks = Tasks::new(cfg.tasks_per_shard, ShardNotify(Arc::clone(&doorbell)));
+    let inbox = Arc::new(SegQueue::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let live_calls = Arc::new(AtomicUsize::new(0));
+    let bulk = BulkPool::new(Arc::clone(&pd), cfg.bulk_cache_bytes);
+    let n = cfg.max_conns_per_shard as usize;
+    let max_inline = per_conn.max_inline_data;
+    info!(
+        shard = id,
+        "shard {id}/{nshards}: {} device {} (port {}, {:?}), CQ depth {cqe}",
+        P::TAG,
+        ctx.info().name,
+        ctx.info().port,
+        ctx.info().link_layer
+    );
+    let handle = ShardHandle {
+        inbox: Arc::clone(&inbox),
+        doorbell: Arc::clone(&doorbell),
+        stop: Arc::clone(&stop),
+        live_calls: Arc::clone(&live_calls),
+        thread: std::sync::Mutex::new(None),
+    };
+    let shard = Shard {
+        conns: (0..n).map(|_| None).collect(),
+        generations: vec![0; n],
+        task_owner: vec![(0, CallId(0)); cfg.tasks_per_shard as usize],
+        tasks,
+        cq,
+        channel,
+        bulk,
+        pd,
+        ctx,
+        id,
+        nshards,
+        cfg,
+        router,
+        inbox,
+        doorbell,
+        stop,
+        live_calls,
+        epoch,
+        max_inline,
+    };
+    Ok((shard, handle))
+}
+
+fn qp_caps(cfg: &ServerConfig, device_inline: u32) -> QpCaps {
+    QpCaps {
+        max_send_wr: cfg.geometry.send_slots + 64,
+        max_recv_wr: cfg.geometry.recv_slots,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: device_inline.min(256),
+    }
+}
+
+/// The shard's view of one call, lent to `IncomingCall` and to the call's task.
+struct Reply<'a, P: Provider> {
+    conn: &'a mut ServerConn<P>,
+    call: CallId,
+}
+
+impl<P: Provider> CallCtx for Reply<'_, P> {
+    fn respond(&mut self, msg: &dyn EncodeMsg, metadata: &Metadata) {
+        self.conn.respond(self.call, msg, metadata);
+    }
+
+    fn fail(&mut self, status: &Status) {
+        self.conn.fail(self.call, status);
+    }
+}
+
+impl<P: Provider> ServerConn<P> {
+    fn slot(&mut self, call: CallId) -> Option<&mut SrvCall<P>> {
+        self.calls
+            .get_mut(call.slot() as usize)
+            .filter(|c| c.id == call)
+    }
+
+    /// Sends the unary response of `call` by the cheapest path that fits.
+    fn respond(&mut self, call: CallId, msg: &dyn EncodeMsg, metadata: &Metadata) {
+        let len = msg.encoded_len();
+        let md_len = metadata.encoded_len();
+        let landing = self.slot(call).and_then(|c| c.landing);
+        match self
+            .link
+            .wire
+            .plan(len as u64, md_len, landing.map(|l| l.len))
+        {
+            Transfer::Eager => match self.link.stage(metadata, msg) {
+                Ok(st) => self.commit_terminal(Deferred::Response {
+                    call,
+                    staged: st,
+                    bulk: None,
+                }),
+                Err(e) => self.frame_failed(call, e),
+            },
+            Transfer::Landing => {
+                if let Some(zone) = landing
+                    && self.respond_landing(call, msg, metadata, zone)
+                {
+                    return;
+                }
+                self.respond_rendezvous(call, msg, metadata);
+            }
+            Transfer::Rendezvous => self.respond_rendezvous(call, msg, metadata),
+            Transfer::TooLarge => self.fail(
+                call,
+                &Status::resource_exhausted(format!(
+                    "response of {len} bytes exceeds the {} byte message limit",
+                    self.link.wire.config().max_message
+                )),
+            ),
+        }
+    }
+
+    /// Writes the whole Response frame into the client's landing zone with WRITE_WITH_IMM.
+    /// Returns false (nothing sent) when there is no credit or buffer now.
+    fn respond_landing(
+        &mut self,
+        call: CallId,
+        msg: &dyn EncodeMsg,
+        metadata: &Metadata,
+        zone: BulkDesc,
+    ) -> bool {
+        let md_len = metadata.encoded_len();
+        let len = msg.encoded_len();
+        let Ok(mut buf) = self.link.bulk.get(MAX_HEADER_LEN + md_len + len) else {
+            return false;
+        };
+        {
+            let b = buf.as_mut_slice();
+            metadata.encode(&mut b[MAX_HEADER_LEN..MAX_HEADER_LEN + md_len]);
+            if msg.encode_into(&mut b[MAX_HEADER_LEN + md_len..]).is_none() {
+                return false;
+            }
+        }
+        let header = match self.link.wire.response(call, len, md_len, None, true) {
+            Ok(h) => h,
+            Err(_) => return false,
+        };
+        let hlen = header.encoded_len();
+        let start = MAX_HEADER_LEN - hlen;
+        if header
+            .encode(&mut buf.as_mut_slice()[start..MAX_HEADER_LEN])
+            .is_err()
+        {
+            return false;
+        }
+        let total = hlen + md_len + len;
+        // SAFETY: `buf` is kept in the call's `resp_bulk` until the WRITE's completion (or the
+        // connection's end), and nothing writes it meanwhile.
+        let r = unsafe {
+            self.link
+                .post_write_imm(call.slot(), &buf, start, total, zone, call.0)
+        };
+        match r {
+            Ok(()) => {
+                if let Some(c) = self.slot(call) {
+                    c.resp_bulk = Some(buf);
+                    c.lent = false;
+                }
+                self.link.wire.finish(call);
+                true
+            }
+            Err(e) => {
+                warn!("landing write failed: {e}");
+                true
+            }
+        }
+    }
+
+    /// Puts the response in a bulk buffer and sends its descriptor for the client to READ.
+    fn respond_rendezvous(&mut self, call: CallId, msg: &dyn EncodeMsg, metadata: &Metadata) {
+        let len = msg.encoded_len();
+        let mut buf = match self.link.bulk.get(len) {
+            Ok(b) => b,
+            Err(e) => {
+                return self.fail(
+                    call,
+                    &Status::resource_exhausted(format!("bulk buffer: {e}")),
+                );
+            }
+        };
+        if msg.encode_into(buf.as_mut_slice()).is_none() {
+            return self.fail(call, &Status::internal("response encoding failed"));
+        }
+        let r = buf.remote();
+        let desc = BulkDesc {
+            addr: r.addr,
+            len: r.len,
+            rkey: r.rkey,
+        };
+        match self.link.stage(metadata, &NoMsg) {
+            Ok(st) => {
+                if let Some(c) = self.slot(call) {
+                    c.resp_bulk = Some(buf);
+                }
+                self.commit_terminal(Deferred::Response {
+                    call,
+                    staged: st,
+                    bulk: Some(desc),
+                });
+            }
+            Err(e) => self.frame_failed(call, e),
+        }
+    }
+
+    fn fail(&mut self, call: CallId, status: &Status) {
+        let msg = status.message().as_bytes();
+        let msg = &msg[..msg.len().min(1024)];
+        match self.link.stage(status.metadata(), &RawBytes(msg)) {
+            Ok(st) => self.commit_terminal(Deferred::Status {
+                call,
+                staged: st,
+                code: status.code() as u8,
+            }),
+            Err(e) => self.frame_failed(call, e),
+        }
+    }
+
+    fn frame_failed(&mut self, call: CallId, e: FrameError) {
+        // Send slots are sized so a terminal frame always finds one; failing here means the
+        // metadata did not fit or the link broke.
+        warn!(%call, "cannot send the terminal frame: {e:?}");
+        self.end_call(call);
+    }
+
+    /// Commits a staged terminal frame now, or queues it until a credit arrives.
+    fn commit_terminal(&mut self, d: Deferred) {
+        if !self.deferred.is_empty() {
+            self.deferred.push_back(d);
+            return;
+        }
+        if let Some(d) = self.try_commit(d) {
+            self.deferred.push_back(d);
+        }
+    }
+
+    /// Returns the frame back when there is no credit.
+    fn try_commit(&mut self, d: Deferred) -> Option<Deferred> {
+        let r = match d {
+            Deferred::Response { call, staged, bulk } => self
+                .link
+                .commit(staged, |w, pl, ml| w.response(call, pl, ml, bulk, false)),
+            Deferred::Status { call, staged, code } => self
+                .link
+                .commit(staged, |w, pl, ml| w.status(call, code, pl, ml)),
+        };
+        let call = match d {
+            Deferred::Response { call, .. } | Deferred::Status { call, .. } => call,
+        };
+        match r {
+            Ok(()) => {
+                let keep_bulk = matches!(d, Deferred::Response { bulk: Some(_), .. });
+                if let Some(c) = self.slot(call) {
+                    c.task = None;
+                    c.lent = false;
+                    if !keep_bulk {
+                        c.resp_bulk = None;
+                    }
+                }
+                self.link.wire.finish(call);
+                None
+            }
+            Err(CommitError::NoCredit(staged)) => Some(match d {
+                Deferred::Response { call, bulk, .. } => Deferred::Response { call, staged, bulk },
+                Deferred::Status { call, code, .. } => Deferred::Status { call, staged, code },
+            }),
+            Err(CommitError::Refused(e)) => {
+                debug!(%call, "terminal frame refused: {e}");
+                self.end_call(call);
+                None
+            }
+            Err(CommitError::Link(e)) => {
+                warn!(%call, "terminal frame failed: {e}");
+                None
+            }
+        }
+    }
+
+    fn flush_deferred(&mut self) {
+        while let Some(d) = self.deferred.pop_front() {
+            if let Some(back) = self.try_commit(d) {
+                self.deferred.push_front(back);
+                break;
+            }
+        }
+    }
+
+    /// Forgets a call without a terminal frame (cancelled, expired, replaced).
+    fn end_call(&mut self, call: CallId) {
+        let mut release = false;
+        if let Some(c) = self.slot(call) {
+            c.task = None;
+            c.landing = None;
+            if c.reading.is_some() {
+                c.drop_after_read = true;
+                return;
+            }
+            release = c.lent;
+            c.lent = false;
+            c.resp_bulk = None;
+        }
+        if release {
+            let _ = self
+                .link
+                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+        }
+        self.link.wire.finish(call);
+    }
+}
+
+impl<P: Provider> Shard<P> {
+    /// Runs the poll loop until the server stops and every call has finished.
+    pub(crate) fn run(mut self, rt: tokio::runtime::Handle) {
+        let _enter = rt.enter();
+        if let Some(core) = self.cfg.core_of(self.id) {
+            pin_to_core(core);
+        }
+        let mut idle: u32 = 0;
+        loop {
+            let mut work = self.drain_inbox();
+            work += self.poll_cq();
+            work += self.run_ready();
+            work += self.maintain();
+            if self.stop.load(Ordering::Acquire) && self.live_calls.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            if work > 0 {
+                idle = 0;
+                continue;
+            }
+            idle = idle.saturating_add(1);
+            match self.cfg.poll_mode {
+                PollMode::Busy => std::hint::spin_loop(),
+                PollMode::Adaptive if idle < SPIN_ITERS => std::hint::spin_loop(),
+                PollMode::Adaptive if idle < SPIN_ITERS + YIELD_ITERS => std::thread::yield_now(),
+                _ => self.sleep(),
+            }
+        }
+        info!(
+            shard = self.id,
+            "shard {}/{} stopped", self.id, self.nshards
+        );
+    }
+
+    fn sleep(&mut self) {
+        self.doorbell.prepare_sleep();
+        let _ = self.cq.req_notify(false);
+        // Anything that arrived before the doorbell flag was visible is seen by this re-check.
+        if !self.inbox.is_empty() || self.poll_cq() > 0 || self.run_ready() > 0 {
+            self.doorbell.awake();
+            return;
+        }
+        let timeout = self.next_deadline().map_or(MAX_SLEEP, |d| d.min(MAX_SLEEP));
+        wait_readable(&[self.doorbell.fd(), self.channel.fd()], timeout);
+        let _ = self.channel.drain();
+        self.doorbell.awake();
+    }
+
+    fn next_deadline(&self) -> Option<Duration> {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        self.conns
+            .iter()
+            .flatten()
+            .filter_map(|c| c.link.wire.poll_timeout())
+            .min()
+            .map(|d| Duration::from_nanos(d.saturating_sub(now)))
+    }
+
+    fn drain_inbox(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(msg) = self.inbox.pop() {
+            n += 1;
+            match msg {
+                ShardMsg::Connect {
+                    hello,
+                    peer,
+                    reply,
+                    closed,
+                } => {
+                    let r = self.connect(hello, peer, closed);
+                    let _ = reply.send(r);
+                }
+                ShardMsg::Disconnect(key) => {
+                    self.close(key, &Status::unavailable("client disconnected"));
+                }
+            }
+        }
+        n
+    }
+
+    fn connect(
+        &mut self,
+        hello: Hello,
+        peer: std::net::SocketAddr,
+        closed: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<(Welcome, LinkKey), String> {
+        let Some(idx) = self.conns.iter().position(Option::is_none) else {
+            return Err(format!(
+                "server shard {} is full ({} connections)",
+                self.id, self.cfg.max_conns_per_shard
+            ));
+        };
+        let cfg = &self.cfg;
+        let caps = qp_caps(cfg, self.ctx.caps().max_inline);
+        let mut qp = self
+            .pd
+            .create_qp(&self.cq, &self.cq, caps)
+            .map_err(|e| format!("create QP: {e}"))?;
+        let attr = ConnectAttr {
+            access: Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
+            ..ConnectAttr::default()
+        };
+        qp.connect(&hello.endpoint, &attr)
+            .map_err(|e| format!("connect QP: {e}"))?;
+        let arena =
+            SlotArena::<P>::new(&self.pd, cfg.geometry).map_err(|e| format!("slots: {e}"))?;
+        let wcfg = wire::Config {
+            max_calls: hello.max_calls,
+            peer_max_calls: hello.max_calls,
+            initial_send_credits: hello.geometry.recv_slots,
+            recv_depth: cfg.geometry.recv_slots,
+            reserved_credits: 2,
+            credit_update_threshold: (cfg.geometry.recv_slots / 4).max(2),
+            eager_limit: cfg.geometry.slot_size.min(hello.geometry.slot_size),
+            max_message: cfg.max_message,
+            stream_window: 16,
+        };
+        let wire = wire::Conn::new(Role::Server, wcfg).map_err(|e| format!("protocol: {e}"))?;
+        self.generations[idx] = self.generations[idx].wrapping_add(1);
+        let key = LinkKey {
+            idx: idx as u16,
+            generation: self.generations[idx],
+        };
+        let link = Link::new(
+            qp,
+            arena,
+            wire,
+            Arc::clone(&self.bulk),
+            key,
+            self.max_inline,
+            self.epoch,
+        )
+        .map_err(|e| format!("post receives: {e}"))?;
+        let welcome = Welcome {
+            endpoint: link.qp.endpoint(),
+            geometry: cfg.geometry,
+            max_calls: hello.max_calls,
+            shard: self.id,
+            shards: self.nshards,
+        };
+        info!(
+            "accepted {peer} via {}/RC on shard {}/{}: QP {:#x} <-> {:#x} in RTS",
+            P::TAG,
+            self.id,
+            self.nshards,
+            link.qp.qp_num(),
+            hello.endpoint.qp_num
+        );
+        let calls = (0..hello.max_calls).map(|_| SrvCall::empty()).collect();
+        self.conns[idx] = Some(ServerConn {
+            link,
+            calls,
+            deferred: VecDeque::with_capacity(cfg.geometry.send_slots as usize),
+            _closed: closed,
+            peer,
+        });
+        Ok((welcome, key))
+    }
+
+    /// Closes a connection: drops its handlers and QP; its TCP connection is closed by the
+    /// acceptor when it sees the `closed` sender dropped.
+    fn close(&mut self, key: LinkKey, why: &Status) {
+        let idx = key.idx as usize;
+        let Some(Some(conn)) = self.conns.get(idx) else {
+            return;
+        };
+        if conn.link.key() != key {
+            return;
+        }
+        let Some(mut conn) = self.conns[idx].take() else {
+            return;
+        };
+        for c in conn.calls.iter_mut() {
+            if let Some(t) = c.task.take() {
+                self.tasks.cancel(t);
+            }
+            retire(&self.live_calls, c);
+        }
+        info!("connection from {} closed: {}", conn.peer, why.message());
+        drop(conn);
+    }
+
+    fn poll_cq(&mut self) -> usize {
+        let mut wcs = [Wc::default(); POLL_BATCH];
+        let n = match self.cq.poll(&mut wcs) {
+            Ok(n) => n,
+            Err(e) => {
+                warn!("poll_cq failed: {e}");
+                return 0;
+            }
+        };
+        for wc in &wcs[..n] {
+            self.on_completion(wc);
+        }
+        n
+    }
+
+    fn on_completion(&mut self, wc: &Wc) {
+        let (key, kind, aux) = split_wr_id(wc.wr_id);
+        let idx = key.idx as usize;
+        let live = matches!(self.conns.get(idx), Some(Some(c)) if c.link.key() == key);
+        if !live {
+            return; // a completion of a connection already closed
+        }
+        let result = match kind {
+            Some(WrKind::Recv) => self.on_recv(idx, wc, aux),
+            Some(WrKind::Send) => {
+                if let Some(Some(c)) = self.conns.get(idx) {
+                    c.link.arena.release_send(aux);
+                }
+                check(wc)
+            }
+            Some(WrKind::Read) => self.on_read_done(idx, wc, aux),
+            Some(WrKind::Write) => {
+                if let Some(Some(c)) = self.conns.get_mut(idx)
+                    && let Some(call) = c.calls.get_mut(aux as usize)
+                {
+                    call.resp_bulk = None;
+                }
+                check(wc)
+            }
+            Some(WrKind::Nop) => check(wc),
+            None => Err(LinkError::Protocol(
+                "completion with an unknown work-request id".into(),
+            )),
+        };
+        if let Err(e) = result {
+            warn!("connection failed: {e}");
+            self.close(key, &e.status());
+        }
+    }
+
+    fn on_recv(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return Ok(());
+        };
+        let inbound = match conn.link.on_recv(wc, slot)? {
+            None => return Ok(()),
+            Some(Received::Written { .. }) => {
+                return Err(LinkError::Protocol(
+                    "a client wrote into a server's slot".into(),
+                ));
+            }
+            Some(Received::Frame(f)) => f,
+        };
+        conn.flush_deferred();
+        match inbound.event {
+            Event::Request {
+                call,
+                method_id,
+                deadline_at,
+                bulk,
+                landing,
+                replaced,
+                ..
+            } => {
+                if let Some(old) = replaced {
+                    self.drop_call(idx, old);
+                }
+                let Some(Some(conn)) = self.conns.get_mut(idx) else {
+                    return Ok(());
+                };
+                let metadata =
+                    match decode_metadata(&inbound.slot.bytes()[inbound.metadata.clone()]) {
+                        Ok(m) => m,
+                        Err(st) => {
+                            conn.calls[call.slot() as usize] = SrvCall {
+                                id: call,
+                                ..SrvCall::empty()
+                            };
+                            conn.fail(call, &st);
+                            return Ok(());
+                        }
+                    };
+                let Some(sc) = conn.calls.get_mut(call.slot() as usize) else {
+                    return Err(LinkError::Protocol(
+                        "call slot beyond the call table".into(),
+                    ));
+                };
+                *sc = SrvCall {
+                    id: call,
+                    landing,
+                    lent: bulk.is_some() || landing.is_some(),
+                    active: true,
+                    ..SrvCall::empty()
+                };
+                self.live_calls.fetch_add(1, Ordering::AcqRel);
+                if let Some(desc) = bulk {
+                    drop(inbound);
+                    self.start_read(idx, call, method_id, metadata, deadline_at, desc);
+                } else {
+                    let payload = Payload::Slot {
+                        start: inbound.payload.start,
+                        end: inbound.payload.end,
+                        slot: inbound.slot,
+                    };
+                    self.dispatch(idx, call, method_id, payload, metadata, deadline_at);
+                }
+            }
+            Event::Cancel { call } => {
+                drop(inbound);
+                self.drop_call(idx, call);
+            }
+            Event::BulkRelease { call } => {
+                if let Some(c) = conn.calls.get_mut(call.slot() as usize) {
+                    c.resp_bulk = None;
+                }
+            }
+            Event::Stale {
+                call,
+                bulk: Some(_),
+                ..
+            } => {
+                let _ = conn
+                    .link
+                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+            }
+            Event::StreamMessage { call, .. } | Event::EndOfStream { call } => {
+                debug!(%call, "stream frame on a server without streaming support");
+            }
+            Event::CreditOnly | Event::Stale { .. } | Event::WindowUpdate { .. } => {}
+            Event::Response { .. } | Event::Status { .. } | Event::GoAway => {
+                return Err(LinkError::Protocol(
+                    "client sent a server-only frame".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn start_read(
+        &mut self,
+        idx: usize,
+        call: CallId,
+        method: u32,
+        metadata: Metadata,
+        deadline_at: Option<u64>,
+        desc: BulkDesc,
+    ) {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        let buf = match conn.link.bulk.get(desc.len as usize) {
+            Ok(mut b) => {
+                b.set_len(desc.len as usize);
+                b
+            }
+            Err(e) => {
+                if let Some(c) = conn.slot(call) {
+                    retire(&self.live_calls, c);
+                }
+                conn.fail(
+                    call,
+                    &Status::resource_exhausted(format!("request too large: {e}")),
+                );
+                return;
+            }
+        };
+        // SAFETY: `buf` is stored in the call's `reading` until the READ's completion (or the
+        // connection's end); nothing reads it meanwhile.
+        let r = unsafe { conn.link.post_read(call.slot(), &buf, desc) };
+        if let Err(e) = r {
+            warn!("rendezvous READ failed: {e}");
+            let key = conn.link.key();
+            self.close(key, &e.status());
+            return;
+        }
+        if let Some(c) = conn.calls.get_mut(call.slot() as usize) {
+            c.reading = Some(PendingDispatch {
+                buf,
+                method,
+                metadata,
+                deadline_at,
+            });
+        }
+    }
+
+    fn on_read_done(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
+        if wc.status != WcStatus::Success {
+            return Err(LinkError::Completion(crate::verbs::WcError { wc: *wc }));
+        }
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return Ok(());
+        };
+        let Some(c) = conn.calls.get_mut(slot as usize) else {
+            return Ok(());
+        };
+        let Some(pending) = c.reading.take() else {
+            return Ok(());
+        };
+        let call = c.id;
+        if c.drop_after_read {
+            c.drop_after_read = false;
+            retire(&self.live_calls, c);
+            drop(pending);
+            conn.end_call(call);
+            return Ok(());
+        }
+        // The client's buffer is no longer needed once read; the terminal frame returns it.
+        let PendingDispatch {
+            buf,
+            method,
+            metadata,
+            deadline_at,
+        } = pending;
+        self.dispatch(
+            idx,
+            call,
+            method,
+            Payload::Owned(Box::new(buf)),
+            metadata,
+            deadline_at,
+        );
+        Ok(())
+    }
+
+    fn dispatch(
+        &mut self,
+        idx: usize,
+        call: CallId,
+        method: u32,
+        payload: Payload,
+        metadata: Metadata,
+        deadline_at: Option<u64>,
+    ) {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        let now = conn.link.now();
+        let timeout = deadline_at.map(|d| Duration::from_nanos(d.saturating_sub(now)));
+        let mut spawned = None;
+        let mut reply = Reply { conn, call };
+        match self.router.get(method) {
+            Some((service, desc)) => {
+                let incoming = IncomingCall {
+                    tasks: &mut self.tasks,
+                    ctx: &mut reply,
+                    payload,
+                    metadata,
+                    timeout,
+                    spawned: &mut spawned,
+                    path: desc.path,
+                };
+                let _ = service.call(method, incoming);
+            }
+            None => {
+                drop(payload);
+                reply.fail(&Status::unimplemented(format!(
+                    "unknown method id {method:#010x}: the server has no such method (services: \
+                     {})",
+                    self.router.service_names().join(", ")
+                )));
+            }
+        }
+        match spawned {
+            Some(task) => {
+                self.task_owner[task.idx as usize] = (idx as u16, call);
+                if let Some(c) = reply.conn.slot(call) {
+                    c.task = Some(task);
+                }
+            }
+            None => {
+                if let Some(c) = reply.conn.calls.get_mut(call.slot() as usize)
+                    && c.id == call
+                {
+                    retire(&self.live_calls, c);
+                }
+            }
+        }
+    }
+
+    /// Drops a call the client cancelled, that expired or that was replaced.
+    fn drop_call(&mut self, idx: usize, call: CallId) {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        let Some(c) = conn.slot(call) else { return };
+        let task = c.task.take();
+        if c.reading.is_none() {
+            // With a READ in flight the call is retired when the READ completes.
+            retire(&self.live_calls, c);
+        }
+        conn.end_call(call);
+        if let Some(t) = task {
+            self.tasks.cancel(t);
+        }
+    }
+
+    fn run_ready(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(task) = self.tasks.next_ready() {
+            n += 1;
+            let (idx, call) = self.task_owner[task.idx as usize];
+            let Some(Some(conn)) = self.conns.get_mut(idx as usize) else {
+                self.tasks.cancel(task);
+                continue;
+            };
+            let mut reply = Reply { conn, call };
+            if self.tasks.poll(task, &mut reply)
+                && let Some(c) = reply.conn.calls.get_mut(call.slot() as usize)
+                && c.id == call
+            {
+                if c.task == Some(task) {
+                    c.task = None;
+                }
+                retire(&self.live_calls, c);
+            }
+        }
+        n
+    }
+
+    /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines.
+    fn maintain(&mut self) -> usize {
+        let mut failed = None;
+        let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
+        let mut n_expired = 0;
+        let mut work = 0;
+        for (idx, slot) in self.conns.iter_mut().enumerate() {
+            let Some(conn) = slot else { continue };
+            match conn.link.post_recvs(true) {
+                Ok(k) => work += k as usize,
+                Err(e) => {
+                    failed = Some((conn.link.key(), e));
+                    break;
+                }
+            }
+            conn.flush_deferred();
+            if let Err(e) = conn.link.maybe_credit_update() {
+                failed = Some((conn.link.key(), e));
+                break;
+            }
+            if let Some(d) = conn.link.wire.poll_timeout()
+                && d <= conn.link.now()
+            {
+                let now = conn.link.now();
+                while n_expired < expired.len() {
+                    let Some(call) = conn.link.wire.expire(now) else {
+                        break;
+                    };
+                    expired[n_expired] = (idx, call);
+                    n_expired += 1;
+                }
+            }
+        }
+        if let Some((key, e)) = failed {
+            warn!("connection failed: {e}");
+            self.close(key, &e.status());
+        }
+        for &(idx, call) in &expired[..n_expired] {
+            debug!(%call, "deadline exceeded on the server: handler dropped");
+            self.drop_call(idx, call);
+        }
+        work + n_expired
+    }
+}
+
+fn check(wc: &Wc) -> Result<(), LinkError> {
+    match wc.status {
+        WcStatus::Success | WcStatus::WrFlushErr => Ok(()),
+        _ => Err(LinkError::Completion(crate::verbs::WcError { wc: *wc })),
+    }
+}
+
+fn pin_to_core(core: usize) {
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(core);
+    if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
+        warn!("could not pin shard to core {core}: {e}");
+    }
+}

@@ -1,0 +1,976 @@
+//! The frame codec: a fixed 24-byte little-endian base header, optional extensions, then
+//! metadata bytes, then inline payload bytes.
+//!
+//! ```text
+//! off size field
+//! 0   1   version (= WIRE_VERSION)
+//! 1   1   kind (FrameKind)
+//! 2   2   flags (FrameFlags)
+//! 4   4   call_id (0 for connection frames: CreditUpdate, GoAway)
+//! 8   4   aux: method id (Request), status code (Status), grant (WindowUpdate), 0 else
+//! 12  2   credits: receive slots the sender re-posted for the receiver since its last report
+//! 14  2   metadata_len
+//! 16  4   payload_len (inline payload bytes after header + extensions + metadata)
+//! 20  4   seq (stream message number: StreamMessage, EndOfStream; 0 else)
+//! -- extensions, in this order, each present when its flag is set --
+//! HAS_DEADLINE  u64 timeout_ns (time left, relative)                      Request only
+//! HAS_BULK      BulkDesc {addr u64, len u64, rkey u32, pad u32 = 0}        Request, Response,
+//!               (payload to RDMA-READ; payload_len is then 0)              StreamMessage
+//! HAS_LANDING   BulkDesc (where the server may RDMA-WRITE the response)   Request only
+//! ```
+//!
+//! [`decode`] validates everything a peer could get wrong and never panics; [`FrameHeader::
+//! encode`] applies the same rules, so we never send what a peer would refuse.
+
+use std::fmt;
+
+use super::WireError;
+
+/// The wire protocol version carried in every frame.
+pub const WIRE_VERSION: u8 = 1;
+/// Bytes of the fixed base header.
+pub const BASE_HEADER_LEN: usize = 24;
+/// Bytes of the deadline extension.
+pub const DEADLINE_EXT_LEN: usize = 8;
+/// Bytes of a [`BulkDesc`] extension (bulk or landing).
+pub const BULK_EXT_LEN: usize = 24;
+/// The longest header: base plus every extension.
+pub const MAX_HEADER_LEN: usize = BASE_HEADER_LEN + DEADLINE_EXT_LEN + 2 * BULK_EXT_LEN;
+
+const _: () = assert!(MAX_HEADER_LEN == 80);
+
+/// What a frame is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Client -> server: opens a call (method id in `aux`). For unary and server-streaming
+    /// calls it carries the request message; for client-streaming and bidirectional calls it
+    /// carries only metadata and the messages follow as [`FrameKind::StreamMessage`].
+    Request = 1,
+    /// Server -> client: the one response message of a unary or client-streaming call; it
+    /// also means status OK and ends the call.
+    Response = 2,
+    /// One message of a stream, either direction; `seq` numbers them from 0 per direction.
+    StreamMessage = 3,
+    /// Client -> server: the client's stream is over (half-close); `seq` is the number of
+    /// messages it sent.
+    EndOfStream = 4,
+    /// Client -> server: the client gave the call up.
+    Cancel = 5,
+    /// Either way, connection-wide: carries only `credits`.
+    CreditUpdate = 6,
+    /// Server -> client: the call's outcome (code in `aux`, UTF-8 message as payload, trailers
+    /// as metadata); ends the call.
+    Status = 7,
+    /// Either way: the receiver of a stream grants `aux` more messages.
+    WindowUpdate = 8,
+    /// Either way: the receiver finished reading a bulk payload the sender advertised for the
+    /// call (or will never read it): the sender may reuse the buffer.
+    BulkRelease = 9,
+    /// Server -> client, connection-wide: the server is draining; no new calls.
+    GoAway = 10,
+}
+
+impl FrameKind {
+    /// The kind of a wire byte.
+    ///
+    /// # Errors
+    /// [`WireError::UnknownKind`] for a byte that names no kind.
+    pub const fn from_u8(v: u8) -> Result<FrameKind, WireError> {
+        Ok(match v {
+            1 => FrameKind::Request,
+            2 => FrameKind::Response,
+            3 => FrameKind::StreamMessage,
+            4 => FrameKind::EndOfStream,
+            5 => FrameKind::Cancel,
+            6 => FrameKind::CreditUpdate,
+            7 => FrameKind::Status,
+            8 => FrameKind::WindowUpdate,
+            9 => FrameKind::BulkRelease,
+            10 => FrameKind::GoAway,
+            _ => return Err(WireError::UnknownKind(v)),
+        })
+    }
+
+    /// Data frames (Request, Response, StreamMessage, EndOfStream) may only use send credits
+    /// above the reserve; the others are control frames and may use the reserve.
+    pub const fn is_data(self) -> bool {
+        matches!(
+            self,
+            FrameKind::Request
+                | FrameKind::Response
+                | FrameKind::StreamMessage
+                | FrameKind::EndOfStream
+        )
+    }
+
+    /// Whether the frame belongs to a call (`call_id != 0`) rather than to the connection.
+    pub const fn is_call_scoped(self) -> bool {
+        !matches!(self, FrameKind::CreditUpdate | FrameKind::GoAway)
+    }
+
+    /// The name used in error messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            FrameKind::Request => "Request",
+            FrameKind::Response => "Response",
+            FrameKind::StreamMessage => "StreamMessage",
+            FrameKind::EndOfStream => "EndOfStream",
+            FrameKind::Cancel => "Cancel",
+            FrameKind::CreditUpdate => "CreditUpdate",
+            FrameKind::Status => "Status",
+            FrameKind::WindowUpdate => "WindowUpdate",
+            FrameKind::BulkRelease => "BulkRelease",
+            FrameKind::GoAway => "GoAway",
+        }
+    }
+}
+
+impl fmt::Display for FrameKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The flag bits of a frame.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct FrameFlags(u16);
+
+impl FrameFlags {
+    /// No flag.
+    pub const EMPTY: FrameFlags = FrameFlags(0);
+    /// A deadline extension follows the base header (Request only).
+    pub const HAS_DEADLINE: FrameFlags = FrameFlags(1 << 0);
+    /// A bulk descriptor follows: the payload is to be RDMA-READ from the sender (rendezvous);
+    /// `payload_len` is 0 (Request, Response, StreamMessage).
+    pub const HAS_BULK: FrameFlags = FrameFlags(1 << 1);
+    /// A landing-zone descriptor follows: the server may RDMA-WRITE a large response there
+    /// (Request only).
+    pub const HAS_LANDING: FrameFlags = FrameFlags(1 << 2);
+    /// On a Request: the client sends no stream (unary and server-streaming calls); the request
+    /// half-closes the client's side.
+    pub const END_STREAM: FrameFlags = FrameFlags(1 << 3);
+    /// On a Response: the whole frame (header, metadata, payload) was RDMA-written into the
+    /// landing zone the request advertised (WRITE_WITH_IMM, immediate = call id) instead of
+    /// arriving in a receive slot.
+    pub const WRITTEN: FrameFlags = FrameFlags(1 << 4);
+    /// On a Request: the server answers with a stream (server-streaming and bidirectional).
+    pub const SERVER_STREAM: FrameFlags = FrameFlags(1 << 5);
+    /// Every flag this version knows.
+    pub const KNOWN: FrameFlags = FrameFlags(0x3f);
+    /// The flags that announce an extension.
+    pub const EXTENSIONS: FrameFlags = FrameFlags(0x07);
+
+    /// The flags of `bits`, or `None` if some bit is unknown.
+    pub const fn from_bits(bits: u16) -> Option<FrameFlags> {
+        if bits & !Self::KNOWN.0 == 0 {
+            Some(FrameFlags(bits))
+        } else {
+            None
+        }
+    }
+
+    /// The raw bits.
+    pub const fn bits(self) -> u16 {
+        self.0
+    }
+
+    /// Whether every bit of `other` is set.
+    pub const fn contains(self, other: FrameFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Whether any bit of `other` is set.
+    pub const fn intersects(self, other: FrameFlags) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// `self` with the bits of `other` set when `on`, cleared otherwise.
+    #[must_use]
+    pub const fn with(self, other: FrameFlags, on: bool) -> FrameFlags {
+        if on {
+            FrameFlags(self.0 | other.0)
+        } else {
+            FrameFlags(self.0 & !other.0)
+        }
+    }
+}
+
+impl std::ops::BitOr for FrameFlags {
+    type Output = FrameFlags;
+    fn bitor(self, rhs: FrameFlags) -> FrameFlags {
+        FrameFlags(self.0 | rhs.0)
+    }
+}
+
+impl std::ops::BitOrAssign for FrameFlags {
+    fn bitor_assign(&mut self, rhs: FrameFlags) {
+        self.0 |= rhs.0;
+    }
+}
+
+impl fmt::Debug for FrameFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const NAMES: [(FrameFlags, &str); 6] = [
+            (FrameFlags::HAS_DEADLINE, "HAS_DEADLINE"),
+            (FrameFlags::HAS_BULK, "HAS_BULK"),
+            (FrameFlags::HAS_LANDING, "HAS_LANDING"),
+            (FrameFlags::END_STREAM, "END_STREAM"),
+            (FrameFlags::WRITTEN, "WRITTEN"),
+            (FrameFlags::SERVER_STREAM, "SERVER_STREAM"),
+        ];
+        if self.0 == 0 {
+            return f.write_str("(empty)");
+        }
+        let mut first = true;
+        for (flag, name) in NAMES {
+            if self.contains(flag) {
+                if !first {
+                    f.write_str(" | ")?;
+                }
+                f.write_str(name)?;
+                first = false;
+            }
+        }
+        let unknown = self.0 & !Self::KNOWN.0;
+        if unknown != 0 {
+            if !first {
+                f.write_str(" | ")?;
+            }
+            write!(f, "{unknown:#06x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A region of registered memory a peer may reach with one-sided operations: the bulk payload
+/// to READ, or the landing zone to WRITE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct BulkDesc {
+    /// Address in the advertiser's address space.
+    pub addr: u64,
+    /// Length in bytes (never 0 on the wire).
+    pub len: u64,
+    /// Remote key of the region.
+    pub rkey: u32,
+}
+
+/// A frame header: the base header plus its extensions. The flags that announce extensions
+/// ([`FrameFlags::EXTENSIONS`]) must agree with the `Option` fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FrameHeader {
+    /// What the frame is.
+    pub kind: FrameKind,
+    /// Flags, extension flags included.
+    pub flags: FrameFlags,
+    /// The call (0 for CreditUpdate and GoAway).
+    pub call_id: u32,
+    /// Method id (Request), status code (Status), grant (WindowUpdate), 0 otherwise.
+    pub aux: u32,
+    /// Receive slots the sender re-posted for the receiver since its last report.
+    pub credits: u16,
+    /// Metadata bytes after the extensions.
+    pub metadata_len: u16,
+    /// Inline payload bytes after the metadata.
+    pub payload_len: u32,
+    /// Stream message sequence number (StreamMessage, EndOfStream); 0 otherwise.
+    pub seq: u32,
+    /// Time left for the call in nanoseconds (Request only).
+    pub deadline: Option<u64>,
+    /// Payload to RDMA-READ from the sender.
+    pub bulk: Option<BulkDesc>,
+    /// Where the server may RDMA-WRITE the response (Request only).
+    pub landing: Option<BulkDesc>,
+}
+
+/// A decoded frame, borrowing its metadata and payload from the receive buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Frame<'a> {
+    /// The header.
+    pub header: FrameHeader,
+    /// Metadata bytes (encoded [`crate::Metadata`]).
+    pub metadata: &'a [u8],
+    /// Inline payload bytes.
+    pub payload: &'a [u8],
+}
+
+impl FrameHeader {
+    /// A header of `kind` for `call_id` with every other field zero and no extension.
+    pub const fn new(kind: FrameKind, call_id: u32) -> FrameHeader {
+        FrameHeader {
+            kind,
+            flags: FrameFlags::EMPTY,
+            call_id,
+            aux: 0,
+            credits: 0,
+            metadata_len: 0,
+            payload_len: 0,
+            seq: 0,
+            deadline: None,
+            bulk: None,
+            landing: None,
+        }
+    }
+
+    /// Bytes of the header on the wire: 24 plus its extensions.
+    pub const fn encoded_len(&self) -> usize {
+        let mut n = BASE_HEADER_LEN;
+        if self.deadline.is_some() {
+            n += DEADLINE_EXT_LEN;
+        }
+        if self.bulk.is_some() {
+            n += BULK_EXT_LEN;
+        }
+        if self.landing.is_some() {
+            n += BULK_EXT_LEN;
+        }
+        n
+    }
+
+    /// Bytes of the whole frame: header, extensions, metadata and inline payload.
+    pub const fn frame_len(&self) -> u64 {
+        self.encoded_len() as u64 + self.metadata_len as u64 + self.payload_len as u64
+    }
+
+    /// Writes the header and its extensions at the start of `out` and returns the number of
+    /// bytes written ([`FrameHeader::encoded_len`]); the caller writes metadata and payload
+    /// after them.
+    ///
+    /// # Errors
+    /// [`WireError::BufferTooSmall`] when `out` is shorter than the header;
+    /// [`WireError::Inconsistent`] (and the other validation errors of [`decode`]) when the
+    /// header breaks a rule of the protocol, so that a peer would refuse it.
+    pub fn encode(&self, out: &mut [u8]) -> Result<usize, WireError> {
+        self.check()?;
+        let len = self.encoded_len();
+        let Some(out) = out.get_mut(..len) else {
+            return Err(WireError::BufferTooSmall {
+                need: len,
+                have: out.len(),
+            });
+        };
+        let mut w = Writer { buf: out, pos: 0 };
+        w.put(&[WIRE_VERSION, self.kind as u8]);
+        w.put(&self.flags.bits().to_le_bytes());
+        w.put(&self.call_id.to_le_bytes());
+        w.put(&self.aux.to_le_bytes());
+        w.put(&self.credits.to_le_bytes());
+        w.put(&self.metadata_len.to_le_bytes());
+        w.put(&self.payload_len.to_le_bytes());
+        w.put(&self.seq.to_le_bytes());
+        if let Some(t) = self.deadline {
+            w.put(&t.to_le_bytes());
+        }
+        for d in [self.bulk, self.landing].into_iter().flatten() {
+            w.put(&d.addr.to_le_bytes());
+            w.put(&d.len.to_le_bytes());
+            w.put(&d.rkey.to_le_bytes());
+            w.put(&0u32.to_le_bytes());
+        }
+        debug_assert_eq!(w.pos, len);
+        Ok(len)
+    }
+
+    /// Checks the rules that tie flags, kind and fields together (see [`decode`]).
+    ///
+    /// # Errors
+    /// [`WireError::UnknownFlags`] or [`WireError::Inconsistent`] naming the broken rule.
+    pub fn check(&self) -> Result<(), WireError> {
+        use FrameKind as K;
+        let f = self.flags;
+        let k = self.kind;
+        if FrameFlags::from_bits(f.bits()).is_none() {
+            return Err(WireError::UnknownFlags(
+                f.bits() & !FrameFlags::KNOWN.bits(),
+            ));
+        }
+        if f.contains(FrameFlags::HAS_DEADLINE) != self.deadline.is_some() {
+            return Err(WireError::Inconsistent(
+                "HAS_DEADLINE flag and deadline extension disagree",
+            ));
+        }
+        if f.contains(FrameFlags::HAS_BULK) != self.bulk.is_some() {
+            return Err(WireError::Inconsistent(
+                "HAS_BULK flag and bulk descriptor disagree",
+            ));
+        }
+        if f.contains(FrameFlags::HAS_LANDING) != self.landing.is_some() {
+            return Err(WireError::Inconsistent(
+                "HAS_LANDING flag and landing descriptor disagree",
+            ));
+        }
+        let request_only = FrameFlags::HAS_DEADLINE
+            | FrameFlags::HAS_LANDING
+            | FrameFlags::END_STREAM
+            | FrameFlags::SERVER_STREAM;
+        if k != K::Request && f.intersects(request_only) {
+            return Err(WireError::Inconsistent(
+                "HAS_DEADLINE, HAS_LANDING, END_STREAM and SERVER_STREAM are for Request frames only",
+            ));
+        }
+        if let Some(b) = self.bulk {
+            if !matches!(k, K::Request | K::Response | K::StreamMessage) {
+                return Err(WireError::Inconsistent(
+                    "HAS_BULK on a frame that carries no message",
+                ));
+            }
+            if self.payload_len != 0 {
+                return Err(WireError::Inconsistent(
+                    "HAS_BULK with inline payload (payload_len must be 0)",
+                ));
+            }
+            if b.len == 0 {
+                return Err(WireError::Inconsistent("bulk descriptor of length 0"));
+            }
+        }
+        if self.landing.is_some_and(|l| l.len == 0) {
+            return Err(WireError::Inconsistent("landing descriptor of length 0"));
+        }
+        if f.contains(FrameFlags::WRITTEN) {
+            if k != K::Response {
+                return Err(WireError::Inconsistent(
+                    "WRITTEN on a frame other than Response",
+                ));
+            }
+            if self.bulk.is_some() {
+                return Err(WireError::Inconsistent("WRITTEN together with HAS_BULK"));
+            }
+        }
+        if k.is_call_scoped() == (self.call_id == 0) {
+            return Err(WireError::Inconsistent(if self.call_id == 0 {
+                "call id 0 on a frame that belongs to a call"
+            } else {
+                "nonzero call id on a connection frame (CreditUpdate, GoAway)"
+            }));
+        }
+        match k {
+            K::Request if self.aux == 0 => {
+                return Err(WireError::Inconsistent(
+                    "Request for method id 0 (reserved)",
+                ));
+            }
+            K::Status if self.aux > u32::from(u8::MAX) => {
+                return Err(WireError::Inconsistent("Status code above 255"));
+            }
+            K::WindowUpdate if self.aux == 0 => {
+                return Err(WireError::Inconsistent("WindowUpdate granting nothing"));
+            }
+            K::Request | K::Status | K::WindowUpdate => {}
+            _ if self.aux != 0 => {
+                return Err(WireError::Inconsistent(
+                    "nonzero aux on a frame kind that does not use it",
+                ));
+            }
+            _ => {}
+        }
+        if !matches!(k, K::StreamMessage | K::EndOfStream) && self.seq != 0 {
+            return Err(WireError::Inconsistent(
+                "nonzero seq on a frame other than StreamMessage/EndOfStream",
+            ));
+        }
+        if matches!(
+            k,
+            K::EndOfStream
+                | K::Cancel
+                | K::CreditUpdate
+                | K::WindowUpdate
+                | K::BulkRelease
+                | K::GoAway
+        ) && (self.metadata_len != 0 || self.payload_len != 0)
+        {
+            return Err(WireError::Inconsistent(
+                "metadata or payload on a frame kind that carries none",
+            ));
+        }
+        if k == K::Request
+            && !f.contains(FrameFlags::END_STREAM)
+            && (self.payload_len != 0 || self.bulk.is_some())
+        {
+            return Err(WireError::Inconsistent(
+                "payload on the Request of a client-streaming call (messages go as StreamMessage)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Decodes the frame at the start of `buf`. `buf` may be longer than the frame (receive slots
+/// have a fixed size): the frame's length is what its header says.
+///
+/// Checks the version, the kind, that only known flags are set, that flags agree with the kind
+/// and the fields (extensions only where they belong, bulk only with `payload_len == 0`, call
+/// id 0 exactly on connection frames, `aux` and `seq` only where used, reserved padding zero,
+/// no message on control frames), and that header, metadata and payload lie inside `buf`. Never
+/// panics, whatever `buf` holds.
+///
+/// # Errors
+/// The first rule the bytes break, as a [`WireError`].
+pub fn decode(buf: &[u8]) -> Result<Frame<'_>, WireError> {
+    let mut r = Reader { buf, pos: 0 };
+    let [version, kind] = r.array::<2>()?;
+    if version != WIRE_VERSION {
+        return Err(WireError::BadVersion(version));
+    }
+    let kind = FrameKind::from_u8(kind)?;
+    let bits = u16::from_le_bytes(r.array()?);
+    let flags = FrameFlags::from_bits(bits)
+        .ok_or(WireError::UnknownFlags(bits & !FrameFlags::KNOWN.bits()))?;
+    let call_id = u32::from_le_bytes(r.array()?);
+    let aux = u32::from_le_bytes(r.array()?);
+    let credits = u16::from_le_bytes(r.array()?);
+    let metadata_len = u16::from_le_bytes(r.array()?);
+    let payload_len = u32::from_le_bytes(r.array()?);
+    let seq = u32::from_le_bytes(r.array()?);
+    let deadline = if flags.contains(FrameFlags::HAS_DEADLINE) {
+        Some(u64::from_le_bytes(r.array()?))
+    } else {
+        None
+    };
+    let bulk = if flags.contains(FrameFlags::HAS_BULK) {
+        Some(r.bulk()?)
+    } else {
+        None
+    };
+    let landing = if flags.contains(FrameFlags::HAS_LANDING) {
+        Some(r.bulk()?)
+    } else {
+        None
+    };
+    let header = FrameHeader {
+        kind,
+        flags,
+        call_id,
+        aux,
+        credits,
+        metadata_len,
+        payload_len,
+        seq,
+        deadline,
+        bulk,
+        landing,
+    };
+    header.check()?;
+    let metadata = r.bytes(usize::from(metadata_len))?;
+    let payload_len = usize::try_from(payload_len).unwrap_or(usize::MAX);
+    let payload = r.bytes(payload_len)?;
+    Ok(Frame {
+        header,
+        metadata,
+        payload,
+    })
+}
+
+/// Reads fixed-size pieces off a byte slice, reporting how many bytes were missing.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn truncated(&self, n: usize) -> WireError {
+        WireError::Truncated {
+            need: self.pos.saturating_add(n),
+            have: self.buf.len(),
+        }
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        let chunk = self
+            .buf
+            .get(self.pos..)
+            .and_then(|rest| rest.first_chunk::<N>())
+            .ok_or_else(|| self.truncated(N))?;
+        self.pos += N;
+        Ok(*chunk)
+    }
+
+    fn bytes(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        let end = self.pos.checked_add(n).ok_or_else(|| self.truncated(n))?;
+        let s = self
+            .buf
+            .get(self.pos..end)
+            .ok_or_else(|| self.truncated(n))?;
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn bulk(&mut self) -> Result<BulkDesc, WireError> {
+        let addr = u64::from_le_bytes(self.array()?);
+        let len = u64::from_le_bytes(self.array()?);
+        let rkey = u32::from_le_bytes(self.array()?);
+        let pad = u32::from_le_bytes(self.array()?);
+        if pad != 0 {
+            return Err(WireError::Inconsistent(
+                "nonzero padding in a bulk/landing descriptor",
+            ));
+        }
+        Ok(BulkDesc { addr, len, rkey })
+    }
+}
+
+/// Writes into a slice already checked to be long enough.
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    pos: usize,
+}
+
+impl Writer<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        let end = self.pos + bytes.len();
+        if let Some(dst) = self.buf.get_mut(self.pos..end) {
+            dst.copy_from_slice(bytes);
+        }
+        self.pos = end;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn request() -> FrameHeader {
+        FrameHeader {
+            flags: FrameFlags::HAS_DEADLINE
+                | FrameFlags::HAS_LANDING
+                | FrameFlags::END_STREAM
+                | FrameFlags::SERVER_STREAM,
+            aux: 0xdead_beef,
+            credits: 7,
+            metadata_len: 3,
+            payload_len: 5,
+            deadline: Some(1_000_000),
+            landing: Some(BulkDesc {
+                addr: 0x1000,
+                len: 1 << 20,
+                rkey: 42,
+            }),
+            ..FrameHeader::new(FrameKind::Request, 0x0001_0002)
+        }
+    }
+
+    fn encode_frame(h: &FrameHeader, md: &[u8], payload: &[u8]) -> Vec<u8> {
+        let mut buf = vec![0u8; h.encoded_len() + md.len() + payload.len()];
+        let n = h.encode(&mut buf).unwrap();
+        buf[n..n + md.len()].copy_from_slice(md);
+        buf[n + md.len()..].copy_from_slice(payload);
+        buf
+    }
+
+    #[test]
+    fn layout_is_little_endian_at_fixed_offsets() {
+        let h = FrameHeader {
+            flags: FrameFlags::END_STREAM,
+            aux: 0x0403_0201,
+            credits: 0x0605,
+            metadata_len: 0x0807,
+            payload_len: 0,
+            ..FrameHeader::new(FrameKind::Request, 0x0d0c_0b0a)
+        };
+        let mut buf = [0xffu8; 40];
+        assert_eq!(h.encode(&mut buf).unwrap(), 24);
+        assert_eq!(
+            &buf[..24],
+            &[
+                1, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
+                0x08, 0, 0, 0, 0, 0, 0, 0, 0
+            ]
+        );
+        assert_eq!(buf[24], 0xff, "encode writes only the header");
+    }
+
+    #[test]
+    fn round_trip_with_every_extension() {
+        let h = request();
+        assert_eq!(h.encoded_len(), BASE_HEADER_LEN + 8 + 24);
+        let buf = encode_frame(&h, b"abc", b"hello");
+        let mut long = buf.clone();
+        long.extend_from_slice(&[0xee; 100]); // slots are longer than frames
+        let f = decode(&long).unwrap();
+        assert_eq!(f.header, h);
+        assert_eq!(f.metadata, b"abc");
+        assert_eq!(f.payload, b"hello");
+        assert_eq!(f.header.frame_len(), buf.len() as u64);
+
+        let bulk = FrameHeader {
+            flags: FrameFlags::HAS_BULK,
+            bulk: Some(BulkDesc {
+                addr: u64::MAX,
+                len: 5 << 30,
+                rkey: u32::MAX,
+            }),
+            ..FrameHeader::new(FrameKind::Response, 9)
+        };
+        let buf = encode_frame(&bulk, &[], &[]);
+        let f = decode(&buf).unwrap();
+        assert_eq!(f.header, bulk);
+        assert_eq!(bulk.encoded_len(), MAX_HEADER_LEN - 8 - 24);
+    }
+
+    #[test]
+    fn encode_refuses_short_buffer_and_bad_headers() {
+        let h = request();
+        let mut small = [0u8; 40];
+        assert_eq!(
+            h.encode(&mut small),
+            Err(WireError::BufferTooSmall { need: 56, have: 40 })
+        );
+        let mut buf = [0u8; MAX_HEADER_LEN];
+        let mut bad = h;
+        bad.deadline = None;
+        assert!(matches!(
+            bad.encode(&mut buf),
+            Err(WireError::Inconsistent(_))
+        ));
+        let bad = FrameHeader::new(FrameKind::CreditUpdate, 3);
+        assert!(matches!(
+            bad.encode(&mut buf),
+            Err(WireError::Inconsistent(_))
+        ));
+    }
+
+    #[test]
+    fn decode_names_what_is_wrong() {
+        let good = encode_frame(&request(), b"abc", b"hello");
+        assert_eq!(
+            decode(&good[..10]),
+            Err(WireError::Truncated { need: 12, have: 10 })
+        );
+        assert_eq!(
+            decode(&good[..30]),
+            Err(WireError::Truncated { need: 32, have: 30 })
+        );
+        // Header fine, payload cut.
+        let cut = good.len() - 2;
+        assert_eq!(
+            decode(&good[..cut]),
+            Err(WireError::Truncated {
+                need: good.len(),
+                have: cut
+            })
+        );
+        let mut b = good.clone();
+        b[0] = 2;
+        assert_eq!(decode(&b), Err(WireError::BadVersion(2)));
+        let mut b = good.clone();
+        b[1] = 0;
+        assert_eq!(decode(&b), Err(WireError::UnknownKind(0)));
+        b[1] = 11;
+        assert_eq!(decode(&b), Err(WireError::UnknownKind(11)));
+        let mut b = good.clone();
+        b[3] = 0x80;
+        assert_eq!(decode(&b), Err(WireError::UnknownFlags(0x8000)));
+        // Landing on a Response.
+        let mut b = good.clone();
+        b[1] = FrameKind::Response as u8;
+        assert!(matches!(decode(&b), Err(WireError::Inconsistent(_))));
+        // Non-zero descriptor padding.
+        let mut b = good.clone();
+        b[24 + 8 + 20] = 1;
+        assert!(matches!(decode(&b), Err(WireError::Inconsistent(m)) if m.contains("padding")));
+        // An error message says what is wrong.
+        let msg = WireError::Truncated { need: 12, have: 10 }.to_string();
+        assert!(msg.contains("12") && msg.contains("10"), "{msg}");
+    }
+
+    #[test]
+    fn consistency_rules() {
+        use FrameKind as K;
+        let bad = |h: FrameHeader| -> bool {
+            let mut buf = [0u8; MAX_HEADER_LEN];
+            matches!(h.encode(&mut buf), Err(WireError::Inconsistent(_)))
+        };
+        let bulk = Some(BulkDesc {
+            addr: 1,
+            len: 10,
+            rkey: 2,
+        });
+        // Bulk with inline payload.
+        assert!(bad(FrameHeader {
+            flags: FrameFlags::HAS_BULK,
+            bulk,
+            payload_len: 1,
+            ..FrameHeader::new(K::Response, 1)
+        }));
+        // Bulk on a Status.
+        assert!(bad(FrameHeader {
+            flags: FrameFlags::HAS_BULK,
+            bulk,
+            ..FrameHeader::new(K::Status, 1)
+        }));
+        // WRITTEN on a StreamMessage, WRITTEN with bulk.
+        assert!(bad(FrameHeader {
+            flags: FrameFlags::WRITTEN,
+            ..FrameHeader::new(K::StreamMessage, 1)
+        }));
+        assert!(bad(FrameHeader {
+            flags: FrameFlags::WRITTEN | FrameFlags::HAS_BULK,
+            bulk,
+            ..FrameHeader::new(K::Response, 1)
+        }));
+        // Method id 0, status code 256, empty grant, seq on a Response, payload on a Cancel.
+        assert!(bad(FrameHeader::new(K::Request, 1)));
+        assert!(bad(FrameHeader {
+            aux: 256,
+            ..FrameHeader::new(K::Status, 1)
+        }));
+        assert!(bad(FrameHeader::new(K::WindowUpdate, 1)));
+        assert!(bad(FrameHeader {
+            seq: 1,
+            ..FrameHeader::new(K::Response, 1)
+        }));
+        assert!(bad(FrameHeader {
+            payload_len: 1,
+            ..FrameHeader::new(K::Cancel, 1)
+        }));
+        // Client-streaming request with a payload; call id 0 on a call frame.
+        assert!(bad(FrameHeader {
+            aux: 5,
+            payload_len: 1,
+            ..FrameHeader::new(K::Request, 1)
+        }));
+        assert!(bad(FrameHeader::new(K::Cancel, 0)));
+        // And some that are fine.
+        assert!(!bad(FrameHeader {
+            aux: 255,
+            payload_len: 10,
+            metadata_len: 4,
+            ..FrameHeader::new(K::Status, 1)
+        }));
+        assert!(!bad(FrameHeader {
+            seq: 7,
+            ..FrameHeader::new(K::EndOfStream, 1)
+        }));
+        assert!(!bad(FrameHeader::new(K::GoAway, 0)));
+    }
+
+    #[test]
+    fn flags_debug_names_bits() {
+        let f = FrameFlags::HAS_BULK | FrameFlags::END_STREAM;
+        assert_eq!(format!("{f:?}"), "HAS_BULK | END_STREAM");
+        assert_eq!(format!("{:?}", FrameFlags::EMPTY), "(empty)");
+        assert_eq!(FrameFlags::from_bits(0x40), None);
+        assert!(
+            !f.with(FrameFlags::HAS_BULK, false)
+                .contains(FrameFlags::HAS_BULK)
+        );
+    }
+
+    fn arb_bulk() -> impl Strategy<Value = BulkDesc> {
+        (any::<u64>(), 1..u64::MAX, any::<u32>()).prop_map(|(addr, len, rkey)| BulkDesc {
+            addr,
+            len,
+            rkey,
+        })
+    }
+
+    /// Headers that satisfy every rule, of every kind.
+    pub(crate) fn arb_valid_header() -> impl Strategy<Value = FrameHeader> {
+        (
+            1u8..=10,
+            1u32..,
+            any::<u32>(),
+            any::<u16>(),
+            any::<u16>(),
+            any::<u32>(),
+            any::<u32>(),
+            proptest::option::of(any::<u64>()),
+            proptest::option::of(arb_bulk()),
+            proptest::option::of(arb_bulk()),
+            any::<(bool, bool, bool)>(),
+        )
+            .prop_map(
+                |(k, call, aux, credits, md, payload, seq, deadline, bulk, landing, (a, b, c))| {
+                    use FrameKind as K;
+                    let kind = FrameKind::from_u8(k).unwrap();
+                    let mut h = FrameHeader {
+                        credits,
+                        ..FrameHeader::new(kind, call)
+                    };
+                    match kind {
+                        K::Request => {
+                            h.aux = aux.max(1);
+                            h.deadline = deadline;
+                            h.landing = landing;
+                            h.flags = FrameFlags::EMPTY
+                                .with(FrameFlags::HAS_DEADLINE, deadline.is_some())
+                                .with(FrameFlags::HAS_LANDING, landing.is_some())
+                                .with(FrameFlags::END_STREAM, a)
+                                .with(FrameFlags::SERVER_STREAM, b);
+                            h.metadata_len = md;
+                            if a {
+                                h.payload_len = payload;
+                                if h.payload_len == 0 && bulk.is_some() {
+                                    h.bulk = bulk;
+                                    h.flags |= FrameFlags::HAS_BULK;
+                                }
+                            }
+                        }
+                        K::Response | K::StreamMessage => {
+                            h.metadata_len = md;
+                            if c && bulk.is_some() {
+                                h.bulk = bulk;
+                                h.flags |= FrameFlags::HAS_BULK;
+                            } else {
+                                h.payload_len = payload;
+                                if kind == K::Response && a {
+                                    h.flags |= FrameFlags::WRITTEN;
+                                }
+                            }
+                            if kind == K::StreamMessage {
+                                h.seq = seq;
+                            }
+                        }
+                        K::Status => {
+                            h.aux = aux & 0xff;
+                            h.metadata_len = md;
+                            h.payload_len = payload;
+                        }
+                        K::EndOfStream => h.seq = seq,
+                        K::WindowUpdate => h.aux = aux.max(1),
+                        K::CreditUpdate | K::GoAway => h.call_id = 0,
+                        K::Cancel | K::BulkRelease => {}
+                    }
+                    h
+                },
+            )
+    }
+
+    proptest! {
+        #[test]
+        fn valid_headers_round_trip(h in arb_valid_header()) {
+            let mut buf = [0u8; MAX_HEADER_LEN];
+            let n = h.encode(&mut buf).unwrap();
+            prop_assert_eq!(n, h.encoded_len());
+            // Metadata and payload may be huge in the header; decode only the header bytes
+            // plus what they claim, so check the header part and the length error.
+            let claimed = h.frame_len();
+            match decode(&buf[..n]) {
+                Ok(f) => {
+                    prop_assert_eq!(claimed, n as u64);
+                    prop_assert_eq!(f.header, h);
+                }
+                Err(WireError::Truncated { need, have }) => {
+                    prop_assert!(claimed > n as u64);
+                    prop_assert_eq!(have, n);
+                    prop_assert!(need > n);
+                }
+                Err(e) => prop_assert!(false, "unexpected {e}"),
+            }
+        }
+
+        #[test]
+        fn valid_small_frames_round_trip(h in arb_valid_header(), md in 0u16..64, pl in 0u32..256) {
+            let mut h = h;
+            h.metadata_len = if h.metadata_len == 0 { 0 } else { md };
+            h.payload_len = if h.payload_len == 0 { 0 } else { pl };
+            let mdv: Vec<u8> = (0..h.metadata_len).map(|i| i as u8).collect();
+            let plv: Vec<u8> = (0..h.payload_len).map(|i| (i * 7) as u8).collect();
+            let buf = encode_frame(&h, &mdv, &plv);
+            let f = decode(&buf).unwrap();
+            prop_assert_eq!(f.header, h);
+            prop_assert_eq!(f.metadata, &mdv[..]);
+            prop_assert_eq!(f.payload, &plv[..]);
+        }
+    }
+}
