@@ -3,10 +3,11 @@
 # host (clippy, docs, unit tests), then run the ib test binaries and rpc-doctor inside the
 # Soft-RoCE VM (softroce/vm.sh, two rxe devices) and fail when any of them fails.
 #
-#   softroce/ci.sh [--install]
+#   softroce/ci.sh [--install] [--vm-only]
 #
 # --install  apt-get install what is missing (qemu-system-x86, libibverbs-dev, librdmacm-dev,
 #            libclang, pkg-config); needs root or password-less sudo.
+# --vm-only  skip the host checks (clippy, docs, unit tests): only build and run in the VM.
 #
 # Exit codes: 0 all passed; 77 skipped because qemu cannot be installed here (the only
 # reason to skip); anything else is a failure.
@@ -31,7 +32,16 @@ missing_pkgs() {
   echo "${out[@]}"
 }
 
-if [[ "${1:-}" == --install ]]; then
+INSTALL= VM_ONLY=
+for a in "$@"; do
+  case "$a" in
+    --install) INSTALL=1 ;;
+    --vm-only) VM_ONLY=1 ;;
+    *) echo "usage: softroce/ci.sh [--install] [--vm-only]" >&2; exit 2 ;;
+  esac
+done
+
+if [[ -n "$INSTALL" ]]; then
   missing=$(missing_pkgs)
   if [[ -n "$missing" ]]; then
     phase "installing $missing"
@@ -55,10 +65,12 @@ if ! pkg-config --exists libibverbs; then
   exit 1
 fi
 
-phase "host: clippy, docs and unit tests with --features ibverbs"
-cargo clippy -p rpc-core -p rpc-examples --features ibverbs --all-targets -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc -p rpc-core --features ibverbs --no-deps
-cargo test -p rpc-core --features ibverbs --lib verbs::ib
+if [[ -z "$VM_ONLY" ]]; then
+  phase "host: clippy, docs and unit tests with --features ibverbs"
+  cargo clippy -p rpc-core -p rpc-examples --features ibverbs --all-targets -- -D warnings
+  RUSTDOCFLAGS="-D warnings" cargo doc -p rpc-core --features ibverbs --no-deps
+  cargo test -p rpc-core --features ibverbs --lib verbs::ib
+fi
 
 phase "host: building the test binaries"
 exes=()
@@ -81,6 +93,9 @@ batch=()
 for e in "${exes[@]}"; do
   batch+=("$e" ":::")
 done
+# The overrides, end to end: the second device and the link-local GID (index 0).
+smoke=$(printf '%s\n' "${exes[@]}" | grep '/ib_smoke-' | head -1)
+[[ -n "$smoke" ]] && batch+=(/usr/bin/env RPC_IB_HCA==rxe1 RPC_IB_GID_INDEX=0 "$smoke" env_overrides_apply --nocapture ":::")
 batch+=("$doctor" --iters 200)
 t_vm=$SECONDS
 rc=0

@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use rpc_core::verbs::ib::{HcaSpec, Ib, IbContext, IbCq, IbMr, IbPd, IbQp, rail_of};
+use rpc_core::verbs::ib::{GidChoice, HcaSpec, Ib, IbContext, IbCq, IbMr, IbPd, IbQp, rail_of};
 use rpc_core::verbs::{
     Access, CompChannel, ConnectAttr, Context, Cq, ErrorKind, LinkLayer, Mr, Pd, Provider, Qp,
     QpCaps, QpGroup, QpState, RecvWr, SendFlags, SendWr, Sge, Wc, WcError, WcOpcode, WcStatus,
@@ -164,6 +164,10 @@ fn open_reports_device_port_gid_and_caps() {
     assert!(caps.max_inline > 0, "inline probe found nothing: {caps:?}");
     if info.link_layer == LinkLayer::Ethernet {
         assert_ne!(ctx.gid().gid, [0; 16], "RoCE needs a GID");
+    }
+    if std::env::var_os("RPC_IB_GID_INDEX").is_some() || std::env::var_os("RPC_IB_HCA").is_some() {
+        // env_overrides_apply covers this configuration.
+        return;
     }
     if let Ok(idx) = std::env::var("SOFTROCE_GID_INDEX") {
         // Soft-RoCE on dummy0: index 1 is the IPv4-mapped RoCE v2 GID, which the automatic
@@ -1016,4 +1020,60 @@ fn qp_group_stripes_one_connection() {
         per_qp[i] += 1;
     }
     assert_eq!(per_qp, [2, 2, 2, 2], "striped round-robin");
+}
+
+/// Run with `RPC_IB_HCA` and/or `RPC_IB_GID_INDEX` set (softroce/ci.sh does, in the VM), this
+/// checks that `open(None)` follows them; without them it checks the defaults.
+#[test]
+fn env_overrides_apply() {
+    let Some(ctx) = open_or_skip("env_overrides_apply") else {
+        return;
+    };
+    match std::env::var("RPC_IB_HCA") {
+        Ok(v) => {
+            let spec = HcaSpec::parse(&v).unwrap();
+            let first = &spec.entries[0];
+            assert!(
+                ctx.info().name.starts_with(first.name.as_str()),
+                "{v} -> {ctx:?}"
+            );
+            assert_eq!(ctx.rail(), 0);
+        }
+        Err(_) => assert_eq!(ctx.info().name, Ib::devices().unwrap()[0].name),
+    }
+    match std::env::var("RPC_IB_GID_INDEX") {
+        Ok(v) => {
+            assert_eq!(ctx.gid().index.to_string(), v.trim());
+            assert_eq!(ctx.gid_choice(), GidChoice::Forced);
+        }
+        Err(_) if ctx.info().link_layer == LinkLayer::Ethernet => {
+            assert_eq!(ctx.gid_choice(), GidChoice::Auto);
+        }
+        Err(_) => assert_eq!(ctx.gid_choice(), GidChoice::InfiniBand),
+    }
+    // Whatever was chosen must carry traffic: one SEND on that GID.
+    let Some(mut p) = pair("env_overrides_apply/traffic") else {
+        return;
+    };
+    write(&p.mr_a, 0, b"gid");
+    let r = [p.mr_b.sge(0, 16).unwrap()];
+    let s = [p.mr_a.sge(0, 3).unwrap()];
+    // SAFETY: buffers in live regions, read after the completions.
+    unsafe {
+        p.b.post_recv(&[RecvWr {
+            wr_id: 1,
+            sg_list: &r,
+        }])
+        .unwrap();
+        p.a.post_send(&[SendWr {
+            wr_id: 2,
+            op: WrOp::Send,
+            sg_list: &s,
+            flags: SendFlags::SIGNALED,
+        }])
+        .unwrap();
+    }
+    ok(poll_one(&mut p.cq_a));
+    assert_eq!(ok(poll_one(&mut p.cq_b)).byte_len, 3);
+    println!("env_overrides_apply: {ctx:?}");
 }

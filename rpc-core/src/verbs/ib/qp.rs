@@ -821,11 +821,12 @@ impl Qp for IbQp {
         self.state = QpState::Rts;
         let peer = self.remote.map_or(0, |r| r.qp_num);
         tracing::info!(
-            "NET/IB : [{}]{} QP {:#x} -> RTS (peer QP {peer:#x}, MTU {}, GID index {}, \
-             rd_atomic {rd})",
+            "NET/IB : [{}]{} QP {:#x} -> RTS: connected to QP {peer:#x} via IB/{}/RC (MTU {}, \
+             GID index {}, rd_atomic {rd})",
             ctx.rail,
             ctx.label(),
             self.qp_num,
+            ctx.info.name,
             self.path_mtu,
             ctx.gid.index,
         );
