@@ -16,9 +16,7 @@ use super::select::{self, GidChoice, GidEntry, GidKind, HcaSpec};
 use crate::verbs::error::{ErrorKind, Verb, VerbsError};
 use crate::verbs::types::{Caps, DeviceInfo, LinkLayer};
 
-/// `IBV_LINK_LAYER_INFINIBAND` (an anonymous enum in verbs.h, not in rdma-sys).
-const LINK_LAYER_INFINIBAND: u8 = 1;
-/// `IBV_LINK_LAYER_ETHERNET`.
+/// `IBV_LINK_LAYER_ETHERNET` (an anonymous enum in verbs.h, not in rdma-sys).
 const LINK_LAYER_ETHERNET: u8 = 2;
 /// Largest inline size probed at open; no RNIC we know of goes beyond ~1 KiB.
 const INLINE_PROBE_MAX: u32 = 4096;
@@ -276,10 +274,9 @@ impl PortInfo {
     fn from_attr(num: u8, a: &ibv_port_attr) -> PortInfo {
         let link_layer = match a.link_layer {
             LINK_LAYER_ETHERNET => LinkLayer::Ethernet,
-            // UNSPECIFIED means InfiniBand for old drivers.
+            // INFINIBAND (1), or UNSPECIFIED (0), which old drivers report for InfiniBand.
             _ => LinkLayer::InfiniBand,
         };
-        let _ = LINK_LAYER_INFINIBAND;
         PortInfo {
             num,
             state: PortState::from_raw(a.state),
@@ -489,9 +486,22 @@ impl Inventory {
                     continue;
                 }
             };
-            let attr = raw.query_device(&name)?;
+            let attr = match raw.query_device(&name) {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!("NET/IB : skipping {name}: {e}");
+                    first_err.get_or_insert(e);
+                    continue;
+                }
+            };
             for p in 1..=attr.phys_port_cnt {
-                let port = PortInfo::from_attr(p, &raw.query_port(&name, p)?);
+                let port = match raw.query_port(&name, p) {
+                    Ok(a) => PortInfo::from_attr(p, &a),
+                    Err(e) => {
+                        tracing::warn!("NET/IB : skipping {name}:{p}: {e}");
+                        continue;
+                    }
+                };
                 if port.is_active() {
                     inv.active.push(Candidate {
                         name: name.clone(),

@@ -336,85 +336,102 @@ impl IbQp {
     }
 }
 
-/// Probes the largest inline size an RC QP of this device accepts (verbs does not report it),
-/// by creating throw-away QPs. Returns 0 when even a QP without inline data cannot be created
-/// (the reason is logged).
-pub(super) fn probe_max_inline(raw: &RawContext, name: &str, max: u32) -> u32 {
-    // SAFETY: the context is open for the duration of the probe; every object created here
-    // is destroyed before returning, children first.
-    unsafe {
-        let pd = ibv_alloc_pd(raw.as_ptr());
-        if pd.is_null() {
-            tracing::warn!(
-                "NET/IB : {name}: cannot probe inline size: ibv_alloc_pd: errno {}",
-                last_errno()
-            );
-            return 0;
-        }
-        let cq: *mut ibv_cq = ibv_create_cq(
-            raw.as_ptr(),
-            4,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            0,
-        );
-        if cq.is_null() {
-            tracing::warn!(
-                "NET/IB : {name}: cannot probe inline size: ibv_create_cq: errno {}",
-                last_errno()
-            );
-            ibv_dealloc_pd(pd);
-            return 0;
-        }
-        let try_inline = |inline: u32| -> Option<u32> {
-            let mut init = ibv_qp_init_attr {
-                qp_context: std::ptr::null_mut(),
-                send_cq: cq,
-                recv_cq: cq,
-                srq: std::ptr::null_mut(),
-                cap: ibv_qp_cap {
-                    max_send_wr: 1,
-                    max_recv_wr: 1,
-                    max_send_sge: 1,
-                    max_recv_sge: 1,
-                    max_inline_data: inline,
-                },
-                qp_type: ibv_qp_type::IBV_QPT_RC,
-                sq_sig_all: 0,
-            };
-            let qp = ibv_create_qp(pd, &mut init);
-            if qp.is_null() {
-                return None;
-            }
-            ibv_destroy_qp(qp);
-            Some(init.cap.max_inline_data.max(inline))
+/// A throw-away PD and CQ for probing; destroyed on drop (CQ first).
+struct Probe {
+    pd: NonNull<rdma_sys::ibv_pd>,
+    cq: NonNull<ibv_cq>,
+}
+
+impl Probe {
+    fn new(raw: &RawContext) -> Result<Probe, (&'static str, i32)> {
+        // SAFETY: the context is open for the lifetime of the probe (the caller holds it).
+        let pd = NonNull::new(unsafe { ibv_alloc_pd(raw.as_ptr()) })
+            .ok_or(("ibv_alloc_pd", last_errno()))?;
+        // SAFETY: as above; no channel, 4 entries.
+        let cq = unsafe {
+            ibv_create_cq(
+                raw.as_ptr(),
+                4,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
         };
-        let result = match try_inline(0) {
-            None => {
-                tracing::warn!(
-                    "NET/IB : {name}: cannot create a test QP (errno {}): inline size unknown, \
-                     taken as 0",
-                    last_errno()
-                );
-                0
-            }
-            Some(_) => {
-                let (mut lo, mut hi) = (0u32, max);
-                while lo < hi {
-                    let mid = lo + (hi - lo).div_ceil(2);
-                    if try_inline(mid).is_some() {
-                        lo = mid;
-                    } else {
-                        hi = mid - 1;
-                    }
-                }
-                try_inline(lo).unwrap_or(lo)
-            }
+        let Some(cq) = NonNull::new(cq) else {
+            let e = last_errno();
+            // SAFETY: `pd` was just allocated, has no children and is freed once.
+            unsafe { ibv_dealloc_pd(pd.as_ptr()) };
+            return Err(("ibv_create_cq", e));
         };
-        ibv_destroy_cq(cq);
-        ibv_dealloc_pd(pd);
-        result
+        Ok(Probe { pd, cq })
     }
+
+    /// Whether an RC QP with `inline` bytes of inline data can be created; the size the
+    /// device granted.
+    fn try_inline(&self, inline: u32) -> Option<u32> {
+        let mut init = ibv_qp_init_attr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: self.cq.as_ptr(),
+            recv_cq: self.cq.as_ptr(),
+            srq: std::ptr::null_mut(),
+            cap: ibv_qp_cap {
+                max_send_wr: 1,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: inline,
+            },
+            qp_type: ibv_qp_type::IBV_QPT_RC,
+            sq_sig_all: 0,
+        };
+        // SAFETY: the PD and CQ are alive (owned by `self`) and of one context; `init` is a
+        // valid attribute block.
+        let qp = NonNull::new(unsafe { ibv_create_qp(self.pd.as_ptr(), &mut init) })?;
+        // SAFETY: the QP was just created, nothing was posted to it; destroyed once.
+        unsafe { ibv_destroy_qp(qp.as_ptr()) };
+        Some(init.cap.max_inline_data.max(inline))
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        // SAFETY: every probe QP was destroyed right after creation, so the CQ and then the
+        // PD have no children; each is destroyed once.
+        unsafe {
+            ibv_destroy_cq(self.cq.as_ptr());
+            ibv_dealloc_pd(self.pd.as_ptr());
+        }
+    }
+}
+
+/// Probes the largest inline size an RC QP of this device accepts (verbs does not report it),
+/// by creating throw-away QPs (a binary search, about a dozen). Returns 0 when even a QP
+/// without inline data cannot be created (the reason is logged).
+pub(super) fn probe_max_inline(raw: &RawContext, name: &str, max: u32) -> u32 {
+    let probe = match Probe::new(raw) {
+        Ok(p) => p,
+        Err((verb, errno)) => {
+            tracing::warn!("NET/IB : {name}: cannot probe the inline size: {verb}: errno {errno}");
+            return 0;
+        }
+    };
+    if probe.try_inline(0).is_none() {
+        tracing::warn!(
+            "NET/IB : {name}: cannot create a test QP (errno {}): inline size taken as 0",
+            last_errno()
+        );
+        return 0;
+    }
+    let (mut lo, mut hi) = (0u32, max);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if probe.try_inline(mid).is_some() {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    probe.try_inline(lo).unwrap_or(lo)
 }
 
 /// The error of a refused `ibv_post_send`/`ibv_post_recv`.
