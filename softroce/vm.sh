@@ -41,7 +41,7 @@ set -uo pipefail
 SELF=$(realpath "${BASH_SOURCE[0]}")
 CACHE=${SOFTROCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rdma-rpc/softroce}
 # Bump when the image recipe below changes: a cache of another version is rebuilt.
-RECIPE=4
+RECIPE=5
 
 GUEST_PKGS=(busybox-static libc6 libgcc-s1 libibverbs1 ibverbs-providers librdmacm1
             libnl-3-200 libnl-route-3-200 ibverbs-utils iproute2 libmnl0 libbsd0 libmd0 libcap2)
@@ -102,15 +102,21 @@ prepare() {
   grep -q '^CONFIG_RDMA_RXE=[ym]' "$kx/boot/config-$kver" ||
     die "$kpkg has no rdma_rxe (the -cloud flavour lacks it; use the generic amd64 kernel)"
   # qemu boots an ELF vmlinux through its PVH note: that skips the guest's own decompression
-  # (seconds under TCG). Find the xz stream inside the bzImage and unpack it once.
-  local off
-  off=$(LC_ALL=C grep -obUaP '\xfd7zXZ\x00' "$kx/boot/vmlinuz-$kver" | head -1 | cut -d: -f1)
+  # (seconds under TCG). Find the xz (6.1) or zstd (6.12) stream inside the bzImage and unpack
+  # it once.
+  local off vz="$kx/boot/vmlinuz-$kver"
   rm -f "$CACHE/vmlinux"
+  off=$(LC_ALL=C grep -obUaP '\xfd7zXZ\x00' "$vz" | head -1 | cut -d: -f1)
   if [[ -n "$off" ]]; then
-    tail -c +$((off + 1)) "$kx/boot/vmlinuz-$kver" | xz -dc --single-stream >"$CACHE/vmlinux.tmp" 2>/dev/null
-    if head -c 4 "$CACHE/vmlinux.tmp" | grep -q ELF; then mv "$CACHE/vmlinux.tmp" "$CACHE/vmlinux"; fi
-    rm -f "$CACHE/vmlinux.tmp"
+    tail -c +$((off + 1)) "$vz" | xz -dc --single-stream >"$CACHE/vmlinux.tmp" 2>/dev/null
+  elif command -v zstd >/dev/null &&
+       off=$(LC_ALL=C grep -obUaP '\x28\xb5\x2f\xfd' "$vz" | head -1 | cut -d: -f1) && [[ -n "$off" ]]; then
+    tail -c +$((off + 1)) "$vz" | zstd -dcq >"$CACHE/vmlinux.tmp" 2>/dev/null
   fi
+  if [[ -s "$CACHE/vmlinux.tmp" ]] && head -c 4 "$CACHE/vmlinux.tmp" | grep -q ELF; then
+    mv "$CACHE/vmlinux.tmp" "$CACHE/vmlinux"
+  fi
+  rm -f "$CACHE/vmlinux.tmp"
   cp "$kx/boot/vmlinuz-$kver" "$CACHE/vmlinuz"
   [[ -f "$CACHE/vmlinux" ]] || say "no ELF vmlinux extracted: booting the bzImage (slower)"
 

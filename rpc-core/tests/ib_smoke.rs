@@ -682,17 +682,23 @@ fn state_machine_and_post_errors() {
         pd.create_qp(&cq, &cq, huge).unwrap_err().kind(),
         ErrorKind::ExceedsCaps
     );
-    // The CQ already carries this QP's 16; one more than what is left would overrun it.
-    let left = cq.capacity() - 16;
-    let big = QpCaps {
-        max_send_wr: 8,
-        max_recv_wr: left - 8 + 1,
-        ..caps
-    };
-    let e = pd.create_qp(&cq, &cq, big).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::ExceedsCaps, "{e}");
+    // CQ overrun is prevented by sizing: QPs are refused once their queues (as granted by
+    // the device) could overflow the CQ, and a dropped QP gives its room back.
     drop(qp);
-    assert!(pd.create_qp(&cq, &cq, big).is_ok(), "released on drop");
+    let mut qps = Vec::new();
+    let e = loop {
+        match pd.create_qp(&cq, &cq, caps) {
+            Ok(q) => qps.push(q),
+            Err(e) => break e,
+        }
+        assert!(qps.len() < 1000, "no limit");
+    };
+    assert_eq!(e.kind(), ErrorKind::ExceedsCaps, "{e}");
+    let per_qp = qps[0].caps().max_send_wr + qps[0].caps().max_recv_wr;
+    assert!(qps.len() as u32 * per_qp <= cq.capacity());
+    assert!((qps.len() as u32 + 1) * per_qp > cq.capacity());
+    qps.pop();
+    assert!(pd.create_qp(&cq, &cq, caps).is_ok(), "released on drop");
 }
 
 #[test]

@@ -89,7 +89,7 @@ impl Drop for IbQp {
         }
         if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
             self.send_cq
-                .release(self.caps.max_send_wr + self.caps.max_recv_wr);
+                .release(self.caps.max_send_wr.saturating_add(self.caps.max_recv_wr));
         } else {
             self.send_cq.release(self.caps.max_send_wr);
             self.recv_cq.release(self.caps.max_recv_wr);
@@ -132,6 +132,17 @@ fn qp_state_from_raw(s: u32) -> QpState {
     }
 }
 
+/// Reserves room for every completion a QP with `caps` can generate on its CQs.
+fn commit(send_cq: &CqShared, recv_cq: &CqShared, caps: &QpCaps) -> Result<()> {
+    if std::ptr::eq(send_cq, recv_cq) {
+        return send_cq.commit(caps.max_send_wr.saturating_add(caps.max_recv_wr));
+    }
+    send_cq.commit(caps.max_send_wr)?;
+    recv_cq
+        .commit(caps.max_recv_wr)
+        .inspect_err(|_| send_cq.release(caps.max_send_wr))
+}
+
 impl IbQp {
     pub(super) fn create(pd: &IbPd, send_cq: &IbCq, recv_cq: &IbCq, caps: QpCaps) -> Result<IbQp> {
         let ctx = &pd.shared.ctx;
@@ -168,24 +179,6 @@ impl IbQp {
                 "a QP with neither send nor receive queue",
             ));
         }
-        let same = Arc::ptr_eq(&send_cq.shared, &recv_cq.shared);
-        if same {
-            send_cq.shared.commit(caps.max_send_wr + caps.max_recv_wr)?;
-        } else {
-            send_cq.shared.commit(caps.max_send_wr)?;
-            if let Err(e) = recv_cq.shared.commit(caps.max_recv_wr) {
-                send_cq.shared.release(caps.max_send_wr);
-                return Err(e);
-            }
-        }
-        let release = || {
-            if same {
-                send_cq.shared.release(caps.max_send_wr + caps.max_recv_wr);
-            } else {
-                send_cq.shared.release(caps.max_send_wr);
-                recv_cq.shared.release(caps.max_recv_wr);
-            }
-        };
         let mut init = ibv_qp_init_attr {
             qp_context: std::ptr::null_mut(),
             send_cq: send_cq.shared.cq.as_ptr(),
@@ -206,7 +199,6 @@ impl IbQp {
         let qp = unsafe { ibv_create_qp(pd.shared.pd.as_ptr(), &mut init) };
         let Some(qp) = NonNull::new(qp) else {
             let e = last_errno();
-            release();
             let why = match e {
                 libc::ENOMEM => format!(
                     "out of memory for the queues of a QP with {caps:?} on {dev}: lower the \
@@ -223,20 +215,29 @@ impl IbQp {
         };
         // SAFETY: `qp` was just returned by libibverbs; `qp_num` is immutable.
         let qp_num = unsafe { (*qp.as_ptr()).qp_num };
+        // The device may grant more than asked (rxe: 2^n - 1): the queues really are that deep,
+        // so that is what `caps()` reports and what the CQs must have room for.
+        let g = &init.cap;
+        let granted = QpCaps {
+            max_send_wr: g.max_send_wr.max(caps.max_send_wr),
+            max_recv_wr: g.max_recv_wr.max(caps.max_recv_wr),
+            max_send_sge: g.max_send_sge.max(caps.max_send_sge),
+            max_recv_sge: g.max_recv_sge.max(caps.max_recv_sge),
+            max_inline_data: g.max_inline_data.max(caps.max_inline_data),
+        };
+        if let Err(e) = commit(&send_cq.shared, &recv_cq.shared, &granted) {
+            // SAFETY: the QP was just created, nothing was posted; destroyed once.
+            unsafe { ibv_destroy_qp(qp.as_ptr()) };
+            return Err(e);
+        }
         tracing::debug!(
-            "NET/IB : {dev} QP {qp_num:#x} created: asked {caps:?}, device granted \
-             send_wr {} recv_wr {} send_sge {} recv_sge {} inline {}",
-            init.cap.max_send_wr,
-            init.cap.max_recv_wr,
-            init.cap.max_send_sge,
-            init.cap.max_recv_sge,
-            init.cap.max_inline_data
+            "NET/IB : {dev} QP {qp_num:#x} created: asked {caps:?}, granted {granted:?}"
         );
         Ok(IbQp {
             qp,
             qp_num,
             state: QpState::Reset,
-            caps,
+            caps: granted,
             psn: random_psn(),
             path_mtu: 0,
             remote: None,
@@ -799,7 +800,23 @@ impl Qp for IbQp {
                 remote.qp_num, remote.lid
             )
         };
-        self.modify(&mut a, mask, &what)?;
+        self.modify(&mut a, mask, &what).map_err(|e| {
+            // Our side (GID index, MTU, depths) was validated above: what the device refuses
+            // here is the peer's address (a GID no route leads to, a LID it rejects).
+            match e.errno() {
+                Some(libc::EINVAL | libc::ENETUNREACH | libc::EHOSTUNREACH | libc::ETIMEDOUT) => {
+                    VerbsError::new(
+                        Verb::Connect,
+                        ErrorKind::InvalidEndpoint,
+                        format!(
+                            "the device refused the peer's address: {e} (a forged or stale \
+                             endpoint, a GID of another RoCE version, or no route to it)"
+                        ),
+                    )
+                }
+                _ => e,
+            }
+        })?;
         self.state = QpState::Rtr;
         self.path_mtu = mtu;
         self.remote = Some(*remote);
