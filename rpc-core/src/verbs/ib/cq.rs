@@ -306,12 +306,19 @@ impl IbCq {
         })?;
         // SAFETY: `cq` is valid; `cqe` holds the size the device granted (>= requested).
         let granted = unsafe { (*cq.as_ptr()).cqe };
+        tracing::debug!(
+            "NET/IB : {} CQ of {cqe} entries (device granted {granted})",
+            ctx.label()
+        );
         Ok(IbCq {
             shared: Arc::new(CqShared {
                 cq,
                 ctx: Arc::clone(&ctx.shared),
                 channel: channel.map(|c| Arc::clone(&c.shared)),
-                capacity: u32::try_from(granted).unwrap_or(cqe).max(cqe),
+                // What was asked for, not what the device rounded up to (rxe: 2n - 1): QPs are
+                // admitted against the same capacity on every provider, and the device has at
+                // least this much room.
+                capacity: cqe,
                 committed: AtomicU64::new(0),
             }),
         })

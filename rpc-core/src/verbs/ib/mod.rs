@@ -39,6 +39,16 @@
 //! heap allocation, lock or system call of ours on these paths (the provider library may
 //! ring a doorbell; Soft-RoCE makes a system call per post).
 //!
+//! # Queue depths and back-pressure
+//!
+//! [`Qp::caps`](crate::verbs::Qp::caps) reports the depths the device granted, and
+//! [`Cq::capacity`](crate::verbs::Cq::capacity) the size asked for; a QP is admitted to its CQs
+//! only while the granted depths of all their QPs fit (CQ overrun is prevented by sizing). A
+//! device may physically accept more work requests than granted before `post_send` answers
+//! [`ErrorKind::QueueFull`] (rxe rings hold 2^n - 1): callers must keep their outstanding work
+//! requests within `caps()`, as the RPC runtime's credits do, rather than rely on `QueueFull`
+//! to come at exactly that depth.
+//!
 //! # Logs
 //!
 //! At INFO, in NCCL's style: `NET/IB : Using [0]rxe0:1/RoCE`, the GID index chosen and why,

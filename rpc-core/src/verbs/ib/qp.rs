@@ -215,8 +215,9 @@ impl IbQp {
         };
         // SAFETY: `qp` was just returned by libibverbs; `qp_num` is immutable.
         let qp_num = unsafe { (*qp.as_ptr()).qp_num };
-        // The device may grant more than asked (rxe: 2^n - 1): the queues really are that deep,
-        // so that is what `caps()` reports and what the CQs must have room for.
+        // The device may grant more than asked (mlx5 reports its rounded depths; rxe reports
+        // the request but its rings hold 2^n - 1): `caps()` and the CQ reservation use what it
+        // reports.
         let g = &init.cap;
         let granted = QpCaps {
             max_send_wr: g.max_send_wr.max(caps.max_send_wr),
