@@ -98,7 +98,6 @@ mod futures_stream {
 }
 
 #[tokio::test]
-#[ignore = "needs the runtime of issue 3 (contract-only on this branch); run with --ignored"]
 async fn generated_stubs_call_through_the_runtime() {
     tokio::time::timeout(Duration::from_secs(60), async {
         let server = Server::builder()
