@@ -146,7 +146,7 @@ pub struct Staged {
 /// Why a staged frame was not sent.
 #[derive(Debug)]
 pub enum CommitError {
-    /// No credit: the frame is handed back, still staged.
+    /// No credit (or no stream window): the frame is handed back, still staged.
     NoCredit(Staged),
     /// The protocol refused the frame; its slot was released.
     Refused(SendError),
@@ -413,7 +413,7 @@ impl<P: Provider> Link<P> {
     ) -> Result<(), CommitError> {
         match build(&mut self.wire, staged.payload_len, staged.md_len) {
             Ok(h) => self.post_frame(staged.slot, &h).map_err(CommitError::Link),
-            Err(SendError::NoCredit) => Err(CommitError::NoCredit(staged)),
+            Err(SendError::NoCredit | SendError::Window) => Err(CommitError::NoCredit(staged)),
             Err(e) => {
                 self.arena.release_send(staged.slot);
                 Err(CommitError::Refused(e))
