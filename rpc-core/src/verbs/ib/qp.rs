@@ -215,30 +215,28 @@ impl IbQp {
         };
         // SAFETY: `qp` was just returned by libibverbs; `qp_num` is immutable.
         let qp_num = unsafe { (*qp.as_ptr()).qp_num };
-        // The device may grant more than asked (mlx5 reports its rounded depths; rxe reports
-        // the request but its rings hold 2^n - 1): `caps()` and the CQ reservation use what it
-        // reports.
-        let g = &init.cap;
-        let granted = QpCaps {
-            max_send_wr: g.max_send_wr.max(caps.max_send_wr),
-            max_recv_wr: g.max_recv_wr.max(caps.max_recv_wr),
-            max_send_sge: g.max_send_sge.max(caps.max_send_sge),
-            max_recv_sge: g.max_recv_sge.max(caps.max_recv_sge),
-            max_inline_data: g.max_inline_data.max(caps.max_inline_data),
-        };
-        if let Err(e) = commit(&send_cq.shared, &recv_cq.shared, &granted) {
+        // The device may grant more than asked (mlx5, and rxe since Linux 6.2, report their
+        // rounded-up rings: 2^n - 1). The provider accounts for what was asked, on every
+        // provider alike: `caps()` reports it and the CQs reserve room for it, so code sized
+        // for one provider is admitted on the others; the device's extra room is slack.
+        if let Err(e) = commit(&send_cq.shared, &recv_cq.shared, &caps) {
             // SAFETY: the QP was just created, nothing was posted; destroyed once.
             unsafe { ibv_destroy_qp(qp.as_ptr()) };
             return Err(e);
         }
+        let g = &init.cap;
         tracing::debug!(
-            "NET/IB : {dev} QP {qp_num:#x} created: asked {caps:?}, granted {granted:?}"
+            "NET/IB : {dev} QP {qp_num:#x} created: {caps:?}; device rings: send {} recv {} \
+             inline {}",
+            g.max_send_wr,
+            g.max_recv_wr,
+            g.max_inline_data
         );
         Ok(IbQp {
             qp,
             qp_num,
             state: QpState::Reset,
-            caps: granted,
+            caps,
             psn: random_psn(),
             path_mtu: 0,
             remote: None,
@@ -711,6 +709,8 @@ impl Qp for IbQp {
         }
     }
 
+    /// The sizes asked for at creation, which the device granted (it may have rounded its
+    /// rings up; the provider accounts for the request, see the module docs).
     fn caps(&self) -> QpCaps {
         self.caps
     }
