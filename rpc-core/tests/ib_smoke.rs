@@ -671,6 +671,17 @@ fn state_machine_and_post_errors() {
     assert_eq!(qp.state(), QpState::Error);
     let w = poll_one(&mut cq);
     assert_eq!((w.wr_id, w.status), (1, WcStatus::WrFlushErr));
+    // A receive posted in ERROR is accepted and flushed too.
+    // SAFETY: the buffer stays valid until the flush completion is polled.
+    unsafe {
+        qp.post_recv(&[RecvWr {
+            wr_id: 3,
+            sg_list: &sg,
+        }])
+    }
+    .unwrap();
+    let w = poll_one(&mut cq);
+    assert_eq!((w.wr_id, w.status), (3, WcStatus::WrFlushErr));
     qp.modify_to_reset().unwrap();
     assert_eq!(qp.state(), QpState::Reset);
     // Over the device's caps: refused at creation.

@@ -964,7 +964,19 @@ impl Qp for IbQp {
             }
         }
         // SAFETY: as above.
-        unsafe { self.flush_recv(&mut batch, n, base) }
+        unsafe { self.flush_recv(&mut batch, n, base)? };
+        if self.state == QpState::Error {
+            // A receive posted in ERROR must complete with WR_FLUSH_ERR. Soft-RoCE (Linux 6.1)
+            // only flushes the receive queue when the QP enters ERROR, so enter it again
+            // (ERROR -> ERROR is a legal transition; one system call, only in this state).
+            // SAFETY: all-zero bytes are a valid `ibv_qp_attr`.
+            let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+            a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+            if let Err(e) = self.modify(&mut a, ibv_qp_attr_mask::IBV_QP_STATE, "ERROR->ERROR") {
+                tracing::debug!("NET/IB : flushing receives posted in ERROR: {e}");
+            }
+        }
+        Ok(())
     }
 }
 
