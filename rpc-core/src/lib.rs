@@ -30,12 +30,13 @@ pub mod streaming;
 pub mod verbs;
 pub mod wire;
 
-pub use client::Channel;
+pub use client::{Channel, ChannelBuilder, PollerMode};
 pub use error::{Error, ErrorKind};
 pub use method::{CallKind, MethodDesc};
 pub use request::{
     IntoRequest, IntoStreamingRequest, InvalidMetadata, MAX_METADATA_LEN, Metadata, Request,
     Response,
 };
+pub use server::{PollMode, RunningServer, Server, ServerBuilder};
 pub use status::{Code, Status};
 pub use streaming::Streaming;

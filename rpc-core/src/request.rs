@@ -211,6 +211,8 @@ pub struct Request<T> {
     metadata: Metadata,
     message: T,
     timeout: Option<Duration>,
+    response_hint: Option<usize>,
+    peer: Option<crate::server::Peer>,
 }
 
 impl<T> Request<T> {
@@ -220,6 +222,8 @@ impl<T> Request<T> {
             metadata: Metadata::new(),
             message,
             timeout: None,
+            response_hint: None,
+            peer: None,
         }
     }
 
@@ -259,6 +263,30 @@ impl<T> Request<T> {
         self.timeout
     }
 
+    /// Tells the runtime how large the response will be (bytes of the encoded message). When it
+    /// is above the eager threshold, the client lends a landing zone of that size with the
+    /// request, and the server RDMA-WRITEs the response straight into it (one copy, no extra
+    /// round trip). Without a hint a large response is fetched with an RDMA READ instead.
+    pub fn set_response_size_hint(&mut self, bytes: usize) {
+        self.response_hint = Some(bytes);
+    }
+
+    /// The response size hint.
+    pub fn response_size_hint(&self) -> Option<usize> {
+        self.response_hint
+    }
+
+    /// Server side: the connection this request arrived on, for one-sided READ and WRITE of
+    /// memory the client registered and advertised in the request (explicit bulk handles).
+    /// `None` on the client side.
+    pub fn peer(&self) -> Option<&crate::server::Peer> {
+        self.peer.as_ref()
+    }
+
+    pub(crate) fn set_peer(&mut self, peer: Option<crate::server::Peer>) {
+        self.peer = peer;
+    }
+
     /// Splits into parts.
     pub fn into_parts(self) -> (Metadata, T, Option<Duration>) {
         (self.metadata, self.message, self.timeout)
@@ -270,6 +298,8 @@ impl<T> Request<T> {
             metadata,
             message,
             timeout,
+            response_hint: None,
+            peer: None,
         }
     }
 
@@ -279,6 +309,8 @@ impl<T> Request<T> {
             metadata: self.metadata,
             message: f(self.message),
             timeout: self.timeout,
+            response_hint: self.response_hint,
+            peer: self.peer,
         }
     }
 }

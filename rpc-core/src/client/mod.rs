@@ -1,38 +1,278 @@
-//! The client: a cheap `Clone + Send + Sync` [`Channel`] over one connection per server shard,
+//! The client: a cheap `Clone + Send + Sync` [`Channel`] over a connection to a server shard,
 //! with a completion poller, futures and blocking calls.
-//!
-//! CONTRACT ONLY for now: the runtime behind it lands with issue 3.
 
+mod core;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
 use futures_core::Stream;
 use prost::Message;
+use tokio::net::TcpStream;
+use tracing::{info, warn};
 
+use crate::buf::{BulkPool, Geometry, SlotArena};
+use crate::connect::{self, Hello, Message as Handshake};
+use crate::link::Link;
 use crate::method::MethodDesc;
 use crate::streaming::Streaming;
-use crate::{Request, Response, Status};
+use crate::verbs::{
+    Access, ConnectAttr, Context, Endpoint, Pd, Provider, ProviderKind, ProviderVisitor, Qp,
+    QpCaps, any_provider, with_any,
+};
+use crate::wire::{self, Role};
+use crate::{Error, ErrorKind, Request, Response, Status};
+use core::{CLIENT_LINK, ClientCore, Parts, epoch};
 
-/// A connection to a server, usable from many tasks at once. Cloning is cheap.
+/// Who polls the connection's completion queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PollerMode {
+    /// A dedicated poller thread (spins briefly, then sleeps on the completion channel).
+    #[default]
+    Thread,
+    /// The calling threads: a waiting call polls the CQ itself. Lowest latency for blocking
+    /// calls; async calls busy-poll through their executor while they wait.
+    Caller,
+}
+
+/// Options of a [`Channel`].
 #[derive(Clone, Debug)]
+pub struct ChannelBuilder {
+    addr: String,
+    provider: ProviderKind,
+    provider_error: Option<String>,
+    device: Option<String>,
+    token: Vec<u8>,
+    poller: PollerMode,
+    max_calls: u32,
+    geometry: Geometry,
+    max_message: u64,
+    connect_timeout: Duration,
+}
+
+impl ChannelBuilder {
+    /// The provider (overrides `RPC_PROVIDER`).
+    pub fn provider(mut self, provider: ProviderKind) -> Self {
+        self.provider = provider;
+        self.provider_error = None;
+        self
+    }
+
+    /// The device to open.
+    pub fn device(mut self, name: impl Into<String>) -> Self {
+        self.device = Some(name.into());
+        self
+    }
+
+    /// The shared secret the server requires.
+    pub fn auth_token(mut self, token: impl Into<Vec<u8>>) -> Self {
+        self.token = token.into();
+        self
+    }
+
+    /// Who polls the completion queue (default [`PollerMode::Thread`]).
+    pub fn poller(mut self, mode: PollerMode) -> Self {
+        self.poller = mode;
+        self
+    }
+
+    /// Calls in flight at once; more wait for a free one (default 64).
+    pub fn max_concurrent_calls(mut self, n: u32) -> Self {
+        self.max_calls = n.clamp(1, Geometry::MAX_SLOTS);
+        self
+    }
+
+    /// Slot geometry (slot size = largest eager frame; ring depths).
+    pub fn geometry(mut self, g: Geometry) -> Self {
+        self.geometry = g;
+        self
+    }
+
+    /// Largest message sent or accepted (default 256 MiB).
+    pub fn max_message(mut self, bytes: u64) -> Self {
+        self.max_message = bytes;
+        self
+    }
+
+    /// How long connecting may take (default 5 s).
+    pub fn connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+
+    /// Connects.
+    ///
+    /// # Errors
+    /// When the address does not resolve, TCP connect fails, the server refuses the handshake
+    /// (the error says why) or the device cannot be opened.
+    ///
+    /// # Cancel safety
+    /// Dropping the future abandons the attempt and frees what it set up.
+    pub async fn connect(self) -> Result<Channel, Error> {
+        if let Some(e) = &self.provider_error {
+            return Err(Error::new(ErrorKind::Config, e.clone()));
+        }
+        let conn = open(&self).await?;
+        Ok(Channel {
+            shared: Arc::new(Shared {
+                builder: self,
+                conn: ArcSwap::new(Arc::new(conn)),
+                reconnect: tokio::sync::Mutex::new(()),
+            }),
+        })
+    }
+}
+
+any_provider! {
+    /// A client connection of whichever provider was chosen.
+    enum AnyCore wraps ClientCore
+}
+
+/// One live connection: its core, and what closes its TCP side and poller when dropped.
+struct Conn {
+    core: AnyCore,
+    _tcp: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        with_any!(AnyCore, &self.core, c => c.stop());
+    }
+}
+
+impl Conn {
+    fn is_dead(&self) -> bool {
+        with_any!(AnyCore, &self.core, c => c.is_dead())
+    }
+
+    fn is_usable(&self) -> bool {
+        with_any!(AnyCore, &self.core, c => c.is_usable())
+    }
+}
+
+struct Shared {
+    builder: ChannelBuilder,
+    conn: ArcSwap<Conn>,
+    reconnect: tokio::sync::Mutex<()>,
+}
+
+/// A connection to a server, usable from many tasks and threads at once. Cloning is cheap.
+///
+/// Calls up to [`ChannelBuilder::max_concurrent_calls`] run concurrently; more wait for a free
+/// call slot. When the connection is lost, calls in flight fail with `UNAVAILABLE` and the next
+/// call reconnects.
+#[derive(Clone)]
 pub struct Channel {
-    _private: (),
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("addr", &self.shared.builder.addr)
+            .finish()
+    }
 }
 
 impl Channel {
-    /// Connects to the server at `addr` (`host:port`) with the default provider.
+    /// Options for a connection to `addr` (`host:port`).
+    pub fn builder(addr: impl Into<String>) -> ChannelBuilder {
+        let provider = ProviderKind::from_env();
+        ChannelBuilder {
+            addr: addr.into(),
+            provider: provider.clone().unwrap_or(ProviderKind::Soft),
+            provider_error: provider.err().map(|e| e.to_string()),
+            device: None,
+            token: Vec::new(),
+            poller: PollerMode::Thread,
+            max_calls: 64,
+            geometry: Geometry::default(),
+            max_message: 256 << 20,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Connects to the server at `addr` (`host:port`) with the default options and the
+    /// provider named by `RPC_PROVIDER` (soft when unset).
     ///
     /// # Errors
     /// When the address does not resolve, TCP connect fails or the handshake is refused.
     ///
     /// # Cancel safety
     /// Dropping the future abandons the attempt and frees what it set up.
-    pub async fn connect(addr: impl AsRef<str>) -> Result<Channel, crate::Error> {
-        let _ = addr.as_ref();
-        todo!("client runtime: issue 3")
+    pub async fn connect(addr: impl AsRef<str>) -> Result<Channel, Error> {
+        Channel::builder(addr.as_ref()).connect().await
+    }
+
+    /// The live connection, reconnecting once if it was lost.
+    async fn conn(&self) -> Result<Arc<Conn>, Status> {
+        let c = self.shared.conn.load_full();
+        if c.is_usable() {
+            return Ok(c);
+        }
+        let _g = self.shared.reconnect.lock().await;
+        let c = self.shared.conn.load_full();
+        if c.is_usable() {
+            return Ok(c);
+        }
+        match open(&self.shared.builder).await {
+            Ok(new) => {
+                let new = Arc::new(new);
+                self.shared.conn.store(Arc::clone(&new));
+                Ok(new)
+            }
+            Err(e) => Err(Status::unavailable(format!(
+                "connection to {} lost and reconnecting failed: {e}",
+                self.shared.builder.addr
+            ))),
+        }
+    }
+
+    /// Allocates `len` bytes of registered memory that the server may read and write through
+    /// its handle ([`Region::remote`]): the client side of explicit bulk handles. Fill it, pass
+    /// `region.remote()` (`{addr, len, rkey}`) in a request, and the handler moves the bytes
+    /// with one-sided RDMA READ or WRITE ([`crate::server::Peer`]). The region belongs to the
+    /// current connection: after a reconnect, allocate it again.
+    ///
+    /// # Errors
+    /// `RESOURCE_EXHAUSTED` when the memory cannot be allocated or registered (RLIMIT_MEMLOCK
+    /// on real RNICs); `UNAVAILABLE` when the connection is gone and cannot be re-established.
+    pub async fn alloc_region(&self, len: usize) -> Result<Region, Status> {
+        let conn = self.conn().await?;
+        let mr = with_any!(AnyCore, &conn.core, c => c.alloc_region(len))?;
+        Ok(Region { mr, _conn: conn })
+    }
+
+    /// Registers existing memory `[ptr, ptr + len)` for remote read and write, as
+    /// [`Channel::alloc_region`] does for memory it allocates.
+    ///
+    /// # Errors
+    /// As [`Channel::alloc_region`].
+    ///
+    /// # Safety
+    /// The memory must stay allocated and must not be moved until the region is dropped; while
+    /// a request that advertises it is in flight the server may write it at any time, so Rust
+    /// code must not hold references into it then.
+    pub async unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Region, Status> {
+        let conn = self.conn().await?;
+        // SAFETY: forwarded contract.
+        let mr = with_any!(AnyCore, &conn.core, c => unsafe { c.register(ptr, len) })?;
+        Ok(Region { mr, _conn: conn })
+    }
+
+    /// Whether the current connection is up (false after the server went away, until the next
+    /// call reconnects).
+    pub fn is_connected(&self) -> bool {
+        !self.shared.conn.load().is_dead()
     }
 
     /// A unary call.
     ///
     /// # Errors
-    /// The call's [`Status`].
+    /// The call's [`Status`]: the server's, or `UNAVAILABLE` when the connection is lost,
+    /// `DEADLINE_EXCEEDED` when the request's timeout passes, `RESOURCE_EXHAUSTED` for messages
+    /// over the limit.
     ///
     /// # Cancel safety
     /// Dropping the future cancels the call: the server is told, and buffers return to their
@@ -46,15 +286,16 @@ impl Channel {
         Req: Message,
         Resp: Message + Default,
     {
-        let _ = (method, request);
-        todo!("client runtime: issue 3")
+        let conn = self.conn().await?;
+        with_any!(AnyCore, &conn.core, c => c.unary(method, request).await)
     }
 
     /// A unary call that blocks the calling thread, which polls the completion queue itself:
-    /// the lowest latency.
+    /// the lowest latency. Must not be called from inside an async task.
     ///
     /// # Errors
-    /// The call's [`Status`].
+    /// As [`Channel::unary`]; when the connection is lost the call fails with `UNAVAILABLE`
+    /// and the next async call reconnects.
     pub fn unary_blocking<Req, Resp>(
         &self,
         method: &'static MethodDesc,
@@ -64,14 +305,14 @@ impl Channel {
         Req: Message,
         Resp: Message + Default,
     {
-        let _ = (method, request);
-        todo!("client runtime: issue 3")
+        let conn = self.shared.conn.load_full();
+        with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
     }
 
     /// A server-streaming call.
     ///
     /// # Errors
-    /// The call's [`Status`] if it fails before the stream starts.
+    /// `UNIMPLEMENTED` until streaming lands (issue 7).
     pub async fn server_streaming<Req, Resp>(
         &self,
         method: &'static MethodDesc,
@@ -81,14 +322,14 @@ impl Channel {
         Req: Message,
         Resp: Message + Default + 'static,
     {
-        let _ = (method, request);
-        todo!("streaming runtime: issue 7")
+        let _ = request;
+        Err(streaming_unsupported(method))
     }
 
     /// A client-streaming call.
     ///
     /// # Errors
-    /// The call's [`Status`].
+    /// `UNIMPLEMENTED` until streaming lands (issue 7).
     pub async fn client_streaming<S, Resp>(
         &self,
         method: &'static MethodDesc,
@@ -99,14 +340,14 @@ impl Channel {
         S::Item: Message,
         Resp: Message + Default,
     {
-        let _ = (method, request);
-        todo!("streaming runtime: issue 7")
+        let _ = request;
+        Err(streaming_unsupported(method))
     }
 
     /// A bidirectional-streaming call.
     ///
     /// # Errors
-    /// The call's [`Status`] if it fails before the stream starts.
+    /// `UNIMPLEMENTED` until streaming lands (issue 7).
     pub async fn streaming<S, Resp>(
         &self,
         method: &'static MethodDesc,
@@ -117,7 +358,251 @@ impl Channel {
         S::Item: Message,
         Resp: Message + Default + 'static,
     {
-        let _ = (method, request);
-        todo!("streaming runtime: issue 7")
+        let _ = request;
+        Err(streaming_unsupported(method))
     }
+}
+
+/// Client memory registered for the server's one-sided access (see
+/// [`Channel::alloc_region`]). Deregistered when dropped.
+pub struct Region {
+    mr: Box<dyn crate::verbs::Mr>,
+    _conn: Arc<Conn>,
+}
+
+impl Region {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.mr.len()
+    }
+
+    /// Whether the region is empty (never: zero-length registrations are refused).
+    pub fn is_empty(&self) -> bool {
+        self.mr.len() == 0
+    }
+
+    /// What the server needs: `{addr, len, rkey}`.
+    pub fn remote(&self) -> crate::verbs::RemoteMr {
+        self.mr.remote()
+    }
+
+    /// The bytes.
+    ///
+    /// # Safety
+    /// No request that advertises this region may be in flight (the server could write it
+    /// meanwhile: a data race).
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the MR's memory is mapped for `len` bytes while `mr` lives; the caller
+        // guarantees no remote writer.
+        unsafe { std::slice::from_raw_parts(self.mr.as_ptr(), self.mr.len()) }
+    }
+
+    /// The bytes, mutably.
+    ///
+    /// # Safety
+    /// As [`Region::as_slice`].
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only local reference.
+        unsafe { std::slice::from_raw_parts_mut(self.mr.as_ptr(), self.mr.len()) }
+    }
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("remote", &self.remote())
+            .finish()
+    }
+}
+
+fn streaming_unsupported(method: &MethodDesc) -> Status {
+    Status::unimplemented(format!(
+        "{}: streaming calls are not supported by this runtime yet",
+        method.path
+    ))
+}
+
+async fn open(b: &ChannelBuilder) -> Result<Conn, Error> {
+    let stream = tokio::time::timeout(b.connect_timeout, TcpStream::connect(&b.addr))
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::Connect,
+                format!("connect to {}: timed out", b.addr),
+            )
+        })?
+        .map_err(|e| Error::with_source(ErrorKind::Connect, format!("connect to {}", b.addr), e))?;
+    let _ = stream.set_nodelay(true);
+    b.provider
+        .visit(OpenConn {
+            b: b.clone(),
+            stream,
+        })?
+        .await
+}
+
+struct OpenConn {
+    b: ChannelBuilder,
+    stream: TcpStream,
+}
+
+impl ProviderVisitor for OpenConn {
+    type Output = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Conn, Error>> + Send>>;
+
+    fn visit<P: Provider>(self) -> Self::Output {
+        Box::pin(open_with::<P>(self.b, self.stream))
+    }
+}
+
+trait IntoAny: Provider {
+    fn into_any(core: Arc<ClientCore<Self>>) -> AnyCore;
+}
+
+impl<P: Provider> IntoAny for P {
+    fn into_any(core: Arc<ClientCore<P>>) -> AnyCore {
+        // The provider is one of the compiled ones (ProviderKind::visit only names those); a
+        // checked downcast through `Any` keeps this free of unsafe.
+        let any: Arc<dyn std::any::Any + Send + Sync> = core;
+        match any.downcast::<ClientCore<crate::verbs::soft::Soft>>() {
+            Ok(c) => AnyCore::Soft(c),
+            #[cfg(feature = "ibverbs")]
+            Err(any) => match any.downcast::<ClientCore<crate::verbs::ib::Ib>>() {
+                Ok(c) => AnyCore::Ib(c),
+                Err(_) => unreachable!("provider not compiled in"),
+            },
+            #[cfg(not(feature = "ibverbs"))]
+            Err(_) => unreachable!("provider not compiled in"),
+        }
+    }
+}
+
+async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Result<Conn, Error> {
+    let ctx = P::open(b.device.as_deref())?;
+    let pd = Arc::new(ctx.alloc_pd()?);
+    let channel = ctx.create_comp_channel()?;
+    let caps = QpCaps {
+        max_send_wr: b.geometry.send_slots + 64,
+        max_recv_wr: b.geometry.recv_slots,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: ctx.caps().max_inline.min(256),
+    };
+    let cq = ctx.create_cq(caps.max_send_wr + caps.max_recv_wr, Some(&channel))?;
+    let mut qp = pd.create_qp(&cq, &cq, caps)?;
+    let access = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+    qp.modify_to_init(access)?;
+    let arena = SlotArena::<P>::new(&pd, b.geometry)?;
+    let hello = Hello {
+        provider: if P::NAME == "ib" {
+            Endpoint::PROVIDER_IB
+        } else {
+            Endpoint::PROVIDER_SOFT
+        },
+        endpoint: qp.endpoint(),
+        geometry: b.geometry,
+        max_calls: b.max_calls,
+        token: b.token.clone(),
+    };
+    connect::send(&mut stream, &Handshake::Hello(hello)).await?;
+    let welcome = match connect::recv(&mut stream).await? {
+        Handshake::Welcome(w) => w,
+        Handshake::Refusal(r) => {
+            return Err(Error::new(
+                ErrorKind::Handshake,
+                format!("server {} refused the connection: {}", b.addr, r.reason),
+            ));
+        }
+        Handshake::Hello(_) => {
+            return Err(Error::new(
+                ErrorKind::Handshake,
+                "server answered with a Hello",
+            ));
+        }
+    };
+    let attr = ConnectAttr {
+        access,
+        ..ConnectAttr::default()
+    };
+    qp.modify_to_rtr(&welcome.endpoint, &attr)?;
+    qp.modify_to_rts(&attr)?;
+    let wcfg = wire::Config {
+        max_calls: b.max_calls,
+        peer_max_calls: welcome.max_calls,
+        initial_send_credits: welcome.geometry.recv_slots,
+        recv_depth: b.geometry.recv_slots,
+        reserved_credits: 2,
+        credit_update_threshold: (b.geometry.recv_slots / 4).max(2),
+        eager_limit: b.geometry.slot_size.min(welcome.geometry.slot_size),
+        max_message: b.max_message,
+        stream_window: 16,
+    };
+    let eager_limit = wcfg.eager_limit as usize;
+    let wire = wire::Conn::new(Role::Client, wcfg)
+        .map_err(|e| Error::new(ErrorKind::Config, format!("protocol configuration: {e}")))?;
+    let bulk = BulkPool::new(Arc::clone(&pd), 256 << 20);
+    let link = Link::new(
+        qp,
+        arena,
+        wire,
+        bulk,
+        CLIENT_LINK,
+        caps.max_inline_data,
+        epoch(),
+    )
+    .map_err(|e| Error::new(ErrorKind::Verbs, e.to_string()))?;
+    let describe = format!(
+        "{} via {}/RC (device {}), shard {}/{}",
+        b.addr,
+        P::TAG,
+        ctx.info().name,
+        welcome.shard,
+        welcome.shards
+    );
+    info!(
+        "connected to {describe}: QP {:#x} <-> {:#x} in RTS",
+        link.qp.qp_num(),
+        welcome.endpoint.qp_num
+    );
+    let core = ClientCore::new(Parts {
+        ctx,
+        pd,
+        cq,
+        channel,
+        link,
+        max_calls: b.max_calls,
+        mode: b.poller,
+        eager_limit,
+        max_message: b.max_message,
+        describe,
+    })?;
+    if b.poller == PollerMode::Thread {
+        let c = Arc::clone(&core);
+        std::thread::Builder::new()
+            .name("rpc-client-poller".into())
+            .spawn(move || c.run_poller())
+            .map_err(|e| Error::with_source(ErrorKind::Io, "spawn poller thread", e))?;
+    }
+    let (close_tx, close_rx) = tokio::sync::oneshot::channel::<()>();
+    let watch = Arc::clone(&core);
+    let addr = b.addr.clone();
+    tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut byte = [0u8; 1];
+        tokio::select! {
+            r = stream.read(&mut byte) => {
+                let why = match r {
+                    Ok(0) => "server closed the connection".to_string(),
+                    Ok(_) => "server sent unexpected bytes on the control connection".to_string(),
+                    Err(e) => format!("control connection failed: {e}"),
+                };
+                warn!("{addr}: {why}");
+                watch.kill(Status::unavailable(format!("{addr}: {why}")));
+            }
+            _ = close_rx => {}
+        }
+    });
+    Ok(Conn {
+        core: P::into_any(core),
+        _tcp: close_tx,
+    })
 }

@@ -55,6 +55,8 @@ pub enum WrKind {
     Write = 4,
     /// A work request whose completion means nothing (inline sends).
     Nop = 5,
+    /// The last chunk of a handler's one-sided bulk operation `aux`.
+    Bulk = 6,
 }
 
 /// Encodes a work-request id.
@@ -74,6 +76,7 @@ pub const fn split_wr_id(id: u64) -> (LinkKey, Option<WrKind>, u32) {
         3 => Some(WrKind::Read),
         4 => Some(WrKind::Write),
         5 => Some(WrKind::Nop),
+        6 => Some(WrKind::Bulk),
         _ => None,
     };
     (key, kind, id as u32)
@@ -169,6 +172,7 @@ pub struct Inbound {
 
 /// What a receive completion carried.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // built and matched on the stack, never stored
 pub enum Received {
     /// A frame in a receive slot.
     Frame(Inbound),
@@ -562,6 +566,66 @@ impl<P: Provider> Link<P> {
             // until the completion (this function's contract).
             unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
                 .map_err(|e| post_err("post_send(RDMA_WRITE_WITH_IMM)", &e))?;
+            off += n;
+            if last {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Posts a one-sided RDMA READ (`write == false`) or WRITE of `len` bytes between local
+    /// memory (`sge_of(offset, len)` gives the SGE of a piece) and `remote`, in chunks; only the
+    /// last chunk is signaled, with `wr_id(key, kind, aux)`.
+    ///
+    /// # Errors
+    /// When a piece is outside the local memory or `post_send` fails.
+    ///
+    /// # Safety
+    /// The local memory must stay alive (and untouched by Rust code for a READ) until the last
+    /// chunk's completion is polled or the QP failed.
+    pub unsafe fn post_one_sided(
+        &mut self,
+        kind: WrKind,
+        aux: u32,
+        sge_of: impl Fn(usize, u32) -> Option<Sge>,
+        remote: crate::verbs::RemoteMr,
+        len: usize,
+        write: bool,
+    ) -> Result<(), LinkError> {
+        let mut off = 0usize;
+        loop {
+            let n = (len - off).min(CHUNK);
+            let last = off + n >= len;
+            let Some(sge) = sge_of(off, n as u32) else {
+                return Err(LinkError::Protocol(
+                    "bulk operation outside the local buffer".into(),
+                ));
+            };
+            let remote_addr = remote.addr + off as u64;
+            let wr = SendWr {
+                wr_id: wr_id(self.key, if last { kind } else { WrKind::Nop }, aux),
+                op: if write {
+                    WrOp::Write {
+                        remote_addr,
+                        rkey: remote.rkey,
+                    }
+                } else {
+                    WrOp::Read {
+                        remote_addr,
+                        rkey: remote.rkey,
+                    }
+                },
+                sg_list: std::slice::from_ref(&sge),
+                flags: if last {
+                    SendFlags::SIGNALED
+                } else {
+                    SendFlags::NONE
+                },
+            };
+            // SAFETY: the SGE is inside the caller's local memory, kept alive and untouched
+            // until the completion (this function's contract).
+            unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
+                .map_err(|e| post_err("post_send(one-sided)", &e))?;
             off += n;
             if last {
                 return Ok(());

@@ -19,6 +19,11 @@ pub trait CallCtx {
 
     /// Ends the call with `status` (not OK): the call's terminal frame.
     fn fail(&mut self, status: &Status);
+
+    /// The connection the call arrived on, for one-sided bulk operations.
+    fn peer(&self) -> Option<crate::server::Peer> {
+        None
+    }
 }
 
 /// The family of call contexts lent to tasks for one poll.
@@ -138,7 +143,9 @@ impl IncomingCall<'_> {
                 return Dispatched(());
             }
         };
-        let fut = handler(Request::from_parts(metadata, message, timeout));
+        let mut request = Request::from_parts(metadata, message, timeout);
+        request.set_peer(ctx.peer());
+        let fut = handler(request);
         let task = FutureTask::new(fut, reply_unary::<Resp>);
         match tasks.spawn(task, ctx) {
             Ok(id) => *spawned = id,

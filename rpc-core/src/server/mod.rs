@@ -11,6 +11,7 @@
 
 mod call;
 pub(crate) mod notify;
+mod peer;
 mod router;
 mod shard;
 
@@ -23,6 +24,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
 pub use call::{CallCtx, CallFamily, Dispatched, IncomingCall};
+pub use peer::{BulkBuffer, BulkMem, Peer};
 
 use crate::buf::Geometry;
 use crate::connect::{self, Hello, Message, Refusal};

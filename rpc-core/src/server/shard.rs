@@ -23,6 +23,7 @@ use crate::link::{
 };
 use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks};
 use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
+use crate::server::peer::{BulkMem, BulkOp, OpKind, Peer, PeerApi};
 use crate::server::router::Router;
 use crate::server::{PollMode, ServerConfig};
 use crate::verbs::{
@@ -37,6 +38,9 @@ const POLL_BATCH: usize = 32;
 const SPIN_ITERS: u32 = 20_000;
 /// Empty loop iterations spent yielding before sleeping (adaptive mode).
 const YIELD_ITERS: u32 = 200;
+/// Idle iterations between two passes over the connections (reposts, credits, deadlines,
+/// inbox) when nothing happens; after any work the pass runs at once.
+const MAINTAIN_EVERY: u32 = 64;
 /// Longest sleep, so shutdown and deadlines are noticed.
 const MAX_SLEEP: Duration = Duration::from_millis(50);
 
@@ -135,6 +139,8 @@ enum Deferred {
 /// One connection of the shard.
 pub(crate) struct ServerConn<P: Provider> {
     link: Link<P>,
+    /// GoAway was sent (the server is draining).
+    goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
     deferred: VecDeque<Deferred>,
     _closed: tokio::sync::oneshot::Sender<()>,
@@ -145,6 +151,8 @@ pub(crate) struct ServerConn<P: Provider> {
 pub(crate) struct Shard<P: Provider> {
     // Field order is drop order: connections (QPs, arenas) before the CQ, PD and device.
     conns: Vec<Option<ServerConn<P>>>,
+    /// Indices of the live connections (what `maintain` walks).
+    live: Vec<u16>,
     generations: Vec<u8>,
     tasks: Tasks,
     task_owner: Vec<(u16, CallId)>,
@@ -163,6 +171,9 @@ pub(crate) struct Shard<P: Provider> {
     live_calls: Arc<AtomicUsize>,
     epoch: Instant,
     max_inline: u32,
+    wcs: [Wc; POLL_BATCH],
+    peer_api: Arc<PeerApi>,
+    bulk_ops: slab::Slab<InflightOp>,
 }
 
 /// Opens the shard's device objects on the calling thread and returns the shard, ready to run.
@@ -187,6 +198,7 @@ pub(crate) fn open<P: Provider>(
     let stop = Arc::new(AtomicBool::new(false));
     let live_calls = Arc::new(AtomicUsize::new(0));
     let bulk = BulkPool::new(Arc::clone(&pd), cfg.bulk_cache_bytes);
+    let peer_api = PeerApi::new(Arc::clone(&doorbell), Arc::clone(&bulk));
     let n = cfg.max_conns_per_shard as usize;
     let max_inline = per_conn.max_inline_data;
     info!(
@@ -206,6 +218,7 @@ pub(crate) fn open<P: Provider>(
     };
     let shard = Shard {
         conns: (0..n).map(|_| None).collect(),
+        live: Vec::with_capacity(n),
         generations: vec![0; n],
         task_owner: vec![(0, CallId(0)); cfg.tasks_per_shard as usize],
         tasks,
@@ -224,6 +237,9 @@ pub(crate) fn open<P: Provider>(
         live_calls,
         epoch,
         max_inline,
+        wcs: [Wc::default(); POLL_BATCH],
+        peer_api,
+        bulk_ops: slab::Slab::new(),
     };
     Ok((shard, handle))
 }
@@ -242,6 +258,7 @@ fn qp_caps(cfg: &ServerConfig, device_inline: u32) -> QpCaps {
 struct Reply<'a, P: Provider> {
     conn: &'a mut ServerConn<P>,
     call: CallId,
+    api: &'a Arc<PeerApi>,
 }
 
 impl<P: Provider> CallCtx for Reply<'_, P> {
@@ -252,6 +269,18 @@ impl<P: Provider> CallCtx for Reply<'_, P> {
     fn fail(&mut self, status: &Status) {
         self.conn.fail(self.call, status);
     }
+
+    fn peer(&self) -> Option<Peer> {
+        Some(Peer::new(Arc::clone(self.api), self.conn.link.key()))
+    }
+}
+
+/// A handler's bulk operation in flight.
+struct InflightOp {
+    key: LinkKey,
+    local: Box<dyn BulkMem>,
+    kind: OpKind,
+    done: tokio::sync::oneshot::Sender<Result<Box<dyn BulkMem>, Status>>,
 }
 
 impl<P: Provider> ServerConn<P> {
@@ -504,12 +533,16 @@ impl<P: Provider> Shard<P> {
         }
         let mut idle: u32 = 0;
         loop {
-            let mut work = self.drain_inbox();
-            work += self.poll_cq();
+            let mut work = self.poll_cq();
             work += self.run_ready();
-            work += self.maintain();
-            if self.stop.load(Ordering::Acquire) && self.live_calls.load(Ordering::Acquire) == 0 {
-                break;
+            if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) {
+                work += self.drain_inbox();
+                work += self.start_bulk_ops();
+                work += self.maintain();
+                if self.stop.load(Ordering::Acquire) && self.live_calls.load(Ordering::Acquire) == 0
+                {
+                    break;
+                }
             }
             if work > 0 {
                 idle = 0;
@@ -533,7 +566,11 @@ impl<P: Provider> Shard<P> {
         self.doorbell.prepare_sleep();
         let _ = self.cq.req_notify(false);
         // Anything that arrived before the doorbell flag was visible is seen by this re-check.
-        if !self.inbox.is_empty() || self.poll_cq() > 0 || self.run_ready() > 0 {
+        if !self.inbox.is_empty()
+            || !self.peer_api.ops.is_empty()
+            || self.poll_cq() > 0
+            || self.run_ready() > 0
+        {
             self.doorbell.awake();
             return;
         }
@@ -644,8 +681,10 @@ impl<P: Provider> Shard<P> {
             hello.endpoint.qp_num
         );
         let calls = (0..hello.max_calls).map(|_| SrvCall::empty()).collect();
+        self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
             link,
+            goaway_sent: false,
             calls,
             deferred: VecDeque::with_capacity(cfg.geometry.send_slots as usize),
             _closed: closed,
@@ -673,21 +712,31 @@ impl<P: Provider> Shard<P> {
             }
             retire(&self.live_calls, c);
         }
+        let ops: Vec<usize> = self
+            .bulk_ops
+            .iter()
+            .filter(|(_, op)| op.key == key)
+            .map(|(i, _)| i)
+            .collect();
+        for i in ops {
+            let op = self.bulk_ops.remove(i);
+            let _ = op.done.send(Err(why.clone()));
+        }
         info!("connection from {} closed: {}", conn.peer, why.message());
         drop(conn);
     }
 
     fn poll_cq(&mut self) -> usize {
-        let mut wcs = [Wc::default(); POLL_BATCH];
-        let n = match self.cq.poll(&mut wcs) {
+        let n = match self.cq.poll(&mut self.wcs) {
             Ok(n) => n,
             Err(e) => {
                 warn!("poll_cq failed: {e}");
                 return 0;
             }
         };
-        for wc in &wcs[..n] {
-            self.on_completion(wc);
+        for i in 0..n {
+            let wc = self.wcs[i];
+            self.on_completion(&wc);
         }
         n
     }
@@ -717,6 +766,7 @@ impl<P: Provider> Shard<P> {
                 check(wc)
             }
             Some(WrKind::Nop) => check(wc),
+            Some(WrKind::Bulk) => self.on_bulk_done(wc, aux as usize),
             None => Err(LinkError::Protocol(
                 "completion with an unknown work-request id".into(),
             )),
@@ -725,6 +775,90 @@ impl<P: Provider> Shard<P> {
             warn!("connection failed: {e}");
             self.close(key, &e.status());
         }
+    }
+
+    fn on_bulk_done(&mut self, wc: &Wc, op: usize) -> Result<(), LinkError> {
+        let Some(op) = self.bulk_ops.try_remove(op) else {
+            return Ok(());
+        };
+        match wc.status {
+            WcStatus::Success => {
+                let _ = op.done.send(Ok(op.local));
+                Ok(())
+            }
+            status => {
+                let e = crate::verbs::WcError { wc: *wc };
+                let what = if op.kind == OpKind::Read {
+                    "READ"
+                } else {
+                    "WRITE"
+                };
+                let code = if status == WcStatus::RemAccessErr {
+                    Status::permission_denied(format!("bulk {what} of the client's memory: {e}"))
+                } else {
+                    Status::unavailable(format!("bulk {what} failed: {e}"))
+                };
+                let _ = op.done.send(Err(code));
+                if status == WcStatus::WrFlushErr {
+                    Ok(())
+                } else {
+                    Err(LinkError::Completion(e))
+                }
+            }
+        }
+    }
+
+    /// Posts the bulk operations handlers queued.
+    fn start_bulk_ops(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(op) = self.peer_api.ops.pop() {
+            n += 1;
+            let BulkOp {
+                key,
+                kind,
+                remote,
+                local,
+                len,
+                done,
+            } = op;
+            let idx = key.idx as usize;
+            let Some(Some(conn)) = self.conns.get_mut(idx) else {
+                let _ = done.send(Err(Status::unavailable("the connection is closed")));
+                continue;
+            };
+            if conn.link.key() != key {
+                let _ = done.send(Err(Status::unavailable("the connection is closed")));
+                continue;
+            }
+            let entry = self.bulk_ops.vacant_entry();
+            let aux = entry.key() as u32;
+            // SAFETY: `local` is kept in `bulk_ops` until the operation's completion (or the
+            // connection's close, after which the QP is in ERROR), untouched meanwhile.
+            let r = unsafe {
+                conn.link.post_one_sided(
+                    WrKind::Bulk,
+                    aux,
+                    |off, l| local.sge(off, l),
+                    remote,
+                    len,
+                    kind == OpKind::Write,
+                )
+            };
+            match r {
+                Ok(()) => {
+                    entry.insert(InflightOp {
+                        key,
+                        local,
+                        kind,
+                        done,
+                    });
+                }
+                Err(e) => {
+                    let _ = done.send(Err(Status::unavailable(format!("bulk operation: {e}"))));
+                }
+            }
+        }
+        n
     }
 
     fn on_recv(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
@@ -926,7 +1060,11 @@ impl<P: Provider> Shard<P> {
         let now = conn.link.now();
         let timeout = deadline_at.map(|d| Duration::from_nanos(d.saturating_sub(now)));
         let mut spawned = None;
-        let mut reply = Reply { conn, call };
+        let mut reply = Reply {
+            conn,
+            call,
+            api: &self.peer_api,
+        };
         match self.router.get(method) {
             Some((service, desc)) => {
                 let incoming = IncomingCall {
@@ -992,7 +1130,11 @@ impl<P: Provider> Shard<P> {
                 self.tasks.cancel(task);
                 continue;
             };
-            let mut reply = Reply { conn, call };
+            let mut reply = Reply {
+                conn,
+                call,
+                api: &self.peer_api,
+            };
             if self.tasks.poll(task, &mut reply)
                 && let Some(c) = reply.conn.calls.get_mut(call.slot() as usize)
                 && c.id == call
@@ -1008,12 +1150,30 @@ impl<P: Provider> Shard<P> {
 
     /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines.
     fn maintain(&mut self) -> usize {
+        let stopping = self.stop.load(Ordering::Acquire);
         let mut failed = None;
         let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
         let mut n_expired = 0;
         let mut work = 0;
-        for (idx, slot) in self.conns.iter_mut().enumerate() {
-            let Some(conn) = slot else { continue };
+        for &i in &self.live {
+            let idx = i as usize;
+            let Some(Some(conn)) = self.conns.get_mut(idx) else {
+                continue;
+            };
+            if stopping && !conn.goaway_sent {
+                // Draining: tell the client to start no new call here.
+                match conn
+                    .link
+                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.go_away())
+                {
+                    Ok(()) => conn.goaway_sent = true,
+                    Err(FrameError::Link(e)) => {
+                        failed = Some((conn.link.key(), e));
+                        break;
+                    }
+                    Err(_) => {}
+                }
+            }
             match conn.link.post_recvs(true) {
                 Ok(k) => work += k as usize,
                 Err(e) => {

@@ -355,6 +355,35 @@ pub trait Qp: Send + Sync + fmt::Debug {
     unsafe fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError>;
 }
 
+/// Declares an enum with one variant per compiled provider, each holding `Arc<$T<P>>`: how a
+/// provider-neutral handle holds a monomorphised object. Use [`with_any!`] to reach it.
+macro_rules! any_provider {
+    ($(#[$m:meta])* $vis:vis enum $name:ident wraps $T:ident) => {
+        $(#[$m])*
+        $vis enum $name {
+            /// The soft provider.
+            Soft(std::sync::Arc<$T<$crate::verbs::soft::Soft>>),
+            /// The ib provider.
+            #[cfg(feature = "ibverbs")]
+            Ib(std::sync::Arc<$T<$crate::verbs::ib::Ib>>),
+        }
+    };
+}
+pub(crate) use any_provider;
+
+/// Runs `$body` with `$x` bound to the object inside an [`any_provider!`] enum value: one
+/// branch per call at the API boundary; everything below it is monomorphised.
+macro_rules! with_any {
+    ($name:ident, $e:expr, $x:ident => $body:expr) => {
+        match $e {
+            $name::Soft($x) => $body,
+            #[cfg(feature = "ibverbs")]
+            $name::Ib($x) => $body,
+        }
+    };
+}
+pub(crate) use with_any;
+
 /// The providers that can be chosen at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ProviderKind {

@@ -80,9 +80,9 @@ pub struct Config {
     /// client's call-id slot, so its table has this size.
     pub peer_max_calls: u32,
     /// Receive slots the peer posted for us at the start: our send credits, and the most we
-    /// can ever hold (at most 65,535).
+    /// can ever hold (`reserved_credits + 2 ..= 65,535`).
     pub initial_send_credits: u32,
-    /// Receive slots we post for the peer: its credits (at most 65,535).
+    /// Receive slots we post for the peer: its credits (`reserved_credits + 2 ..= 65,535`).
     pub recv_depth: u32,
     /// Credits only control frames may use (at least 2: the last credit is kept for
     /// CreditUpdate, the one before for Cancel, Status, WindowUpdate, BulkRelease, GoAway).
@@ -145,18 +145,21 @@ impl Config {
         if self.peer_max_calls == 0 || self.peer_max_calls > MAX_CALLS {
             return bad("peer_max_calls must be 1..=65536");
         }
-        if self.reserved_credits < 2 {
+        if self.reserved_credits < 2 || self.reserved_credits > MAX_RING_DEPTH {
             return bad(
                 "reserved_credits must be at least 2 (one for CreditUpdate, one more for other control frames)",
             );
         }
-        if self.initial_send_credits <= self.reserved_credits
+        // Ring depths of at least reserve + 2 keep credits live: when the peer is down to its
+        // reserve and every slot is re-posted, we owe it at least 2, enough for a
+        // CreditUpdate (see `wants_credit_update`).
+        if self.initial_send_credits < self.reserved_credits + 2
             || self.initial_send_credits > MAX_RING_DEPTH
         {
-            return bad("initial_send_credits must exceed reserved_credits and be at most 65535");
+            return bad("initial_send_credits must be reserved_credits + 2 ..= 65535");
         }
-        if self.recv_depth <= self.reserved_credits || self.recv_depth > MAX_RING_DEPTH {
-            return bad("recv_depth must exceed reserved_credits and be at most 65535");
+        if self.recv_depth < self.reserved_credits + 2 || self.recv_depth > MAX_RING_DEPTH {
+            return bad("recv_depth must be reserved_credits + 2 ..= 65535");
         }
         if self.credit_update_threshold < 2 || self.credit_update_threshold > self.recv_depth {
             return bad("credit_update_threshold must be 2..=recv_depth");
@@ -450,7 +453,8 @@ impl Conn {
 
     /// Whether the runtime should send a CreditUpdate now (if no other frame is about to carry
     /// the credits back): at least 2 credits are owed (a CreditUpdate costs the peer one) and
-    /// either the threshold is reached or the peer, by our count, is down to its reserve.
+    /// either the threshold is reached or the peer, by our count, is down to its reserve. Ask
+    /// after each batch of [`Conn::handle_frame`] and [`Conn::recv_reposted`].
     pub fn wants_credit_update(&self) -> bool {
         self.owed >= 2
             && (self.owed >= self.cfg.credit_update_threshold

@@ -1,0 +1,512 @@
+//! The one emitter: [`ServiceDef`] to Rust tokens, in tonic's shape.
+
+use proc_macro2::{Ident, Span, TokenStream};
+use quote::{format_ident, quote};
+
+use crate::ir::{CallKind, CodegenError, MethodDef, ServiceDef};
+
+/// What to emit and where the runtime lives.
+#[derive(Clone, Debug)]
+pub struct EmitOptions {
+    /// Path of the runtime crate in the generated code (default `::rpc_core`). Generated code
+    /// names nothing of it but `<crate_path>::codegen::*`.
+    pub crate_path: syn::Path,
+    /// Emit the `<service>_client` module.
+    pub build_client: bool,
+    /// Emit the `<service>_server` module.
+    pub build_server: bool,
+    /// Visibility of the generated modules (default `pub`).
+    pub visibility: syn::Visibility,
+}
+
+impl Default for EmitOptions {
+    fn default() -> Self {
+        EmitOptions {
+            crate_path: syn::parse_quote!(::rpc_core),
+            build_client: true,
+            build_server: true,
+            visibility: syn::parse_quote!(pub),
+        }
+    }
+}
+
+/// Emits the client and server modules of `service` (as `options` asks).
+///
+/// # Errors
+/// Every problem [`ServiceDef::validate`] finds.
+pub fn generate(
+    service: &ServiceDef,
+    options: &EmitOptions,
+) -> Result<TokenStream, Vec<CodegenError>> {
+    service.validate()?;
+    let mut out = TokenStream::new();
+    if options.build_client {
+        out.extend(client(service, options));
+    }
+    if options.build_server {
+        out.extend(server(service, options));
+    }
+    Ok(out)
+}
+
+/// Formats tokens that form whole items (a file's content) with prettyplease.
+///
+/// # Errors
+/// When the tokens do not parse as a Rust file.
+pub fn pretty(tokens: &TokenStream) -> Result<String, syn::Error> {
+    let file: syn::File = syn::parse2(tokens.clone())?;
+    Ok(prettyplease::unparse(&file))
+}
+
+/// `#[doc = ".."]` attributes for doc lines.
+pub(crate) fn doc_attrs(lines: &[String]) -> TokenStream {
+    quote! { #( #[doc = #lines] )* }
+}
+
+fn ident(name: &str) -> Ident {
+    // Names were validated: either a plain identifier or `r#keyword`.
+    match name.strip_prefix("r#") {
+        Some(raw) => Ident::new_raw(raw, Span::call_site()),
+        None => Ident::new(name, Span::call_site()),
+    }
+}
+
+/// The module-level `#![allow]` every generated module opens with.
+fn allow() -> TokenStream {
+    quote! {
+        #![allow(
+            unused_variables,
+            unused_imports,
+            dead_code,
+            missing_docs,
+            private_interfaces,
+            private_bounds,
+            clippy::all
+        )]
+    }
+}
+
+/// Re-bases a type written as seen from the parent module for use inside a generated module
+/// one level down: relative paths get one more `super::`; absolute paths (`::x`, `crate::x`),
+/// primitives and `()` stay as they are.
+pub(crate) fn rebase(ty: &syn::Type) -> syn::Type {
+    let mut ty = ty.clone();
+    rebase_in_place(&mut ty);
+    ty
+}
+
+fn rebase_in_place(ty: &mut syn::Type) {
+    match ty {
+        syn::Type::Path(p) if p.qself.is_none() => {
+            for seg in p.path.segments.iter_mut() {
+                if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
+                    for arg in args.args.iter_mut() {
+                        if let syn::GenericArgument::Type(t) = arg {
+                            rebase_in_place(t);
+                        }
+                    }
+                }
+            }
+            if p.path.leading_colon.is_some() {
+                return;
+            }
+            let first = p
+                .path
+                .segments
+                .first()
+                .map(|s| s.ident.to_string())
+                .unwrap_or_default();
+            match first.as_str() {
+                "crate" => {}
+                "self" => {
+                    if let Some(seg) = p.path.segments.first_mut() {
+                        seg.ident = Ident::new("super", seg.ident.span());
+                    }
+                }
+                _ if p.path.segments.len() == 1 && is_primitive(&first) => {}
+                _ => {
+                    let sup: syn::PathSegment = syn::parse_quote!(super);
+                    p.path.segments.insert(0, sup);
+                }
+            }
+        }
+        syn::Type::Paren(p) => rebase_in_place(&mut p.elem),
+        syn::Type::Group(g) => rebase_in_place(&mut g.elem),
+        syn::Type::Reference(r) => rebase_in_place(&mut r.elem),
+        syn::Type::Slice(s) => rebase_in_place(&mut s.elem),
+        syn::Type::Array(a) => rebase_in_place(&mut a.elem),
+        syn::Type::Tuple(t) => t.elems.iter_mut().for_each(rebase_in_place),
+        _ => {}
+    }
+}
+
+fn is_primitive(name: &str) -> bool {
+    matches!(
+        name,
+        "bool"
+            | "char"
+            | "str"
+            | "i8"
+            | "i16"
+            | "i32"
+            | "i64"
+            | "i128"
+            | "isize"
+            | "u8"
+            | "u16"
+            | "u32"
+            | "u64"
+            | "u128"
+            | "usize"
+            | "f32"
+            | "f64"
+    )
+}
+
+fn client(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
+    let krate = &options.crate_path;
+    let vis = &options.visibility;
+    let module = ident(&service.client_mod());
+    let client = ident(&service.client_type());
+    let full_name = service.full_name();
+    let service_docs = doc_attrs(&service.docs);
+    let allow = allow();
+    let connect_doc = format!(
+        " Connects to the server at `addr` (`host:port`) and returns a client of `{full_name}`."
+    );
+    let methods = service.methods.iter().map(|m| client_method(service, m));
+
+    quote! {
+        /// Generated client implementations.
+        #vis mod #module {
+            #allow
+            use #krate::codegen::*;
+
+            #service_docs
+            #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+            pub struct #client {
+                inner: Channel,
+            }
+
+            impl #client {
+                #[doc = #connect_doc]
+                ///
+                /// # Errors
+                /// When the address does not resolve, the connection fails or the handshake is
+                /// refused.
+                ///
+                /// # Cancel safety
+                /// Dropping the future abandons the attempt and frees what it set up.
+                pub async fn connect(
+                    addr: impl ::core::convert::AsRef<str>,
+                ) -> ::core::result::Result<Self, TransportError> {
+                    let inner = Channel::connect(addr).await?;
+                    ::core::result::Result::Ok(Self::new(inner))
+                }
+
+                /// A client over an existing channel (channels are cheap to clone and share).
+                pub fn new(inner: Channel) -> Self {
+                    Self { inner }
+                }
+
+                /// The channel this client calls through.
+                pub fn channel(&self) -> &Channel {
+                    &self.inner
+                }
+
+                #(#methods)*
+            }
+        }
+    }
+}
+
+fn method_desc(service: &ServiceDef, m: &MethodDef) -> TokenStream {
+    let path = service.method_path(m);
+    let kind = format_ident!("{}", m.kind().variant());
+    quote! { MethodDesc::new(#path, CallKind::#kind) }
+}
+
+/// The method's docs, or one line naming its path when it has none.
+fn method_docs(service: &ServiceDef, m: &MethodDef, verb: &str) -> TokenStream {
+    if m.docs.is_empty() {
+        doc_attrs(&[format!(" {verb} `{}`.", service.method_path(m))])
+    } else {
+        doc_attrs(&m.docs)
+    }
+}
+
+fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
+    let name = ident(&m.name);
+    let docs = method_docs(service, m, "Calls");
+    let input = rebase(&m.input_type);
+    let output = rebase(&m.output_type);
+    let desc = method_desc(service, m);
+    let deprecated = if m.deprecated {
+        quote! { #[deprecated] }
+    } else {
+        TokenStream::new()
+    };
+    let errors_doc = quote! {
+        ///
+        /// # Errors
+        /// The call's status: the handler's error, or the runtime's when the call could not be
+        /// completed.
+    };
+    let cancel_doc = quote! {
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
+    };
+    match m.kind() {
+        CallKind::Unary => {
+            let blocking = ident(&m.blocking_name());
+            let blocking_doc = format!(
+                " Blocking variant of [`Self::{}`] for the lowest latency: the calling thread \
+                 polls the completion queue itself.",
+                m.plain_name()
+            );
+            quote! {
+                #docs
+                #errors_doc
+                #cancel_doc
+                #deprecated
+                pub async fn #name(
+                    &self,
+                    request: impl IntoRequest<#input>,
+                ) -> ::core::result::Result<Response<#output>, Status> {
+                    const METHOD: MethodDesc = #desc;
+                    self.inner.unary(&METHOD, request.into_request()).await
+                }
+
+                #[doc = #blocking_doc]
+                #errors_doc
+                #deprecated
+                pub fn #blocking(
+                    &self,
+                    request: impl IntoRequest<#input>,
+                ) -> ::core::result::Result<Response<#output>, Status> {
+                    const METHOD: MethodDesc = #desc;
+                    self.inner.unary_blocking(&METHOD, request.into_request())
+                }
+            }
+        }
+        CallKind::ServerStreaming => quote! {
+            #docs
+            #errors_doc
+            #cancel_doc
+            #deprecated
+            pub async fn #name(
+                &self,
+                request: impl IntoRequest<#input>,
+            ) -> ::core::result::Result<Response<Streaming<#output>>, Status> {
+                const METHOD: MethodDesc = #desc;
+                self.inner.server_streaming(&METHOD, request.into_request()).await
+            }
+        },
+        CallKind::ClientStreaming => quote! {
+            #docs
+            #errors_doc
+            #cancel_doc
+            #deprecated
+            pub async fn #name(
+                &self,
+                request: impl IntoStreamingRequest<Message = #input>,
+            ) -> ::core::result::Result<Response<#output>, Status> {
+                const METHOD: MethodDesc = #desc;
+                self.inner.client_streaming(&METHOD, request.into_streaming_request()).await
+            }
+        },
+        CallKind::Streaming => quote! {
+            #docs
+            #errors_doc
+            #cancel_doc
+            #deprecated
+            pub async fn #name(
+                &self,
+                request: impl IntoStreamingRequest<Message = #input>,
+            ) -> ::core::result::Result<Response<Streaming<#output>>, Status> {
+                const METHOD: MethodDesc = #desc;
+                self.inner.streaming(&METHOD, request.into_streaming_request()).await
+            }
+        },
+    }
+}
+
+fn server(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
+    let krate = &options.crate_path;
+    let vis = &options.visibility;
+    let module = ident(&service.server_mod());
+    let trait_name = ident(&service.name);
+    let server = ident(&service.server_type());
+    let full_name = service.full_name();
+    let service_docs = doc_attrs(&service.docs);
+    let allow = allow();
+
+    let consts = service.methods.iter().map(|m| {
+        let c = ident(&m.const_name());
+        let desc = method_desc(service, m);
+        let doc = format!(" `{}`.", service.method_path(m));
+        quote! {
+            #[doc = #doc]
+            pub const #c: MethodDesc = #desc;
+        }
+    });
+    let const_names = service.methods.iter().map(|m| ident(&m.const_name()));
+    let methods_doc = format!(" Every method of `{full_name}`, in declaration order.");
+    let trait_items = service
+        .methods
+        .iter()
+        .map(|m| trait_item(&trait_name, m, method_docs(service, m, "Handles")));
+    let arms = service.methods.iter().map(|m| dispatch_arm(&trait_name, m));
+    let server_doc = format!(
+        " Serves a [`{trait_name}`] implementation as `{full_name}`: hand it to the server \
+         builder's `add_service`."
+    );
+
+    quote! {
+        /// Generated server implementations.
+        #vis mod #module {
+            #allow
+            use #krate::codegen::*;
+
+            #(#consts)*
+
+            #[doc = #methods_doc]
+            pub const METHODS: &[MethodDesc] = &[#(#const_names),*];
+
+            #service_docs
+            pub trait #trait_name: ::core::marker::Send + ::core::marker::Sync + 'static {
+                #(#trait_items)*
+            }
+
+            #[doc = #server_doc]
+            pub struct #server<T> {
+                inner: Arc<T>,
+            }
+
+            impl<T: #trait_name> #server<T> {
+                /// Serves `inner`.
+                pub fn new(inner: T) -> Self {
+                    Self::from_arc(Arc::new(inner))
+                }
+
+                /// Serves a shared `inner`.
+                pub fn from_arc(inner: Arc<T>) -> Self {
+                    Self { inner }
+                }
+            }
+
+            impl<T> ::core::clone::Clone for #server<T> {
+                fn clone(&self) -> Self {
+                    Self { inner: ::core::clone::Clone::clone(&self.inner) }
+                }
+            }
+
+            impl<T> ::core::fmt::Debug for #server<T> {
+                fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                    f.debug_struct(::core::stringify!(#server)).finish_non_exhaustive()
+                }
+            }
+
+            impl<T: #trait_name> Service for #server<T> {
+                fn name(&self) -> &'static str {
+                    #full_name
+                }
+
+                fn methods(&self) -> &'static [MethodDesc] {
+                    METHODS
+                }
+
+                fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+                    match method {
+                        #(#arms)*
+                        _ => call.unimplemented(),
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn trait_item(trait_name: &Ident, m: &MethodDef, docs: TokenStream) -> TokenStream {
+    let name = ident(&m.name);
+    let input = rebase(&m.input_type);
+    let output = rebase(&m.output_type);
+    let request = if m.client_streaming {
+        quote! { Request<Streaming<#input>> }
+    } else {
+        quote! { Request<#input> }
+    };
+    if m.server_streaming {
+        let stream = ident(&m.stream_type());
+        let stream_doc = format!(
+            " The stream of responses of [`{trait_name}::{}`].",
+            m.plain_name()
+        );
+        quote! {
+            #[doc = #stream_doc]
+            type #stream: Stream<Item = ::core::result::Result<#output, Status>>
+                + ::core::marker::Send
+                + 'static;
+
+            #docs
+            fn #name(
+                &self,
+                request: #request,
+            ) -> impl Future<Output = ::core::result::Result<Response<Self::#stream>, Status>>
+                   + ::core::marker::Send;
+        }
+    } else {
+        quote! {
+            #docs
+            fn #name(
+                &self,
+                request: #request,
+            ) -> impl Future<Output = ::core::result::Result<Response<#output>, Status>>
+                   + ::core::marker::Send;
+        }
+    }
+}
+
+fn dispatch_arm(trait_name: &Ident, m: &MethodDef) -> TokenStream {
+    let name = ident(&m.name);
+    let c = ident(&m.const_name());
+    let run = match m.kind() {
+        CallKind::Unary => quote!(unary),
+        CallKind::ServerStreaming => quote!(server_streaming),
+        CallKind::ClientStreaming => quote!(client_streaming),
+        CallKind::Streaming => quote!(streaming),
+    };
+    quote! {
+        id if id == #c.id => {
+            let inner = ::core::clone::Clone::clone(&self.inner);
+            call.#run(move |request| async move {
+                <T as #trait_name>::#name(&inner, request).await
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ty(s: &str) -> String {
+        let t: syn::Type = syn::parse_str(s).unwrap();
+        let r = rebase(&t);
+        quote!(#r).to_string().replace(' ', "")
+    }
+
+    #[test]
+    fn rebase_adds_one_super_to_relative_paths_only() {
+        assert_eq!(ty("HelloRequest"), "super::HelloRequest");
+        assert_eq!(ty("super::common::Empty"), "super::super::common::Empty");
+        assert_eq!(ty("self::X"), "super::X");
+        assert_eq!(ty("::prost_types::Timestamp"), "::prost_types::Timestamp");
+        assert_eq!(ty("crate::msgs::X"), "crate::msgs::X");
+        assert_eq!(ty("()"), "()");
+        assert_eq!(ty("bool"), "bool");
+        assert_eq!(ty("a::Wrap<B>"), "super::a::Wrap<super::B>");
+    }
+}

@@ -1,0 +1,338 @@
+//! Completion queues.
+//!
+//! A soft CQ does not copy completions into one ring: each QP side attached to it (the send
+//! side or the receive side of a QP) keeps its own single-producer ring, and the CQ has a
+//! *ready bitmap* (in the inbox, so producers in other processes can set bits) with one bit per
+//! attached side. Producers publish an entry, then set the side's bit; [`SoftCq::poll`] swaps
+//! non-zero bitmap words to zero and drains the rings they name. No producer ever claims a slot
+//! it might fail to fill, so a producer process that dies mid-way cannot wedge the CQ.
+//!
+//! - Send-side completions are produced by whoever executes the QP's work requests (the
+//!   thread in `post_send`, or a poller retrying queued work) into a ring in private memory.
+//! - Receive-side completions are produced by the peer that consumed the receive (in another
+//!   process or not) into a ring in our inbox, in the slot of the receive it consumed; the
+//!   poller validates every field (the peer may have written garbage).
+//!
+//! # Overrun is prevented by sizing
+//!
+//! [`Pd::create_qp`](crate::verbs::Pd::create_qp) fails with
+//! [`ErrorKind::ExceedsCaps`](crate::verbs::ErrorKind::ExceedsCaps) when a CQ's capacity is
+//! smaller than the sum of the queue depths of the QP sides attached to it (`max_send_wr` for
+//! each QP using it as send CQ, `max_recv_wr` for each using it as receive CQ). A work
+//! request's queue slot is released only when its completion is *polled* (for unsignaled
+//! sends: when a later completion of the same QP is polled), so a QP can never have more
+//! completions waiting than its depth, and the CQ never overruns.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::channel::{ChannelInner, SoftCompChannel};
+use super::layout::{self, cq_in};
+use super::qp::QpShared;
+use super::{CAPS, Device};
+use crate::verbs::{Cq, ErrorKind, Result, Verb, VerbsError, Wc};
+
+/// Shared part of a CQ: what producers (QPs, peers) need.
+#[derive(Debug)]
+pub(crate) struct CqShared {
+    pub(crate) dev: Arc<Device>,
+    pub(crate) slot: u32,
+    cap: u32,
+    /// Completions the attached QP sides can generate (sum of their depths).
+    reserved: Mutex<u64>,
+    /// Offset of our inbox entry (armed word, ready bitmap).
+    entry: usize,
+    bits: Mutex<Vec<u32>>,
+    next_bit: AtomicU32,
+    /// QP send sides with queued (RNR/delayed) work: bit per side, in private memory.
+    pending: Box<[AtomicU64]>,
+    pub(crate) pending_count: AtomicU32,
+    pub(crate) channel: Option<Arc<ChannelInner>>,
+}
+
+impl CqShared {
+    /// Sets `bit` in the ready bitmap and rings the channel when the CQ is armed for this kind
+    /// of completion.
+    #[inline]
+    pub(crate) fn set_ready(&self, bit: u32, solicited: bool) {
+        let w = self.entry + cq_in::BITMAP + (bit as usize / 64) * 8;
+        self.dev
+            .in64(w)
+            .fetch_or(1u64 << (bit % 64), Ordering::SeqCst);
+        let armed = self.dev.in32(self.entry + cq_in::ARMED);
+        let a = armed.load(Ordering::SeqCst);
+        if (a == 1 || (a == 2 && solicited))
+            && armed
+                .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
+                .is_ok()
+            && let Some(ch) = &self.channel
+        {
+            ch.wake();
+        }
+    }
+
+    /// Capacity in completions.
+    pub(crate) fn cap(&self) -> u32 {
+        self.cap
+    }
+
+    /// Test hook: every bit of the ready bitmap set.
+    pub(crate) fn corrupt_bitmap_for_fault(&self) {
+        for w in 0..layout::CQ_WORDS {
+            self.dev
+                .in64(self.entry + cq_in::BITMAP + w * 8)
+                .store(u64::MAX, Ordering::SeqCst);
+        }
+    }
+
+    /// Offset of the ready-bitmap word holding `bit` (what a peer needs to set it).
+    pub(crate) fn bitmap_word(&self, bit: u32) -> usize {
+        self.entry + cq_in::BITMAP + (bit as usize / 64) * 8
+    }
+
+    /// Offset of the armed word.
+    pub(crate) fn armed_word(&self) -> usize {
+        self.entry + cq_in::ARMED
+    }
+
+    /// Marks the send side `bit` as having queued work (retried by `poll`).
+    pub(crate) fn mark_pending(&self, bit: u32) {
+        self.pending[bit as usize / 64].fetch_or(1u64 << (bit % 64), Ordering::SeqCst);
+    }
+
+    /// Clears the pending mark of `bit`.
+    pub(crate) fn clear_pending(&self, bit: u32) {
+        self.pending[bit as usize / 64].fetch_and(!(1u64 << (bit % 64)), Ordering::SeqCst);
+    }
+
+    /// Reserves room for `n` more completions; false when the CQ is too small.
+    pub(crate) fn reserve(&self, n: u64) -> std::result::Result<(), u64> {
+        let mut r = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        if *r + n > u64::from(self.cap) {
+            return Err(*r + n);
+        }
+        *r += n;
+        Ok(())
+    }
+
+    /// Releases a reservation.
+    pub(crate) fn unreserve(&self, n: u64) {
+        let mut r = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        *r = r.saturating_sub(n);
+    }
+
+    /// A free bit of the ready bitmap, or `None` when the CQ serves the maximum of sides.
+    pub(crate) fn alloc_bit(&self) -> Option<u32> {
+        let mut free = self.bits.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = free.pop() {
+            return Some(b);
+        }
+        let b = self.next_bit.load(Ordering::Relaxed);
+        if b as usize >= layout::CQ_BITS {
+            return None;
+        }
+        self.next_bit.store(b + 1, Ordering::Release);
+        Some(b)
+    }
+
+    /// Returns `bit` (its side was destroyed).
+    pub(crate) fn free_bit(&self, bit: u32) {
+        self.clear_pending(bit);
+        let w = self.bitmap_word(bit);
+        self.dev
+            .in64(w)
+            .fetch_and(!(1u64 << (bit % 64)), Ordering::SeqCst);
+        self.bits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(bit);
+    }
+}
+
+impl Drop for CqShared {
+    fn drop(&mut self) {
+        self.dev.cq_slots.free(self.slot);
+    }
+}
+
+/// Which side of a QP a bit stands for.
+#[derive(Debug)]
+struct Side {
+    qp: Arc<QpShared>,
+    recv: bool,
+}
+
+/// A completion queue of the soft RNIC.
+#[derive(Debug)]
+pub struct SoftCq {
+    pub(crate) shared: Arc<CqShared>,
+    /// Side per bit. Only `create_qp` (through `&self`) adds; `poll` (through `&mut self`,
+    /// hence never concurrently with `create_qp`) reads without locking and removes.
+    sides: Mutex<Vec<Option<Side>>>,
+    /// Where the next scan of the bitmap starts (fairness between sides).
+    cursor: usize,
+}
+
+impl SoftCq {
+    pub(crate) fn new(
+        dev: &Arc<Device>,
+        cqe: u32,
+        channel: Option<&SoftCompChannel>,
+    ) -> Result<SoftCq> {
+        let verb = Verb::CreateCq;
+        if cqe == 0 || cqe > CAPS.max_cqe {
+            return Err(VerbsError::new(
+                verb,
+                ErrorKind::ExceedsCaps,
+                format!(
+                    "CQ size {cqe} is outside 1..={} (the soft RNIC's max_cqe)",
+                    CAPS.max_cqe
+                ),
+            ));
+        }
+        if let Some(ch) = channel
+            && ch.inner.dev_nonce != dev.nonce
+        {
+            return Err(VerbsError::new(
+                verb,
+                ErrorKind::WrongPd,
+                "the completion channel belongs to another soft context",
+            ));
+        }
+        let (slot, _) = dev.cq_slots.alloc().ok_or_else(|| {
+            VerbsError::new(
+                verb,
+                ErrorKind::ExceedsCaps,
+                format!("the soft RNIC has {} CQs already", layout::MAX_CQ),
+            )
+        })?;
+        let entry = layout::cq_in_entry(slot as usize);
+        dev.in32(entry + cq_in::ARMED).store(0, Ordering::Relaxed);
+        for w in 0..layout::CQ_WORDS {
+            dev.in64(entry + cq_in::BITMAP + w * 8)
+                .store(0, Ordering::Relaxed);
+        }
+        let shared = Arc::new(CqShared {
+            dev: dev.clone(),
+            slot,
+            cap: cqe,
+            reserved: Mutex::new(0),
+            entry,
+            bits: Mutex::new(Vec::new()),
+            next_bit: AtomicU32::new(0),
+            pending: (0..layout::CQ_WORDS).map(|_| AtomicU64::new(0)).collect(),
+            pending_count: AtomicU32::new(0),
+            channel: channel.map(|c| c.inner.clone()),
+        });
+        Ok(SoftCq {
+            shared,
+            sides: Mutex::new(Vec::new()),
+            cursor: 0,
+        })
+    }
+
+    /// Attaches a QP side to `bit` (create_qp).
+    pub(crate) fn attach(&self, bit: u32, qp: Arc<QpShared>, recv: bool) {
+        let mut sides = self.sides.lock().unwrap_or_else(|e| e.into_inner());
+        let i = bit as usize;
+        if sides.len() <= i {
+            sides.resize_with(i + 1, || None);
+        }
+        sides[i] = Some(Side { qp, recv });
+    }
+
+    /// The device this CQ belongs to.
+    pub(crate) fn dev_nonce(&self) -> u64 {
+        self.shared.dev.nonce
+    }
+}
+
+impl Cq for SoftCq {
+    fn poll(&mut self, wcs: &mut [Wc]) -> Result<usize> {
+        if wcs.is_empty() {
+            return Ok(0);
+        }
+        let shared = &*self.shared;
+        let sides = self.sides.get_mut().unwrap_or_else(|e| e.into_inner());
+        let words = (shared.next_bit.load(Ordering::Acquire) as usize).div_ceil(64);
+
+        // Queued send work (RNR, not-ready peer, delay) is retried from here.
+        if shared.pending_count.load(Ordering::Relaxed) != 0 {
+            let now = super::shm::now_ns();
+            for w in 0..words {
+                let mut bits = shared.pending[w].load(Ordering::Acquire);
+                while bits != 0 {
+                    let b = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    if let Some(Some(side)) = sides.get(w * 64 + b)
+                        && !side.recv
+                    {
+                        side.qp.progress_pending(now);
+                    }
+                }
+            }
+        }
+
+        let mut n = 0;
+        let start = if words == 0 { 0 } else { self.cursor % words };
+        for k in 0..words {
+            let w = (start + k) % words;
+            let word = shared.dev.in64(shared.entry + cq_in::BITMAP + w * 8);
+            if word.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = word.swap(0, Ordering::AcqRel);
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                let mask = 1u64 << b;
+                bits &= !mask;
+                let idx = w * 64 + b;
+                let Some(slot) = sides.get_mut(idx) else {
+                    continue; // a bit nobody owns: garbage from a peer, ignore
+                };
+                let Some(side) = slot.as_ref() else {
+                    continue;
+                };
+                if side.qp.is_destroyed() {
+                    *slot = None; // drops our reference; the QP frees its bits and slots
+                    continue;
+                }
+                let (got, more) = if side.recv {
+                    side.qp.drain_recv(&mut wcs[n..])
+                } else {
+                    side.qp.drain_send(&mut wcs[n..])
+                };
+                n += got;
+                if more {
+                    word.fetch_or(mask, Ordering::AcqRel);
+                }
+                if n == wcs.len() {
+                    if bits != 0 {
+                        word.fetch_or(bits, Ordering::AcqRel);
+                    }
+                    self.cursor = w + 1;
+                    return Ok(n);
+                }
+            }
+        }
+        self.cursor = self.cursor.wrapping_add(1);
+        Ok(n)
+    }
+
+    fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        if self.shared.channel.is_none() {
+            return Err(VerbsError::new(
+                Verb::ReqNotifyCq,
+                ErrorKind::InvalidArgument,
+                "req_notify on a CQ created without a completion channel",
+            ));
+        }
+        let armed = self.shared.dev.in32(self.shared.armed_word());
+        armed.store(if solicited_only { 2 } else { 1 }, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn capacity(&self) -> u32 {
+        self.shared.cap
+    }
+}

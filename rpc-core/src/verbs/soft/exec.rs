@@ -1,0 +1,989 @@
+//! Executing one send work request against the connected peer: the requester side of the
+//! soft RNIC (and, since the requester does the responder's work too, its checks).
+//!
+//! Everything read from the peer's segments is validated before use: offsets were checked
+//! against our mappings when connecting, indices are masked, counts bounded, keys, bounds and
+//! rights checked on every access. A peer that wrote garbage gets an error completion, never
+//! undefined behaviour here.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+
+use super::layout::{self, mr, qp, qp_in, rcqe};
+use super::mr::LocalMr;
+use super::peer::{MapError, Peer};
+use super::shm::{self, CmaDir, Mapping};
+use super::{CAPS, Device, vendor};
+use crate::verbs::{
+    Access, Endpoint, ErrorKind, QpState, Result, SendFlags, Sge, Verb, VerbsError, WcFlags,
+    WcOpcode, WcStatus, WrOp,
+};
+
+/// Most pieces one side of a copy can have (an SG list; inline data is one piece).
+pub(crate) const MAX_PIECES: usize = CAPS.max_sge as usize;
+/// Peer regions whose mapping a connection remembers (direct-mapped by slot).
+const MR_CACHE: usize = 8;
+
+static ZERO32: AtomicU32 = AtomicU32::new(0);
+static ZERO64: AtomicU64 = AtomicU64::new(0);
+
+/// What executing a work request gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Finished with this status (the requester's completion).
+    Done {
+        status: WcStatus,
+        byte_len: u32,
+        vendor: u32,
+    },
+    /// The peer has no receive posted: retry after the RNR timer.
+    Rnr,
+    /// The peer QP is not (yet) connected to us: retry after the ACK timeout.
+    NotReady,
+}
+
+impl Outcome {
+    fn ok(byte_len: u32) -> Outcome {
+        Outcome::Done {
+            status: WcStatus::Success,
+            byte_len,
+            vendor: 0,
+        }
+    }
+
+    fn err(status: WcStatus, vendor: u32) -> Outcome {
+        Outcome::Done {
+            status,
+            byte_len: 0,
+            vendor,
+        }
+    }
+}
+
+/// A work request as the executor sees it (from the caller's list or from the queue).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WrView<'a> {
+    pub(crate) op: WrOp,
+    pub(crate) flags: SendFlags,
+    pub(crate) sges: &'a [Sge],
+    /// Inline payload already copied out of the caller's buffers (queued requests).
+    pub(crate) inline: Option<(*const u8, usize)>,
+}
+
+/// Local payload pieces: addresses in this process.
+#[derive(Debug)]
+pub(crate) struct Pieces {
+    p: [(*mut u8, usize); MAX_PIECES],
+    n: usize,
+    total: u64,
+}
+
+impl Pieces {
+    fn new() -> Pieces {
+        Pieces {
+            p: [(std::ptr::null_mut(), 0); MAX_PIECES],
+            n: 0,
+            total: 0,
+        }
+    }
+
+    fn push(&mut self, ptr: *mut u8, len: usize) -> bool {
+        if len == 0 {
+            return true;
+        }
+        if self.n == MAX_PIECES {
+            return false;
+        }
+        self.p[self.n] = (ptr, len);
+        self.n += 1;
+        self.total += len as u64;
+        true
+    }
+
+    fn as_slice(&self) -> &[(*mut u8, usize)] {
+        &self.p[..self.n]
+    }
+}
+
+/// Resolves the local payload of `wr`: lkey, PD, bounds and (`need_write`) LOCAL_WRITE of
+/// every SGE, in our own MR table (which only we write).
+pub(crate) fn local_pieces(
+    dev: &Device,
+    pd: u32,
+    wr: &WrView<'_>,
+    need_write: bool,
+) -> std::result::Result<Pieces, (WcStatus, u32)> {
+    let mut pieces = Pieces::new();
+    if let Some((ptr, len)) = wr.inline {
+        pieces.push(ptr.cast_mut(), len);
+        return Ok(pieces);
+    }
+    let inline = wr.flags.contains(SendFlags::INLINE);
+    for sge in wr.sges {
+        if sge.length == 0 {
+            continue;
+        }
+        if !inline {
+            let m =
+                LocalMr::lookup(dev, sge.lkey).ok_or((WcStatus::LocProtErr, vendor::BAD_KEY))?;
+            if m.pd != pd {
+                return Err((WcStatus::LocProtErr, vendor::WRONG_PD));
+            }
+            if !m.contains(sge.addr, u64::from(sge.length)) {
+                return Err((WcStatus::LocProtErr, vendor::OUT_OF_BOUNDS));
+            }
+            if need_write && !m.access.contains(Access::LOCAL_WRITE) {
+                return Err((WcStatus::LocProtErr, vendor::NO_RIGHT));
+            }
+        }
+        if !pieces.push(sge.addr as *mut u8, sge.length as usize) {
+            return Err((WcStatus::LocQpOpErr, vendor::CORRUPT));
+        }
+    }
+    if pieces.total > CAPS.max_msg_size {
+        return Err((WcStatus::LocLenErr, vendor::MSG_TOO_BIG));
+    }
+    Ok(pieces)
+}
+
+/// A remote range resolved for access: either a pointer in this process (our mapping of the
+/// peer's memfd, or the peer's own address when it lives in this process) or an address in
+/// the peer process (reached with `process_vm_*`).
+#[derive(Debug, Clone, Copy)]
+struct Target {
+    ptr: *mut u8,
+    addr: u64,
+    len: usize,
+}
+
+/// Pin counters raised for user-memory regions, lowered on drop.
+struct Pins {
+    w: [Option<NonNull<AtomicU32>>; MAX_PIECES],
+    n: usize,
+}
+
+impl Pins {
+    fn new() -> Pins {
+        Pins {
+            w: [None; MAX_PIECES],
+            n: 0,
+        }
+    }
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        for w in self.w[..self.n].iter().flatten() {
+            // SAFETY: each pointer names a pin word in the peer's inbox mapping, which the
+            // connection's `Arc<Peer>` keeps mapped for the whole execution this guard lives
+            // in (the guard never outlives `Conn::execute`).
+            unsafe { w.as_ref() }.fetch_sub(1, Ordering::Release);
+        }
+    }
+}
+
+/// Result of claiming a receive of the peer.
+enum Claim {
+    Got(u32),
+    Empty,
+    Corrupt,
+}
+
+/// The connection of one of our QPs to a peer QP: validated geometry of the peer's queue and
+/// cached mappings of its regions. Lives under the QP's progress flag.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    pub(crate) peer: Arc<Peer>,
+    peer_qp_num: u32,
+    pe: usize,
+    pin_entry: usize,
+    peer_pd: u32,
+    rq_wqe: usize,
+    rq_cqe: usize,
+    rq_mask: u32,
+    rq_stride: usize,
+    rq_max_sge: u32,
+    bm_word: usize,
+    bm_bit: u64,
+    armed: usize,
+    efd: Option<Arc<OwnedFd>>,
+    cache: [(u32, Option<Arc<Mapping>>); MR_CACHE],
+    my_qp_num: u32,
+    my_nonce: u64,
+}
+
+fn bad_ep(detail: String) -> VerbsError {
+    VerbsError::new(Verb::Connect, ErrorKind::InvalidEndpoint, detail)
+}
+
+/// Decodes a soft endpoint's gid: (pid, descriptor of the published segment, nonce).
+pub(crate) fn decode_gid(gid: &[u8; 16]) -> (u32, u32, u64) {
+    let pid = u32::from_le_bytes([gid[0], gid[1], gid[2], gid[3]]);
+    let fd = u32::from_le_bytes([gid[4], gid[5], gid[6], gid[7]]);
+    let mut n = [0u8; 8];
+    n.copy_from_slice(&gid[8..16]);
+    (pid, fd, u64::from_le_bytes(n))
+}
+
+/// Encodes (pid, descriptor, nonce) as a gid.
+pub(crate) fn encode_gid(pid: u32, fd: u32, nonce: u64) -> [u8; 16] {
+    let mut g = [0u8; 16];
+    g[0..4].copy_from_slice(&pid.to_le_bytes());
+    g[4..8].copy_from_slice(&fd.to_le_bytes());
+    g[8..16].copy_from_slice(&nonce.to_le_bytes());
+    g
+}
+
+impl Conn {
+    /// Validates `ep` and attaches to the peer QP it names (INIT -> RTR).
+    pub(crate) fn connect(dev: &Arc<Device>, my_qp_num: u32, ep: &Endpoint) -> Result<Conn> {
+        if ep.provider != Endpoint::PROVIDER_SOFT {
+            return Err(bad_ep(format!(
+                "the endpoint is for provider tag {} (ib), not soft: both ends must use the same \
+                 provider (RPC_PROVIDER)",
+                ep.provider
+            )));
+        }
+        let (pid, fd, nonce) = decode_gid(&ep.gid);
+        let peer = dev.attach(pid, fd, nonce)?;
+        let slot = (ep.qp_num & ((1 << layout::QP_SLOT_BITS) - 1)) as usize;
+        let pe = layout::qp_entry(slot);
+        let rd32 = |off: usize| {
+            peer.pub_map
+                .u32_at(pe + off)
+                .map_or(0, |w| w.load(Ordering::Acquire))
+        };
+        let rd64 = |off: usize| {
+            peer.pub_map
+                .u64_at(pe + off)
+                .map_or(0, |w| w.load(Ordering::Acquire))
+        };
+        if ep.qp_num == 0 || rd32(qp::QP_NUM) != ep.qp_num {
+            return Err(bad_ep(format!(
+                "no QP {:#x} on the soft RNIC of process {pid}: it was destroyed (stale endpoint) \
+                 or never existed (forged endpoint)",
+                ep.qp_num
+            )));
+        }
+        match QpState::from_u8(rd32(qp::STATE) as u8) {
+            Some(QpState::Error) => {
+                return Err(bad_ep(format!(
+                    "peer QP {:#x} is in ERROR: it cannot be connected to",
+                    ep.qp_num
+                )));
+            }
+            None => {
+                return Err(VerbsError::new(
+                    Verb::Connect,
+                    ErrorKind::Corrupt,
+                    format!("peer QP {:#x} has a corrupt state word", ep.qp_num),
+                ));
+            }
+            _ => {}
+        }
+        let corrupt = |what: &str| {
+            VerbsError::new(
+                Verb::Connect,
+                ErrorKind::Corrupt,
+                format!(
+                    "peer QP {:#x} in process {pid} has a corrupt {what}: refusing to connect",
+                    ep.qp_num
+                ),
+            )
+        };
+        let depth = rd32(qp::RQ_DEPTH);
+        if !depth.is_power_of_two() || depth > 2 * CAPS.max_qp_wr {
+            return Err(corrupt("receive queue depth"));
+        }
+        let max_sge = rd32(qp::RQ_MAX_SGE);
+        if max_sge > CAPS.max_sge {
+            return Err(corrupt("receive SGE count"));
+        }
+        let stride = layout::wqe_stride(max_sge.max(1) as usize);
+        let rq_wqe = usize::try_from(rd64(qp::RQ_WQE)).unwrap_or(usize::MAX);
+        let rq_cqe = usize::try_from(rd64(qp::RQ_CQE)).unwrap_or(usize::MAX);
+        if rq_wqe < layout::PUB_HEAP
+            || rq_wqe % 16 != 0
+            || !peer.pub_map.contains(rq_wqe, depth as usize * stride)
+        {
+            return Err(corrupt("receive ring offset"));
+        }
+        if rq_cqe < layout::IN_HEAP
+            || rq_cqe % 16 != 0
+            || !peer.inbox.contains(rq_cqe, depth as usize * layout::RCQE)
+        {
+            return Err(corrupt("completion ring offset"));
+        }
+        let cq = rd32(qp::RECV_CQ) as usize;
+        let bit = rd32(qp::RECV_BIT) as usize;
+        if cq >= layout::MAX_CQ || bit >= layout::CQ_BITS {
+            return Err(corrupt("receive CQ"));
+        }
+        let cq_entry = layout::cq_in_entry(cq);
+        let chan = rd32(qp::CHAN_FD);
+        let efd = if chan == u32::MAX {
+            None
+        } else {
+            let e = peer.eventfd(chan);
+            if e.is_none() {
+                tracing::warn!(
+                    pid,
+                    fd = chan,
+                    "soft RNIC: cannot reach the peer's completion channel; its sleepers will \
+                     not be woken by our completions"
+                );
+            }
+            e
+        };
+        Ok(Conn {
+            peer_qp_num: ep.qp_num,
+            pe,
+            pin_entry: layout::qp_in_entry(slot),
+            peer_pd: rd32(qp::PD),
+            rq_wqe,
+            rq_cqe,
+            rq_mask: depth - 1,
+            rq_stride: stride,
+            rq_max_sge: max_sge,
+            bm_word: cq_entry + layout::cq_in::BITMAP + (bit / 64) * 8,
+            bm_bit: 1u64 << (bit % 64),
+            armed: cq_entry + layout::cq_in::ARMED,
+            efd,
+            cache: Default::default(),
+            my_qp_num,
+            my_nonce: dev.nonce,
+            peer,
+        })
+    }
+
+    #[inline]
+    fn p32(&self, off: usize) -> &AtomicU32 {
+        self.peer.pub_map.u32_at(off).unwrap_or(&ZERO32)
+    }
+
+    #[inline]
+    fn p64(&self, off: usize) -> &AtomicU64 {
+        self.peer.pub_map.u64_at(off).unwrap_or(&ZERO64)
+    }
+
+    #[inline]
+    fn i32(&self, off: usize) -> &AtomicU32 {
+        self.peer.inbox.u32_at(off).unwrap_or(&ZERO32)
+    }
+
+    #[inline]
+    fn i64(&self, off: usize) -> &AtomicU64 {
+        self.peer.inbox.u64_at(off).unwrap_or(&ZERO64)
+    }
+
+    /// Whether the peer QP still is the one we connected to, connected back to us, and ready.
+    /// Gives the rights it grants, or the outcome to report.
+    #[inline]
+    fn check_peer(&self) -> std::result::Result<Access, Outcome> {
+        if self.peer.live.is_dead() {
+            return Err(Outcome::err(WcStatus::RetryExcErr, vendor::PEER_DEAD));
+        }
+        if self.p32(self.pe + qp::QP_NUM).load(Ordering::Acquire) != self.peer_qp_num {
+            return Err(Outcome::err(WcStatus::RetryExcErr, vendor::PEER_QP_GONE));
+        }
+        match QpState::from_u8(self.p32(self.pe + qp::STATE).load(Ordering::Acquire) as u8) {
+            Some(QpState::Rtr | QpState::Rts) => {}
+            Some(QpState::Reset | QpState::Init) => return Err(Outcome::NotReady),
+            Some(QpState::Error) => {
+                return Err(Outcome::err(WcStatus::RetryExcErr, vendor::PEER_QP_GONE));
+            }
+            None => return Err(Outcome::err(WcStatus::RetryExcErr, vendor::CORRUPT)),
+        }
+        if self.p32(self.pe + qp::REMOTE_QP).load(Ordering::Relaxed) != self.my_qp_num
+            || self.p64(self.pe + qp::REMOTE_NONCE).load(Ordering::Relaxed) != self.my_nonce
+        {
+            // Connected to someone else (or not yet to us): its packets would be dropped.
+            return Err(Outcome::NotReady);
+        }
+        Ok(Access::from_bits_truncate(
+            self.p32(self.pe + qp::ACCESS).load(Ordering::Relaxed),
+        ))
+    }
+
+    /// Marks the peer QP failed (fatal remote error) and rings it so it notices.
+    fn fail_peer(&self) {
+        self.i32(self.pin_entry + qp_in::REMOTE_ERROR)
+            .store(1, Ordering::SeqCst);
+        self.ring(true);
+    }
+
+    /// Sets our bit in the peer's receive CQ and signals its channel when armed.
+    #[inline]
+    fn ring(&self, solicited: bool) {
+        self.i64(self.bm_word)
+            .fetch_or(self.bm_bit, Ordering::SeqCst);
+        let armed = self.i32(self.armed);
+        let a = armed.load(Ordering::SeqCst);
+        if (a == 1 || (a == 2 && solicited))
+            && armed
+                .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
+                .is_ok()
+            && let Some(fd) = &self.efd
+        {
+            shm::signal_fd(fd.as_fd());
+        }
+    }
+
+    /// Claims the next receive the peer posted.
+    #[inline]
+    fn claim(&self) -> Claim {
+        let claim = self.i32(self.pin_entry + qp_in::RQ_CLAIM);
+        loop {
+            // Claim first, then the producer index: the owner never moves the claim past a
+            // producer index it published, so `c <= prod` unless the peer is corrupt.
+            let c = claim.load(Ordering::Acquire);
+            let prod = self.p32(self.pe + qp::RQ_PROD).load(Ordering::Acquire);
+            let avail = prod.wrapping_sub(c);
+            if avail == 0 {
+                return Claim::Empty;
+            }
+            if avail > self.rq_mask + 1 {
+                return Claim::Corrupt;
+            }
+            if claim
+                .compare_exchange(c, c.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                return Claim::Got(c);
+            }
+        }
+    }
+
+    /// Publishes the completion of the peer's receive `idx`.
+    #[allow(clippy::too_many_arguments)]
+    fn recv_complete(
+        &self,
+        idx: u32,
+        status: WcStatus,
+        opcode: WcOpcode,
+        byte_len: u32,
+        imm: Option<u32>,
+        solicited: bool,
+        fatal: bool,
+    ) {
+        let base = self.rq_cqe + (idx & self.rq_mask) as usize * layout::RCQE;
+        let flags = if imm.is_some() { 1u32 } else { 0 };
+        let meta = status as u32 | (opcode as u32) << 8 | flags << 16 | u32::from(solicited) << 24;
+        self.i32(base + rcqe::BYTE_LEN)
+            .store(byte_len, Ordering::Relaxed);
+        self.i32(base + rcqe::IMM)
+            .store(imm.unwrap_or(0), Ordering::Relaxed);
+        self.i32(base + rcqe::META).store(meta, Ordering::Relaxed);
+        self.i32(base + rcqe::SEQ)
+            .store(idx.wrapping_add(1), Ordering::Release);
+        if fatal {
+            self.i32(self.pin_entry + qp_in::REMOTE_ERROR)
+                .store(1, Ordering::SeqCst);
+        }
+        self.ring(solicited || fatal || status != WcStatus::Success);
+    }
+
+    /// Resolves `[addr, addr + len)` of the peer's region `key` for `need`. `qp_access` is
+    /// the right the peer's QP grants (None for receive buffers, which need LOCAL_WRITE).
+    fn resolve(
+        &mut self,
+        key: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+        qp_access: Option<Access>,
+        pins: &mut Pins,
+    ) -> std::result::Result<Target, u32> {
+        let slot = key & ((1 << layout::MR_SLOT_BITS) - 1);
+        let e = layout::mr_entry(slot as usize);
+        let key_word = self.p32(e + mr::KEY);
+        let k1 = key_word.load(Ordering::Acquire);
+        if key == 0 || k1 != key {
+            return Err(vendor::BAD_KEY);
+        }
+        let access = Access::from_bits_truncate(self.p32(e + mr::ACCESS).load(Ordering::Relaxed));
+        let kind = self.p32(e + mr::KIND).load(Ordering::Relaxed);
+        let fd = self.p32(e + mr::FD).load(Ordering::Relaxed);
+        let base = self.p64(e + mr::ADDR).load(Ordering::Relaxed);
+        let mlen = self.p64(e + mr::LEN).load(Ordering::Relaxed);
+        let pd = self.p32(e + mr::PD).load(Ordering::Relaxed);
+        fence(Ordering::Acquire);
+        if key_word.load(Ordering::Relaxed) != k1 {
+            return Err(vendor::BAD_KEY);
+        }
+        if pd != self.peer_pd {
+            return Err(vendor::WRONG_PD);
+        }
+        if !access.contains(need) || qp_access.is_some_and(|q| !q.contains(need)) {
+            return Err(vendor::NO_RIGHT);
+        }
+        let inside = addr >= base
+            && base.checked_add(mlen).is_some()
+            && addr.checked_add(len).is_some_and(|end| end <= base + mlen);
+        if !inside {
+            return Err(vendor::OUT_OF_BOUNDS);
+        }
+        let len_us = usize::try_from(len).map_err(|_| vendor::OUT_OF_BOUNDS)?;
+        match kind {
+            layout::MR_KIND_SHM => {
+                let c = &mut self.cache[slot as usize % MR_CACHE];
+                let map = match (&c.1, c.0 == key) {
+                    (Some(m), true) => m.clone(),
+                    _ => {
+                        let m = self.peer.map_mr(slot, key, fd, mlen).map_err(|e| match e {
+                            MapError::Stale => vendor::BAD_KEY,
+                            MapError::Failed => vendor::MAP_FAILED,
+                        })?;
+                        *c = (key, Some(m.clone()));
+                        m
+                    }
+                };
+                let off = usize::try_from(addr - base).map_err(|_| vendor::OUT_OF_BOUNDS)?;
+                if !map.contains(off, len_us) || !map.writable() {
+                    return Err(vendor::MAP_FAILED);
+                }
+                // The mapping stays alive: the cache (and the peer's map table) hold it for at
+                // least as long as this execution.
+                Ok(Target {
+                    // SAFETY: `off + len <= map.len()` was checked just above.
+                    ptr: unsafe { map.ptr().add(off) },
+                    addr,
+                    len: len_us,
+                })
+            }
+            layout::MR_KIND_USER => {
+                let pin = self
+                    .peer
+                    .inbox
+                    .u32_at(layout::pin(slot as usize))
+                    .ok_or(vendor::CORRUPT)?;
+                if pins.n == MAX_PIECES {
+                    return Err(vendor::CORRUPT);
+                }
+                pin.fetch_add(1, Ordering::SeqCst);
+                pins.w[pins.n] = Some(NonNull::from(pin));
+                pins.n += 1;
+                if key_word.load(Ordering::SeqCst) != key {
+                    return Err(vendor::BAD_KEY);
+                }
+                let ptr = if self.peer.same_process {
+                    addr as *mut u8
+                } else {
+                    std::ptr::null_mut()
+                };
+                Ok(Target {
+                    ptr,
+                    addr,
+                    len: len_us,
+                })
+            }
+            _ => Err(vendor::CORRUPT),
+        }
+    }
+
+    /// Executes one work request.
+    pub(crate) fn execute(&mut self, dev: &Device, pd: u32, wr: &WrView<'_>) -> Outcome {
+        let peer_access = match self.check_peer() {
+            Ok(a) => a,
+            Err(o) => return o,
+        };
+        let need_write = matches!(
+            wr.op,
+            WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
+        );
+        let local = match local_pieces(dev, pd, wr, need_write) {
+            Ok(p) => p,
+            Err((s, v)) => {
+                dev.counters.add_op(0);
+                return Outcome::err(s, v);
+            }
+        };
+        let solicited = wr.flags.contains(SendFlags::SOLICITED);
+        let out = match wr.op {
+            WrOp::Send => self.send(&local, None, solicited),
+            WrOp::SendWithImm { imm } => self.send(&local, Some(imm), solicited),
+            WrOp::Write { remote_addr, rkey } => {
+                self.write(&local, remote_addr, rkey, None, solicited, peer_access)
+            }
+            WrOp::WriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            } => self.write(&local, remote_addr, rkey, Some(imm), solicited, peer_access),
+            WrOp::Read { remote_addr, rkey } => self.read(&local, remote_addr, rkey, peer_access),
+            WrOp::CompareSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => self.atomic(&local, remote_addr, rkey, peer_access, |w| {
+                match w.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
+                    Ok(v) | Err(v) => v,
+                }
+            }),
+            WrOp::FetchAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => self.atomic(&local, remote_addr, rkey, peer_access, |w| {
+                w.fetch_add(add, Ordering::SeqCst)
+            }),
+        };
+        match out {
+            Outcome::Done { status, .. } => {
+                let bytes = if status == WcStatus::Success {
+                    local.total
+                } else {
+                    0
+                };
+                dev.counters.add_op(bytes);
+            }
+            Outcome::Rnr | Outcome::NotReady => {}
+        }
+        out
+    }
+
+    fn send(&mut self, local: &Pieces, imm: Option<u32>, solicited: bool) -> Outcome {
+        let idx = match self.claim() {
+            Claim::Got(i) => i,
+            Claim::Empty => return Outcome::Rnr,
+            Claim::Corrupt => {
+                self.fail_peer();
+                return Outcome::err(WcStatus::RemOpErr, vendor::CORRUPT);
+            }
+        };
+        let opcode = WcOpcode::Recv;
+        let base = self.rq_wqe + (idx & self.rq_mask) as usize * self.rq_stride;
+        let nsge = self.p32(base).load(Ordering::Relaxed);
+        if nsge > self.rq_max_sge {
+            self.recv_complete(idx, WcStatus::LocQpOpErr, opcode, 0, None, true, true);
+            return Outcome::err(WcStatus::RemOpErr, vendor::BAD_RECV);
+        }
+        let mut targets = [Target {
+            ptr: std::ptr::null_mut(),
+            addr: 0,
+            len: 0,
+        }; MAX_PIECES];
+        let mut nt = 0;
+        let mut cap = 0u64;
+        let mut pins = Pins::new();
+        for i in 0..nsge as usize {
+            let s = base + layout::WQE_HDR + i * layout::WQE_SGE;
+            let addr = self.p64(s).load(Ordering::Relaxed);
+            let len = self.p32(s + 8).load(Ordering::Relaxed);
+            let lkey = self.p32(s + 12).load(Ordering::Relaxed);
+            if len == 0 {
+                continue;
+            }
+            match self.resolve(
+                lkey,
+                addr,
+                u64::from(len),
+                Access::LOCAL_WRITE,
+                None,
+                &mut pins,
+            ) {
+                Ok(t) => {
+                    targets[nt] = t;
+                    nt += 1;
+                    cap += u64::from(len);
+                }
+                Err(_) => {
+                    drop(pins);
+                    self.recv_complete(idx, WcStatus::LocProtErr, opcode, 0, None, true, true);
+                    return Outcome::err(WcStatus::RemOpErr, vendor::BAD_RECV);
+                }
+            }
+        }
+        if local.total > cap {
+            drop(pins);
+            self.recv_complete(idx, WcStatus::LocLenErr, opcode, 0, None, true, true);
+            return Outcome::err(WcStatus::RemInvReqErr, vendor::RECV_TOO_SMALL);
+        }
+        // SAFETY: local pieces are caller memory valid for reading (post_send contract) or
+        // our own inline buffer; targets were resolved and bounds-checked just above and are
+        // kept mapped/pinned by `self`/`pins` until the copy returns.
+        let r = unsafe { copy_out(local, &targets[..nt], self.peer.pid) };
+        drop(pins);
+        if let Err(v) = r {
+            self.recv_complete(idx, WcStatus::LocProtErr, opcode, 0, None, true, true);
+            return Outcome::err(WcStatus::RemOpErr, v);
+        }
+        let len = u32::try_from(local.total).unwrap_or(u32::MAX);
+        self.recv_complete(idx, WcStatus::Success, opcode, len, imm, solicited, false);
+        Outcome::ok(0)
+    }
+
+    fn write(
+        &mut self,
+        local: &Pieces,
+        remote_addr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+        solicited: bool,
+        peer_access: Access,
+    ) -> Outcome {
+        let mut pins = Pins::new();
+        let target = if local.total == 0 {
+            None // zero-length RDMA: the rkey is not checked (IB spec C9-88)
+        } else {
+            match self.resolve(
+                rkey,
+                remote_addr,
+                local.total,
+                Access::REMOTE_WRITE,
+                Some(peer_access),
+                &mut pins,
+            ) {
+                Ok(t) => Some(t),
+                Err(v) => {
+                    drop(pins);
+                    self.fail_peer();
+                    return Outcome::err(WcStatus::RemAccessErr, v);
+                }
+            }
+        };
+        let idx = if imm.is_some() {
+            match self.claim() {
+                Claim::Got(i) => Some(i),
+                Claim::Empty => return Outcome::Rnr,
+                Claim::Corrupt => {
+                    drop(pins);
+                    self.fail_peer();
+                    return Outcome::err(WcStatus::RemOpErr, vendor::CORRUPT);
+                }
+            }
+        } else {
+            None
+        };
+        if let Some(t) = target {
+            // SAFETY: as in `send`: local memory valid per contract, target resolved,
+            // bounds-checked and kept mapped/pinned until the copy returns.
+            if let Err(v) = unsafe { copy_out(local, &[t], self.peer.pid) } {
+                drop(pins);
+                if let Some(i) = idx {
+                    self.recv_complete(
+                        i,
+                        WcStatus::WrFlushErr,
+                        WcOpcode::RecvRdmaWithImm,
+                        0,
+                        None,
+                        true,
+                        true,
+                    );
+                } else {
+                    self.fail_peer();
+                }
+                return Outcome::err(WcStatus::RemAccessErr, v);
+            }
+        }
+        drop(pins);
+        if let Some(i) = idx {
+            let len = u32::try_from(local.total).unwrap_or(u32::MAX);
+            self.recv_complete(
+                i,
+                WcStatus::Success,
+                WcOpcode::RecvRdmaWithImm,
+                len,
+                imm,
+                solicited,
+                false,
+            );
+        }
+        Outcome::ok(0)
+    }
+
+    fn read(
+        &mut self,
+        local: &Pieces,
+        remote_addr: u64,
+        rkey: u32,
+        peer_access: Access,
+    ) -> Outcome {
+        if local.total == 0 {
+            return Outcome::ok(0);
+        }
+        let mut pins = Pins::new();
+        let t = match self.resolve(
+            rkey,
+            remote_addr,
+            local.total,
+            Access::REMOTE_READ,
+            Some(peer_access),
+            &mut pins,
+        ) {
+            Ok(t) => t,
+            Err(v) => {
+                drop(pins);
+                self.fail_peer();
+                return Outcome::err(WcStatus::RemAccessErr, v);
+            }
+        };
+        // SAFETY: local pieces are caller memory valid for writing and not accessed by Rust
+        // code until the completion is polled (post_send contract), LOCAL_WRITE checked; the
+        // target is resolved and kept mapped/pinned until the copy returns.
+        let r = unsafe { copy_in(&t, local, self.peer.pid) };
+        drop(pins);
+        match r {
+            Ok(()) => Outcome::ok(u32::try_from(local.total).unwrap_or(u32::MAX)),
+            Err(v) => {
+                self.fail_peer();
+                Outcome::err(WcStatus::RemAccessErr, v)
+            }
+        }
+    }
+
+    fn atomic(
+        &mut self,
+        local: &Pieces,
+        remote_addr: u64,
+        rkey: u32,
+        peer_access: Access,
+        op: impl FnOnce(&AtomicU64) -> u64,
+    ) -> Outcome {
+        let dst = match local.as_slice() {
+            [(p, 8)] => *p,
+            _ => return Outcome::err(WcStatus::LocLenErr, vendor::CORRUPT),
+        };
+        let mut pins = Pins::new();
+        let t = match self.resolve(
+            rkey,
+            remote_addr,
+            8,
+            Access::REMOTE_ATOMIC,
+            Some(peer_access),
+            &mut pins,
+        ) {
+            Ok(t) => t,
+            Err(v) => {
+                drop(pins);
+                self.fail_peer();
+                return Outcome::err(WcStatus::RemAccessErr, v);
+            }
+        };
+        if t.ptr.is_null() {
+            drop(pins);
+            self.fail_peer();
+            return Outcome::err(WcStatus::RemOpErr, vendor::ATOMIC_NOT_SHARED);
+        }
+        if !(t.ptr as usize).is_multiple_of(8) {
+            drop(pins);
+            self.fail_peer();
+            return Outcome::err(WcStatus::RemInvReqErr, vendor::OUT_OF_BOUNDS);
+        }
+        // SAFETY: `t.ptr` is 8-aligned (checked), points at 8 bytes inside a peer region that
+        // is mapped here (or pinned memory of this process) for the duration of the call, and
+        // every concurrent requester uses atomic operations on the word too.
+        let old = op(unsafe { &*t.ptr.cast::<AtomicU64>() });
+        drop(pins);
+        // SAFETY: `dst` is an 8-byte local piece with LOCAL_WRITE (checked by local_pieces),
+        // valid for writing per the post_send contract; no alignment is required.
+        unsafe { dst.cast::<u64>().write_unaligned(old) };
+        Outcome::ok(8)
+    }
+}
+
+/// Copies the local pieces, in order, into the remote targets, in order.
+///
+/// # Safety
+/// Local pieces must be readable memory of this process; every target with a non-null
+/// pointer must be writable memory of length `len` that stays mapped for the call; targets
+/// with a null pointer are addresses in process `pid`.
+unsafe fn copy_out(local: &Pieces, targets: &[Target], pid: u32) -> std::result::Result<(), u32> {
+    let src = local.as_slice();
+    let (mut li, mut loff) = (0usize, 0usize);
+    for t in targets {
+        let mut done = 0usize;
+        if t.ptr.is_null() {
+            let mut iov = [libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; MAX_PIECES];
+            let mut n = 0;
+            while done < t.len && li < src.len() && n < MAX_PIECES {
+                let (p, l) = src[li];
+                let take = (l - loff).min(t.len - done);
+                // SAFETY: `loff + take <= l`: inside local piece `li`.
+                let base = unsafe { p.add(loff) };
+                iov[n] = libc::iovec {
+                    iov_base: base.cast(),
+                    iov_len: take,
+                };
+                n += 1;
+                done += take;
+                loff += take;
+                if loff == l {
+                    li += 1;
+                    loff = 0;
+                }
+            }
+            // SAFETY: the iovecs name readable local memory (contract above).
+            unsafe { shm::cma_copy(pid, CmaDir::Write, &mut iov[..n], t.addr) }
+                .map_err(|_| vendor::CMA_FAILED)?;
+        } else {
+            while done < t.len && li < src.len() {
+                let (p, l) = src[li];
+                let take = (l - loff).min(t.len - done);
+                // SAFETY: source range inside local piece `li`, destination inside target
+                // `t` (`done + take <= t.len`); the two cannot overlap unless the caller posts
+                // a SEND whose source is its peer's posted receive buffer, which the
+                // post_send contract rules out (the receive buffer is not to be accessed).
+                unsafe { std::ptr::copy_nonoverlapping(p.add(loff), t.ptr.add(done), take) };
+                done += take;
+                loff += take;
+                if loff == l {
+                    li += 1;
+                    loff = 0;
+                }
+            }
+        }
+        if li >= src.len() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Copies one remote target into the local pieces.
+///
+/// # Safety
+/// Local pieces must be writable memory of this process not otherwise accessed during the
+/// call; the target as for [`copy_out`] (readable).
+unsafe fn copy_in(t: &Target, local: &Pieces, pid: u32) -> std::result::Result<(), u32> {
+    let dst = local.as_slice();
+    if t.ptr.is_null() {
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; MAX_PIECES];
+        for (i, &(p, l)) in dst.iter().enumerate() {
+            iov[i] = libc::iovec {
+                iov_base: p.cast(),
+                iov_len: l,
+            };
+        }
+        // SAFETY: the iovecs name writable local memory (contract above).
+        return unsafe { shm::cma_copy(pid, CmaDir::Read, &mut iov[..dst.len()], t.addr) }
+            .map_err(|_| vendor::CMA_FAILED);
+    }
+    let mut off = 0usize;
+    for &(p, l) in dst {
+        let take = l.min(t.len - off);
+        // SAFETY: destination is local piece memory (contract), source inside the target
+        // (`off + take <= t.len`).
+        unsafe { std::ptr::copy_nonoverlapping(t.ptr.add(off), p, take) };
+        off += take;
+    }
+    Ok(())
+}
+
+/// Flags of a receive completion from its meta word.
+pub(crate) fn wc_flags(meta: u32) -> Option<WcFlags> {
+    match (meta >> 16) & 0xff {
+        0 => Some(WcFlags::NONE),
+        1 => Some(WcFlags::WITH_IMM),
+        _ => None,
+    }
+}

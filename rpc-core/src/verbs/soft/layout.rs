@@ -1,0 +1,353 @@
+//! Layout of a soft RNIC's two shared segments.
+//!
+//! A soft RNIC instance (one opened [`Context`](super::SoftContext)) owns two memfds:
+//!
+//! - the **published** segment, written only by its owner and sealed with
+//!   `F_SEAL_FUTURE_WRITE`, so peers can map it read-only and nothing else: header, MR table,
+//!   QP table and the receive-queue rings (work queue entries posted by the owner);
+//! - the **inbox** segment, which peers map read-write: the per-QP words peers write
+//!   (receive-queue claim index, "your QP failed" flag), the receive-completion rings peers
+//!   produce into, the per-CQ doorbell words (armed flag, ready bitmap) and the per-MR pin
+//!   counters of user-memory regions.
+//!
+//! Whatever the owner reads back from its inbox was written by someone it does not trust:
+//! every index is masked or bounds-checked and every field validated by the reader.
+//!
+//! All words are little-endian atomics at fixed offsets; both segments are large sparse files
+//! (pages are only allocated when touched).
+
+use std::sync::Mutex;
+
+/// `"SOFTRNIC"` as a little-endian word: first word of both segments.
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
+/// Layout version; a peer with another version is refused at connect time.
+pub(crate) const VERSION: u32 = 1;
+
+/// Size of the published segment (sparse).
+pub(crate) const PUB_LEN: usize = 1 << 30;
+/// Size of the inbox segment (sparse).
+pub(crate) const INBOX_LEN: usize = 1 << 30;
+
+// ---- published segment ---------------------------------------------------------------------
+
+/// Header words of the published segment.
+pub(crate) mod hdr {
+    /// u64 [`super::MAGIC`].
+    pub(crate) const MAGIC: usize = 0;
+    /// u32 layout version.
+    pub(crate) const VERSION: usize = 8;
+    /// u32 owner pid.
+    pub(crate) const PID: usize = 12;
+    /// u64 random nonce naming this instance.
+    pub(crate) const NONCE: usize = 16;
+    /// u32 owner's descriptor number of the inbox memfd.
+    pub(crate) const INBOX_FD: usize = 24;
+    /// u64 published segment length.
+    pub(crate) const PUB_LEN: usize = 32;
+    /// u64 inbox segment length.
+    pub(crate) const INBOX_LEN: usize = 40;
+}
+
+/// Slots of the MR table (key = slot | generation << 16).
+pub(crate) const MAX_MR: usize = 1 << 16;
+/// Bits of the MR key holding the slot.
+pub(crate) const MR_SLOT_BITS: u32 = 16;
+/// Bytes per MR table entry.
+pub(crate) const MR_ENTRY: usize = 64;
+/// Offset of the MR table.
+pub(crate) const MR_TABLE: usize = 4096;
+
+/// Words of an MR table entry.
+pub(crate) mod mr {
+    /// u32 key (0: free). Written last on registration, cleared first on deregistration.
+    pub(crate) const KEY: usize = 0;
+    /// u32 access bits.
+    pub(crate) const ACCESS: usize = 4;
+    /// u32 kind ([`super::MR_KIND_SHM`] or [`super::MR_KIND_USER`]).
+    pub(crate) const KIND: usize = 8;
+    /// u32 owner's descriptor number of the region's memfd (shm kind).
+    pub(crate) const FD: usize = 12;
+    /// u64 start address in the owner's address space.
+    pub(crate) const ADDR: usize = 16;
+    /// u64 length.
+    pub(crate) const LEN: usize = 24;
+    /// u32 protection domain id.
+    pub(crate) const PD: usize = 32;
+}
+
+/// Region memory lives in its own memfd: peers map it and copy directly.
+pub(crate) const MR_KIND_SHM: u32 = 1;
+/// Region memory is ordinary process memory: peers reach it with process_vm_readv/writev.
+pub(crate) const MR_KIND_USER: u32 = 2;
+
+/// Slots of the QP table (qp_num = slot | generation << 12, 24 bits).
+pub(crate) const MAX_QP: usize = 1 << 12;
+/// Bits of the QP number holding the slot.
+pub(crate) const QP_SLOT_BITS: u32 = 12;
+/// Bytes per QP table entry.
+pub(crate) const QP_ENTRY: usize = 128;
+/// Offset of the QP table.
+pub(crate) const QP_TABLE: usize = MR_TABLE + MAX_MR * MR_ENTRY;
+
+/// Words of a QP table entry (published).
+pub(crate) mod qp {
+    /// u32 state ([`crate::verbs::QpState`] as a number).
+    pub(crate) const STATE: usize = 0;
+    /// u32 QP number (0: free slot).
+    pub(crate) const QP_NUM: usize = 4;
+    /// u32 access rights granted to the peer (`qp_access_flags`).
+    pub(crate) const ACCESS: usize = 8;
+    /// u32 protection domain id.
+    pub(crate) const PD: usize = 12;
+    /// u64 offset of the receive-queue WQE ring in the published segment.
+    pub(crate) const RQ_WQE: usize = 16;
+    /// u64 offset of the receive-completion ring in the inbox.
+    pub(crate) const RQ_CQE: usize = 24;
+    /// u32 receive ring size (power of two).
+    pub(crate) const RQ_DEPTH: usize = 32;
+    /// u32 SGEs per receive WQE.
+    pub(crate) const RQ_MAX_SGE: usize = 36;
+    /// u32 slot of the receive CQ.
+    pub(crate) const RECV_CQ: usize = 40;
+    /// u32 bit of this QP in the receive CQ's ready bitmap.
+    pub(crate) const RECV_BIT: usize = 44;
+    /// u32 owner's descriptor number of the receive CQ's channel eventfd (u32::MAX: none).
+    pub(crate) const CHAN_FD: usize = 48;
+    /// u32 QP number of the connected peer QP (set at RTR).
+    pub(crate) const REMOTE_QP: usize = 52;
+    /// u64 nonce of the connected peer's soft RNIC (set at RTR).
+    pub(crate) const REMOTE_NONCE: usize = 56;
+    /// u32 receive producer index (own cache line: written by every post_recv).
+    pub(crate) const RQ_PROD: usize = 64;
+}
+
+/// Bytes of a receive WQE header before its SGEs.
+pub(crate) const WQE_HDR: usize = 16;
+/// Bytes per SGE in a receive WQE.
+pub(crate) const WQE_SGE: usize = 16;
+
+/// Start of the published heap (receive WQE rings).
+pub(crate) const PUB_HEAP: usize = QP_TABLE + MAX_QP * QP_ENTRY;
+
+/// Offset of MR table entry `slot`.
+pub(crate) const fn mr_entry(slot: usize) -> usize {
+    MR_TABLE + slot * MR_ENTRY
+}
+
+/// Offset of QP table entry `slot`.
+pub(crate) const fn qp_entry(slot: usize) -> usize {
+    QP_TABLE + slot * QP_ENTRY
+}
+
+/// Stride of a receive WQE with `max_sge` SGEs (multiple of 16).
+pub(crate) const fn wqe_stride(max_sge: usize) -> usize {
+    WQE_HDR + max_sge * WQE_SGE
+}
+
+// ---- inbox segment -------------------------------------------------------------------------
+
+/// Inbox header: u64 magic at 0, u64 nonce at 8.
+pub(crate) const IN_NONCE: usize = 8;
+
+/// Bytes per QP inbox entry.
+pub(crate) const QP_IN_ENTRY: usize = 64;
+/// Offset of the QP inbox table.
+pub(crate) const QP_IN_TABLE: usize = 4096;
+
+/// Words of a QP inbox entry (written by peers).
+pub(crate) mod qp_in {
+    /// u32: non-zero when the connected peer failed this QP (fatal remote error).
+    pub(crate) const REMOTE_ERROR: usize = 0;
+    /// u32: receive claim index (the peer claims WQEs with compare-and-swap).
+    pub(crate) const RQ_CLAIM: usize = 4;
+}
+
+/// Offset of the MR pin counters (u32 per MR slot).
+pub(crate) const PIN_TABLE: usize = QP_IN_TABLE + MAX_QP * QP_IN_ENTRY;
+
+/// Slots of the CQ table.
+pub(crate) const MAX_CQ: usize = 1 << 10;
+/// Roles (QP send or receive sides) one CQ serves: bits of its ready bitmap.
+pub(crate) const CQ_BITS: usize = 4096;
+/// Words of a CQ's ready bitmap.
+pub(crate) const CQ_WORDS: usize = CQ_BITS / 64;
+/// Bytes per CQ inbox entry: armed word, then the ready bitmap on its own lines.
+pub(crate) const CQ_IN_ENTRY: usize = 64 + CQ_WORDS * 8;
+/// Offset of the CQ inbox table.
+pub(crate) const CQ_IN_TABLE: usize = PIN_TABLE + MAX_MR * 4;
+
+/// Words of a CQ inbox entry.
+pub(crate) mod cq_in {
+    /// u32 armed: 0 no, 1 any completion, 2 solicited or error completions only.
+    pub(crate) const ARMED: usize = 0;
+    /// Start of the ready bitmap (u64 words).
+    pub(crate) const BITMAP: usize = 64;
+}
+
+/// Start of the inbox heap (receive-completion rings).
+pub(crate) const IN_HEAP: usize = CQ_IN_TABLE + MAX_CQ * CQ_IN_ENTRY;
+
+/// Bytes per receive completion (seq, byte_len, imm, meta).
+pub(crate) const RCQE: usize = 16;
+
+/// Words of a receive completion.
+pub(crate) mod rcqe {
+    /// u32 sequence: index + 1 of the WQE it completes, written last (Release).
+    pub(crate) const SEQ: usize = 0;
+    /// u32 bytes received.
+    pub(crate) const BYTE_LEN: usize = 4;
+    /// u32 immediate data.
+    pub(crate) const IMM: usize = 8;
+    /// u32 status | opcode << 8 | flags << 16 | solicited << 24.
+    pub(crate) const META: usize = 12;
+}
+
+/// `META` status value meaning "discarded by a reset: no completion".
+pub(crate) const RCQE_DISCARD: u32 = 0xff;
+
+/// Offset of QP inbox entry `slot`.
+pub(crate) const fn qp_in_entry(slot: usize) -> usize {
+    QP_IN_TABLE + slot * QP_IN_ENTRY
+}
+
+/// Offset of the pin counter of MR slot `slot`.
+pub(crate) const fn pin(slot: usize) -> usize {
+    PIN_TABLE + slot * 4
+}
+
+/// Offset of CQ inbox entry `slot`.
+pub(crate) const fn cq_in_entry(slot: usize) -> usize {
+    CQ_IN_TABLE + slot * CQ_IN_ENTRY
+}
+
+const _: () = assert!(PUB_HEAP < PUB_LEN / 2);
+const _: () = assert!(IN_HEAP < INBOX_LEN / 2);
+const _: () = assert!(QP_ENTRY >= qp::RQ_PROD + 4);
+const _: () = assert!(MAX_MR <= 1 << MR_SLOT_BITS && MAX_QP <= 1 << QP_SLOT_BITS);
+const _: () = assert!(CQ_IN_ENTRY.is_multiple_of(64) && MR_TABLE.is_multiple_of(4096));
+
+/// A first-fit allocator of byte ranges inside a heap (setup path only).
+#[derive(Debug)]
+pub(crate) struct RegionAlloc {
+    free: Mutex<Vec<(usize, usize)>>,
+}
+
+impl RegionAlloc {
+    /// An allocator of `[start, end)`.
+    pub(crate) fn new(start: usize, end: usize) -> RegionAlloc {
+        RegionAlloc {
+            free: Mutex::new(vec![(start, end - start)]),
+        }
+    }
+
+    /// Allocates `len` bytes aligned to 64; `None` when the heap is exhausted.
+    pub(crate) fn alloc(&self, len: usize) -> Option<usize> {
+        let len = len.checked_add(63)? & !63;
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let i = free.iter().position(|&(_, l)| l >= len)?;
+        let (off, l) = free[i];
+        if l == len {
+            free.remove(i);
+        } else {
+            free[i] = (off + len, l - len);
+        }
+        Some(off)
+    }
+
+    /// Returns `[off, off + len)` (as passed to and returned by `alloc`).
+    pub(crate) fn free(&self, off: usize, len: usize) {
+        let len = (len + 63) & !63;
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let i = free.partition_point(|&(o, _)| o < off);
+        free.insert(i, (off, len));
+        // Merge with the next and the previous range.
+        if i + 1 < free.len() && free[i].0 + free[i].1 == free[i + 1].0 {
+            free[i].1 += free[i + 1].1;
+            free.remove(i + 1);
+        }
+        if i > 0 && free[i - 1].0 + free[i - 1].1 == free[i].0 {
+            free[i - 1].1 += free[i].1;
+            free.remove(i);
+        }
+    }
+}
+
+/// Slots of a table with a generation per slot, handed out oldest-freed first so that a
+/// stale key or QP number takes as long as possible to become valid again.
+#[derive(Debug)]
+pub(crate) struct SlotAlloc {
+    inner: Mutex<SlotInner>,
+    gen_bits: u32,
+}
+
+#[derive(Debug)]
+struct SlotInner {
+    free: std::collections::VecDeque<u32>,
+    gens: Vec<u32>,
+}
+
+impl SlotAlloc {
+    /// `n` slots; generations have `gen_bits` bits and are never 0.
+    pub(crate) fn new(n: usize, gen_bits: u32) -> SlotAlloc {
+        SlotAlloc {
+            inner: Mutex::new(SlotInner {
+                free: (0..n as u32).collect(),
+                gens: vec![0; n],
+            }),
+            gen_bits,
+        }
+    }
+
+    /// A free slot and its new generation.
+    pub(crate) fn alloc(&self) -> Option<(u32, u32)> {
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = s.free.pop_front()?;
+        let g = &mut s.gens[slot as usize];
+        let mask = (1u32 << self.gen_bits) - 1;
+        *g = (*g + 1) & mask;
+        if *g == 0 {
+            *g = 1;
+        }
+        Some((slot, *g))
+    }
+
+    /// Returns `slot`.
+    pub(crate) fn free(&self, slot: u32) {
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        s.free.push_back(slot);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_alloc_merges() {
+        let a = RegionAlloc::new(1024, 1024 + 64 * 10);
+        let x = a.alloc(64).unwrap();
+        let y = a.alloc(100).unwrap();
+        let z = a.alloc(64).unwrap();
+        assert_eq!((x, y, z), (1024, 1088, 1216));
+        assert!(a.alloc(64 * 8).is_none());
+        a.free(y, 100);
+        a.free(x, 64);
+        a.free(z, 64);
+        assert_eq!(a.alloc(64 * 10), Some(1024));
+    }
+
+    #[test]
+    fn slot_generations_never_zero() {
+        let s = SlotAlloc::new(2, 2);
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            let (slot, g) = s.alloc().unwrap();
+            assert_ne!(g, 0);
+            seen.push((slot, g));
+            s.free(slot);
+        }
+        assert_eq!(seen[0], (0, 1));
+        assert_eq!(seen[1], (1, 1));
+        assert_eq!(seen[2], (0, 2));
+    }
+}

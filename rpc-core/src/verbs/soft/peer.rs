@@ -1,0 +1,378 @@
+//! Peers: another soft RNIC instance (in this or another process) whose segments we mapped,
+//! and the watchdog that notices when a peer process dies.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+
+use super::channel::ChannelInner;
+use super::layout::{self, hdr};
+use super::shm::{self, EventFd, Mapping};
+use super::{Device, ErrorKind, Result, Verb, VerbsError};
+
+/// Whether a peer process is alive, as the watchdog last saw it.
+#[derive(Debug)]
+pub(crate) struct Liveness {
+    pidfd: OwnedFd,
+    /// Set once, when the process exited (or a test hook pretends it did).
+    pub(crate) dead: AtomicBool,
+}
+
+impl Liveness {
+    /// Whether the peer is gone (one atomic load).
+    #[inline]
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+}
+
+/// A soft RNIC instance we talk to: its segments mapped here, its regions mapped on demand.
+#[derive(Debug)]
+pub(crate) struct Peer {
+    pub(crate) pid: u32,
+    pub(crate) nonce: u64,
+    /// The peer lives in this process (its user-memory regions are reachable directly).
+    pub(crate) same_process: bool,
+    pub(crate) live: Arc<Liveness>,
+    /// The peer's published segment (read-only unless the peer is ourselves).
+    pub(crate) pub_map: Arc<Mapping>,
+    /// The peer's inbox (read-write).
+    pub(crate) inbox: Arc<Mapping>,
+    /// Mappings of the peer's shm regions by slot: (key, mapping).
+    mrs: Mutex<HashMap<u32, (u32, Arc<Mapping>)>>,
+    /// Duplicates of the peer's channel eventfds by descriptor number.
+    efds: Mutex<HashMap<u32, Arc<OwnedFd>>>,
+}
+
+/// Why mapping a peer's region failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MapError {
+    /// The region was deregistered meanwhile.
+    Stale,
+    /// The descriptor is gone, not a sealed memfd, or smaller than the region.
+    Failed,
+}
+
+fn bad_ep(detail: String) -> VerbsError {
+    VerbsError::new(Verb::Connect, ErrorKind::InvalidEndpoint, detail)
+}
+
+impl Peer {
+    /// Finds, maps and validates the soft RNIC named by (`pid`, `fd`, `nonce`).
+    pub(crate) fn attach(dev: &Arc<Device>, pid: u32, fd: u32, nonce: u64) -> Result<Peer> {
+        let pidfd = shm::pidfd_open(pid).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ESRCH) {
+                bad_ep(format!(
+                    "soft endpoint names process {pid}, which does not exist (the peer exited, \
+                     or the endpoint is stale or forged)"
+                ))
+            } else {
+                VerbsError::from_errno(
+                    Verb::Connect,
+                    e.raw_os_error().unwrap_or(libc::EIO),
+                    format!("pidfd_open({pid}) failed: cannot reach the soft peer"),
+                )
+            }
+        })?;
+        let same_process = pid == dev.pid;
+        let live = Arc::new(Liveness {
+            pidfd,
+            dead: AtomicBool::new(false),
+        });
+
+        if nonce == dev.nonce {
+            // Loopback within one context: our own segments.
+            return Ok(Peer {
+                pid,
+                nonce,
+                same_process,
+                live,
+                pub_map: dev.pub_map.clone(),
+                inbox: dev.inbox.clone(),
+                mrs: Mutex::new(HashMap::new()),
+                efds: Mutex::new(HashMap::new()),
+            });
+        }
+
+        let pub_fd = shm::pidfd_getfd(live.pidfd.as_fd(), pid, fd).map_err(|e| {
+            bad_ep(format!(
+                "process {pid} has no soft RNIC control segment at descriptor {fd} ({e}): the \
+                 endpoint is stale or forged"
+            ))
+        })?;
+        let size = shm::file_size(pub_fd.as_fd()).unwrap_or(0);
+        if size < layout::PUB_LEN as u64
+            || shm::seals(pub_fd.as_fd()).unwrap_or(0) & libc::F_SEAL_SHRINK == 0
+        {
+            return Err(bad_ep(format!(
+                "descriptor {fd} of process {pid} is not a soft RNIC control segment: the \
+                 endpoint is stale or forged"
+            )));
+        }
+        let pub_map = Mapping::map(pub_fd.as_fd(), layout::PUB_LEN, false).map_err(|e| {
+            VerbsError::from_errno(
+                Verb::Connect,
+                e.raw_os_error().unwrap_or(libc::EIO),
+                "cannot map the soft peer's control segment",
+            )
+        })?;
+        let rd64 = |m: &Mapping, off| m.u64_at(off).map_or(0, |w| w.load(Ordering::Acquire));
+        let rd32 = |m: &Mapping, off| m.u32_at(off).map_or(0, |w| w.load(Ordering::Acquire));
+        if rd64(&pub_map, hdr::MAGIC) != layout::MAGIC {
+            return Err(bad_ep(format!(
+                "descriptor {fd} of process {pid} is not a soft RNIC control segment (bad magic): \
+                 the endpoint is stale or forged"
+            )));
+        }
+        if rd32(&pub_map, hdr::VERSION) != layout::VERSION {
+            return Err(bad_ep(format!(
+                "the soft RNIC of process {pid} has layout version {}, we have {}: mixed builds",
+                rd32(&pub_map, hdr::VERSION),
+                layout::VERSION
+            )));
+        }
+        if rd64(&pub_map, hdr::NONCE) != nonce || rd32(&pub_map, hdr::PID) != pid {
+            return Err(bad_ep(format!(
+                "soft RNIC nonce mismatch in process {pid}: the instance the endpoint names no \
+                 longer exists (stale endpoint) or the endpoint is forged"
+            )));
+        }
+        let in_fd_num = rd32(&pub_map, hdr::INBOX_FD);
+        let in_fd = shm::pidfd_getfd(live.pidfd.as_fd(), pid, in_fd_num).map_err(|e| {
+            bad_ep(format!(
+                "cannot reach the inbox of the soft RNIC in process {pid} ({e})"
+            ))
+        })?;
+        if shm::file_size(in_fd.as_fd()).unwrap_or(0) < layout::INBOX_LEN as u64
+            || shm::seals(in_fd.as_fd()).unwrap_or(0) & libc::F_SEAL_SHRINK == 0
+        {
+            return Err(bad_ep(format!(
+                "the soft RNIC of process {pid} has a bad inbox segment"
+            )));
+        }
+        let inbox = Mapping::map(in_fd.as_fd(), layout::INBOX_LEN, true).map_err(|e| {
+            VerbsError::from_errno(
+                Verb::Connect,
+                e.raw_os_error().unwrap_or(libc::EIO),
+                "cannot map the soft peer's inbox",
+            )
+        })?;
+        if rd64(&inbox, 0) != layout::MAGIC || rd64(&inbox, layout::IN_NONCE) != nonce {
+            return Err(bad_ep(format!(
+                "the inbox of the soft RNIC in process {pid} does not match its control segment"
+            )));
+        }
+        if !same_process {
+            dev.watchdog.watch(live.clone());
+        }
+        Ok(Peer {
+            pid,
+            nonce,
+            same_process,
+            live,
+            pub_map: Arc::new(pub_map),
+            inbox: Arc::new(inbox),
+            mrs: Mutex::new(HashMap::new()),
+            efds: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The mapping of the peer's shm region in `slot` with key `key`, whose owner-side
+    /// descriptor is `fd` and length `len`. Slow path (first access): maps and caches.
+    pub(crate) fn map_mr(
+        &self,
+        slot: u32,
+        key: u32,
+        fd: u32,
+        len: u64,
+    ) -> std::result::Result<Arc<Mapping>, MapError> {
+        let mut mrs = self.mrs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((k, m)) = mrs.get(&slot)
+            && *k == key
+        {
+            return Ok(m.clone());
+        }
+        let len = usize::try_from(len).map_err(|_| MapError::Failed)?;
+        let dup = shm::pidfd_getfd(self.live.pidfd.as_fd(), self.pid, fd)
+            .map_err(|_| MapError::Failed)?;
+        // The key still being current after we got the descriptor proves the descriptor was
+        // still the region's: the owner clears the key before it closes the memfd.
+        let key_word = self
+            .pub_map
+            .u32_at(layout::mr_entry(slot as usize) + layout::mr::KEY)
+            .ok_or(MapError::Failed)?;
+        if key_word.load(Ordering::SeqCst) != key {
+            return Err(MapError::Stale);
+        }
+        // A region whose file could shrink could make our copies fault (SIGBUS): require the
+        // seal and a size covering the region.
+        let sealed = shm::seals(dup.as_fd()).unwrap_or(0) & libc::F_SEAL_SHRINK != 0;
+        let size = shm::file_size(dup.as_fd()).unwrap_or(0);
+        if !sealed || size < len as u64 {
+            return Err(MapError::Failed);
+        }
+        let m = Arc::new(Mapping::map(dup.as_fd(), len, true).map_err(|_| MapError::Failed)?);
+        mrs.insert(slot, (key, m.clone()));
+        Ok(m)
+    }
+
+    /// A duplicate of the peer's eventfd number `fd` (a completion channel), checked to be an
+    /// eventfd. Setup path.
+    pub(crate) fn eventfd(&self, fd: u32) -> Option<Arc<OwnedFd>> {
+        let mut efds = self.efds.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = efds.get(&fd) {
+            return Some(f.clone());
+        }
+        let dup = shm::pidfd_getfd(self.live.pidfd.as_fd(), self.pid, fd).ok()?;
+        let link = std::fs::read_link(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&dup)
+        ))
+        .ok()?;
+        if link.to_string_lossy() != "anon_inode:[eventfd]" {
+            return None;
+        }
+        let dup = Arc::new(dup);
+        efds.insert(fd, dup.clone());
+        Some(dup)
+    }
+}
+
+/// Shared state of a context's watchdog thread.
+#[derive(Debug)]
+pub(crate) struct WatchShared {
+    efd: EventFd,
+    stop: AtomicBool,
+    peers: Mutex<Vec<Arc<Liveness>>>,
+    /// Completion channels of the context, woken when a peer dies.
+    pub(crate) channels: Mutex<Vec<Weak<ChannelInner>>>,
+}
+
+/// The per-context watchdog: a thread sleeping in `poll` on the peers' pidfds (zero CPU while
+/// nothing happens), started when the first peer of another process is attached.
+#[derive(Debug)]
+pub(crate) struct Watchdog {
+    pub(crate) shared: Arc<WatchShared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Watchdog {
+    pub(crate) fn new() -> std::io::Result<Watchdog> {
+        Ok(Watchdog {
+            shared: Arc::new(WatchShared {
+                efd: EventFd::new()?,
+                stop: AtomicBool::new(false),
+                peers: Mutex::new(Vec::new()),
+                channels: Mutex::new(Vec::new()),
+            }),
+            thread: Mutex::new(None),
+        })
+    }
+
+    /// Starts watching `live`.
+    pub(crate) fn watch(&self, live: Arc<Liveness>) {
+        self.shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(live);
+        let mut t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+        if t.is_none() {
+            let shared = self.shared.clone();
+            *t = std::thread::Builder::new()
+                .name("soft-rnic-watchdog".into())
+                .spawn(move || run(&shared))
+                .ok();
+        }
+        self.shared.efd.signal();
+    }
+
+    /// Registers a completion channel to wake when a peer dies.
+    pub(crate) fn add_channel(&self, ch: Weak<ChannelInner>) {
+        let mut v = self
+            .shared
+            .channels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        v.retain(|w| w.strong_count() > 0);
+        v.push(ch);
+    }
+
+    /// Marks `live` dead and wakes every channel (what the thread does on exit; also the test
+    /// hook).
+    pub(crate) fn declare_dead(&self, live: &Liveness) {
+        declare_dead(&self.shared, live);
+    }
+}
+
+fn declare_dead(shared: &WatchShared, live: &Liveness) {
+    if !live.dead.swap(true, Ordering::SeqCst) {
+        let chans = shared.channels.lock().unwrap_or_else(|e| e.into_inner());
+        for c in chans.iter().filter_map(Weak::upgrade) {
+            c.wake();
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.efd.signal();
+        if let Some(t) = self
+            .thread
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The watchdog loop: poll the pidfds (and our eventfd for changes); mark exited peers dead.
+fn run(shared: &WatchShared) {
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut lives: Vec<Arc<Liveness>> = Vec::new();
+    while !shared.stop.load(Ordering::SeqCst) {
+        {
+            let mut peers = shared.peers.lock().unwrap_or_else(|e| e.into_inner());
+            // Forget peers nobody else references, and those already dead.
+            peers.retain(|l| Arc::strong_count(l) > 1 && !l.is_dead());
+            lives.clear();
+            lives.extend(peers.iter().cloned());
+        }
+        fds.clear();
+        fds.push(libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&shared.efd),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        for l in &lives {
+            fds.push(libc::pollfd {
+                fd: std::os::fd::AsRawFd::as_raw_fd(&l.pidfd),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfds for the duration of the call;
+        // every descriptor in it is kept open by `lives`/`shared` until after the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            continue;
+        }
+        if fds[0].revents != 0 {
+            let _ = shared.efd.drain();
+        }
+        for (p, l) in fds[1..].iter().zip(&lives) {
+            if p.revents != 0 {
+                declare_dead(shared, l);
+            }
+        }
+    }
+}
