@@ -7,6 +7,7 @@ use std::fmt;
 use std::mem::{MaybeUninit, offset_of, size_of};
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use rdma_sys::{
     ibv_alloc_pd, ibv_cq, ibv_create_cq, ibv_create_qp, ibv_dealloc_pd, ibv_destroy_cq,
@@ -54,6 +55,8 @@ pub struct IbQp {
     psn: u32,
     path_mtu: u32,
     remote: Option<Endpoint>,
+    /// The error-completion counts of both CQs when this QP last looked.
+    seen_errors: u64,
     pd: Arc<PdShared>,
     send_cq: Arc<CqShared>,
     recv_cq: Arc<CqShared>,
@@ -240,6 +243,7 @@ impl IbQp {
             psn: random_psn(),
             path_mtu: 0,
             remote: None,
+            seen_errors: 0,
             pd: Arc::clone(&pd.shared),
             send_cq: Arc::clone(&send_cq.shared),
             recv_cq: Arc::clone(&recv_cq.shared),
@@ -965,6 +969,18 @@ impl Qp for IbQp {
         }
         // SAFETY: as above.
         unsafe { self.flush_recv(&mut batch, n, base)? };
+        if self.state != QpState::Error {
+            // Did the device move the QP to ERROR on its own? Only worth a system call after
+            // an error completion showed up on one of its CQs (one relaxed load otherwise).
+            let errors = self.send_cq.errors.load(Ordering::Relaxed)
+                + self.recv_cq.errors.load(Ordering::Relaxed);
+            if errors != self.seen_errors {
+                self.seen_errors = errors;
+                if self.state() == QpState::Error {
+                    self.state = QpState::Error;
+                }
+            }
+        }
         if self.state == QpState::Error {
             // A receive posted in ERROR must complete with WR_FLUSH_ERR. Soft-RoCE (Linux 6.1)
             // only flushes the receive queue when the QP enters ERROR, so enter it again
