@@ -141,9 +141,11 @@ fn pair(test: &str) -> Option<Pair> {
 
 #[test]
 fn open_reports_device_port_gid_and_caps() {
+    let t = Instant::now();
     let Some(ctx) = open_or_skip("open_reports_device_port_gid_and_caps") else {
         return;
     };
+    let took = t.elapsed();
     let devs = Ib::devices().unwrap();
     assert!(!devs.is_empty());
     let info = ctx.info();
@@ -177,7 +179,7 @@ fn open_reports_device_port_gid_and_caps() {
         assert_eq!(info.link_layer, LinkLayer::Ethernet);
         assert!(caps.atomics);
     }
-    println!("opened {ctx:?}");
+    println!("opened in {took:?}: {ctx:?}");
 }
 
 #[test]

@@ -166,7 +166,11 @@ struct WithMetadata;
 
 impl kv_server::Kv for WithMetadata {
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetReply>, Status> {
-        let user = request.metadata().get_str("x-user").unwrap_or("nobody").to_owned();
+        let user = request
+            .metadata()
+            .get_str("x-user")
+            .unwrap_or("nobody")
+            .to_owned();
         let mut reply = Response::new(GetReply {
             value: user.into_bytes(),
         });
