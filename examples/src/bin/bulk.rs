@@ -7,16 +7,14 @@
 //! cargo run --release -p rpc-examples --bin bulk -- --size 1GiB
 //! ```
 //!
-//! STATUS: the runtime contract has no API yet for registering user memory on a channel nor
-//! for one-sided operations from a handler. The places that need them are marked
-//! `TODO-runtime` with the calls this example expects; until they exist the handler answers
-//! `UNIMPLEMENTED` and the client says so and exits with status 2. Everything else (service,
-//! handles, checks, verification) is real.
+//! The client registers its buffer with `Channel::alloc_region`; the handler reaches it through
+//! `Request::peer()` (`Peer::read`, `Peer::buffer` + `Peer::write`).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use rpc_core::server::Server;
+use rpc_core::verbs::RemoteMr;
 use rpc_core::{Request, Response, Status};
 use rpc_examples::bulk::bulk_client::BulkClient;
 use rpc_examples::bulk::bulk_server::{self, BulkServer};
@@ -49,32 +47,48 @@ fn check(handle: Option<&BulkHandle>) -> Result<&BulkHandle, Status> {
 
 impl bulk_server::Bulk for BulkService {
     async fn checksum(&self, request: Request<BulkHandle>) -> Result<Response<Digest>, Status> {
-        let handle = check(Some(request.get_ref()))?;
-        // TODO-runtime: one-sided READ of the caller's region from the handler, e.g.
-        //     let bulk = request.bulk()?;                  // the call's connection
-        //     let mut local = bulk.buffer(handle.len)?;    // registered memory (BulkPool)
-        //     let t = Instant::now();
-        //     bulk.read(RemoteMr { addr: handle.addr, len: handle.len, rkey: handle.rkey },
-        //               &mut local).await?;            // RDMA READ; REM_ACCESS_ERR -> Status
-        //     return Ok(Response::new(Digest { checksum: checksum(&local), len: handle.len,
-        //                                      read_ns: t.elapsed().as_nanos() as u64 }));
-        let _ = (checksum as fn(&[u8]) -> u64, handle);
-        Err(Status::unimplemented(
-            "bulk.Bulk/Checksum: one-sided RDMA READ from a handler is not in the runtime \
-             contract yet (TODO-runtime)",
-        ))
+        let peer = request
+            .peer()
+            .cloned()
+            .ok_or_else(|| Status::internal("no peer"))?;
+        let h = check(Some(request.get_ref()))?;
+        let remote = RemoteMr {
+            addr: h.addr,
+            len: h.len,
+            rkey: h.rkey,
+        };
+        let t = Instant::now();
+        let data = peer.read(remote).await?;
+        let read_ns = t.elapsed().as_nanos() as u64;
+        Ok(Response::new(Digest {
+            checksum: checksum(&data),
+            len: data.len() as u64,
+            read_ns,
+        }))
     }
 
     async fn fill(&self, request: Request<FillRequest>) -> Result<Response<FillReply>, Status> {
+        let peer = request
+            .peer()
+            .cloned()
+            .ok_or_else(|| Status::internal("no peer"))?;
         let r = request.get_ref();
-        let handle = check(r.handle.as_ref())?;
-        // TODO-runtime: fill a registered local buffer with `fill_pattern(&mut local, r.seed)`,
-        // then `bulk.write(&local, RemoteMr { .. }).await?` (RDMA WRITE), as in `checksum`.
-        let _ = (fill_pattern as fn(&mut [u8], u64), handle);
-        Err(Status::unimplemented(
-            "bulk.Bulk/Fill: one-sided RDMA WRITE from a handler is not in the runtime \
-             contract yet (TODO-runtime)",
-        ))
+        let h = check(r.handle.as_ref())?;
+        let remote = RemoteMr {
+            addr: h.addr,
+            len: h.len,
+            rkey: h.rkey,
+        };
+        let len = usize::try_from(h.len).map_err(|_| Status::invalid_argument("too large"))?;
+        let mut local = peer.buffer(len)?;
+        fill_pattern(&mut local, r.seed);
+        let t = Instant::now();
+        peer.write(local, remote).await?;
+        let write_ns = t.elapsed().as_nanos() as u64;
+        Ok(Response::new(FillReply {
+            len: h.len,
+            write_ns,
+        }))
     }
 }
 
@@ -98,61 +112,56 @@ async fn main() -> anyhow::Result<()> {
     println!("bulk: server on {addr}");
     let client = BulkClient::connect(addr.to_string()).await?;
 
-    let mut buf = vec![0u8; args.size];
-    fill_pattern(&mut buf, 7);
-    let expected = checksum(&buf);
+    // Registered memory the server may read and write one-sided.
+    let mut region = client.channel().alloc_region(args.size).await?;
+    // SAFETY: no request advertises the region yet.
+    let buf = unsafe { region.as_mut_slice() };
+    fill_pattern(buf, 7);
+    let expected = checksum(buf);
     println!(
-        "bulk: client buffer {} filled, local checksum {expected:016x}",
+        "bulk: client region {} registered and filled, local checksum {expected:016x}",
         human(buf.len() as u64)
     );
-
-    // TODO-runtime: register the buffer for remote READ and WRITE on this channel, e.g.
-    //     let region = client.channel().register(&mut buf, Access::REMOTE_READ | Access::REMOTE_WRITE)?;
-    //     let mr = region.remote();                     // RemoteMr { addr, len, rkey }
-    // The handle then carries the region's real address, length and rkey:
+    let r = region.remote();
     let handle = BulkHandle {
-        addr: buf.as_ptr() as u64,
-        len: buf.len() as u64,
-        rkey: 0, // TODO-runtime: region.remote().rkey
+        addr: r.addr,
+        len: r.len,
+        rkey: r.rkey,
     };
 
-    match client.checksum(handle).await {
-        Ok(digest) => {
-            let d = digest.into_inner();
-            anyhow::ensure!(
-                d.checksum == expected && d.len == buf.len() as u64,
-                "the server read different bytes: {:016x} over {} bytes",
-                d.checksum,
-                d.len
-            );
-            println!(
-                "bulk: server read {} one-sided in {:?}; checksum matches",
-                human(d.len),
-                Duration::from_nanos(d.read_ns)
-            );
-            let fill = client
-                .fill(FillRequest {
-                    handle: Some(handle),
-                    seed: 99,
-                })
-                .await?
-                .into_inner();
-            let mut want = vec![0u8; buf.len()];
-            fill_pattern(&mut want, 99);
-            anyhow::ensure!(buf == want, "the server wrote different bytes");
-            println!(
-                "bulk: server wrote {} one-sided in {:?}; contents verified",
-                human(fill.len),
-                Duration::from_nanos(fill.write_ns)
-            );
-        }
-        Err(status) if status.code() == rpc_core::Code::Unimplemented => {
-            println!("bulk: not available yet: {}", status.message());
-            tokio::time::timeout(Duration::from_secs(10), server.shutdown()).await?;
-            std::process::exit(2);
-        }
-        Err(status) => return Err(status.into()),
-    }
+    let d = client.checksum(handle).await?.into_inner();
+    anyhow::ensure!(
+        d.checksum == expected && d.len == r.len,
+        "the server read different bytes: {:016x} over {} bytes",
+        d.checksum,
+        d.len
+    );
+    println!(
+        "bulk: server read {} one-sided in {:?} ({:.1} GB/s); checksum matches",
+        human(d.len),
+        Duration::from_nanos(d.read_ns),
+        d.len as f64 / d.read_ns.max(1) as f64
+    );
+    let fill = client
+        .fill(FillRequest {
+            handle: Some(handle),
+            seed: 99,
+        })
+        .await?
+        .into_inner();
+    let mut want = vec![0u8; args.size];
+    fill_pattern(&mut want, 99);
+    // SAFETY: the Fill call is over: the server no longer writes the region.
+    anyhow::ensure!(
+        unsafe { region.as_slice() } == want.as_slice(),
+        "the server wrote different bytes"
+    );
+    println!(
+        "bulk: server wrote {} one-sided in {:?} ({:.1} GB/s); contents verified",
+        human(fill.len),
+        Duration::from_nanos(fill.write_ns),
+        fill.len as f64 / fill.write_ns.max(1) as f64
+    );
     tokio::time::timeout(Duration::from_secs(10), server.shutdown()).await?;
     Ok(())
 }
