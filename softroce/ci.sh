@@ -12,14 +12,17 @@
 # Exit codes: 0 all passed; 77 skipped because qemu cannot be installed here (the only
 # reason to skip); anything else is a failure.
 #
-# Environment: SOFTROCE_TESTS  regex of the rpc-core test targets run in the VM
-#              (default '^(ib_|conformance)'); every softroce/vm.sh variable (SOFTROCE_CACHE, ...).
+# Environment: SOFTROCE_TESTS  regex of the rpc-core test targets run in the VM (default
+#              '^(ib_|conformance_ib|rpc_)': the ib tests, the conformance suite on ib, and the
+#              RPC integration tests, which run on ib there because the VM step sets
+#              RPC_PROVIDER=ib; the library's unit tests stay on the host);
+#              every softroce/vm.sh variable (SOFTROCE_CACHE, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 HOST_PKGS=(qemu-system-x86 libibverbs-dev librdmacm-dev libclang1-14 libclang-common-14-dev pkg-config)
-TESTS=${SOFTROCE_TESTS:-'^(ib_|conformance)'}
+TESTS=${SOFTROCE_TESTS:-'^(ib_|conformance_ib|rpc_)'}
 
 t_start=$SECONDS
 phase() { printf '\n--- softroce/ci: %s (t=%ss)\n' "$*" "$((SECONDS - t_start))"; }
@@ -77,7 +80,7 @@ exes=()
 while IFS= read -r exe; do
   base=$(basename "$exe")
   name=${base%-*}
-  [[ "$name" =~ $TESTS ]] && exes+=("$exe")
+  [[ "$name" =~ $TESTS && "$name" != rpc_core ]] && exes+=("$exe")
 done < <(cargo test -p rpc-core --features ibverbs --no-run --message-format=json 2>/dev/null |
            sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 [[ ${#exes[@]} -gt 0 ]] || { echo "softroce/ci: no test binary matches $TESTS" >&2; exit 1; }
@@ -89,9 +92,21 @@ phase "VM image (softroce/vm.sh prepare)"
 softroce/vm.sh prepare
 
 phase "VM: ${#exes[@]} test binaries + rpc-doctor on Soft-RoCE (rxe0, rxe1)"
+# Conformance cases where Soft-RoCE itself departs from what hardware does (see
+# softroce/README-ib.md, "Known Soft-RoCE deviations"); they run everywhere else.
+#   queue_full        rxe rings hold 2^n - 1 requests, so QueueFull comes later than the
+#                     requested depth (the provider accounts for the request, see ib/mod.rs)
+#   local_protection  rxe completes an SGE with another PD's lkey as LOC_QP_OP_ERR (Linux 6.1)
+#                     or WR_FLUSH_ERR (6.12) instead of LOC_PROT_ERR
+RXE_SKIPS=(queue_full local_protection)
 batch=()
 for e in "${exes[@]}"; do
-  batch+=("$e" ":::")
+  batch+=("$e")
+  if [[ "$(basename "$e")" == conformance_ib-* ]]; then
+    for k in "${RXE_SKIPS[@]}"; do batch+=(--skip "$k"); done
+    echo "softroce/ci: NOTE: skipping the conformance cases ${RXE_SKIPS[*]} on Soft-RoCE (rxe deviations)"
+  fi
+  batch+=(":::")
 done
 # The overrides, end to end: the second device and the link-local GID (index 0).
 smoke=$(printf '%s\n' "${exes[@]}" | grep '/ib_smoke-' | head -1)

@@ -141,9 +141,11 @@ fn pair(test: &str) -> Option<Pair> {
 
 #[test]
 fn open_reports_device_port_gid_and_caps() {
+    let t = Instant::now();
     let Some(ctx) = open_or_skip("open_reports_device_port_gid_and_caps") else {
         return;
     };
+    let took = t.elapsed();
     let devs = Ib::devices().unwrap();
     assert!(!devs.is_empty());
     let info = ctx.info();
@@ -177,7 +179,7 @@ fn open_reports_device_port_gid_and_caps() {
         assert_eq!(info.link_layer, LinkLayer::Ethernet);
         assert!(caps.atomics);
     }
-    println!("opened {ctx:?}");
+    println!("opened in {took:?}: {ctx:?}");
 }
 
 #[test]
@@ -671,6 +673,17 @@ fn state_machine_and_post_errors() {
     assert_eq!(qp.state(), QpState::Error);
     let w = poll_one(&mut cq);
     assert_eq!((w.wr_id, w.status), (1, WcStatus::WrFlushErr));
+    // A receive posted in ERROR is accepted and flushed too.
+    // SAFETY: the buffer stays valid until the flush completion is polled.
+    unsafe {
+        qp.post_recv(&[RecvWr {
+            wr_id: 3,
+            sg_list: &sg,
+        }])
+    }
+    .unwrap();
+    let w = poll_one(&mut cq);
+    assert_eq!((w.wr_id, w.status), (3, WcStatus::WrFlushErr));
     qp.modify_to_reset().unwrap();
     assert_eq!(qp.state(), QpState::Reset);
     // Over the device's caps: refused at creation.

@@ -185,6 +185,9 @@ pub(super) struct CqShared {
     pub(super) capacity: u32,
     /// Completions the QPs attached to this CQ can have outstanding at once.
     committed: AtomicU64,
+    /// Error completions seen on this CQ: a QP that sees it change asks the device whether
+    /// it failed (see `IbQp::post_recv`).
+    pub(super) errors: AtomicU64,
 }
 
 // SAFETY: the CQ handle is used for polling only through `&mut IbCq` (one poller), for arming
@@ -320,6 +323,7 @@ impl IbCq {
                 // least this much room.
                 capacity: cqe,
                 committed: AtomicU64::new(0),
+                errors: AtomicU64::new(0),
             }),
         })
     }
@@ -395,6 +399,9 @@ impl Cq for IbCq {
             for (dst, src) in wcs[done..done + n].iter_mut().zip(&raw[..n]) {
                 // SAFETY: the provider initialised the first `n` entries.
                 *dst = wc_from_raw(unsafe { src.assume_init_ref() });
+                if !dst.is_ok() {
+                    self.shared.errors.fetch_add(1, Ordering::Relaxed);
+                }
             }
             done += n;
             if n < want {

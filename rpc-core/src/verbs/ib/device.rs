@@ -637,7 +637,9 @@ fn open_candidate(
     service_level: u8,
 ) -> Result<IbContext, VerbsError> {
     let ethernet = c.port.link_layer == LinkLayer::Ethernet;
+    let t0 = std::time::Instant::now();
     let table = gid_table(&c.raw, &c.name, &c.port);
+    let t_gids = t0.elapsed();
     let (gid, gid_choice) = select::choose_gid(&c.name, c.port.num, ethernet, &table, forced_gid)?;
     let raw = match Arc::try_unwrap(c.raw) {
         Ok(r) => r,
@@ -646,6 +648,13 @@ fn open_candidate(
         Err(_) => reopen(&c.name)?,
     };
     let max_inline = super::qp::probe_max_inline(&raw, &c.name, INLINE_PROBE_MAX);
+    tracing::debug!(
+        "NET/IB : {}:{}: GID table ({} entries) read in {t_gids:?}, inline size probed in {:?}",
+        c.name,
+        c.port.num,
+        c.port.gid_tbl_len,
+        t0.elapsed() - t_gids
+    );
     let caps = caps_of(&c.attr, &c.port, max_inline);
     let shared = CtxShared {
         raw,

@@ -41,13 +41,13 @@
 //!
 //! # Queue depths and back-pressure
 //!
-//! [`Qp::caps`](crate::verbs::Qp::caps) reports the depths the device granted, and
-//! [`Cq::capacity`](crate::verbs::Cq::capacity) the size asked for; a QP is admitted to its CQs
-//! only while the granted depths of all their QPs fit (CQ overrun is prevented by sizing). A
-//! device may physically accept more work requests than granted before `post_send` answers
-//! [`ErrorKind::QueueFull`] (rxe rings hold 2^n - 1): callers must keep their outstanding work
-//! requests within `caps()`, as the RPC runtime's credits do, rather than rely on `QueueFull`
-//! to come at exactly that depth.
+//! [`Qp::caps`](crate::verbs::Qp::caps) and [`Cq::capacity`](crate::verbs::Cq::capacity) are
+//! the sizes asked for, even where the device rounded its rings up (mlx5, rxe since Linux 6.2
+//! report 2^n - 1): a QP is admitted to its CQs only while the depths of all their QPs fit (CQ
+//! overrun is prevented by sizing), with the same arithmetic as on every other provider. The
+//! device may therefore accept more work requests than `caps()` before `post_send` answers
+//! [`ErrorKind::QueueFull`]: callers keep their outstanding work requests within `caps()`, as
+//! the RPC runtime's credits do, and do not rely on `QueueFull` coming at exactly that depth.
 //!
 //! # Logs
 //!

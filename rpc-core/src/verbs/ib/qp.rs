@@ -7,6 +7,7 @@ use std::fmt;
 use std::mem::{MaybeUninit, offset_of, size_of};
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use rdma_sys::{
     ibv_alloc_pd, ibv_cq, ibv_create_cq, ibv_create_qp, ibv_dealloc_pd, ibv_destroy_cq,
@@ -54,6 +55,8 @@ pub struct IbQp {
     psn: u32,
     path_mtu: u32,
     remote: Option<Endpoint>,
+    /// The error-completion counts of both CQs when this QP last looked.
+    seen_errors: u64,
     pd: Arc<PdShared>,
     send_cq: Arc<CqShared>,
     recv_cq: Arc<CqShared>,
@@ -215,33 +218,32 @@ impl IbQp {
         };
         // SAFETY: `qp` was just returned by libibverbs; `qp_num` is immutable.
         let qp_num = unsafe { (*qp.as_ptr()).qp_num };
-        // The device may grant more than asked (mlx5 reports its rounded depths; rxe reports
-        // the request but its rings hold 2^n - 1): `caps()` and the CQ reservation use what it
-        // reports.
-        let g = &init.cap;
-        let granted = QpCaps {
-            max_send_wr: g.max_send_wr.max(caps.max_send_wr),
-            max_recv_wr: g.max_recv_wr.max(caps.max_recv_wr),
-            max_send_sge: g.max_send_sge.max(caps.max_send_sge),
-            max_recv_sge: g.max_recv_sge.max(caps.max_recv_sge),
-            max_inline_data: g.max_inline_data.max(caps.max_inline_data),
-        };
-        if let Err(e) = commit(&send_cq.shared, &recv_cq.shared, &granted) {
+        // The device may grant more than asked (mlx5, and rxe since Linux 6.2, report their
+        // rounded-up rings: 2^n - 1). The provider accounts for what was asked, on every
+        // provider alike: `caps()` reports it and the CQs reserve room for it, so code sized
+        // for one provider is admitted on the others; the device's extra room is slack.
+        if let Err(e) = commit(&send_cq.shared, &recv_cq.shared, &caps) {
             // SAFETY: the QP was just created, nothing was posted; destroyed once.
             unsafe { ibv_destroy_qp(qp.as_ptr()) };
             return Err(e);
         }
+        let g = &init.cap;
         tracing::debug!(
-            "NET/IB : {dev} QP {qp_num:#x} created: asked {caps:?}, granted {granted:?}"
+            "NET/IB : {dev} QP {qp_num:#x} created: {caps:?}; device rings: send {} recv {} \
+             inline {}",
+            g.max_send_wr,
+            g.max_recv_wr,
+            g.max_inline_data
         );
         Ok(IbQp {
             qp,
             qp_num,
             state: QpState::Reset,
-            caps: granted,
+            caps,
             psn: random_psn(),
             path_mtu: 0,
             remote: None,
+            seen_errors: 0,
             pd: Arc::clone(&pd.shared),
             send_cq: Arc::clone(&send_cq.shared),
             recv_cq: Arc::clone(&recv_cq.shared),
@@ -711,6 +713,8 @@ impl Qp for IbQp {
         }
     }
 
+    /// The sizes asked for at creation, which the device granted (it may have rounded its
+    /// rings up; the provider accounts for the request, see the module docs).
     fn caps(&self) -> QpCaps {
         self.caps
     }
@@ -964,7 +968,31 @@ impl Qp for IbQp {
             }
         }
         // SAFETY: as above.
-        unsafe { self.flush_recv(&mut batch, n, base) }
+        unsafe { self.flush_recv(&mut batch, n, base)? };
+        if self.state != QpState::Error {
+            // Did the device move the QP to ERROR on its own? Only worth a system call after
+            // an error completion showed up on one of its CQs (one relaxed load otherwise).
+            let errors = self.send_cq.errors.load(Ordering::Relaxed)
+                + self.recv_cq.errors.load(Ordering::Relaxed);
+            if errors != self.seen_errors {
+                self.seen_errors = errors;
+                if self.state() == QpState::Error {
+                    self.state = QpState::Error;
+                }
+            }
+        }
+        if self.state == QpState::Error {
+            // A receive posted in ERROR must complete with WR_FLUSH_ERR. Soft-RoCE (Linux 6.1)
+            // only flushes the receive queue when the QP enters ERROR, so enter it again
+            // (ERROR -> ERROR is a legal transition; one system call, only in this state).
+            // SAFETY: all-zero bytes are a valid `ibv_qp_attr`.
+            let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+            a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+            if let Err(e) = self.modify(&mut a, ibv_qp_attr_mask::IBV_QP_STATE, "ERROR->ERROR") {
+                tracing::debug!("NET/IB : flushing receives posted in ERROR: {e}");
+            }
+        }
+        Ok(())
     }
 }
 
