@@ -174,7 +174,10 @@ impl kv_server::Kv for WithMetadata {
         let mut reply = Response::new(GetReply {
             value: user.into_bytes(),
         });
-        reply.metadata_mut().insert("x-seen", "1").unwrap();
+        reply
+            .metadata_mut()
+            .insert("x-seen", "1")
+            .expect("valid metadata");
         Ok(reply)
     }
 

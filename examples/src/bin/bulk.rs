@@ -152,8 +152,9 @@ async fn main() -> anyhow::Result<()> {
     let mut want = vec![0u8; args.size];
     fill_pattern(&mut want, 99);
     // SAFETY: the Fill call is over: the server no longer writes the region.
+    let written = unsafe { region.as_slice() };
     anyhow::ensure!(
-        unsafe { region.as_slice() } == want.as_slice(),
+        written == want.as_slice(),
         "the server wrote different bytes"
     );
     println!(
