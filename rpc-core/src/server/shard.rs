@@ -204,13 +204,13 @@ pub(crate) struct Shard<P: Provider> {
 
 /// Opens the shard's device objects on the calling thread and returns the shard, ready to run.
 pub(crate) fn open<P: Provider>(
+    ctx: P::Context,
     id: u16,
     nshards: u16,
     cfg: Arc<ServerConfig>,
     router: Arc<Router>,
     epoch: Instant,
 ) -> Result<(Shard<P>, ShardHandle), crate::Error> {
-    let ctx = P::open(cfg.device.as_deref())?;
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
     let per_conn = qp_caps(&cfg, ctx.caps().max_inline);

@@ -413,6 +413,8 @@ impl Provider for Soft {
     }
 
     fn open(name: Option<&str>) -> Result<SoftContext> {
+        // `soft0` or `soft0:1` (device:port, as rails are named).
+        let name = name.map(|n| n.strip_suffix(":1").unwrap_or(n));
         if let Some(n) = name
             && n != DEVICE_NAME
         {
