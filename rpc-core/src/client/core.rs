@@ -629,7 +629,7 @@ impl<P: Provider> ClientCore<P> {
     /// Whether the call in cell `idx` is still the one of `generation` and not over.
     fn call_live(&self, idx: u32, generation: u32) -> bool {
         let c = &self.cells[idx as usize];
-        c.generation.load(Ordering::Acquire) == generation && !self.is_dead()
+        c.generation.load(Ordering::Acquire) == generation && !self.is_dead() && c.mb.is_running()
     }
 
     /// Queues one client stream message, waiting while the stream window is used up.
@@ -1232,7 +1232,10 @@ impl<P: Provider> Driver<P> {
         if let Some(s) = self.cell_slot.get_mut(idx as usize) {
             *s = None;
         }
-        if let Err(o) = cell.mb.complete(o) {
+        let r = cell.mb.complete(o);
+        // A client stream waiting for window learns the call is over.
+        cell.send_waker.wake();
+        if let Err(o) = r {
             drop(o);
             core.release_cell(idx);
         }
@@ -1498,11 +1501,14 @@ impl<P: Provider> Driver<P> {
                 continue;
             }
             debug!(%call, "deadline exceeded");
-            self.deliver(
-                core,
-                slot,
-                Outcome::Failed(Status::deadline_exceeded("deadline exceeded")),
-            );
+            let status = Status::deadline_exceeded("deadline exceeded");
+            if let Some(inbox) = self.calls[slot].inbox.take() {
+                inbox.finish(Some(status.clone()));
+            }
+            for ss in std::mem::take(&mut self.calls[slot].out) {
+                self.discard(ss);
+            }
+            self.deliver(core, slot, Outcome::Failed(status));
             match self
                 .link
                 .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
