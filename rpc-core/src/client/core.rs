@@ -1458,14 +1458,34 @@ impl<P: Provider> Driver<P> {
         }
         self.calls[slot].cell = None;
         core.release_cell(idx);
+        let call = self.calls[slot].id;
+        let tell = self.link.wire.cancel_local(call);
+        self.give_up(
+            core,
+            slot,
+            Status::cancelled("the call was cancelled"),
+            tell,
+        )
+    }
+
+    /// Ends the call in `slot` for the caller with `status` (its stream too), tells the server
+    /// with a Cancel when `tell`, and frees the call once the server has our buffers back.
+    fn give_up(
+        &mut self,
+        core: &ClientCore<P>,
+        slot: usize,
+        status: Status,
+        tell: bool,
+    ) -> Result<(), LinkError> {
+        let call = self.calls[slot].id;
         if let Some(inbox) = self.calls[slot].inbox.take() {
-            inbox.finish(Some(Status::cancelled("the call was cancelled")));
+            inbox.finish(Some(status.clone()));
         }
         for ss in std::mem::take(&mut self.calls[slot].out) {
             self.discard(ss);
         }
-        let call = self.calls[slot].id;
-        if self.link.wire.cancel_local(call) {
+        self.deliver(core, slot, Outcome::Failed(status));
+        if tell {
             match self
                 .link
                 .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
@@ -1502,26 +1522,7 @@ impl<P: Provider> Driver<P> {
             }
             debug!(%call, "deadline exceeded");
             let status = Status::deadline_exceeded("deadline exceeded");
-            if let Some(inbox) = self.calls[slot].inbox.take() {
-                inbox.finish(Some(status.clone()));
-            }
-            for ss in std::mem::take(&mut self.calls[slot].out) {
-                self.discard(ss);
-            }
-            self.deliver(core, slot, Outcome::Failed(status));
-            match self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
-            {
-                Err(FrameError::Busy) => self.cancel_retry.push_back(call),
-                Err(FrameError::Link(e)) => return Err(e),
-                _ => {}
-            }
-            if self.calls[slot].lends() {
-                self.calls[slot].finishing = true;
-            } else {
-                self.retire(slot);
-            }
+            self.give_up(core, slot, status, true)?;
         }
         Ok(n)
     }
