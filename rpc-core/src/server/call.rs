@@ -208,6 +208,24 @@ impl std::fmt::Debug for IncomingCall<'_> {
 #[must_use]
 pub struct Dispatched(());
 
+/// The request of a client-streaming or bidi call: its metadata and the client's stream.
+fn stream_request<Req>(
+    ctx: &mut dyn CallCtx,
+    metadata: Metadata,
+    timeout: Option<Duration>,
+    inbox: Option<Arc<Inbox>>,
+) -> Option<Request<Streaming<Req>>> {
+    let Some(inbox) = inbox else {
+        ctx.fail(&Status::internal(
+            "streaming call without the client's stream",
+        ));
+        return None;
+    };
+    let mut request = Request::from_parts(metadata, Streaming::from_inbox(inbox), timeout);
+    request.set_peer(ctx.peer());
+    Some(request)
+}
+
 fn spawn<'a, T: SlabTask<CallFamily> + 'static>(
     tasks: &mut Tasks,
     ctx: &'a mut (dyn CallCtx + 'a),
@@ -319,12 +337,9 @@ impl IncomingCall<'_> {
             inbox,
             ..
         } = self;
-        let Some(inbox) = inbox else {
-            ctx.fail(&Status::internal("client-streaming call without a stream"));
+        let Some(request) = stream_request(&mut *ctx, metadata, timeout, inbox) else {
             return Dispatched(());
         };
-        let mut request = Request::from_parts(metadata, Streaming::from_inbox(inbox), timeout);
-        request.set_peer(ctx.peer());
         let task = FutureTask::new(handler(request), reply_unary::<Resp>);
         spawn(tasks, ctx, spawned, task);
         Dispatched(())
@@ -349,12 +364,9 @@ impl IncomingCall<'_> {
             inbox,
             ..
         } = self;
-        let Some(inbox) = inbox else {
-            ctx.fail(&Status::internal("bidirectional call without a stream"));
+        let Some(request) = stream_request(&mut *ctx, metadata, timeout, inbox) else {
             return Dispatched(());
         };
-        let mut request = Request::from_parts(metadata, Streaming::from_inbox(inbox), timeout);
-        request.set_peer(ctx.peer());
         let task = ServerStream {
             state: StreamState::Handler(Box::pin(handler(request))),
         };
