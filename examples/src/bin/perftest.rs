@@ -393,7 +393,8 @@ fn run<P: Provider>(
         all,
         ..args.clone()
     };
-    let max = sizes.iter().copied().max().unwrap_or(2).max(64);
+    // write_lat uses two message buffers (what arrives, what leaves).
+    let max = 2 * sizes.iter().copied().max().unwrap_or(2).max(64);
     let mut rig = setup::<P>(&eff, &mut ch, max)?;
     let device = rig.ctx.info().name.clone();
     if client {
@@ -893,17 +894,22 @@ fn send_bw<P: Provider>(
     Ok(Vec::new())
 }
 
+/// Single-thread memcpy bandwidth between two buffers of `size` bytes, over at least `iters`
+/// copies and at least 50 ms.
 fn memcpy_gbps(size: usize, iters: usize) -> f64 {
     let src = vec![1u8; size];
     let mut dst = vec![0u8; size];
-    let reps = iters.max(8);
     for _ in 0..4 {
         dst.copy_from_slice(&src);
     }
     let t0 = Instant::now();
-    for _ in 0..reps {
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
+    let mut reps = 0usize;
+    while reps < iters.max(8) || t0.elapsed() < Duration::from_millis(50) {
+        for _ in 0..8 {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+        }
+        reps += 8;
     }
     let ns = t0.elapsed().as_nanos().max(1) as f64;
     (size * reps) as f64 * 8.0 / ns
