@@ -119,8 +119,6 @@ pub(crate) struct QpShared {
 // completion was polled; `scq` entries written by the progress holder before a Release store of
 // `scq_tail`, read by the send CQ's poller (`&mut SoftCq`, one thread) after an Acquire load.
 unsafe impl Sync for QpShared {}
-// SAFETY: every field is Send (raw data, atomics, Arcs of Send + Sync types).
-unsafe impl Send for QpShared {}
 
 /// Exclusive access to a QP's execution state.
 struct Progress<'a> {
