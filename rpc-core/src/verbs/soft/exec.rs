@@ -24,7 +24,7 @@ use crate::verbs::{
 /// Most pieces one side of a copy can have (an SG list; inline data is one piece).
 pub(crate) const MAX_PIECES: usize = CAPS.max_sge as usize;
 /// Peer regions whose mapping a connection remembers (direct-mapped by slot).
-const MR_CACHE: usize = 8;
+const MR_CACHE: usize = 64;
 
 static ZERO32: AtomicU32 = AtomicU32::new(0);
 static ZERO64: AtomicU64 = AtomicU64::new(0);
@@ -351,7 +351,7 @@ impl Conn {
             bm_bit: 1u64 << (bit % 64),
             armed: cq_entry + layout::cq_in::ARMED,
             efd,
-            cache: Default::default(),
+            cache: std::array::from_fn(|_| (0, None)),
             my_qp_num,
             my_nonce: dev.nonce,
             peer,

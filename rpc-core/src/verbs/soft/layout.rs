@@ -24,9 +24,9 @@ pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
 pub(crate) const VERSION: u32 = 1;
 
 /// Size of the published segment (sparse).
-pub(crate) const PUB_LEN: usize = 1 << 30;
+pub(crate) const PUB_LEN: usize = 512 << 20;
 /// Size of the inbox segment (sparse).
-pub(crate) const INBOX_LEN: usize = 1 << 30;
+pub(crate) const INBOX_LEN: usize = 256 << 20;
 
 // ---- published segment ---------------------------------------------------------------------
 
