@@ -327,6 +327,9 @@ struct Rig<P: Provider> {
     remote: RemoteMr,
     inline: u32,
     deadline: Instant,
+    /// Receives posted and not yet completed (they span the whole buffer, so receives left
+    /// over from one size serve the next).
+    recvs: usize,
 }
 
 fn sizes(args: &Args) -> Vec<usize> {
@@ -506,6 +509,7 @@ fn setup<P: Provider>(args: &Args, ch: &mut Chan, max: usize) -> Result<Rig<P>> 
         remote,
         inline,
         deadline: Instant::now() + Duration::from_secs(args.timeout),
+        recvs: 0,
     })
 }
 
@@ -525,8 +529,11 @@ impl<P: Provider> Rig<P> {
             .map_err(|e| anyhow!("post_send: {e}"))
     }
 
-    fn post_recvs(&mut self, n: usize, size: usize) -> Result<()> {
-        let sge = [self.mr.sge(0, size as u32).ok_or_else(|| anyhow!("size"))?];
+    /// Posts receives until `target` are outstanding.
+    fn top_up_recvs(&mut self, target: usize) -> Result<()> {
+        let n = target.saturating_sub(self.recvs);
+        let len = u32::try_from(self.mr.len()).unwrap_or(u32::MAX);
+        let sge = [self.mr.sge(0, len).ok_or_else(|| anyhow!("size"))?];
         let wrs = [RecvWr {
             wr_id: 0,
             sg_list: &sge,
@@ -537,6 +544,7 @@ impl<P: Provider> Rig<P> {
             // SAFETY: as in `post_send_one`.
             unsafe { self.qp.post_recv(&wrs[..k]) }.map_err(|e| anyhow!("post_recv: {e}"))?;
             left -= k;
+            self.recvs += k;
         }
         Ok(())
     }
@@ -570,7 +578,7 @@ fn send_lat<P: Provider>(
     iters: usize,
 ) -> Result<Vec<u64>> {
     const PRE: usize = 16;
-    rig.post_recvs(PRE, size)?;
+    rig.top_up_recvs(PRE)?;
     let flags_base = if size as u32 <= rig.inline {
         SendFlags::INLINE
     } else {
@@ -599,10 +607,12 @@ fn send_lat<P: Provider>(
     let wait_recv = |rig: &mut Rig<P>, wcs: &mut [Wc], pending: &mut usize| -> Result<()> {
         while *pending == 0 {
             let n = rig.poll_some(wcs)?;
-            *pending += wcs[..n]
+            let r = wcs[..n]
                 .iter()
                 .filter(|w| w.opcode == rpc_core::verbs::WcOpcode::Recv)
                 .count();
+            *pending += r;
+            rig.recvs -= r;
         }
         *pending -= 1;
         Ok(())
@@ -613,13 +623,13 @@ fn send_lat<P: Provider>(
             send(rig, i)?;
             wait_recv(rig, &mut wcs, &mut pending_recvs)?;
             let dt = t0.elapsed().as_nanos() as u64;
-            rig.post_recvs(1, size)?;
+            rig.top_up_recvs(PRE)?;
             if i >= warm {
                 samples.push(dt / 2);
             }
         } else {
             wait_recv(rig, &mut wcs, &mut pending_recvs)?;
-            rig.post_recvs(1, size)?;
+            rig.top_up_recvs(PRE)?;
             send(rig, i)?;
         }
     }
@@ -882,14 +892,14 @@ fn send_bw<P: Provider>(
     if client {
         return stream_sends(rig, WrOp::Send, &sge, iters, depth);
     }
-    rig.post_recvs(RX_DEPTH as usize, size)?;
+    rig.top_up_recvs(RX_DEPTH as usize)?;
     let mut got = 0usize;
     let mut wcs = [Wc::default(); 32];
     while got < iters {
         let n = rig.poll_some(&mut wcs)?;
         got += n;
-        let repost = n.min(iters.saturating_sub(got));
-        rig.post_recvs(repost, size)?;
+        rig.recvs -= n;
+        rig.top_up_recvs(RX_DEPTH as usize)?;
     }
     Ok(Vec::new())
 }

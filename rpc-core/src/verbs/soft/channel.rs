@@ -41,7 +41,14 @@ impl ChannelInner {
     }
 }
 
-/// A completion channel of the soft RNIC: an eventfd, usable with epoll/tokio `AsyncFd`.
+/// A completion channel of the soft RNIC: a non-blocking eventfd, usable with epoll/tokio
+/// `AsyncFd` (readable = events pending; [`CompChannel::drain`] consumes them).
+///
+/// Producers ring it only for a CQ armed with [`Cq::req_notify`](crate::verbs::Cq::req_notify)
+/// (once per arming): local producers write the eventfd, producers in peer processes write the
+/// duplicate they obtained with `pidfd_getfd` when they connected. The context's watchdog also
+/// rings it when a peer process dies, and queued RNR retries bound how long
+/// [`CompChannel::wait`] sleeps.
 #[derive(Debug)]
 pub struct SoftCompChannel {
     pub(crate) inner: Arc<ChannelInner>,
