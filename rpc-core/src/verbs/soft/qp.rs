@@ -1207,7 +1207,11 @@ impl Qp for SoftQp {
                     // SAFETY: forwarded post_send contract (inline SGEs readable).
                     unsafe { s.store(seq, wr, not_before) };
                     s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
-                    s.mark_pending(not_before);
+                    // Behind a queued head we hold the flag for, the head's retry is already
+                    // scheduled (and the QP marked); otherwise make the next poll run it.
+                    if guard.is_none() || delay != 0 {
+                        s.mark_pending(not_before);
+                    }
                 }
             }
         }
