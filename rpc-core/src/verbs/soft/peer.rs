@@ -62,6 +62,12 @@ fn bad_ep(detail: String) -> VerbsError {
 impl Peer {
     /// Finds, maps and validates the soft RNIC named by (`pid`, `fd`, `nonce`).
     pub(crate) fn attach(dev: &Arc<Device>, pid: u32, fd: u32, nonce: u64) -> Result<Peer> {
+        if nonce == dev.nonce && (pid != dev.pid || fd != dev.pub_fd_num()) {
+            return Err(bad_ep(format!(
+                "the endpoint carries this soft RNIC's nonce with another process or descriptor \
+                 ({pid}/{fd}): it is forged"
+            )));
+        }
         let pidfd = shm::pidfd_open(pid).map_err(|e| {
             if e.raw_os_error() == Some(libc::ESRCH) {
                 bad_ep(format!(
