@@ -266,6 +266,53 @@ fn channel_wait_wakes_for_rnr_retry() {
 }
 
 #[test]
+fn channel_fd_becomes_readable_when_a_retry_is_due() {
+    use std::os::fd::AsRawFd;
+    let a_ctx = Soft::open(None).unwrap();
+    let b_ctx = Soft::open(None).unwrap();
+    let ch = a_ctx.create_comp_channel().unwrap();
+    let attr = ConnectAttr {
+        rnr_retry: 7,
+        min_rnr_timer: 16, // 2.56 ms
+        ..ConnectAttr::default()
+    };
+    let mut p = pair_in(a_ctx, b_ctx, attr, Some(&ch), None);
+    let mr = mr_all::<Soft>(&p.a_pd, 64);
+    let rmr = mr_all::<Soft>(&p.b_pd, 64);
+    post_send(&mut p.a, 1, WrOp::Send, &[mr.sge(0, 8).unwrap()], SIG);
+    post_recv(&mut p.b, 2, &[rmr.sge(0, 64).unwrap()]);
+    // Sleep on the descriptor only (as epoll / tokio AsyncFd would), never in `wait`.
+    let t0 = Instant::now();
+    let mut wc = [Wc::default(); 1];
+    let mut wakeups = 0;
+    loop {
+        p.a_cq.req_notify(false).unwrap();
+        if p.a_cq.poll(&mut wc).unwrap() == 1 {
+            break;
+        }
+        let mut pfd = libc::pollfd {
+            fd: ch.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut pfd, 1, 5000) };
+        assert_eq!(
+            r, 1,
+            "the descriptor did not become readable when the retry was due"
+        );
+        ch.drain().unwrap();
+        wakeups += 1;
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "slept past the retry"
+        );
+    }
+    assert_ok(&wc[0], 1);
+    assert!(wakeups <= 10, "{wakeups} wake-ups for one retry");
+}
+
+#[test]
 fn garbage_receive_completion_is_an_error_not_ub() {
     let mut p = pair();
     let mr = mr_all::<Soft>(&p.b_pd, 64);

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::Device;
+use super::peer::WatchShared;
 use super::shm::{self, EventFd};
 use crate::verbs::{CompChannel, Result, Verb, VerbsError};
 
@@ -23,6 +24,8 @@ pub(crate) struct ChannelInner {
     deadline: AtomicU64,
     /// Nonce of the owning device (CQs of another device may not use this channel).
     pub(crate) dev_nonce: u64,
+    /// The context's service thread, which rings us when the deadline passes.
+    watch: Arc<WatchShared>,
 }
 
 impl ChannelInner {
@@ -37,6 +40,23 @@ impl ChannelInner {
         let prev = self.deadline.fetch_min(at_ns, Ordering::AcqRel);
         if at_ns < prev {
             self.efd.signal();
+            self.watch.efd.signal();
+        }
+    }
+
+    /// For the service thread: `None` (and the deadline cleared) when the deadline passed, so
+    /// the caller rings the channel; otherwise the pending deadline (`u64::MAX`: none).
+    pub(crate) fn take_due(&self, now: u64) -> Option<u64> {
+        let d = self.deadline.load(Ordering::Acquire);
+        if d > now {
+            return Some(d);
+        }
+        match self
+            .deadline
+            .compare_exchange(d, u64::MAX, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            Ok(_) => None,
+            Err(cur) => Some(cur),
         }
     }
 }
@@ -67,6 +87,7 @@ impl SoftCompChannel {
             efd,
             deadline: AtomicU64::new(u64::MAX),
             dev_nonce: dev.nonce,
+            watch: dev.watchdog.shared.clone(),
         });
         dev.watchdog.add_channel(Arc::downgrade(&inner));
         Ok(SoftCompChannel { inner })

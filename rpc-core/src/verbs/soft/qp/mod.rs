@@ -1035,7 +1035,11 @@ impl Qp for SoftQp {
                     if now == 0 {
                         now = shm::now_ns();
                     }
-                    let not_before = if delay == 0 { 0 } else { now.saturating_add(delay) };
+                    let not_before = if delay == 0 {
+                        0
+                    } else {
+                        now.saturating_add(delay)
+                    };
                     // SAFETY: forwarded post_send contract (inline SGEs readable).
                     unsafe { s.store(seq, wr, not_before) };
                     s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
