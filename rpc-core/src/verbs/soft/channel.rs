@@ -51,13 +51,9 @@ impl ChannelInner {
         if d > now {
             return Some(d);
         }
-        match self
-            .deadline
+        self.deadline
             .compare_exchange(d, u64::MAX, Ordering::AcqRel, Ordering::Relaxed)
-        {
-            Ok(_) => None,
-            Err(cur) => Some(cur),
-        }
+            .err()
     }
 }
 
