@@ -43,15 +43,18 @@
 //! after it (RC order is kept) and retried every [`ConnectAttr::rnr_timer`] from later
 //! [`Qp::post_send`] and [`Cq::poll`] calls, up to `rnr_retry` times (7: forever), then fails
 //! with `RNR_RETRY_EXC_ERR`. While such work is queued, [`CompChannel::wait`] does not sleep
-//! past the next retry time (it returns `true` so the caller polls). The same machinery waits
+//! past the next retry time (it returns `true` so the caller polls), and the context's service
+//! thread makes the channel's descriptor readable when the retry is due (for epoll/`AsyncFd`
+//! sleepers, armed CQ or not). The same machinery waits
 //! for a peer QP that is not connected yet (`retry_cnt` times every ACK timeout, then
 //! `RETRY_EXC_ERR`). The retry machinery is lock-free: a pre-allocated queue per QP, a pending
 //! bit per QP in its send CQ and a counter the CQ checks with one load.
 //!
 //! # Peers that die
 //!
-//! A watchdog thread per context sleeps in `poll` on the pidfds of the peer processes (no CPU
-//! while nothing happens); when one exits it sets a flag the data path reads with one atomic
+//! A service thread per context (started with its first completion channel or first peer in
+//! another process) sleeps in `ppoll` on the pidfds of the peer processes (no CPU while nothing
+//! happens); when one exits it sets a flag the data path reads with one atomic
 //! load and wakes every completion channel of the context. Operations towards a dead peer, and
 //! queued RNR sends, complete with `RETRY_EXC_ERR` (then the QP moves to ERROR and everything
 //! else is flushed) instead of hanging.
