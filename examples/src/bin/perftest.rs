@@ -327,6 +327,9 @@ struct Rig<P: Provider> {
     remote: RemoteMr,
     inline: u32,
     deadline: Instant,
+    /// Receives posted and not yet completed (they span the whole buffer, so receives left
+    /// over from one size serve the next).
+    recvs: usize,
 }
 
 fn sizes(args: &Args) -> Vec<usize> {
@@ -393,7 +396,8 @@ fn run<P: Provider>(
         all,
         ..args.clone()
     };
-    let max = sizes.iter().copied().max().unwrap_or(2).max(64);
+    // write_lat uses two message buffers (what arrives, what leaves).
+    let max = 2 * sizes.iter().copied().max().unwrap_or(2).max(64);
     let mut rig = setup::<P>(&eff, &mut ch, max)?;
     let device = rig.ctx.info().name.clone();
     if client {
@@ -505,6 +509,7 @@ fn setup<P: Provider>(args: &Args, ch: &mut Chan, max: usize) -> Result<Rig<P>> 
         remote,
         inline,
         deadline: Instant::now() + Duration::from_secs(args.timeout),
+        recvs: 0,
     })
 }
 
@@ -524,8 +529,11 @@ impl<P: Provider> Rig<P> {
             .map_err(|e| anyhow!("post_send: {e}"))
     }
 
-    fn post_recvs(&mut self, n: usize, size: usize) -> Result<()> {
-        let sge = [self.mr.sge(0, size as u32).ok_or_else(|| anyhow!("size"))?];
+    /// Posts receives until `target` are outstanding.
+    fn top_up_recvs(&mut self, target: usize) -> Result<()> {
+        let n = target.saturating_sub(self.recvs);
+        let len = u32::try_from(self.mr.len()).unwrap_or(u32::MAX);
+        let sge = [self.mr.sge(0, len).ok_or_else(|| anyhow!("size"))?];
         let wrs = [RecvWr {
             wr_id: 0,
             sg_list: &sge,
@@ -536,6 +544,7 @@ impl<P: Provider> Rig<P> {
             // SAFETY: as in `post_send_one`.
             unsafe { self.qp.post_recv(&wrs[..k]) }.map_err(|e| anyhow!("post_recv: {e}"))?;
             left -= k;
+            self.recvs += k;
         }
         Ok(())
     }
@@ -569,7 +578,7 @@ fn send_lat<P: Provider>(
     iters: usize,
 ) -> Result<Vec<u64>> {
     const PRE: usize = 16;
-    rig.post_recvs(PRE, size)?;
+    rig.top_up_recvs(PRE)?;
     let flags_base = if size as u32 <= rig.inline {
         SendFlags::INLINE
     } else {
@@ -598,10 +607,12 @@ fn send_lat<P: Provider>(
     let wait_recv = |rig: &mut Rig<P>, wcs: &mut [Wc], pending: &mut usize| -> Result<()> {
         while *pending == 0 {
             let n = rig.poll_some(wcs)?;
-            *pending += wcs[..n]
+            let r = wcs[..n]
                 .iter()
                 .filter(|w| w.opcode == rpc_core::verbs::WcOpcode::Recv)
                 .count();
+            *pending += r;
+            rig.recvs -= r;
         }
         *pending -= 1;
         Ok(())
@@ -612,13 +623,13 @@ fn send_lat<P: Provider>(
             send(rig, i)?;
             wait_recv(rig, &mut wcs, &mut pending_recvs)?;
             let dt = t0.elapsed().as_nanos() as u64;
-            rig.post_recvs(1, size)?;
+            rig.top_up_recvs(PRE)?;
             if i >= warm {
                 samples.push(dt / 2);
             }
         } else {
             wait_recv(rig, &mut wcs, &mut pending_recvs)?;
-            rig.post_recvs(1, size)?;
+            rig.top_up_recvs(PRE)?;
             send(rig, i)?;
         }
     }
@@ -881,29 +892,34 @@ fn send_bw<P: Provider>(
     if client {
         return stream_sends(rig, WrOp::Send, &sge, iters, depth);
     }
-    rig.post_recvs(RX_DEPTH as usize, size)?;
+    rig.top_up_recvs(RX_DEPTH as usize)?;
     let mut got = 0usize;
     let mut wcs = [Wc::default(); 32];
     while got < iters {
         let n = rig.poll_some(&mut wcs)?;
         got += n;
-        let repost = n.min(iters.saturating_sub(got));
-        rig.post_recvs(repost, size)?;
+        rig.recvs -= n;
+        rig.top_up_recvs(RX_DEPTH as usize)?;
     }
     Ok(Vec::new())
 }
 
+/// Single-thread memcpy bandwidth between two buffers of `size` bytes, over at least `iters`
+/// copies and at least 50 ms.
 fn memcpy_gbps(size: usize, iters: usize) -> f64 {
     let src = vec![1u8; size];
     let mut dst = vec![0u8; size];
-    let reps = iters.max(8);
     for _ in 0..4 {
         dst.copy_from_slice(&src);
     }
     let t0 = Instant::now();
-    for _ in 0..reps {
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
+    let mut reps = 0usize;
+    while reps < iters.max(8) || t0.elapsed() < Duration::from_millis(50) {
+        for _ in 0..8 {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+        }
+        reps += 8;
     }
     let ns = t0.elapsed().as_nanos().max(1) as f64;
     (size * reps) as f64 * 8.0 / ns
