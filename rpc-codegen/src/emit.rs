@@ -194,6 +194,9 @@ fn client(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
                 /// # Errors
                 /// When the address does not resolve, the connection fails or the handshake is
                 /// refused.
+                ///
+                /// # Cancel safety
+                /// Dropping the future abandons the attempt and frees what it set up.
                 pub async fn connect(
                     addr: impl ::core::convert::AsRef<str>,
                 ) -> ::core::result::Result<Self, TransportError> {
@@ -249,6 +252,12 @@ fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
     };
+    let cancel_doc = quote! {
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
+    };
     match m.kind() {
         CallKind::Unary => {
             let blocking = ident(&m.blocking_name());
@@ -260,6 +269,7 @@ fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
             quote! {
                 #docs
                 #errors_doc
+                #cancel_doc
                 #deprecated
                 pub async fn #name(
                     &self,
@@ -284,6 +294,7 @@ fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
         CallKind::ServerStreaming => quote! {
             #docs
             #errors_doc
+            #cancel_doc
             #deprecated
             pub async fn #name(
                 &self,
@@ -296,6 +307,7 @@ fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
         CallKind::ClientStreaming => quote! {
             #docs
             #errors_doc
+            #cancel_doc
             #deprecated
             pub async fn #name(
                 &self,
@@ -308,6 +320,7 @@ fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
         CallKind::Streaming => quote! {
             #docs
             #errors_doc
+            #cancel_doc
             #deprecated
             pub async fn #name(
                 &self,

@@ -230,23 +230,10 @@ impl Builder {
         protos: &[impl AsRef<Path>],
         includes: &[impl AsRef<Path>],
     ) -> io::Result<()> {
-        let mut compiler = protox::Compiler::new(includes.iter().map(AsRef::as_ref))
-            .map_err(|e| io::Error::other(format!("protox: {e}")))?;
-        compiler.include_imports(true).include_source_info(true);
-        for proto in protos {
-            compiler.open_file(proto.as_ref()).map_err(|e| {
-                io::Error::other(format!(
-                    "compiling {}: {}",
-                    proto.as_ref().display(),
-                    protox_message(&e)
-                ))
-            })?;
-        }
+        let (compiler, read) = load(protos, includes)?;
         if self.emit_rerun_if_changed {
-            for file in compiler.files() {
-                if let Some(path) = file.path() {
-                    println!("cargo:rerun-if-changed={}", path.display());
-                }
+            for path in &read {
+                println!("cargo:rerun-if-changed={}", path.display());
             }
         }
         if let Some(path) = &self.file_descriptor_set_path {
@@ -343,6 +330,31 @@ impl Builder {
             )))
         }
     }
+}
+
+/// Compiles `protos` with protox; returns the compiler and every file it read from disk
+/// (imports included; protox's built-in `google/protobuf/*.proto` have no path).
+fn load(
+    protos: &[impl AsRef<Path>],
+    includes: &[impl AsRef<Path>],
+) -> io::Result<(protox::Compiler, Vec<PathBuf>)> {
+    let mut compiler = protox::Compiler::new(includes.iter().map(AsRef::as_ref))
+        .map_err(|e| io::Error::other(format!("protox: {e}")))?;
+    compiler.include_imports(true).include_source_info(true);
+    for proto in protos {
+        compiler.open_file(proto.as_ref()).map_err(|e| {
+            io::Error::other(format!(
+                "compiling {}: {}",
+                proto.as_ref().display(),
+                protox_message(&e)
+            ))
+        })?;
+    }
+    let read = compiler
+        .files()
+        .filter_map(|f| f.path().map(Path::to_owned))
+        .collect();
+    Ok((compiler, read))
 }
 
 /// protox's error with its location (`file:line:column`) when it has one.
@@ -506,4 +518,21 @@ pub fn service_def(service: &prost_build::Service) -> Result<ServiceDef, Codegen
         methods,
         docs: doc_lines(&service.comments.leading, &service.comments.trailing),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_file_read_is_reported_for_rerun_if_changed() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto");
+        let (_, read) = load(&[root.join("test/everything.proto")], &[&root]).unwrap();
+        let names: Vec<String> = read
+            .iter()
+            .map(|p| p.strip_prefix(&root).unwrap().display().to_string())
+            .collect();
+        // The file and its import from disk; not the built-in well-known types.
+        assert_eq!(names, ["test/common.proto", "test/everything.proto"]);
+    }
 }

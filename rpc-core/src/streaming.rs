@@ -1,36 +1,371 @@
-//! [`Streaming`]: the stream of messages received on a streaming call.
+//! [`Streaming`]: the stream of messages received on a streaming call, and the inbox behind it.
 //!
-//! CONTRACT ONLY for now: the runtime behind it lands with issue 7.
+//! Received stream messages stay in the registered memory they arrived in (a receive slot, or
+//! a bulk buffer a large message was READ into) until the consumer takes them; each is decoded
+//! when taken. The inbox holds at most the stream window, which the sender never exceeds; the
+//! consumer returns window to the sender as it takes messages (every half window), so a slow
+//! consumer slows its producer and nothing grows without bound.
 
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
-use crate::Status;
+use atomic_waker::AtomicWaker;
+use crossbeam_queue::ArrayQueue;
+use futures_core::Stream;
+use prost::Message;
+
+use crate::buf::{RecvSlot, SlotReader};
+use crate::{Metadata, Status};
+
+/// A received stream message, still in registered memory.
+pub(crate) enum Item {
+    /// Bytes `start..end` of a receive slot.
+    Slot {
+        slot: RecvSlot,
+        start: usize,
+        end: usize,
+    },
+    /// A whole buffer (a large message READ into a bulk buffer).
+    Owned(Box<dyn AsRef<[u8]> + Send>),
+}
+
+impl std::fmt::Debug for Item {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Item::Slot { slot, start, end } => write!(f, "Item::Slot({slot:?}, {start}..{end})"),
+            Item::Owned(b) => write!(f, "Item::Owned({} bytes)", b.as_ref().as_ref().len()),
+        }
+    }
+}
+
+struct OwnedItem(Box<dyn AsRef<[u8]> + Send>);
+
+impl AsRef<[u8]> for OwnedItem {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_ref().as_ref()
+    }
+}
+
+impl Item {
+    fn decode<T: Message + Default>(self) -> Result<T, Status> {
+        let r = match self {
+            Item::Slot { slot, start, end } => T::decode(SlotReader::new(slot, start, end)),
+            Item::Owned(b) => {
+                let n = b.as_ref().as_ref().len();
+                T::decode(SlotReader::new(OwnedItem(b), 0, n))
+            }
+        };
+        r.map_err(|e| Status::internal(format!("failed to decode stream message: {e}")))
+    }
+}
+
+/// What the inbox asks of the connection's owner (the client driver or the server shard).
+pub(crate) trait InboxHost: Send + Sync + 'static {
+    /// Return `n` messages of window to the sender.
+    fn grant(&self, n: u32);
+    /// The consumer went away (before or after the end): give the call up if it still runs,
+    /// and let go of what it holds.
+    fn abandon(&self);
+}
+
+/// The receiving side of one call's message stream.
+pub(crate) struct Inbox {
+    items: ArrayQueue<Item>,
+    waker: AtomicWaker,
+    ended: AtomicBool,
+    end: OnceLock<Option<Status>>,
+    metadata: OnceLock<Metadata>,
+    consumed: AtomicU32,
+    window: u32,
+    host: OnceLock<Box<dyn InboxHost>>,
+}
+
+impl std::fmt::Debug for Inbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox")
+            .field("queued", &self.items.len())
+            .field("ended", &self.ended.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Inbox {
+    /// An inbox for a stream window of `window` messages.
+    pub(crate) fn new(window: u32) -> Arc<Inbox> {
+        Arc::new(Inbox {
+            items: ArrayQueue::new(window.max(1) as usize + 1),
+            waker: AtomicWaker::new(),
+            ended: AtomicBool::new(false),
+            end: OnceLock::new(),
+            metadata: OnceLock::new(),
+            consumed: AtomicU32::new(0),
+            window: window.max(1),
+            host: OnceLock::new(),
+        })
+    }
+
+    /// Connects the inbox to its host (once).
+    pub(crate) fn set_host(&self, host: Box<dyn InboxHost>) {
+        let _ = self.host.set(host);
+    }
+
+    /// Producer: a message arrived. Returns it back when the inbox is full (the sender broke
+    /// the window).
+    pub(crate) fn push(&self, item: Item) -> Result<(), Item> {
+        self.items.push(item)?;
+        self.waker.wake();
+        Ok(())
+    }
+
+    /// Producer: the peer's metadata for the stream (first frame).
+    pub(crate) fn set_metadata(&self, md: Metadata) {
+        let _ = self.metadata.set(md);
+    }
+
+    /// Producer: the stream ended, cleanly (`None`) or with an error status.
+    pub(crate) fn finish(&self, status: Option<Status>) {
+        let _ = self.end.set(status);
+        self.ended.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    fn poll_item(&self, cx: &mut Context<'_>) -> Poll<Option<Result<Item, Status>>> {
+        for attempt in 0..2 {
+            if let Some(item) = self.items.pop() {
+                self.took_one();
+                return Poll::Ready(Some(Ok(item)));
+            }
+            if self.ended.load(Ordering::Acquire) {
+                // Items pushed before `finish` are visible (push happens-before the flag).
+                if let Some(item) = self.items.pop() {
+                    self.took_one();
+                    return Poll::Ready(Some(Ok(item)));
+                }
+                return Poll::Ready(match self.end.get() {
+                    Some(Some(status)) => Some(Err(status.clone())),
+                    _ => None,
+                });
+            }
+            if attempt == 0 {
+                self.waker.register(cx.waker());
+            }
+        }
+        Poll::Pending
+    }
+
+    fn took_one(&self) {
+        let n = self.consumed.fetch_add(1, Ordering::AcqRel) + 1;
+        let half = self.window.div_ceil(2);
+        if n >= half
+            && self
+                .consumed
+                .compare_exchange(n, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            && !self.ended.load(Ordering::Acquire)
+            && let Some(h) = self.host.get()
+        {
+            h.grant(n);
+        }
+    }
+
+    fn dropped(&self) {
+        if let Some(h) = self.host.get() {
+            h.abandon();
+        }
+    }
+}
+
+/// A stream of `T`s from another source (tests, adapters).
+type LocalStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+enum Source<T> {
+    Inbox(Arc<Inbox>),
+    Local(LocalStream<T>),
+    Done,
+}
 
 /// Messages of type `T` arriving on a streaming call, ending with the call's status.
-#[derive(Debug)]
+///
+/// Dropping it before the end cancels the call (the peer is told).
 pub struct Streaming<T> {
+    source: Source<T>,
     _marker: PhantomData<fn() -> T>,
 }
 
+impl<T> std::fmt::Debug for Streaming<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match &self.source {
+            Source::Inbox(i) => format!("{i:?}"),
+            Source::Local(_) => "local".to_owned(),
+            Source::Done => "done".to_owned(),
+        };
+        f.debug_struct("Streaming").field("source", &s).finish()
+    }
+}
+
 impl<T> Streaming<T> {
+    pub(crate) fn from_inbox(inbox: Arc<Inbox>) -> Streaming<T> {
+        Streaming {
+            source: Source::Inbox(inbox),
+            _marker: PhantomData,
+        }
+    }
+
+    /// A `Streaming` fed by any stream: for adapters (serving a handler through another
+    /// transport) and for testing handlers without a connection.
+    pub fn from_stream(s: impl Stream<Item = Result<T, Status>> + Send + 'static) -> Streaming<T> {
+        Streaming {
+            source: Source::Local(Box::pin(s)),
+            _marker: PhantomData,
+        }
+    }
+
+    /// Metadata the peer sent with its first stream message, once it has arrived.
+    pub fn metadata(&self) -> Option<&Metadata> {
+        match &self.source {
+            Source::Inbox(i) => i.metadata.get(),
+            _ => None,
+        }
+    }
+}
+
+impl<T: Message + Default> Streaming<T> {
     /// The next message, `Ok(None)` at the end of the stream, or the call's error status.
     ///
     /// # Errors
-    /// The call's [`Status`] when it ended with one.
+    /// The call's [`Status`] when it ended with one, or a decoding failure.
     ///
     /// # Cancel safety
     /// Cancel safe: a message is never lost when the future is dropped.
     pub async fn message(&mut self) -> Result<Option<T>, Status> {
-        todo!("streaming runtime: issue 7")
+        match std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next(cx)).await {
+            Some(Ok(m)) => Ok(Some(m)),
+            Some(Err(e)) => Err(e),
+            None => Ok(None),
+        }
     }
 }
 
-impl<T> futures_core::Stream for Streaming<T> {
+impl<T: Message + Default> Stream for Streaming<T> {
     type Item = Result<T, Status>;
 
-    fn poll_next(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        todo!("streaming runtime: issue 7")
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        let r = match &mut this.source {
+            Source::Inbox(inbox) => match inbox.poll_item(cx) {
+                Poll::Ready(Some(Ok(item))) => Poll::Ready(Some(item.decode::<T>())),
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
+            Source::Local(s) => s.as_mut().poll_next(cx),
+            Source::Done => Poll::Ready(None),
+        };
+        if let Poll::Ready(None) | Poll::Ready(Some(Err(_))) = r
+            && let Source::Inbox(inbox) = std::mem::replace(&mut this.source, Source::Done)
+        {
+            // The stream is over for the consumer: let the host free the call.
+            inbox.dropped();
+        }
+        r
+    }
+}
+
+impl<T> Unpin for Streaming<T> {}
+
+impl<T> Drop for Streaming<T> {
+    fn drop(&mut self) {
+        if let Source::Inbox(inbox) = &self.source {
+            inbox.dropped();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    struct Host {
+        grants: Mutex<Vec<u32>>,
+        abandoned: AtomicBool,
+    }
+    impl InboxHost for Arc<Host> {
+        fn grant(&self, n: u32) {
+            self.grants.lock().unwrap().push(n);
+        }
+        fn abandon(&self) {
+            self.abandoned.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn owned(v: u32) -> Item {
+        Item::Owned(Box::new(M { v }.encode_to_vec()))
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct M {
+        #[prost(uint32, tag = "1")]
+        v: u32,
+    }
+
+    #[tokio::test]
+    async fn messages_then_end_and_grants_every_half_window() {
+        let inbox = Inbox::new(4);
+        let host = Arc::new(Host::default());
+        inbox.set_host(Box::new(Arc::clone(&host)));
+        let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
+        for v in 0..4 {
+            inbox.push(owned(v)).unwrap();
+        }
+        for v in 0..4 {
+            assert_eq!(s.message().await.unwrap(), Some(M { v }));
+        }
+        assert_eq!(*host.grants.lock().unwrap(), vec![2, 2]);
+        inbox.push(owned(4)).unwrap();
+        inbox.finish(None);
+        assert_eq!(s.message().await.unwrap(), Some(M { v: 4 }));
+        assert_eq!(s.message().await.unwrap(), None);
+        assert_eq!(
+            *host.grants.lock().unwrap(),
+            vec![2, 2],
+            "no grant after the end"
+        );
+        drop(s);
+        assert!(
+            host.abandoned.load(Ordering::SeqCst),
+            "the host learns the consumer is gone"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_error_status_ends_the_stream_and_dropping_early_abandons() {
+        let inbox = Inbox::new(2);
+        let host = Arc::new(Host::default());
+        inbox.set_host(Box::new(Arc::clone(&host)));
+        let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
+        inbox.push(owned(9)).unwrap();
+        assert_eq!(s.message().await.unwrap(), Some(M { v: 9 }));
+        drop(s);
+        assert!(host.abandoned.load(Ordering::SeqCst));
+
+        let inbox = Inbox::new(2);
+        let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
+        inbox.finish(Some(Status::aborted("boom")));
+        assert_eq!(s.message().await.unwrap_err().code(), crate::Code::Aborted);
+        assert_eq!(s.message().await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn from_stream_passes_items_through() {
+        let items = vec![Ok(M { v: 1 }), Err(Status::not_found("x"))];
+        let st = futures_util::stream::iter(items);
+        let mut s = Streaming::from_stream(st);
+        assert_eq!(s.message().await.unwrap(), Some(M { v: 1 }));
+        assert!(s.message().await.is_err());
     }
 }

@@ -139,3 +139,70 @@ async fn client_calls(client: kv_client::KvClient) -> Result<(), Status> {
     let _ = client.ping(()).await?;
     Ok(())
 }
+
+/// The runtime reached through a re-export (`crate = ".."`).
+mod rt {
+    pub use rpc_core::codegen;
+}
+
+/// A service without methods, with the runtime path overridden.
+#[rpc_derive::service(crate = "crate::rt")]
+pub trait Idle {}
+
+struct Nobody;
+
+impl Idle for Nobody {}
+
+#[test]
+fn crate_path_and_empty_services() {
+    let server = idle_server::IdleServer::new(Nobody);
+    assert_eq!(server.name(), "Idle");
+    assert!(idle_server::METHODS.is_empty());
+}
+
+/// A handler that needs metadata implements the generated (tonic-shaped) trait directly; the
+/// bridge does not get in the way of a type that does not implement the simple trait.
+struct WithMetadata;
+
+impl kv_server::Kv for WithMetadata {
+    async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetReply>, Status> {
+        let user = request
+            .metadata()
+            .get_str("x-user")
+            .unwrap_or("nobody")
+            .to_owned();
+        let mut reply = Response::new(GetReply {
+            value: user.into_bytes(),
+        });
+        reply
+            .metadata_mut()
+            .insert("x-seen", "1")
+            .expect("valid metadata");
+        Ok(reply)
+    }
+
+    async fn put_many(&self, _: Request<Streaming<PutRequest>>) -> Result<Response<()>, Status> {
+        Err(Status::unimplemented("put_many"))
+    }
+
+    type WatchStream = Once;
+
+    async fn watch(&self, _: Request<GetRequest>) -> Result<Response<Once>, Status> {
+        Ok(Response::new(Once(None)))
+    }
+
+    async fn ping(&self, _: Request<()>) -> Result<Response<()>, Status> {
+        Ok(Response::new(()))
+    }
+}
+
+#[tokio::test]
+async fn the_generated_trait_can_be_implemented_directly() {
+    use kv_server::Kv as Generated;
+    let mut request = Request::new(GetRequest::default());
+    request.metadata_mut().insert("x-user", "ada").unwrap();
+    let reply = Generated::get(&WithMetadata, request).await.unwrap();
+    assert_eq!(reply.metadata().get_str("x-seen"), Some("1"));
+    assert_eq!(reply.into_inner().value, b"ada");
+    let _server = kv_server::KvServer::new(WithMetadata);
+}

@@ -94,6 +94,7 @@ fn descriptors_carry_paths_kinds_and_stable_ids() {
         test::nested::deep::deep_server::METHODS,
         &[("/test.nested.deep.Deep/Locate", Unary)],
     );
+    check(ev::nothing_server::METHODS, &[]);
     check(
         rpc_codegen_check::bare_server::METHODS,
         &[("/Bare/Poke", Unary)],

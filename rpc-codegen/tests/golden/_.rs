@@ -26,6 +26,9 @@ pub mod bare_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -45,6 +48,10 @@ pub mod bare_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn poke(
             &self,
             request: impl IntoRequest<super::Poke>,

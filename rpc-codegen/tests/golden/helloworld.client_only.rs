@@ -36,6 +36,9 @@ pub mod greeter_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -55,6 +58,10 @@ pub mod greeter_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn say_hello(
             &self,
             request: impl IntoRequest<super::HelloRequest>,

@@ -40,6 +40,9 @@ pub mod route_guide_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -59,6 +62,10 @@ pub mod route_guide_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn get_feature(
             &self,
             request: impl IntoRequest<super::super::common::Point>,
@@ -89,6 +96,10 @@ pub mod route_guide_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn list_features(
             &self,
             request: impl IntoRequest<super::super::common::Rectangle>,
@@ -107,6 +118,10 @@ pub mod route_guide_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn record_route(
             &self,
             request: impl IntoStreamingRequest<Message = super::super::common::Point>,
@@ -125,6 +140,10 @@ pub mod route_guide_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn route_chat(
             &self,
             request: impl IntoStreamingRequest<Message = super::super::common::RouteNote>,
@@ -321,6 +340,9 @@ pub mod clock_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -340,6 +362,10 @@ pub mod clock_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn now(
             &self,
             request: impl IntoRequest<()>,
@@ -370,6 +396,10 @@ pub mod clock_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn ping(
             &self,
             request: impl IntoRequest<()>,
@@ -400,6 +430,10 @@ pub mod clock_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         #[deprecated]
         pub async fn get_time(
             &self,
@@ -563,6 +597,9 @@ pub mod keywords_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -582,6 +619,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn r#type(
             &self,
             request: impl IntoRequest<super::Type>,
@@ -612,6 +653,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn r#match(
             &self,
             request: impl IntoRequest<super::Type>,
@@ -642,6 +687,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn r#async(
             &self,
             request: impl IntoRequest<super::Type>,
@@ -657,6 +706,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn r#loop(
             &self,
             request: impl IntoStreamingRequest<Message = super::Type>,
@@ -672,6 +725,10 @@ pub mod keywords_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn self_(
             &self,
             request: impl IntoRequest<super::Type>,
@@ -845,6 +902,104 @@ pub mod keywords_server {
                         <T as Keywords>::self_(&inner, request).await
                     })
                 }
+                _ => call.unimplemented(),
+            }
+        }
+    }
+}
+/// Generated client implementations.
+pub mod nothing_client {
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
+    use ::rpc_core::codegen::*;
+    /// A service without methods.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct NothingClient {
+        inner: Channel,
+    }
+    impl NothingClient {
+        /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Nothing`.
+        ///
+        /// # Errors
+        /// When the address does not resolve, the connection fails or the handshake is
+        /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
+        pub async fn connect(
+            addr: impl ::core::convert::AsRef<str>,
+        ) -> ::core::result::Result<Self, TransportError> {
+            let inner = Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self::new(inner))
+        }
+        /// A client over an existing channel (channels are cheap to clone and share).
+        pub fn new(inner: Channel) -> Self {
+            Self { inner }
+        }
+        /// The channel this client calls through.
+        pub fn channel(&self) -> &Channel {
+            &self.inner
+        }
+    }
+}
+/// Generated server implementations.
+pub mod nothing_server {
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        private_interfaces,
+        private_bounds,
+        clippy::all
+    )]
+    use ::rpc_core::codegen::*;
+    /// Every method of `test.everything.Nothing`, in declaration order.
+    pub const METHODS: &[MethodDesc] = &[];
+    /// A service without methods.
+    pub trait Nothing: ::core::marker::Send + ::core::marker::Sync + 'static {}
+    /// Serves a [`Nothing`] implementation as `test.everything.Nothing`: hand it to the server builder's `add_service`.
+    pub struct NothingServer<T> {
+        inner: Arc<T>,
+    }
+    impl<T: Nothing> NothingServer<T> {
+        /// Serves `inner`.
+        pub fn new(inner: T) -> Self {
+            Self::from_arc(Arc::new(inner))
+        }
+        /// Serves a shared `inner`.
+        pub fn from_arc(inner: Arc<T>) -> Self {
+            Self { inner }
+        }
+    }
+    impl<T> ::core::clone::Clone for NothingServer<T> {
+        fn clone(&self) -> Self {
+            Self {
+                inner: ::core::clone::Clone::clone(&self.inner),
+            }
+        }
+    }
+    impl<T> ::core::fmt::Debug for NothingServer<T> {
+        fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+            f.debug_struct(::core::stringify!(NothingServer)).finish_non_exhaustive()
+        }
+    }
+    impl<T: Nothing> Service for NothingServer<T> {
+        fn name(&self) -> &'static str {
+            "test.everything.Nothing"
+        }
+        fn methods(&self) -> &'static [MethodDesc] {
+            METHODS
+        }
+        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+            match method {
                 _ => call.unimplemented(),
             }
         }

@@ -197,6 +197,11 @@ impl<Q, R> Mailbox<Q, R> {
         }
     }
 
+    /// Whether the request is submitted or running (no response yet, not cancelled).
+    pub fn is_running(&self) -> bool {
+        matches!(self.state.load(Ordering::Acquire), SUBMITTED | RUNNING)
+    }
+
     /// Whether the caller gave the call up (driver side).
     pub fn is_cancelled(&self) -> bool {
         self.state.load(Ordering::Acquire) == CANCELLED

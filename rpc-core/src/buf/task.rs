@@ -353,6 +353,13 @@ impl<C: CtxFamily, N: Notify> TaskSlab<C, N> {
         }
     }
 
+    /// Wakes task `id` from the owning thread (as its waker would), if it is still live.
+    pub fn wake(&self, id: TaskId) {
+        if self.is_live(id) {
+            self.wake.wake(id.idx);
+        }
+    }
+
     /// Takes the next woken task, if any: `(slot index, its current id)`.
     pub fn next_ready(&mut self) -> Option<TaskId> {
         loop {

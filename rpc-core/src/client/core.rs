@@ -19,7 +19,7 @@ use std::sync::{Arc, OnceLock};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use crossbeam_queue::ArrayQueue;
+use crossbeam_queue::{ArrayQueue, SegQueue};
 use prost::Message;
 use tracing::{debug, info, warn};
 
@@ -33,6 +33,7 @@ use crate::link::{
 };
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
+use crate::streaming::{Inbox, InboxHost, Item, Streaming};
 use crate::verbs::{CompChannel, Cq, Provider, Wc, WcStatus};
 use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_HEADER_LEN};
 use crate::{Metadata, Request, Response, Status};
@@ -49,6 +50,16 @@ pub(crate) struct Submission<P: Provider> {
     staged: Staged,
     bulk: Option<BulkBuf<P>>,
     landing: Option<BulkBuf<P>>,
+    /// Where the server's stream goes (server-streaming and bidi calls).
+    inbox: Option<Arc<Inbox>>,
+}
+
+/// One message (or the end) of a client stream, handed to the driver.
+pub(crate) struct StreamSend<P: Provider> {
+    idx: u32,
+    generation: u32,
+    staged: Option<Staged>,
+    bulk: Option<BulkBuf<P>>,
 }
 
 /// What the driver hands back.
@@ -67,6 +78,8 @@ pub(crate) enum Outcome<P: Provider> {
     },
     /// A rendezvous response READ into a bulk buffer.
     Bulk { buf: BulkBuf<P>, md: Metadata },
+    /// A streaming call ended cleanly (its messages went to the inbox).
+    Ended,
     /// The call failed.
     Failed(Status),
 }
@@ -74,6 +87,10 @@ pub(crate) enum Outcome<P: Provider> {
 struct Cell<P: Provider> {
     mb: Mailbox<Submission<P>, Outcome<P>>,
     generation: AtomicU32,
+    /// Client stream messages handed to the driver and not yet sent (flow control).
+    queued: AtomicU32,
+    /// Woken when a queued stream message is sent.
+    send_waker: atomic_waker::AtomicWaker,
 }
 
 /// The driver's record of a call on the wire.
@@ -86,6 +103,24 @@ struct DrvCall<P: Provider> {
     reading: Option<(BulkBuf<P>, Metadata)>,
     /// The call is over for the caller; waiting for the server to give our buffers back.
     finishing: bool,
+    /// The server's stream (server-streaming and bidi).
+    inbox: Option<Arc<Inbox>>,
+    /// A large stream message being READ; later frames wait in `held`.
+    stream_read: Option<BulkBuf<P>>,
+    held: VecDeque<Held>,
+    /// Our stream messages waiting for window or credit, in order.
+    out: VecDeque<StreamSend<P>>,
+    /// Our large stream messages lent to the server (released by BulkRelease, in order).
+    stream_lent: VecDeque<BulkBuf<P>>,
+    /// The server's final status arrived while stream messages were still being READ: the
+    /// stream ends (with this status, `None` for OK) once they are delivered.
+    end: Option<Option<Status>>,
+}
+
+/// A server stream frame that arrived while an earlier one was still being READ.
+enum Held {
+    Item(Item),
+    Bulk(BulkDesc),
 }
 
 impl<P: Provider> DrvCall<P> {
@@ -97,11 +132,21 @@ impl<P: Provider> DrvCall<P> {
             landing: None,
             reading: None,
             finishing: false,
+            inbox: None,
+            stream_read: None,
+            held: VecDeque::new(),
+            out: VecDeque::new(),
+            stream_lent: VecDeque::new(),
+            end: None,
         }
     }
 
     fn lends(&self) -> bool {
-        self.lent_bulk.is_some() || self.landing.is_some() || self.reading.is_some()
+        self.lent_bulk.is_some()
+            || self.landing.is_some()
+            || self.reading.is_some()
+            || self.stream_read.is_some()
+            || !self.stream_lent.is_empty()
     }
 }
 
@@ -113,6 +158,12 @@ pub(crate) struct Driver<P: Provider> {
     cell_slot: Box<[Option<u32>]>,
     pending: VecDeque<(u32, u32, CallId, Submission<P>)>,
     cancel_retry: VecDeque<CallId>,
+    /// Stream messages of calls whose request is not sent yet.
+    stream_pending: VecDeque<StreamSend<P>>,
+    /// Call slots with stream messages waiting in `out`.
+    out_calls: Vec<usize>,
+    /// Window grants that found no credit yet.
+    grant_retry: VecDeque<(CallId, u32)>,
     cq: P::Cq,
     channel: P::CompChannel,
     wcs: [Wc; POLL_BATCH],
@@ -139,10 +190,15 @@ pub(crate) struct ClientCore<P: Provider> {
     cell_freed: tokio::sync::Notify,
     submitted: ArrayQueue<(u32, u32)>,
     cancelled: ArrayQueue<(u32, u32)>,
+    stream_sends: SegQueue<StreamSend<P>>,
+    grants: SegQueue<(u32, u32, u32)>,
+    stream_window: u32,
     arena: Arc<SlotArena<P>>,
     bulk: Arc<BulkPool<P>>,
     doorbell: Arc<Doorbell>,
     dead: AtomicBool,
+    /// The server sent GoAway: calls in flight finish here, new calls go to a new connection.
+    draining: AtomicBool,
     dead_status: OnceLock<Status>,
     stop: AtomicBool,
     mode: PollerMode,
@@ -174,6 +230,7 @@ pub(crate) struct Parts<P: Provider> {
     pub(crate) eager_limit: usize,
     pub(crate) max_message: u64,
     pub(crate) describe: String,
+    pub(crate) stream_window: u32,
 }
 
 impl<P: Provider> ClientCore<P> {
@@ -187,6 +244,9 @@ impl<P: Provider> ClientCore<P> {
             cell_slot: vec![None; n].into_boxed_slice(),
             pending: VecDeque::with_capacity(n),
             cancel_retry: VecDeque::with_capacity(n),
+            stream_pending: VecDeque::new(),
+            out_calls: Vec::with_capacity(n),
+            grant_retry: VecDeque::new(),
             link: parts.link,
             cq: parts.cq,
             channel: parts.channel,
@@ -204,6 +264,8 @@ impl<P: Provider> ClientCore<P> {
                 .map(|_| Cell {
                     mb: Mailbox::default(),
                     generation: AtomicU32::new(0),
+                    queued: AtomicU32::new(0),
+                    send_waker: atomic_waker::AtomicWaker::new(),
                 })
                 .collect(),
             free,
@@ -211,10 +273,14 @@ impl<P: Provider> ClientCore<P> {
             cell_freed: tokio::sync::Notify::new(),
             submitted: ArrayQueue::new(n),
             cancelled: ArrayQueue::new(n),
+            stream_sends: SegQueue::new(),
+            grants: SegQueue::new(),
+            stream_window: parts.stream_window,
             arena,
             bulk,
             doorbell: Doorbell::new()?,
             dead: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             dead_status: OnceLock::new(),
             stop: AtomicBool::new(false),
             mode: parts.mode,
@@ -259,6 +325,11 @@ impl<P: Provider> ClientCore<P> {
         self.dead.load(Ordering::Acquire)
     }
 
+    /// Whether new calls should use another connection (dead, or the server is draining).
+    pub(crate) fn is_usable(&self) -> bool {
+        !self.dead.load(Ordering::Acquire) && !self.draining.load(Ordering::Acquire)
+    }
+
     fn dead_status(&self) -> Status {
         self.dead_status
             .get()
@@ -288,6 +359,7 @@ impl<P: Provider> ClientCore<P> {
         let cell = &self.cells[idx as usize];
         let ok = cell.mb.claim();
         debug_assert!(ok, "a free cell must be claimable");
+        cell.queued.store(0, Ordering::Release);
         cell.generation
             .fetch_add(1, Ordering::AcqRel)
             .wrapping_add(1)
@@ -408,6 +480,7 @@ impl<P: Provider> ClientCore<P> {
             staged,
             bulk,
             landing,
+            inbox: None,
         })
     }
 
@@ -504,6 +577,245 @@ impl<P: Provider> ClientCore<P> {
         let r = decode_outcome::<P, Resp>(outcome);
         drop(guard);
         r
+    }
+
+    // ----- streaming calls (caller side) ----------------------------------------------------
+
+    fn kick(&self) {
+        match self.mode {
+            PollerMode::Thread => self.doorbell.ring(),
+            PollerMode::Caller => {
+                self.progress();
+            }
+        }
+    }
+
+    /// Starts a streaming call: sends its Request (with `msg` for server streaming, metadata
+    /// only otherwise) and returns its cell and, for server-streaming and bidi calls, the
+    /// `Streaming` of the server's messages.
+    async fn start_stream<Resp: Message + Default>(
+        self: &Arc<Self>,
+        method: &'static MethodDesc,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+        timeout: Option<Duration>,
+    ) -> Result<(u32, u32, Option<Streaming<Resp>>), Status> {
+        let (idx, generation) = self.acquire().await?;
+        let mut guard = CellGuard {
+            core: self,
+            idx,
+            generation,
+            submitted: false,
+        };
+        let mut sub = self.prepare(method, metadata, msg, timeout, None)?;
+        let streaming = if method.kind.server_streams() {
+            let inbox = Inbox::new(self.stream_window);
+            inbox.set_host(Box::new(CallHost {
+                core: Arc::clone(self),
+                idx,
+                generation,
+            }));
+            sub.inbox = Some(Arc::clone(&inbox));
+            Some(Streaming::from_inbox(inbox))
+        } else {
+            None
+        };
+        self.submit(idx, generation, sub)?;
+        guard.submitted = true;
+        std::mem::forget(guard);
+        Ok((idx, generation, streaming))
+    }
+
+    /// Whether the call in cell `idx` is still the one of `generation` and not over.
+    fn call_live(&self, idx: u32, generation: u32) -> bool {
+        let c = &self.cells[idx as usize];
+        c.generation.load(Ordering::Acquire) == generation && !self.is_dead() && c.mb.is_running()
+    }
+
+    /// Queues one client stream message, waiting while the stream window is used up.
+    async fn send_item(
+        &self,
+        idx: u32,
+        generation: u32,
+        msg: &dyn EncodeMsg,
+    ) -> Result<(), Status> {
+        let cell = &self.cells[idx as usize];
+        std::future::poll_fn(|cx| {
+            if !self.call_live(idx, generation) {
+                return Poll::Ready(());
+            }
+            if cell.queued.load(Ordering::Acquire) < self.stream_window {
+                return Poll::Ready(());
+            }
+            cell.send_waker.register(cx.waker());
+            if cell.queued.load(Ordering::Acquire) < self.stream_window {
+                return Poll::Ready(());
+            }
+            if self.mode == PollerMode::Caller {
+                self.progress();
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
+        })
+        .await;
+        if !self.call_live(idx, generation) {
+            return Err(self.dead_status_or_ended());
+        }
+        let len = msg.encoded_len();
+        let md = Metadata::new();
+        let (staged, bulk) = if MAX_HEADER_LEN + len <= self.eager_limit {
+            (self.stage(&md, msg)?, None)
+        } else {
+            if len as u64 > self.max_message {
+                return Err(Status::resource_exhausted(format!(
+                    "stream message of {len} bytes exceeds the {} byte message limit",
+                    self.max_message
+                )));
+            }
+            let mut buf = self
+                .bulk
+                .get(len)
+                .map_err(|e| Status::resource_exhausted(format!("bulk buffer: {e}")))?;
+            if msg.encode_into(buf.as_mut_slice()).is_none() {
+                return Err(Status::internal("stream message encoding failed"));
+            }
+            (self.stage(&md, &NoMsg)?, Some(buf))
+        };
+        cell.queued.fetch_add(1, Ordering::AcqRel);
+        self.stream_sends.push(StreamSend {
+            idx,
+            generation,
+            staged: Some(staged),
+            bulk,
+        });
+        self.kick();
+        Ok(())
+    }
+
+    fn dead_status_or_ended(&self) -> Status {
+        if self.is_dead() {
+            self.dead_status()
+        } else {
+            Status::cancelled("the call ended before its stream was sent")
+        }
+    }
+
+    /// Half-closes the client stream.
+    fn send_end(&self, idx: u32, generation: u32) {
+        if self.call_live(idx, generation) {
+            self.stream_sends.push(StreamSend {
+                idx,
+                generation,
+                staged: None,
+                bulk: None,
+            });
+            self.kick();
+        }
+    }
+
+    /// Sends every message of `stream`, then the end of the stream; stops early when the call
+    /// ended (the server answered already, or it was cancelled).
+    async fn pump<S>(&self, idx: u32, generation: u32, stream: S)
+    where
+        S: futures_core::Stream + Send,
+        S::Item: Message,
+    {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            let next = std::future::poll_fn(|cx| stream.as_mut().poll_next(cx)).await;
+            let Some(item) = next else { break };
+            if self.send_item(idx, generation, &item).await.is_err() {
+                return;
+            }
+        }
+        self.send_end(idx, generation);
+    }
+
+    /// Waits for the final outcome of the call in cell `idx` (which the caller owns).
+    async fn outcome(&self, idx: u32) -> Outcome<P> {
+        std::future::poll_fn(|cx| {
+            if self.mode == PollerMode::Caller {
+                self.progress();
+            }
+            match self.cells[idx as usize].mb.poll_done(cx) {
+                Poll::Ready(o) => Poll::Ready(o),
+                Poll::Pending => {
+                    if self.mode == PollerMode::Caller {
+                        cx.waker().wake_by_ref();
+                    }
+                    Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+
+    /// A server-streaming call.
+    pub(crate) async fn server_streaming<Req, Resp>(
+        self: &Arc<Self>,
+        method: &'static MethodDesc,
+        request: Request<Req>,
+    ) -> Result<Response<Streaming<Resp>>, Status>
+    where
+        Req: Message,
+        Resp: Message + Default,
+    {
+        let (metadata, msg, timeout) = request.into_parts();
+        let (_, _, streaming) = self
+            .start_stream::<Resp>(method, &metadata, &msg, timeout)
+            .await?;
+        let streaming = streaming.ok_or_else(|| Status::internal("no stream"))?;
+        Ok(Response::new(streaming))
+    }
+
+    /// A client-streaming call: sends the stream, then waits for the response.
+    pub(crate) async fn client_streaming<S, Resp>(
+        self: &Arc<Self>,
+        method: &'static MethodDesc,
+        request: Request<S>,
+    ) -> Result<Response<Resp>, Status>
+    where
+        S: futures_core::Stream + Send + 'static,
+        S::Item: Message,
+        Resp: Message + Default,
+    {
+        let (metadata, stream, timeout) = request.into_parts();
+        let (idx, generation, _) = self
+            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout)
+            .await?;
+        let guard = CellGuard {
+            core: self,
+            idx,
+            generation,
+            submitted: true,
+        };
+        self.pump(idx, generation, stream).await;
+        let outcome = self.outcome(idx).await;
+        let mut guard = guard;
+        guard.submitted = false;
+        decode_outcome::<P, Resp>(outcome)
+    }
+
+    /// A bidirectional-streaming call: the request stream is sent by a task of its own while
+    /// the caller reads the responses.
+    pub(crate) async fn streaming<S, Resp>(
+        self: &Arc<Self>,
+        method: &'static MethodDesc,
+        request: Request<S>,
+    ) -> Result<Response<Streaming<Resp>>, Status>
+    where
+        S: futures_core::Stream + Send + 'static,
+        S::Item: Message,
+        Resp: Message + Default,
+    {
+        let (metadata, stream, timeout) = request.into_parts();
+        let (idx, generation, streaming) = self
+            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout)
+            .await?;
+        let streaming = streaming.ok_or_else(|| Status::internal("no stream"))?;
+        let core = Arc::clone(self);
+        tokio::spawn(async move { core.pump(idx, generation, stream).await });
+        Ok(Response::new(streaming))
     }
 
     /// A unary call that blocks this thread, which drives the connection itself when it can.
@@ -608,6 +920,35 @@ fn backoff(spins: u32) -> u32 {
     spins.saturating_add(1)
 }
 
+/// The host of a client-side inbox: owns the call's cell for as long as the stream lives.
+struct CallHost<P: Provider> {
+    core: Arc<ClientCore<P>>,
+    idx: u32,
+    generation: u32,
+}
+
+impl<P: Provider> InboxHost for CallHost<P> {
+    fn grant(&self, n: u32) {
+        self.core.grants.push((self.idx, self.generation, n));
+        self.core.kick();
+    }
+
+    fn abandon(&self) {
+        let core = &self.core;
+        let cell = &core.cells[self.idx as usize];
+        if cell.generation.load(Ordering::Acquire) != self.generation {
+            return;
+        }
+        match cell.mb.cancel() {
+            crate::buf::CancelOutcome::ToDriver => {
+                let _ = core.cancelled.push((self.idx, self.generation));
+                core.kick();
+            }
+            crate::buf::CancelOutcome::Caller => core.release_cell(self.idx),
+        }
+    }
+}
+
 /// Returns the cell when the call ends early, or cancels it when the caller's future is dropped
 /// while in flight.
 struct CellGuard<'a, P: Provider> {
@@ -661,6 +1002,7 @@ fn decode_outcome<P: Provider, Resp: Message + Default>(
             let msg = Resp::decode(SlotReader::new(buf, 0, n)).map_err(decode_err)?;
             Ok(Response::from_parts(md, msg))
         }
+        Outcome::Ended => Err(Status::internal("a unary call got a stream's end")),
         Outcome::Failed(status) => Err(status),
     }
 }
@@ -716,6 +1058,37 @@ impl<P: Provider> Driver<P> {
                 Taken::Empty => {}
             }
         }
+        if !self.stream_pending.is_empty() {
+            for ss in std::mem::take(&mut self.stream_pending) {
+                self.route_stream_send(core, ss)?;
+            }
+        }
+        while let Some(ss) = core.stream_sends.pop() {
+            work += 1;
+            self.route_stream_send(core, ss)?;
+        }
+        while let Some((idx, generation, n)) = core.grants.pop() {
+            work += 1;
+            if core.cells[idx as usize].generation.load(Ordering::Acquire) == generation
+                && let Some(slot) = self.cell_slot[idx as usize]
+            {
+                self.grant_retry
+                    .push_back((self.calls[slot as usize].id, n));
+            }
+        }
+        while let Some((call, n)) = self.grant_retry.pop_front() {
+            match self
+                .link
+                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.window_update(call, n))
+            {
+                Err(FrameError::Busy) => {
+                    self.grant_retry.push_front((call, n));
+                    break;
+                }
+                Err(FrameError::Link(e)) => return Err(e),
+                _ => {}
+            }
+        }
         let n = self
             .cq
             .poll(&mut self.wcs)
@@ -727,6 +1100,11 @@ impl<P: Provider> Driver<P> {
         work += n;
         if n > 0 {
             work += self.start_pending(core)?;
+            if !self.out_calls.is_empty() {
+                for slot in std::mem::take(&mut self.out_calls) {
+                    self.flush_out(core, slot)?;
+                }
+            }
         }
         work += self.expire(core)?;
         self.link.maybe_credit_update()?;
@@ -788,8 +1166,8 @@ impl<P: Provider> Driver<P> {
                     cell: Some((idx, generation)),
                     lent_bulk: sub.bulk,
                     landing: sub.landing,
-                    reading: None,
-                    finishing: false,
+                    inbox: sub.inbox,
+                    ..DrvCall::empty()
                 };
                 self.cell_slot[idx as usize] = Some(call.slot());
                 Ok(())
@@ -854,7 +1232,10 @@ impl<P: Provider> Driver<P> {
         if let Some(s) = self.cell_slot.get_mut(idx as usize) {
             *s = None;
         }
-        if let Err(o) = cell.mb.complete(o) {
+        let r = cell.mb.complete(o);
+        // A client stream waiting for window learns the call is over.
+        cell.send_waker.wake();
+        if let Err(o) = r {
             drop(o);
             core.release_cell(idx);
         }
@@ -870,9 +1251,192 @@ impl<P: Provider> Driver<P> {
     /// Frees the call's wire slot and every buffer it lent (the server is done with them).
     fn retire(&mut self, slot: usize) {
         let c = std::mem::replace(&mut self.calls[slot], DrvCall::empty());
+        for ss in c.out {
+            self.discard(ss);
+        }
         if c.id.0 != 0 {
             self.link.wire.finish(c.id);
         }
+    }
+
+    /// Drops a client stream message that will not be sent.
+    fn discard(&self, ss: StreamSend<P>) {
+        if let Some(st) = ss.staged {
+            self.link.arena.release_send(st.slot);
+        }
+    }
+
+    /// Routes a client stream message to its call's queue (or holds it until the call's
+    /// request is sent).
+    fn route_stream_send(
+        &mut self,
+        core: &ClientCore<P>,
+        ss: StreamSend<P>,
+    ) -> Result<(), LinkError> {
+        let cell = &core.cells[ss.idx as usize];
+        if cell.generation.load(Ordering::Acquire) != ss.generation || cell.mb.is_cancelled() {
+            self.discard(ss);
+            return Ok(());
+        }
+        match self.cell_slot[ss.idx as usize] {
+            Some(slot) => {
+                let slot = slot as usize;
+                self.calls[slot].out.push_back(ss);
+                self.flush_out(core, slot)
+            }
+            None => {
+                if self
+                    .pending
+                    .iter()
+                    .any(|p| p.0 == ss.idx && p.1 == ss.generation)
+                {
+                    self.stream_pending.push_back(ss);
+                } else {
+                    self.discard(ss);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Sends the call's queued stream messages while window and credit last.
+    fn flush_out(&mut self, core: &ClientCore<P>, slot: usize) -> Result<(), LinkError> {
+        let call = self.calls[slot].id;
+        while let Some(ss) = self.calls[slot].out.pop_front() {
+            let (idx, generation) = (ss.idx, ss.generation);
+            let r = match ss.staged {
+                None => match self
+                    .link
+                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.end_of_stream(call))
+                {
+                    Ok(()) => Ok(()),
+                    Err(FrameError::Busy) => Err(None),
+                    Err(FrameError::Link(e)) => return Err(e),
+                    Err(_) => Err(Some(())),
+                },
+                Some(st) => {
+                    let desc_of = ss.bulk.as_ref().map(desc);
+                    match self
+                        .link
+                        .commit(st, |w, pl, ml| w.stream_message(call, pl, ml, desc_of))
+                    {
+                        Ok(()) => {
+                            if let Some(b) = ss.bulk {
+                                self.calls[slot].stream_lent.push_back(b);
+                            }
+                            Ok(())
+                        }
+                        Err(CommitError::NoCredit(st)) => {
+                            self.calls[slot].out.push_front(StreamSend {
+                                staged: Some(st),
+                                ..ss
+                            });
+                            if !self.out_calls.contains(&slot) {
+                                self.out_calls.push(slot);
+                            }
+                            return Ok(());
+                        }
+                        Err(CommitError::Refused(_)) => Err(Some(())),
+                        Err(CommitError::Link(e)) => return Err(e),
+                    }
+                }
+            };
+            match r {
+                Ok(()) => {
+                    let cell = &core.cells[idx as usize];
+                    if cell.generation.load(Ordering::Acquire) == generation {
+                        let _ =
+                            cell.queued
+                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                                    q.checked_sub(1)
+                                });
+                        cell.send_waker.wake();
+                    }
+                }
+                Err(None) => {
+                    // No credit or slot for the EndOfStream: try again later.
+                    self.calls[slot].out.push_front(StreamSend {
+                        idx,
+                        generation,
+                        staged: None,
+                        bulk: None,
+                    });
+                    if !self.out_calls.contains(&slot) {
+                        self.out_calls.push(slot);
+                    }
+                    return Ok(());
+                }
+                Err(Some(())) => {
+                    // The call ended: nothing more of its stream goes out.
+                    let rest = std::mem::take(&mut self.calls[slot].out);
+                    for ss in rest {
+                        self.discard(ss);
+                    }
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The server's final status for the call in slot `s`: ends its stream (if any), delivers
+    /// the outcome, and frees the call once the server has our buffers back.
+    fn end_call(&mut self, core: &ClientCore<P>, s: usize, end: Option<Status>) {
+        let outcome = match (&end, self.calls[s].inbox.take()) {
+            (None, Some(inbox)) => {
+                inbox.finish(None);
+                Outcome::Ended
+            }
+            (Some(st), Some(inbox)) => {
+                inbox.finish(Some(st.clone()));
+                Outcome::Failed(st.clone())
+            }
+            (Some(st), None) => Outcome::Failed(st.clone()),
+            (None, None) => Outcome::Failed(Status::internal("OK status for a unary call")),
+        };
+        self.deliver(core, s, outcome);
+        if self.calls[s].lends() {
+            self.calls[s].finishing = true;
+        } else {
+            self.retire(s);
+        }
+    }
+
+    /// A server stream frame in order behind a READ in flight.
+    fn stream_in(&mut self, s: usize, held: Held) -> Result<(), LinkError> {
+        if self.calls[s].stream_read.is_some() {
+            self.calls[s].held.push_back(held);
+            return Ok(());
+        }
+        self.deliver_held(s, held)
+    }
+
+    fn deliver_held(&mut self, s: usize, held: Held) -> Result<(), LinkError> {
+        let Some(inbox) = self.calls[s].inbox.clone() else {
+            return Err(LinkError::Protocol(
+                "stream frame for a call without a server stream".into(),
+            ));
+        };
+        match held {
+            Held::Item(item) => {
+                if inbox.push(item).is_err() {
+                    return Err(LinkError::Protocol(
+                        "server exceeded its stream window".into(),
+                    ));
+                }
+            }
+            Held::Bulk(d) => {
+                let mut buf = self.link.bulk.get(d.len as usize).map_err(|e| {
+                    LinkError::Protocol(format!("no buffer for a {}-byte message: {e}", d.len))
+                })?;
+                buf.set_len(d.len as usize);
+                // SAFETY: `buf` stays in the call's `stream_read` until the READ completes (or
+                // the connection ends) and nothing touches it meanwhile.
+                unsafe { self.link.post_read(s as u32, &buf, d)? };
+                self.calls[s].stream_read = Some(buf);
+            }
+        }
+        Ok(())
     }
 
     fn cancel_cell(
@@ -895,7 +1459,33 @@ impl<P: Provider> Driver<P> {
         self.calls[slot].cell = None;
         core.release_cell(idx);
         let call = self.calls[slot].id;
-        if self.link.wire.cancel_local(call) {
+        let tell = self.link.wire.cancel_local(call);
+        self.give_up(
+            core,
+            slot,
+            Status::cancelled("the call was cancelled"),
+            tell,
+        )
+    }
+
+    /// Ends the call in `slot` for the caller with `status` (its stream too), tells the server
+    /// with a Cancel when `tell`, and frees the call once the server has our buffers back.
+    fn give_up(
+        &mut self,
+        core: &ClientCore<P>,
+        slot: usize,
+        status: Status,
+        tell: bool,
+    ) -> Result<(), LinkError> {
+        let call = self.calls[slot].id;
+        if let Some(inbox) = self.calls[slot].inbox.take() {
+            inbox.finish(Some(status.clone()));
+        }
+        for ss in std::mem::take(&mut self.calls[slot].out) {
+            self.discard(ss);
+        }
+        self.deliver(core, slot, Outcome::Failed(status));
+        if tell {
             match self
                 .link
                 .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
@@ -931,24 +1521,8 @@ impl<P: Provider> Driver<P> {
                 continue;
             }
             debug!(%call, "deadline exceeded");
-            self.deliver(
-                core,
-                slot,
-                Outcome::Failed(Status::deadline_exceeded("deadline exceeded")),
-            );
-            match self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
-            {
-                Err(FrameError::Busy) => self.cancel_retry.push_back(call),
-                Err(FrameError::Link(e)) => return Err(e),
-                _ => {}
-            }
-            if self.calls[slot].lends() {
-                self.calls[slot].finishing = true;
-            } else {
-                self.retire(slot);
-            }
+            let status = Status::deadline_exceeded("deadline exceeded");
+            self.give_up(core, slot, status, true)?;
         }
         Ok(n)
     }
@@ -1084,12 +1658,51 @@ impl<P: Provider> Driver<P> {
                     None => Status::new(crate::Code::from_u8(code), ""),
                 };
                 drop(slot);
-                self.deliver(core, s, Outcome::Failed(status));
-                self.retire(s);
+                let end = if code == 0 { None } else { Some(status) };
+                if self.calls[s].inbox.is_some()
+                    && (self.calls[s].stream_read.is_some() || !self.calls[s].held.is_empty())
+                {
+                    // Earlier stream messages are still being READ: end after them.
+                    self.calls[s].end = Some(end);
+                } else {
+                    self.end_call(core, s, end);
+                }
+            }
+            Event::StreamMessage { call, bulk, .. } => {
+                let s = call.slot() as usize;
+                if self.calls[s].id != call {
+                    return Ok(());
+                }
+                if let (Some(inbox), Some(sl)) = (&self.calls[s].inbox, &slot)
+                    && !md.is_empty()
+                    && let Ok(m) = Metadata::decode(&sl.bytes()[md.clone()])
+                {
+                    inbox.set_metadata(m);
+                }
+                let held = match (bulk, slot) {
+                    (Some(d), _) => Held::Bulk(d),
+                    (None, Some(slot)) => Held::Item(Item::Slot {
+                        start: payload.start,
+                        end: payload.end,
+                        slot,
+                    }),
+                    (None, None) => return Ok(()),
+                };
+                self.stream_in(s, held)?;
+            }
+            Event::WindowUpdate { call, .. } => {
+                let s = call.slot() as usize;
+                if self.calls[s].id == call {
+                    self.flush_out(core, s)?;
+                }
             }
             Event::BulkRelease { call } => {
                 let s = call.slot() as usize;
-                if self.calls[s].id == call {
+                if self.calls[s].id == call && self.calls[s].stream_lent.pop_front().is_some() {
+                    if self.calls[s].finishing && !self.calls[s].lends() {
+                        self.retire(s);
+                    }
+                } else if self.calls[s].id == call {
                     self.calls[s].lent_bulk = None;
                     self.calls[s].landing = None;
                     if self.calls[s].finishing && !self.calls[s].lends() {
@@ -1108,9 +1721,13 @@ impl<P: Provider> Driver<P> {
                 }
             }
             Event::GoAway => {
-                info!("{}: server is going away", core.describe);
+                info!(
+                    "{}: server is going away: new calls will reconnect",
+                    core.describe
+                );
+                core.draining.store(true, Ordering::Release);
             }
-            Event::CreditOnly | Event::WindowUpdate { .. } | Event::StreamMessage { .. } => {}
+            Event::CreditOnly => {}
             Event::Request { .. } | Event::Cancel { .. } | Event::EndOfStream { .. } => {
                 return Err(LinkError::Protocol(
                     "server sent a client-only frame".into(),
@@ -1164,6 +1781,30 @@ impl<P: Provider> Driver<P> {
         let Some(c) = self.calls.get_mut(s) else {
             return Ok(());
         };
+        if let Some(buf) = c.stream_read.take() {
+            let call = c.id;
+            if let Some(inbox) = c.inbox.clone()
+                && inbox.push(Item::Owned(Box::new(buf))).is_err()
+            {
+                return Err(LinkError::Protocol(
+                    "server exceeded its stream window".into(),
+                ));
+            }
+            self.release_peer(call)?;
+            while self.calls[s].stream_read.is_none()
+                && let Some(h) = self.calls[s].held.pop_front()
+            {
+                self.deliver_held(s, h)?;
+            }
+            if self.calls[s].stream_read.is_none()
+                && let Some(end) = self.calls[s].end.take()
+            {
+                self.end_call(core, s, end);
+            } else if self.calls[s].finishing && !self.calls[s].lends() {
+                self.retire(s);
+            }
+            return Ok(());
+        }
         let Some((buf, md)) = c.reading.take() else {
             return Ok(());
         };
@@ -1188,10 +1829,22 @@ impl<P: Provider> Driver<P> {
         let mut n = 0;
         for s in 0..self.calls.len() {
             if self.calls[s].id.0 != 0 {
+                if let Some(inbox) = self.calls[s].inbox.take() {
+                    inbox.finish(Some(status.clone()));
+                }
                 self.deliver(core, s, Outcome::Failed(status.clone()));
-                self.calls[s] = DrvCall::empty();
+                let c = std::mem::replace(&mut self.calls[s], DrvCall::empty());
+                for ss in c.out {
+                    self.discard(ss);
+                }
                 n += 1;
             }
+        }
+        for ss in std::mem::take(&mut self.stream_pending) {
+            self.discard(ss);
+        }
+        while let Some(ss) = core.stream_sends.pop() {
+            self.discard(ss);
         }
         while let Some((idx, generation, _call, sub)) = self.pending.pop_front() {
             core.arena.release_send(sub.staged.slot);

@@ -145,6 +145,10 @@ impl Conn {
     fn is_dead(&self) -> bool {
         with_any!(AnyCore, &self.core, c => c.is_dead())
     }
+
+    fn is_usable(&self) -> bool {
+        with_any!(AnyCore, &self.core, c => c.is_usable())
+    }
 }
 
 struct Shared {
@@ -204,12 +208,12 @@ impl Channel {
     /// The live connection, reconnecting once if it was lost.
     async fn conn(&self) -> Result<Arc<Conn>, Status> {
         let c = self.shared.conn.load_full();
-        if !c.is_dead() {
+        if c.is_usable() {
             return Ok(c);
         }
         let _g = self.shared.reconnect.lock().await;
         let c = self.shared.conn.load_full();
-        if !c.is_dead() {
+        if c.is_usable() {
             return Ok(c);
         }
         match open(&self.shared.builder).await {
@@ -305,10 +309,17 @@ impl Channel {
         with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
     }
 
-    /// A server-streaming call.
+    /// A server-streaming call: returns once the request is sent; the server's messages (and
+    /// its final status) arrive on the [`Streaming`]. Metadata the server sends with its first
+    /// message is available from [`Streaming::metadata`].
     ///
     /// # Errors
-    /// `UNIMPLEMENTED` until streaming lands (issue 7).
+    /// `UNAVAILABLE` when the connection is lost before the request is sent; errors after that
+    /// (including the server's status) come from the stream.
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it completes cancels the call; dropping the `Streaming`
+    /// cancels it too.
     pub async fn server_streaming<Req, Resp>(
         &self,
         method: &'static MethodDesc,
@@ -318,14 +329,18 @@ impl Channel {
         Req: Message,
         Resp: Message + Default + 'static,
     {
-        let _ = request;
-        Err(streaming_unsupported(method))
+        let conn = self.conn().await?;
+        with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)
     }
 
-    /// A client-streaming call.
+    /// A client-streaming call: sends every message of the request stream (as the server's
+    /// window allows), half-closes, and returns the server's response.
     ///
     /// # Errors
-    /// `UNIMPLEMENTED` until streaming lands (issue 7).
+    /// The call's [`Status`].
+    ///
+    /// # Cancel safety
+    /// Dropping the future cancels the call: the server is told.
     pub async fn client_streaming<S, Resp>(
         &self,
         method: &'static MethodDesc,
@@ -336,14 +351,20 @@ impl Channel {
         S::Item: Message,
         Resp: Message + Default,
     {
-        let _ = request;
-        Err(streaming_unsupported(method))
+        let conn = self.conn().await?;
+        with_any!(AnyCore, &conn.core, c => c.client_streaming(method, request).await)
     }
 
-    /// A bidirectional-streaming call.
+    /// A bidirectional-streaming call: the request stream is sent by a task of its own (as the
+    /// server's window allows) while the caller reads the responses. Must be called inside a
+    /// tokio runtime.
     ///
     /// # Errors
-    /// `UNIMPLEMENTED` until streaming lands (issue 7).
+    /// `UNAVAILABLE` when the connection is lost before the request is sent; errors after that
+    /// come from the stream.
+    ///
+    /// # Cancel safety
+    /// Dropping the returned `Streaming` cancels the call.
     pub async fn streaming<S, Resp>(
         &self,
         method: &'static MethodDesc,
@@ -354,8 +375,8 @@ impl Channel {
         S::Item: Message,
         Resp: Message + Default + 'static,
     {
-        let _ = request;
-        Err(streaming_unsupported(method))
+        let conn = self.conn().await?;
+        with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
     }
 }
 
@@ -409,13 +430,6 @@ impl std::fmt::Debug for Region {
             .field("remote", &self.remote())
             .finish()
     }
-}
-
-fn streaming_unsupported(method: &MethodDesc) -> Status {
-    Status::unimplemented(format!(
-        "{}: streaming calls are not supported by this runtime yet",
-        method.path
-    ))
 }
 
 async fn open(b: &ChannelBuilder) -> Result<Conn, Error> {
@@ -533,6 +547,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         stream_window: 16,
     };
     let eager_limit = wcfg.eager_limit as usize;
+    let wcfg_window = wcfg.stream_window;
     let wire = wire::Conn::new(Role::Client, wcfg)
         .map_err(|e| Error::new(ErrorKind::Config, format!("protocol configuration: {e}")))?;
     let bulk = BulkPool::new(Arc::clone(&pd), 256 << 20);
@@ -559,7 +574,9 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         link.qp.qp_num(),
         welcome.endpoint.qp_num
     );
+    let stream_window = wcfg_window;
     let core = ClientCore::new(Parts {
+        stream_window,
         ctx,
         pd,
         cq,

@@ -132,6 +132,14 @@ impl From<LinkError> for FrameError {
     }
 }
 
+/// What the chunk loop posts.
+#[derive(Clone, Copy, Debug)]
+enum Chunked {
+    Read,
+    Write,
+    WriteImm(u32),
+}
+
 /// A frame body encoded in a send slot, waiting for its header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Staged {
@@ -146,7 +154,7 @@ pub struct Staged {
 /// Why a staged frame was not sent.
 #[derive(Debug)]
 pub enum CommitError {
-    /// No credit: the frame is handed back, still staged.
+    /// No credit (or no stream window): the frame is handed back, still staged.
     NoCredit(Staged),
     /// The protocol refused the frame; its slot was released.
     Refused(SendError),
@@ -413,7 +421,7 @@ impl<P: Provider> Link<P> {
     ) -> Result<(), CommitError> {
         match build(&mut self.wire, staged.payload_len, staged.md_len) {
             Ok(h) => self.post_frame(staged.slot, &h).map_err(CommitError::Link),
-            Err(SendError::NoCredit) => Err(CommitError::NoCredit(staged)),
+            Err(SendError::NoCredit | SendError::Window) => Err(CommitError::NoCredit(staged)),
             Err(e) => {
                 self.arena.release_send(staged.slot);
                 Err(CommitError::Refused(e))
@@ -463,48 +471,33 @@ impl<P: Provider> Link<P> {
         local: &BulkBuf<P>,
         remote: BulkDesc,
     ) -> Result<(), LinkError> {
-        let total = remote.len as usize;
-        if total > local.capacity() {
+        let len = remote.len as usize;
+        if len > local.capacity() {
             return Err(LinkError::Protocol(
                 "bulk READ larger than the local buffer".into(),
             ));
         }
-        let mut off = 0usize;
-        loop {
-            let n = (total - off).min(CHUNK);
-            let last = off + n >= total;
-            let Some(sge) = local.sge(off, n as u32) else {
-                return Err(LinkError::Protocol(
-                    "bulk READ outside the local buffer".into(),
-                ));
-            };
-            let wr = SendWr {
-                wr_id: wr_id(self.key, if last { WrKind::Read } else { WrKind::Nop }, aux),
-                op: WrOp::Read {
-                    remote_addr: remote.addr + off as u64,
-                    rkey: remote.rkey,
-                },
-                sg_list: std::slice::from_ref(&sge),
-                flags: if last {
-                    SendFlags::SIGNALED
-                } else {
-                    SendFlags::NONE
-                },
-            };
-            // SAFETY: the SGE is inside `local`'s MR, which the caller keeps alive and untouched
-            // until the completion (this function's contract).
-            unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
-                .map_err(|e| post_err("post_send(RDMA_READ)", &e))?;
-            off += n;
-            if last {
-                return Ok(());
-            }
+        let remote = crate::verbs::RemoteMr {
+            addr: remote.addr,
+            len: remote.len,
+            rkey: remote.rkey,
+        };
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.post_chunked(
+                WrKind::Read,
+                aux,
+                |o, l| local.sge(o, l),
+                remote,
+                len,
+                Chunked::Read,
+            )
         }
     }
 
-    /// Posts an RDMA WRITE of `local[start..start + len]` to `remote`, in chunks; the last chunk is a
-    /// WRITE_WITH_IMM carrying `imm` (so the peer gets one receive completion once every byte
-    /// landed) and is signaled with `wr_id(key, Write, aux)`. Consumes one send credit (the
+    /// Posts an RDMA WRITE of `local[start..start + len]` to `remote`, in chunks; the last chunk
+    /// is a WRITE_WITH_IMM carrying `imm` (so the peer gets one receive completion once every
+    /// byte landed) and is signaled with `wr_id(key, Write, aux)`. Consumes one send credit (the
     /// peer's receive slot): the caller must have built the frame with the protocol first.
     ///
     /// # Errors
@@ -527,49 +520,21 @@ impl<P: Provider> Link<P> {
                 "bulk WRITE larger than the landing zone".into(),
             ));
         }
-        let mut off = 0usize;
-        loop {
-            let n = (len - off).min(CHUNK);
-            let last = off + n >= len;
-            let Some(sge) = local.sge(start + off, n as u32) else {
-                return Err(LinkError::Protocol(
-                    "bulk WRITE outside the local buffer".into(),
-                ));
-            };
-            let remote_addr = remote.addr + off as u64;
-            let wr = SendWr {
-                wr_id: wr_id(
-                    self.key,
-                    if last { WrKind::Write } else { WrKind::Nop },
-                    aux,
-                ),
-                op: if last {
-                    WrOp::WriteWithImm {
-                        remote_addr,
-                        rkey: remote.rkey,
-                        imm,
-                    }
-                } else {
-                    WrOp::Write {
-                        remote_addr,
-                        rkey: remote.rkey,
-                    }
-                },
-                sg_list: std::slice::from_ref(&sge),
-                flags: if last {
-                    SendFlags::SIGNALED
-                } else {
-                    SendFlags::NONE
-                },
-            };
-            // SAFETY: the SGE is inside `local`'s MR, kept alive and unmodified by the caller
-            // until the completion (this function's contract).
-            unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
-                .map_err(|e| post_err("post_send(RDMA_WRITE_WITH_IMM)", &e))?;
-            off += n;
-            if last {
-                return Ok(());
-            }
+        let remote = crate::verbs::RemoteMr {
+            addr: remote.addr,
+            len: remote.len,
+            rkey: remote.rkey,
+        };
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.post_chunked(
+                WrKind::Write,
+                aux,
+                |o, l| local.sge(start + o, l),
+                remote,
+                len,
+                Chunked::WriteImm(imm),
+            )
         }
     }
 
@@ -592,6 +557,26 @@ impl<P: Provider> Link<P> {
         len: usize,
         write: bool,
     ) -> Result<(), LinkError> {
+        let op = if write { Chunked::Write } else { Chunked::Read };
+        // SAFETY: forwarded contract.
+        unsafe { self.post_chunked(kind, aux, sge_of, remote, len, op) }
+    }
+
+    /// The chunk loop behind the one-sided posts: pieces of at most [`CHUNK`] bytes, all
+    /// unsignaled but the last (signaled as `kind`); `WriteImm` makes the last a
+    /// WRITE_WITH_IMM.
+    ///
+    /// # Safety
+    /// As [`Link::post_one_sided`].
+    unsafe fn post_chunked(
+        &mut self,
+        kind: WrKind,
+        aux: u32,
+        sge_of: impl Fn(usize, u32) -> Option<Sge>,
+        remote: crate::verbs::RemoteMr,
+        len: usize,
+        op: Chunked,
+    ) -> Result<(), LinkError> {
         let mut off = 0usize;
         loop {
             let n = (len - off).min(CHUNK);
@@ -602,18 +587,17 @@ impl<P: Provider> Link<P> {
                 ));
             };
             let remote_addr = remote.addr + off as u64;
+            let rkey = remote.rkey;
             let wr = SendWr {
                 wr_id: wr_id(self.key, if last { kind } else { WrKind::Nop }, aux),
-                op: if write {
-                    WrOp::Write {
+                op: match op {
+                    Chunked::Read => WrOp::Read { remote_addr, rkey },
+                    Chunked::WriteImm(imm) if last => WrOp::WriteWithImm {
                         remote_addr,
-                        rkey: remote.rkey,
-                    }
-                } else {
-                    WrOp::Read {
-                        remote_addr,
-                        rkey: remote.rkey,
-                    }
+                        rkey,
+                        imm,
+                    },
+                    Chunked::Write | Chunked::WriteImm(_) => WrOp::Write { remote_addr, rkey },
                 },
                 sg_list: std::slice::from_ref(&sge),
                 flags: if last {
@@ -622,10 +606,10 @@ impl<P: Provider> Link<P> {
                     SendFlags::NONE
                 },
             };
-            // SAFETY: the SGE is inside the caller's local memory, kept alive and untouched
-            // until the completion (this function's contract).
+            // SAFETY: the SGE is inside the caller's local memory, kept alive (and untouched for
+            // a READ) until the completion (this function's contract).
             unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
-                .map_err(|e| post_err("post_send(one-sided)", &e))?;
+                .map_err(|e| post_err("post_send(RDMA READ/WRITE)", &e))?;
             off += n;
             if last {
                 return Ok(());

@@ -3,12 +3,19 @@
 //! call that a task uses to answer.
 
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
+use futures_core::Stream;
 use prost::Message;
 
-use crate::buf::{CtxFamily, EncodeMsg, FutureTask, RecvSlot, SlotReader, TaskId, TaskSlab};
+use crate::buf::{
+    CtxFamily, EncodeMsg, FutureTask, RecvSlot, SlabTask, SlotReader, TaskId, TaskSlab,
+};
 use crate::server::notify::ShardNotify;
+use crate::streaming::{Inbox, Streaming};
 use crate::{Metadata, Request, Response, Status};
 
 /// The shard's view of one call while one of its tasks runs. Object-safe: generated code and
@@ -24,6 +31,20 @@ pub trait CallCtx {
     fn peer(&self) -> Option<crate::server::Peer> {
         None
     }
+
+    /// Server streams: whether a message can be sent now (window, credit and a send slot).
+    /// When not, the call's task is woken once it can.
+    fn stream_ready(&mut self) -> bool;
+
+    /// Server streams: sends one message (the first one carries `metadata`).
+    ///
+    /// # Errors
+    /// The status the call must end with (e.g. the message is too large), or `CANCELLED` when
+    /// the call is gone.
+    fn send_stream(&mut self, msg: &dyn EncodeMsg, metadata: &Metadata) -> Result<(), Status>;
+
+    /// Ends a streaming call with OK and `trailers`.
+    fn finish_ok(&mut self, trailers: &Metadata);
 }
 
 /// The family of call contexts lent to tasks for one poll.
@@ -36,6 +57,83 @@ impl CtxFamily for CallFamily {
 
 /// The task slab of a shard.
 pub(crate) type Tasks = TaskSlab<CallFamily, ShardNotify>;
+
+/// A server-streaming or bidi handler: first its future, then the stream it returned.
+struct ServerStream<Fut, S> {
+    state: StreamState<Fut, S>,
+}
+
+enum StreamState<Fut, S> {
+    Handler(Pin<Box<Fut>>),
+    Stream {
+        stream: Pin<Box<S>>,
+        metadata: Option<Metadata>,
+    },
+    Done,
+}
+
+impl<Fut, S, Resp> SlabTask<CallFamily> for ServerStream<Fut, S>
+where
+    Fut: Future<Output = Result<Response<S>, Status>> + Send,
+    S: Stream<Item = Result<Resp, Status>> + Send,
+    Resp: Message,
+{
+    fn poll<'a>(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        ctx: &'a mut (dyn CallCtx + 'a),
+    ) -> Poll<()> {
+        let this = self.get_mut();
+        loop {
+            match &mut this.state {
+                StreamState::Handler(fut) => match fut.as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Err(status)) => {
+                        this.state = StreamState::Done;
+                        ctx.fail(&status);
+                        return Poll::Ready(());
+                    }
+                    Poll::Ready(Ok(resp)) => {
+                        let (metadata, stream) = resp.into_parts();
+                        this.state = StreamState::Stream {
+                            stream: Box::pin(stream),
+                            metadata: Some(metadata),
+                        };
+                    }
+                },
+                StreamState::Stream { stream, metadata } => {
+                    // Pull the next message only when it can go out: back-pressure reaches the
+                    // handler's stream instead of piling up here.
+                    if !ctx.stream_ready() {
+                        return Poll::Pending;
+                    }
+                    match stream.as_mut().poll_next(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Some(Ok(msg))) => {
+                            let md = metadata.take().unwrap_or_default();
+                            if let Err(status) = ctx.send_stream(&msg, &md) {
+                                this.state = StreamState::Done;
+                                ctx.fail(&status);
+                                return Poll::Ready(());
+                            }
+                        }
+                        Poll::Ready(Some(Err(status))) => {
+                            this.state = StreamState::Done;
+                            ctx.fail(&status);
+                            return Poll::Ready(());
+                        }
+                        Poll::Ready(None) => {
+                            this.state = StreamState::Done;
+                            ctx.finish_ok(&Metadata::new());
+                            return Poll::Ready(());
+                        }
+                    }
+                }
+                StreamState::Done => return Poll::Ready(()),
+            }
+        }
+    }
+}
 
 /// A received request payload, owned until decoded.
 pub(crate) enum Payload {
@@ -91,6 +189,8 @@ pub struct IncomingCall<'a> {
     pub(crate) timeout: Option<Duration>,
     pub(crate) spawned: &'a mut Option<TaskId>,
     pub(crate) path: &'static str,
+    /// The inbox of the client's stream (client-streaming and bidi calls).
+    pub(crate) inbox: Option<Arc<Inbox>>,
 }
 
 impl std::fmt::Debug for IncomingCall<'_> {
@@ -107,6 +207,39 @@ impl std::fmt::Debug for IncomingCall<'_> {
 #[derive(Debug)]
 #[must_use]
 pub struct Dispatched(());
+
+/// The request of a client-streaming or bidi call: its metadata and the client's stream.
+fn stream_request<Req>(
+    ctx: &mut dyn CallCtx,
+    metadata: Metadata,
+    timeout: Option<Duration>,
+    inbox: Option<Arc<Inbox>>,
+) -> Option<Request<Streaming<Req>>> {
+    let Some(inbox) = inbox else {
+        ctx.fail(&Status::internal(
+            "streaming call without the client's stream",
+        ));
+        return None;
+    };
+    let mut request = Request::from_parts(metadata, Streaming::from_inbox(inbox), timeout);
+    request.set_peer(ctx.peer());
+    Some(request)
+}
+
+fn spawn<'a, T: SlabTask<CallFamily> + 'static>(
+    tasks: &mut Tasks,
+    ctx: &'a mut (dyn CallCtx + 'a),
+    spawned: &mut Option<TaskId>,
+    task: T,
+) {
+    match tasks.spawn(task, ctx) {
+        Ok(id) => *spawned = id,
+        Err(_task) => {
+            // No free task slot: more calls in flight than the shard's `max_calls_per_shard`.
+            ctx.fail(&Status::resource_exhausted("server has no free call slot"));
+        }
+    }
+}
 
 fn reply_unary<Resp: Message>(out: Result<Response<Resp>, Status>, ctx: &mut dyn CallCtx) {
     match out {
@@ -145,63 +278,99 @@ impl IncomingCall<'_> {
         };
         let mut request = Request::from_parts(metadata, message, timeout);
         request.set_peer(ctx.peer());
-        let fut = handler(request);
-        let task = FutureTask::new(fut, reply_unary::<Resp>);
-        match tasks.spawn(task, ctx) {
-            Ok(id) => *spawned = id,
-            Err(_task) => {
-                // No free task slot: the shard sizes its slab to the credits it grants, so this
-                // means a peer exceeded them.
-                ctx.fail(&Status::resource_exhausted("server has no free call slot"));
-            }
-        }
+        let task = FutureTask::new(handler(request), reply_unary::<Resp>);
+        spawn(tasks, ctx, spawned, task);
         Dispatched(())
     }
 
-    /// Runs a server-streaming handler.
+    /// Runs a server-streaming handler: decodes the request, awaits the handler, then sends
+    /// each message of the stream it returned (flow-controlled by the client's window) and the
+    /// final status.
     pub fn server_streaming<Req, Resp, S, F, Fut>(self, handler: F) -> Dispatched
     where
         Req: Message + Default + Send + 'static,
         Resp: Message + Send + 'static,
-        S: futures_core::Stream<Item = Result<Resp, Status>> + Send + 'static,
+        S: Stream<Item = Result<Resp, Status>> + Send + 'static,
         F: FnOnce(Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<S>, Status>> + Send + 'static,
     {
-        let _ = handler;
-        self.streaming_not_supported()
+        let IncomingCall {
+            tasks,
+            ctx,
+            payload,
+            metadata,
+            timeout,
+            spawned,
+            ..
+        } = self;
+        let message = match payload.decode::<Req>() {
+            Ok(m) => m,
+            Err(status) => {
+                ctx.fail(&status);
+                return Dispatched(());
+            }
+        };
+        let mut request = Request::from_parts(metadata, message, timeout);
+        request.set_peer(ctx.peer());
+        let task = ServerStream {
+            state: StreamState::Handler(Box::pin(handler(request))),
+        };
+        spawn(tasks, ctx, spawned, task);
+        Dispatched(())
     }
 
-    /// Runs a client-streaming handler.
+    /// Runs a client-streaming handler: it gets the client's messages as a [`Streaming`] and
+    /// answers once.
     pub fn client_streaming<Req, Resp, F, Fut>(self, handler: F) -> Dispatched
     where
         Req: Message + Default + Send + 'static,
         Resp: Message + Send + 'static,
-        F: FnOnce(Request<crate::Streaming<Req>>) -> Fut,
+        F: FnOnce(Request<Streaming<Req>>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>> + Send + 'static,
     {
-        let _ = handler;
-        self.streaming_not_supported()
+        let IncomingCall {
+            tasks,
+            ctx,
+            metadata,
+            timeout,
+            spawned,
+            inbox,
+            ..
+        } = self;
+        let Some(request) = stream_request(&mut *ctx, metadata, timeout, inbox) else {
+            return Dispatched(());
+        };
+        let task = FutureTask::new(handler(request), reply_unary::<Resp>);
+        spawn(tasks, ctx, spawned, task);
+        Dispatched(())
     }
 
-    /// Runs a bidirectional-streaming handler.
+    /// Runs a bidirectional-streaming handler: the client's messages as a [`Streaming`], the
+    /// handler's as the stream it returns.
     pub fn streaming<Req, Resp, S, F, Fut>(self, handler: F) -> Dispatched
     where
         Req: Message + Default + Send + 'static,
         Resp: Message + Send + 'static,
-        S: futures_core::Stream<Item = Result<Resp, Status>> + Send + 'static,
-        F: FnOnce(Request<crate::Streaming<Req>>) -> Fut,
+        S: Stream<Item = Result<Resp, Status>> + Send + 'static,
+        F: FnOnce(Request<Streaming<Req>>) -> Fut,
         Fut: Future<Output = Result<Response<S>, Status>> + Send + 'static,
     {
-        let _ = handler;
-        self.streaming_not_supported()
-    }
-
-    fn streaming_not_supported(self) -> Dispatched {
-        let msg = format!(
-            "{}: streaming calls are not supported by this runtime yet",
-            self.path
-        );
-        self.ctx.fail(&Status::unimplemented(msg));
+        let IncomingCall {
+            tasks,
+            ctx,
+            metadata,
+            timeout,
+            spawned,
+            inbox,
+            ..
+        } = self;
+        let Some(request) = stream_request(&mut *ctx, metadata, timeout, inbox) else {
+            return Dispatched(());
+        };
+        let task = ServerStream {
+            state: StreamState::Handler(Box::pin(handler(request))),
+        };
+        spawn(tasks, ctx, spawned, task);
         Dispatched(())
     }
 

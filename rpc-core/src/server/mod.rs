@@ -29,7 +29,7 @@ pub use peer::{BulkBuffer, BulkMem, Peer};
 use crate::buf::Geometry;
 use crate::connect::{self, Hello, Message, Refusal};
 use crate::method::MethodDesc;
-use crate::verbs::{Endpoint, Provider, ProviderKind, ProviderVisitor};
+use crate::verbs::{Context, Endpoint, Provider, ProviderKind, ProviderVisitor};
 use crate::{Error, ErrorKind};
 use router::Router;
 use shard::{ShardHandle, ShardMsg};
@@ -293,9 +293,35 @@ impl ProviderVisitor for StartShards {
 
     fn visit<P: Provider>(self) -> Self::Output {
         let epoch = Instant::now();
+        // Rails: the devices (and ports) to spread shards over; shard i uses rail i % n.
+        let mut rails: Vec<Option<P::Context>> = match &self.cfg.device {
+            Some(d) => vec![Some(P::open(Some(d))?)],
+            None => P::open_rails()?.into_iter().map(Some).collect(),
+        };
+        if rails.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Verbs,
+                format!("{}: no device to use", P::NAME),
+            ));
+        }
+        let names: Vec<String> = rails
+            .iter()
+            .flatten()
+            .map(|c| format!("{}:{}", c.info().name, c.info().port))
+            .collect();
         let mut handles = Vec::new();
         for id in 0..self.cfg.shards {
+            let r = id as usize % rails.len();
+            let ctx = match rails[r].take() {
+                Some(c) => c,
+                None => P::open(Some(&names[r]))?,
+            };
+            info!(
+                "shard {id}/{} bound to rail [{r}]{}",
+                self.cfg.shards, names[r]
+            );
             let (shard, mut handle) = shard::open::<P>(
+                ctx,
                 id,
                 self.cfg.shards,
                 Arc::clone(&self.cfg),

@@ -126,8 +126,28 @@ pub(crate) struct BulkOp {
 /// What a shard exposes to the [`Peer`]s of its calls.
 pub(crate) struct PeerApi {
     pub(crate) ops: SegQueue<BulkOp>,
-    doorbell: Arc<Doorbell>,
+    /// Stream windows to return to clients (from the handlers' `Streaming`s).
+    pub(crate) grants: SegQueue<(LinkKey, crate::wire::CallId, u32)>,
+    pub(crate) doorbell: Arc<Doorbell>,
     alloc: Box<dyn BulkAlloc>,
+}
+
+/// The host of a server-side inbox: grants window through the shard.
+pub(crate) struct ShardInbox {
+    pub(crate) api: Arc<PeerApi>,
+    pub(crate) key: LinkKey,
+    pub(crate) call: crate::wire::CallId,
+}
+
+impl crate::streaming::InboxHost for ShardInbox {
+    fn grant(&self, n: u32) {
+        self.api.grants.push((self.key, self.call, n));
+        self.api.doorbell.ring();
+    }
+
+    fn abandon(&self) {
+        // A handler that drops the client's stream may still answer: nothing to do.
+    }
 }
 
 impl PeerApi {
@@ -137,6 +157,7 @@ impl PeerApi {
     ) -> Arc<PeerApi> {
         Arc::new(PeerApi {
             ops: SegQueue::new(),
+            grants: SegQueue::new(),
             doorbell,
             alloc: Box::new(PoolAlloc(pool)),
         })

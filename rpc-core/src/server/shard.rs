@@ -23,9 +23,10 @@ use crate::link::{
 };
 use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks};
 use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
-use crate::server::peer::{BulkMem, BulkOp, OpKind, Peer, PeerApi};
+use crate::server::peer::{BulkMem, BulkOp, OpKind, Peer, PeerApi, ShardInbox};
 use crate::server::router::Router;
 use crate::server::{PollMode, ServerConfig};
+use crate::streaming::{Inbox, Item};
 use crate::verbs::{
     Access, CompChannel, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Wc, WcStatus,
 };
@@ -89,6 +90,22 @@ struct SrvCall<P: Provider> {
     drop_after_read: bool,
     /// Counted in the shard's live calls (accepted, not finished).
     active: bool,
+    /// The client's stream (client-streaming and bidi calls).
+    inbox: Option<Arc<Inbox>>,
+    /// A large client stream message being READ; later ones wait in `held`.
+    stream_read: Option<BulkBuf<P>>,
+    held: VecDeque<Held>,
+    /// Our large stream messages lent to the client, released by its BulkReleases in order.
+    stream_bulks: VecDeque<BulkBuf<P>>,
+    /// The handler's stream waits for window, credit or a send slot.
+    blocked: bool,
+}
+
+/// A client stream frame that arrived while an earlier one was still being READ.
+enum Held {
+    Item(Item),
+    Bulk(BulkDesc),
+    End,
 }
 
 /// Uncounts a call from the shard's live calls (once).
@@ -110,6 +127,11 @@ impl<P: Provider> SrvCall<P> {
             resp_bulk: None,
             drop_after_read: false,
             active: false,
+            inbox: None,
+            stream_read: None,
+            held: VecDeque::new(),
+            stream_bulks: VecDeque::new(),
+            blocked: false,
         }
     }
 }
@@ -139,6 +161,12 @@ enum Deferred {
 /// One connection of the shard.
 pub(crate) struct ServerConn<P: Provider> {
     link: Link<P>,
+    /// Calls whose handler stream waits for credit or a send slot.
+    blocked: Vec<CallId>,
+    /// Window grants that found no credit yet.
+    grants: VecDeque<(CallId, u32)>,
+    /// GoAway was sent (the server is draining).
+    goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
     deferred: VecDeque<Deferred>,
     _closed: tokio::sync::oneshot::Sender<()>,
@@ -176,13 +204,13 @@ pub(crate) struct Shard<P: Provider> {
 
 /// Opens the shard's device objects on the calling thread and returns the shard, ready to run.
 pub(crate) fn open<P: Provider>(
+    ctx: P::Context,
     id: u16,
     nshards: u16,
     cfg: Arc<ServerConfig>,
     router: Arc<Router>,
     epoch: Instant,
 ) -> Result<(Shard<P>, ShardHandle), crate::Error> {
-    let ctx = P::open(cfg.device.as_deref())?;
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
     let per_conn = qp_caps(&cfg, ctx.caps().max_inline);
@@ -270,6 +298,34 @@ impl<P: Provider> CallCtx for Reply<'_, P> {
 
     fn peer(&self) -> Option<Peer> {
         Some(Peer::new(Arc::clone(self.api), self.conn.link.key()))
+    }
+
+    fn stream_ready(&mut self) -> bool {
+        let link = &self.conn.link;
+        let ok = link.wire.send_window(self.call).is_some_and(|w| w > 0)
+            && link.wire.data_credits() > 0
+            && link.arena.free_sends() > 0
+            && self.conn.deferred.is_empty();
+        if !ok
+            && let Some(c) = self.conn.slot(self.call)
+            && !c.blocked
+        {
+            c.blocked = true;
+            self.conn.blocked.push(self.call);
+        }
+        ok
+    }
+
+    fn send_stream(&mut self, msg: &dyn EncodeMsg, metadata: &Metadata) -> Result<(), Status> {
+        self.conn.send_stream(self.call, msg, metadata)
+    }
+
+    fn finish_ok(&mut self, trailers: &Metadata) {
+        let mut ok = Status::new(crate::Code::Ok, "");
+        if !trailers.is_empty() {
+            *ok.metadata_mut() = trailers.clone();
+        }
+        self.conn.fail(self.call, &ok);
     }
 }
 
@@ -417,6 +473,142 @@ impl<P: Provider> ServerConn<P> {
         }
     }
 
+    /// Sends one message of the handler's stream (the caller checked `stream_ready`).
+    fn send_stream(
+        &mut self,
+        call: CallId,
+        msg: &dyn EncodeMsg,
+        metadata: &Metadata,
+    ) -> Result<(), Status> {
+        let len = msg.encoded_len();
+        let md_len = metadata.encoded_len();
+        let refused = |e: CommitError| match e {
+            CommitError::Refused(wire::SendError::Gone) => Status::cancelled("the call ended"),
+            e => Status::internal(format!("stream message: {e:?}")),
+        };
+        match self.link.wire.plan(len as u64, md_len, None) {
+            Transfer::Eager | Transfer::Landing => {
+                let st = self
+                    .link
+                    .stage(metadata, msg)
+                    .map_err(|e| Status::internal(format!("stream message: {e:?}")))?;
+                self.link
+                    .commit(st, |w, pl, ml| w.stream_message(call, pl, ml, None))
+                    .map_err(refused)
+            }
+            Transfer::Rendezvous => {
+                let mut buf = self
+                    .link
+                    .bulk
+                    .get(len)
+                    .map_err(|e| Status::resource_exhausted(format!("bulk buffer: {e}")))?;
+                if msg.encode_into(buf.as_mut_slice()).is_none() {
+                    return Err(Status::internal("stream message encoding failed"));
+                }
+                let r = buf.remote();
+                let desc = BulkDesc {
+                    addr: r.addr,
+                    len: r.len,
+                    rkey: r.rkey,
+                };
+                let st = self
+                    .link
+                    .stage(metadata, &NoMsg)
+                    .map_err(|e| Status::internal(format!("stream message: {e:?}")))?;
+                self.link
+                    .commit(st, |w, _, ml| w.stream_message(call, 0, ml, Some(desc)))
+                    .map_err(refused)?;
+                if let Some(c) = self.slot(call) {
+                    c.stream_bulks.push_back(buf);
+                }
+                Ok(())
+            }
+            Transfer::TooLarge => Err(Status::resource_exhausted(format!(
+                "stream message of {len} bytes exceeds the {} byte message limit",
+                self.link.wire.config().max_message
+            ))),
+        }
+    }
+
+    /// Delivers a client stream frame to the call's inbox, in order behind a READ in flight.
+    fn stream_in(&mut self, call: CallId, held: Held) -> Result<(), LinkError> {
+        let Some(c) = self.slot(call) else {
+            return Ok(());
+        };
+        if c.stream_read.is_some() {
+            c.held.push_back(held);
+            return Ok(());
+        }
+        self.deliver_held(call, held)
+    }
+
+    fn deliver_held(&mut self, call: CallId, held: Held) -> Result<(), LinkError> {
+        let Some(c) = self.slot(call) else {
+            return Ok(());
+        };
+        let Some(inbox) = c.inbox.clone() else {
+            return Err(LinkError::Protocol(
+                "stream frame for a call without a client stream".into(),
+            ));
+        };
+        match held {
+            Held::Item(item) => {
+                if inbox.push(item).is_err() {
+                    return Err(LinkError::Protocol(
+                        "client exceeded its stream window".into(),
+                    ));
+                }
+            }
+            Held::End => inbox.finish(None),
+            Held::Bulk(desc) => {
+                let mut buf = self.link.bulk.get(desc.len as usize).map_err(|e| {
+                    LinkError::Protocol(format!("no buffer for a {}-byte message: {e}", desc.len))
+                })?;
+                buf.set_len(desc.len as usize);
+                // SAFETY: `buf` stays in the call's `stream_read` until the READ completes (or
+                // the connection closes) and nothing touches it meanwhile.
+                unsafe { self.link.post_read(call.slot(), &buf, desc)? };
+                if let Some(c) = self.slot(call) {
+                    c.stream_read = Some(buf);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A client stream message finished its READ: deliver it, release the client's buffer, and
+    /// deliver what waited behind it.
+    fn stream_read_done(&mut self, call: CallId) -> Result<(), LinkError> {
+        let Some(c) = self.slot(call) else {
+            return Ok(());
+        };
+        let Some(buf) = c.stream_read.take() else {
+            return Ok(());
+        };
+        if let Some(inbox) = c.inbox.clone()
+            && inbox.push(Item::Owned(Box::new(buf))).is_err()
+        {
+            return Err(LinkError::Protocol(
+                "client exceeded its stream window".into(),
+            ));
+        }
+        let _ = self
+            .link
+            .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+        loop {
+            let Some(c) = self.slot(call) else {
+                return Ok(());
+            };
+            if c.stream_read.is_some() {
+                return Ok(());
+            }
+            let Some(h) = c.held.pop_front() else {
+                return Ok(());
+            };
+            self.deliver_held(call, h)?;
+        }
+    }
+
     fn fail(&mut self, call: CallId, status: &Status) {
         let msg = status.message().as_bytes();
         let msg = &msg[..msg.len().min(1024)];
@@ -505,6 +697,9 @@ impl<P: Provider> ServerConn<P> {
         if let Some(c) = self.slot(call) {
             c.task = None;
             c.landing = None;
+            if let Some(inbox) = c.inbox.take() {
+                inbox.finish(Some(Status::cancelled("the call was cancelled")));
+            }
             if c.reading.is_some() {
                 c.drop_after_read = true;
                 return;
@@ -566,6 +761,7 @@ impl<P: Provider> Shard<P> {
         // Anything that arrived before the doorbell flag was visible is seen by this re-check.
         if !self.inbox.is_empty()
             || !self.peer_api.ops.is_empty()
+            || !self.peer_api.grants.is_empty()
             || self.poll_cq() > 0
             || self.run_ready() > 0
         {
@@ -681,7 +877,10 @@ impl<P: Provider> Shard<P> {
         let calls = (0..hello.max_calls).map(|_| SrvCall::empty()).collect();
         self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
+            blocked: Vec::with_capacity(hello.max_calls as usize),
+            grants: VecDeque::new(),
             link,
+            goaway_sent: false,
             calls,
             deferred: VecDeque::with_capacity(cfg.geometry.send_slots as usize),
             _closed: closed,
@@ -876,11 +1075,11 @@ impl<P: Provider> Shard<P> {
             Event::Request {
                 call,
                 method_id,
+                kind,
                 deadline_at,
                 bulk,
                 landing,
                 replaced,
-                ..
             } => {
                 if let Some(old) = replaced {
                     self.drop_call(idx, old);
@@ -905,11 +1104,21 @@ impl<P: Provider> Shard<P> {
                         "call slot beyond the call table".into(),
                     ));
                 };
+                let inbox = kind.client_streams().then(|| {
+                    let inbox = Inbox::new(conn.link.wire.config().stream_window);
+                    inbox.set_host(Box::new(ShardInbox {
+                        api: Arc::clone(&self.peer_api),
+                        key: conn.link.key(),
+                        call,
+                    }));
+                    inbox
+                });
                 *sc = SrvCall {
                     id: call,
                     landing,
                     lent: bulk.is_some() || landing.is_some(),
                     active: true,
+                    inbox,
                     ..SrvCall::empty()
                 };
                 self.live_calls.fetch_add(1, Ordering::AcqRel);
@@ -930,7 +1139,9 @@ impl<P: Provider> Shard<P> {
                 self.drop_call(idx, call);
             }
             Event::BulkRelease { call } => {
-                if let Some(c) = conn.calls.get_mut(call.slot() as usize) {
+                if let Some(c) = conn.calls.get_mut(call.slot() as usize)
+                    && c.stream_bulks.pop_front().is_none()
+                {
                     c.resp_bulk = None;
                 }
             }
@@ -943,10 +1154,33 @@ impl<P: Provider> Shard<P> {
                     .link
                     .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
             }
-            Event::StreamMessage { call, .. } | Event::EndOfStream { call } => {
-                debug!(%call, "stream frame on a server without streaming support");
+            Event::StreamMessage { call, bulk, .. } => {
+                let held = match bulk {
+                    Some(desc) => {
+                        drop(inbound);
+                        Held::Bulk(desc)
+                    }
+                    None => Held::Item(Item::Slot {
+                        start: inbound.payload.start,
+                        end: inbound.payload.end,
+                        slot: inbound.slot,
+                    }),
+                };
+                conn.stream_in(call, held)?;
             }
-            Event::CreditOnly | Event::Stale { .. } | Event::WindowUpdate { .. } => {}
+            Event::EndOfStream { call } => {
+                drop(inbound);
+                conn.stream_in(call, Held::End)?;
+            }
+            Event::WindowUpdate { call, .. } => {
+                if let Some(c) = conn.slot(call)
+                    && std::mem::take(&mut c.blocked)
+                    && let Some(t) = c.task
+                {
+                    self.tasks.wake(t);
+                }
+            }
+            Event::CreditOnly | Event::Stale { .. } => {}
             Event::Response { .. } | Event::Status { .. } | Event::GoAway => {
                 return Err(LinkError::Protocol(
                     "client sent a server-only frame".into(),
@@ -1013,6 +1247,10 @@ impl<P: Provider> Shard<P> {
         let Some(c) = conn.calls.get_mut(slot as usize) else {
             return Ok(());
         };
+        if c.stream_read.is_some() {
+            let call = c.id;
+            return conn.stream_read_done(call);
+        }
         let Some(pending) = c.reading.take() else {
             return Ok(());
         };
@@ -1064,7 +1302,9 @@ impl<P: Provider> Shard<P> {
         };
         match self.router.get(method) {
             Some((service, desc)) => {
+                let inbox = reply.conn.slot(call).and_then(|c| c.inbox.clone());
                 let incoming = IncomingCall {
+                    inbox,
                     tasks: &mut self.tasks,
                     ctx: &mut reply,
                     payload,
@@ -1147,6 +1387,14 @@ impl<P: Provider> Shard<P> {
 
     /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines.
     fn maintain(&mut self) -> usize {
+        while let Some((key, call, n)) = self.peer_api.grants.pop() {
+            if let Some(Some(conn)) = self.conns.get_mut(key.idx as usize)
+                && conn.link.key() == key
+            {
+                conn.grants.push_back((call, n));
+            }
+        }
+        let stopping = self.stop.load(Ordering::Acquire);
         let mut failed = None;
         let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
         let mut n_expired = 0;
@@ -1156,6 +1404,20 @@ impl<P: Provider> Shard<P> {
             let Some(Some(conn)) = self.conns.get_mut(idx) else {
                 continue;
             };
+            if stopping && !conn.goaway_sent {
+                // Draining: tell the client to start no new call here.
+                match conn
+                    .link
+                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.go_away())
+                {
+                    Ok(()) => conn.goaway_sent = true,
+                    Err(FrameError::Link(e)) => {
+                        failed = Some((conn.link.key(), e));
+                        break;
+                    }
+                    Err(_) => {}
+                }
+            }
             match conn.link.post_recvs(true) {
                 Ok(k) => work += k as usize,
                 Err(e) => {
@@ -1164,6 +1426,36 @@ impl<P: Provider> Shard<P> {
                 }
             }
             conn.flush_deferred();
+            while let Some((call, n)) = conn.grants.pop_front() {
+                match conn
+                    .link
+                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.window_update(call, n))
+                {
+                    Err(FrameError::Busy) => {
+                        conn.grants.push_front((call, n));
+                        break;
+                    }
+                    Err(FrameError::Link(e)) => {
+                        failed = Some((conn.link.key(), e));
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            if !conn.blocked.is_empty()
+                && conn.link.wire.data_credits() > 0
+                && conn.link.arena.free_sends() > 0
+            {
+                for call in std::mem::take(&mut conn.blocked) {
+                    if let Some(c) = conn.slot(call)
+                        && std::mem::take(&mut c.blocked)
+                        && let Some(t) = c.task
+                    {
+                        self.tasks.wake(t);
+                        work += 1;
+                    }
+                }
+            }
             if let Err(e) = conn.link.maybe_credit_update() {
                 failed = Some((conn.link.key(), e));
                 break;

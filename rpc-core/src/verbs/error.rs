@@ -134,6 +134,8 @@ impl VerbsError {
     /// from it and the verb when `detail` is empty.
     pub fn from_errno(verb: Verb, errno: i32, detail: impl Into<Cow<'static, str>>) -> VerbsError {
         let kind = match errno {
+            // ibv_post_send/ibv_post_recv answer ENOMEM when the queue is full: back-pressure.
+            libc::ENOMEM if matches!(verb, Verb::PostSend | Verb::PostRecv) => ErrorKind::QueueFull,
             libc::ENOMEM => ErrorKind::OutOfMemory,
             libc::EINVAL | libc::EFAULT => ErrorKind::InvalidArgument,
             libc::ENODEV | libc::ENOSYS | libc::ENXIO | libc::ENOENT => ErrorKind::NoDevice,

@@ -33,6 +33,7 @@
 //! CQ, as in eRPC, so the fast path needs no lock.
 
 pub mod error;
+pub mod group;
 pub mod soft;
 pub mod types;
 
@@ -44,6 +45,7 @@ use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 pub use error::{ErrorKind, PostError, Result, Verb, VerbsError, WcError};
+pub use group::QpGroup;
 pub use types::{
     Access, Caps, ConnectAttr, DeviceInfo, Endpoint, GidFmt, LinkLayer, QpCaps, QpState, RecvWr,
     RemoteMr, SendFlags, SendWr, Sge, Wc, WcFlags, WcOpcode, WcStatus, WrOp,
@@ -82,6 +84,25 @@ pub trait Provider: Sized + Send + Sync + 'static {
     /// # Errors
     /// [`ErrorKind::NoDevice`] when there is none (the message says how to get one).
     fn open(name: Option<&str>) -> Result<Self::Context>;
+
+    /// Opens every device this provider should use, in rail order: a sharded server binds
+    /// shard `i` to rail `i % n` (ib: the devices and ports `RPC_IB_HCA` lists). The default
+    /// opens one device with `open(None)`.
+    ///
+    /// # Errors
+    /// As [`Provider::open`].
+    fn open_rails() -> Result<Vec<Self::Context>> {
+        Ok(vec![Self::open(None)?])
+    }
+
+    /// How many QPs one connection is striped over (see [`QpGroup`]; ib:
+    /// `RPC_IB_QPS_PER_CONNECTION`). The default is 1.
+    ///
+    /// # Errors
+    /// When the setting is malformed.
+    fn qps_per_connection() -> Result<u32> {
+        Ok(1)
+    }
 }
 
 /// An open device (`ibv_context`).

@@ -581,6 +581,13 @@ impl Conn {
 
     // ---- commands: calls ----------------------------------------------------------------
 
+    /// Stream messages we may still send on `call` before the peer grants more window, or
+    /// `None` when the call is not live.
+    pub fn send_window(&self, call: CallId) -> Option<u32> {
+        let i = self.live_call(call).ok()?;
+        Some(self.calls[i].send_window)
+    }
+
     /// Client: starts a call of `method_id` (allocates its slot; build its frame with
     /// [`Conn::request`]). With `timeout_ns` the call expires at `now + timeout_ns`.
     ///

@@ -45,6 +45,9 @@ pub mod kv_client {
         /// # Errors
         /// When the address does not resolve, the connection fails or the handshake is
         /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
         ) -> ::core::result::Result<Self, TransportError> {
@@ -64,6 +67,10 @@ pub mod kv_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn get(
             &self,
             request: impl IntoRequest<super::GetRequest>,
@@ -88,6 +95,10 @@ pub mod kv_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn put_many(
             &self,
             request: impl IntoStreamingRequest<Message = super::PutRequest>,
@@ -103,6 +114,10 @@ pub mod kv_client {
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
+        ///
+        /// # Cancel safety
+        /// Dropping the future cancels the call: the server is told, and buffers return to
+        /// their pools only after the NIC is done with them.
         pub async fn watch(
             &self,
             request: impl IntoRequest<super::GetRequest>,

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::Device;
+use super::peer::WatchShared;
 use super::shm::{self, EventFd};
 use crate::verbs::{CompChannel, Result, Verb, VerbsError};
 
@@ -23,6 +24,8 @@ pub(crate) struct ChannelInner {
     deadline: AtomicU64,
     /// Nonce of the owning device (CQs of another device may not use this channel).
     pub(crate) dev_nonce: u64,
+    /// The context's service thread, which rings us when the deadline passes.
+    watch: Arc<WatchShared>,
 }
 
 impl ChannelInner {
@@ -37,11 +40,31 @@ impl ChannelInner {
         let prev = self.deadline.fetch_min(at_ns, Ordering::AcqRel);
         if at_ns < prev {
             self.efd.signal();
+            self.watch.efd.signal();
         }
+    }
+
+    /// For the service thread: `None` (and the deadline cleared) when the deadline passed, so
+    /// the caller rings the channel; otherwise the pending deadline (`u64::MAX`: none).
+    pub(crate) fn take_due(&self, now: u64) -> Option<u64> {
+        let d = self.deadline.load(Ordering::Acquire);
+        if d > now {
+            return Some(d);
+        }
+        self.deadline
+            .compare_exchange(d, u64::MAX, Ordering::AcqRel, Ordering::Relaxed)
+            .err()
     }
 }
 
-/// A completion channel of the soft RNIC: an eventfd, usable with epoll/tokio `AsyncFd`.
+/// A completion channel of the soft RNIC: a non-blocking eventfd, usable with epoll/tokio
+/// `AsyncFd` (readable = events pending; [`CompChannel::drain`] consumes them).
+///
+/// Producers ring it only for a CQ armed with [`Cq::req_notify`](crate::verbs::Cq::req_notify)
+/// (once per arming): local producers write the eventfd, producers in peer processes write the
+/// duplicate they obtained with `pidfd_getfd` when they connected. The context's watchdog also
+/// rings it when a peer process dies, and queued RNR retries bound how long
+/// [`CompChannel::wait`] sleeps.
 #[derive(Debug)]
 pub struct SoftCompChannel {
     pub(crate) inner: Arc<ChannelInner>,
@@ -60,6 +83,7 @@ impl SoftCompChannel {
             efd,
             deadline: AtomicU64::new(u64::MAX),
             dev_nonce: dev.nonce,
+            watch: dev.watchdog.shared.clone(),
         });
         dev.watchdog.add_channel(Arc::downgrade(&inner));
         Ok(SoftCompChannel { inner })

@@ -163,6 +163,22 @@ struct Side {
 }
 
 /// A completion queue of the soft RNIC.
+///
+/// Each QP side attached to it (send or receive) has its own single-producer ring; a ready
+/// bitmap in shared memory (one bit per side, set by producers in any process) tells
+/// [`poll`](Cq::poll) which rings to drain, so a producer that dies mid-way can never wedge the
+/// CQ. `poll` also drives the retries of queued RNR work of its QPs (see the
+/// [module docs](super)).
+///
+/// # Overrun is prevented by sizing
+///
+/// [`Pd::create_qp`](crate::verbs::Pd::create_qp) fails with
+/// [`ErrorKind::ExceedsCaps`] when the CQ's capacity is smaller than the sum of the depths of
+/// the QP sides attached to it (`max_send_wr` of each QP using it as send CQ plus `max_recv_wr`
+/// of each using it as receive CQ). A queue slot is released only when its completion is
+/// *polled* (unsignaled sends: when a later completion of the same QP is polled), so no QP ever
+/// has more completions waiting than its depth and the CQ never overruns; there is no overrun
+/// error to handle.
 #[derive(Debug)]
 pub struct SoftCq {
     pub(crate) shared: Arc<CqShared>,

@@ -24,7 +24,7 @@ use crate::verbs::{
 /// Most pieces one side of a copy can have (an SG list; inline data is one piece).
 pub(crate) const MAX_PIECES: usize = CAPS.max_sge as usize;
 /// Peer regions whose mapping a connection remembers (direct-mapped by slot).
-const MR_CACHE: usize = 8;
+const MR_CACHE: usize = 64;
 
 static ZERO32: AtomicU32 = AtomicU32::new(0);
 static ZERO64: AtomicU64 = AtomicU64::new(0);
@@ -351,7 +351,7 @@ impl Conn {
             bm_bit: 1u64 << (bit % 64),
             armed: cq_entry + layout::cq_in::ARMED,
             efd,
-            cache: Default::default(),
+            cache: std::array::from_fn(|_| (0, None)),
             my_qp_num,
             my_nonce: dev.nonce,
             peer,
@@ -708,6 +708,9 @@ impl Conn {
         let r = unsafe { copy_out(local, &targets[..nt], self.peer.pid) };
         drop(pins);
         if let Err(v) = r {
+            if v == vendor::PEER_DEAD {
+                return Outcome::err(WcStatus::RetryExcErr, v);
+            }
             self.recv_complete(idx, WcStatus::LocProtErr, opcode, 0, None, true, true);
             return Outcome::err(WcStatus::RemOpErr, v);
         }
@@ -763,6 +766,9 @@ impl Conn {
             // bounds-checked and kept mapped/pinned until the copy returns.
             if let Err(v) = unsafe { copy_out(local, &[t], self.peer.pid) } {
                 drop(pins);
+                if v == vendor::PEER_DEAD {
+                    return Outcome::err(WcStatus::RetryExcErr, v);
+                }
                 if let Some(i) = idx {
                     self.recv_complete(
                         i,
@@ -828,6 +834,7 @@ impl Conn {
         drop(pins);
         match r {
             Ok(()) => Outcome::ok(u32::try_from(local.total).unwrap_or(u32::MAX)),
+            Err(v) if v == vendor::PEER_DEAD => Outcome::err(WcStatus::RetryExcErr, v),
             Err(v) => {
                 self.fail_peer();
                 Outcome::err(WcStatus::RemAccessErr, v)
@@ -921,7 +928,7 @@ unsafe fn copy_out(local: &Pieces, targets: &[Target], pid: u32) -> std::result:
             }
             // SAFETY: the iovecs name readable local memory (contract above).
             unsafe { shm::cma_copy(pid, CmaDir::Write, &mut iov[..n], t.addr) }
-                .map_err(|_| vendor::CMA_FAILED)?;
+                .map_err(cma_vendor)?;
         } else {
             while done < t.len && li < src.len() {
                 let (p, l) = src[li];
@@ -966,7 +973,7 @@ unsafe fn copy_in(t: &Target, local: &Pieces, pid: u32) -> std::result::Result<(
         }
         // SAFETY: the iovecs name writable local memory (contract above).
         return unsafe { shm::cma_copy(pid, CmaDir::Read, &mut iov[..dst.len()], t.addr) }
-            .map_err(|_| vendor::CMA_FAILED);
+            .map_err(cma_vendor);
     }
     let mut off = 0usize;
     for &(p, l) in dst {
@@ -977,6 +984,16 @@ unsafe fn copy_in(t: &Target, local: &Pieces, pid: u32) -> std::result::Result<(
         off += take;
     }
     Ok(())
+}
+
+/// The vendor error of a failed cross-process copy: the peer process vanished, or the copy
+/// failed.
+fn cma_vendor(e: std::io::Error) -> u32 {
+    if e.raw_os_error() == Some(libc::ESRCH) {
+        vendor::PEER_DEAD
+    } else {
+        vendor::CMA_FAILED
+    }
 }
 
 /// Flags of a receive completion from its meta word.

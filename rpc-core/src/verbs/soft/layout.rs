@@ -24,9 +24,9 @@ pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
 pub(crate) const VERSION: u32 = 1;
 
 /// Size of the published segment (sparse).
-pub(crate) const PUB_LEN: usize = 1 << 30;
+pub(crate) const PUB_LEN: usize = 512 << 20;
 /// Size of the inbox segment (sparse).
-pub(crate) const INBOX_LEN: usize = 1 << 30;
+pub(crate) const INBOX_LEN: usize = 256 << 20;
 
 // ---- published segment ---------------------------------------------------------------------
 
@@ -149,8 +149,9 @@ pub(crate) const fn wqe_stride(max_sge: usize) -> usize {
 /// Inbox header: u64 magic at 0, u64 nonce at 8.
 pub(crate) const IN_NONCE: usize = 8;
 
-/// Bytes per QP inbox entry.
-pub(crate) const QP_IN_ENTRY: usize = 64;
+/// Bytes per QP inbox entry (two cache lines: the owner reads the first on every call, the
+/// peer writes the second on every receive it claims).
+pub(crate) const QP_IN_ENTRY: usize = 128;
 /// Offset of the QP inbox table.
 pub(crate) const QP_IN_TABLE: usize = 4096;
 
@@ -158,8 +159,8 @@ pub(crate) const QP_IN_TABLE: usize = 4096;
 pub(crate) mod qp_in {
     /// u32: non-zero when the connected peer failed this QP (fatal remote error).
     pub(crate) const REMOTE_ERROR: usize = 0;
-    /// u32: receive claim index (the peer claims WQEs with compare-and-swap).
-    pub(crate) const RQ_CLAIM: usize = 4;
+    /// u32: receive claim index (the peer claims WQEs with compare-and-swap), own line.
+    pub(crate) const RQ_CLAIM: usize = 64;
 }
 
 /// Offset of the MR pin counters (u32 per MR slot).

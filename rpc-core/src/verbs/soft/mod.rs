@@ -8,58 +8,81 @@
 //! - Opening the device creates a soft RNIC instance: two memfd segments, a *published* one
 //!   that only this instance writes (header, MR table, QP table, receive rings; sealed with
 //!   `F_SEAL_FUTURE_WRITE` so peers can only map it read-only) and an *inbox* that peers map
-//!   read-write (receive-completion rings, doorbell words, "your QP failed" flags). See
-//!   [`layout`](self) for the words. The instance's identity (pid, descriptor number, random
-//!   nonce) travels in [`Endpoint::gid`](crate::verbs::Endpoint::gid); a peer finds it with `pidfd_open` + `pidfd_getfd`
-//!   (fallback `/proc/PID/fd/N`) and validates it before use.
+//!   read-write (receive-completion rings, doorbell words, "your QP failed" flags). The
+//!   instance's identity (pid, descriptor number, random nonce) travels in
+//!   [`Endpoint::gid`]; a peer finds it with `pidfd_open` + `pidfd_getfd` (fallback
+//!   `/proc/PID/fd/N`) and validates it before use.
 //! - [`Pd::alloc_mr`] memory lives in its own memfd (sealed against shrinking, so a peer can
 //!   never make us fault). A peer maps it lazily on first access and caches the mapping: an
 //!   RDMA WRITE or READ is **one memcpy by the requester**, with no CPU of the remote process
 //!   involved. [`Pd::reg_mr`] on arbitrary memory works too: a peer in another process reaches
 //!   it with `process_vm_readv/writev` (one system call per piece), a peer in the same process
 //!   copies directly. Atomics need the target in shared memory or in the same process.
-//! - Work requests execute synchronously inside [`Qp::post_send`](crate::verbs::Qp::post_send), on the caller's thread: the
+//! - Work requests execute synchronously inside [`Qp::post_send`], on the caller's thread: the
 //!   caller's CPU is the NIC. A SEND claims the next receive the peer posted (lock-free ring in
 //!   the peer's segments), checks it, copies the payload straight into the peer's receive
 //!   buffers and publishes the peer's completion, ringing its doorbell if its CQ is armed.
-//! - Every remote access checks the key, that the region is still registered, the bounds, the
-//!   region's rights and the rights the peer's QP granted. A violation completes the request
-//!   with `REM_ACCESS_ERR` and moves both QPs to ERROR. Nothing outside a registered,
-//!   remotely-accessible range can be touched.
+//! - Completions: see [`SoftCq`] (per-QP single-producer rings and a shared ready bitmap; CQ
+//!   overrun is prevented by sizing at [`Pd::create_qp`]).
+//!
+//! # What a peer can and cannot do
+//!
+//! Every remote access checks the key, that the region is still registered, the bounds, the
+//! region's rights and the rights the peer's QP granted. A violation completes the request with
+//! `REM_ACCESS_ERR` and moves both QPs to ERROR. Nothing outside a registered,
+//! remotely-accessible range is touched by the soft RNIC. Everything a peer can write into our
+//! segments (its receive completions, the claim index of our receive queue, doorbell words) is
+//! validated before use: garbage gives an error completion (`vendor::CORRUPT`) and ERROR, never
+//! undefined behaviour or a panic. (A peer process of the same user could of course attack us
+//! by other means, such as `ptrace`: the soft RNIC protects against bugs and stale state, not
+//! against a hostile local user.)
 //!
 //! # Progress is manual for RNR retries
 //!
 //! A SEND (or WRITE_WITH_IMM) that finds no receive posted is queued with everything posted
-//! after it (RC order is kept) and retried every [`ConnectAttr::rnr_timer`](crate::verbs::ConnectAttr::rnr_timer) from later
-//! [`Qp::post_send`](crate::verbs::Qp::post_send) and [`Cq::poll`](crate::verbs::Cq::poll) calls, up to `rnr_retry` times (7: forever), then fails
-//! with `RNR_RETRY_EXC_ERR`. While such work is queued, [`CompChannel::wait`](crate::verbs::CompChannel::wait) does not sleep
-//! past the next retry time (it returns `true` so the caller polls). The same machinery waits
+//! after it (RC order is kept) and retried every [`ConnectAttr::rnr_timer`] from later
+//! [`Qp::post_send`] and [`Cq::poll`] calls, up to `rnr_retry` times (7: forever), then fails
+//! with `RNR_RETRY_EXC_ERR`. While such work is queued, [`CompChannel::wait`] does not sleep
+//! past the next retry time (it returns `true` so the caller polls), and the context's service
+//! thread makes the channel's descriptor readable when the retry is due (for epoll/`AsyncFd`
+//! sleepers, armed CQ or not). The same machinery waits
 //! for a peer QP that is not connected yet (`retry_cnt` times every ACK timeout, then
-//! `RETRY_EXC_ERR`).
+//! `RETRY_EXC_ERR`). The retry machinery is lock-free: a pre-allocated queue per QP, a pending
+//! bit per QP in its send CQ and a counter the CQ checks with one load.
 //!
 //! # Peers that die
 //!
-//! A watchdog thread per context sleeps on the pidfds of the peer processes; when one exits it
-//! sets a flag the data path reads with one atomic load and wakes every completion channel.
-//! Operations towards a dead peer, and queued RNR sends, complete with `RETRY_EXC_ERR` (then
-//! the QP moves to ERROR and everything else is flushed) instead of hanging.
+//! A service thread per context (started with its first completion channel or first peer in
+//! another process) sleeps in `ppoll` on the pidfds of the peer processes (no CPU while nothing
+//! happens); when one exits it sets a flag the data path reads with one atomic
+//! load and wakes every completion channel of the context. Operations towards a dead peer, and
+//! queued RNR sends, complete with `RETRY_EXC_ERR` (then the QP moves to ERROR and everything
+//! else is flushed) instead of hanging.
 //!
 //! # Costs
 //!
 //! `post_send`, `post_recv` and `poll` allocate nothing, take no lock and make no system call on
 //! their fast path. Exceptions, all off the steady state: the first access to a peer's region
-//! (maps it, then cached), ringing an *armed* CQ's eventfd, and regions registered with
-//! [`Pd::reg_mr`] that a peer in another process reaches (one `process_vm_*` call).
+//! (maps it, then cached), ringing an *armed* CQ's eventfd, queueing for an RNR retry (reads
+//! the clock, may ring the channel), and regions registered with [`Pd::reg_mr`] that a peer in
+//! another process reaches (one `process_vm_*` call per access).
 //!
 //! # Limits
 //!
 //! See [`CAPS`]. In addition, one CQ serves at most 4096 QP sides, a context at most 4096 QPs,
-//! 65536 regions and 1024 CQs.
+//! 65536 regions and 1024 CQs. Byte counters: [`SoftContext::counters`].
 //!
 //! # Test hooks
 //!
 //! [`fault`] forces a QP into ERROR, delays execution, makes a peer look dead and writes
 //! garbage into rings, for tests of the layers above.
+//!
+//! [`Endpoint::gid`]: crate::verbs::Endpoint::gid
+//! [`Qp::post_send`]: crate::verbs::Qp::post_send
+//! [`Pd::create_qp`]: crate::verbs::Pd::create_qp
+//! [`ConnectAttr::rnr_timer`]: crate::verbs::ConnectAttr::rnr_timer
+//! [`Cq::poll`]: crate::verbs::Cq::poll
+//! [`CompChannel::wait`]: crate::verbs::CompChannel::wait
 
 mod channel;
 mod cq;
@@ -413,6 +436,8 @@ impl Provider for Soft {
     }
 
     fn open(name: Option<&str>) -> Result<SoftContext> {
+        // `soft0` or `soft0:1` (device:port, as rails are named).
+        let name = name.map(|n| n.strip_suffix(":1").unwrap_or(n));
         if let Some(n) = name
             && n != DEVICE_NAME
         {

@@ -62,6 +62,12 @@ fn bad_ep(detail: String) -> VerbsError {
 impl Peer {
     /// Finds, maps and validates the soft RNIC named by (`pid`, `fd`, `nonce`).
     pub(crate) fn attach(dev: &Arc<Device>, pid: u32, fd: u32, nonce: u64) -> Result<Peer> {
+        if nonce == dev.nonce && (pid != dev.pid || fd != dev.pub_fd_num()) {
+            return Err(bad_ep(format!(
+                "the endpoint carries this soft RNIC's nonce with another process or descriptor \
+                 ({pid}/{fd}): it is forged"
+            )));
+        }
         let pidfd = shm::pidfd_open(pid).map_err(|e| {
             if e.raw_os_error() == Some(libc::ESRCH) {
                 bad_ep(format!(
@@ -243,15 +249,19 @@ impl Peer {
 /// Shared state of a context's watchdog thread.
 #[derive(Debug)]
 pub(crate) struct WatchShared {
-    efd: EventFd,
+    /// Wakes the thread (new peer, new deadline, stop).
+    pub(crate) efd: EventFd,
     stop: AtomicBool,
     peers: Mutex<Vec<Arc<Liveness>>>,
     /// Completion channels of the context, woken when a peer dies.
     pub(crate) channels: Mutex<Vec<Weak<ChannelInner>>>,
 }
 
-/// The per-context watchdog: a thread sleeping in `poll` on the peers' pidfds (zero CPU while
-/// nothing happens), started when the first peer of another process is attached.
+/// The per-context service thread: it sleeps in `ppoll` on the peers' pidfds (zero CPU while
+/// nothing happens) and marks peers that exit dead, and it rings completion channels whose
+/// queued RNR work falls due (so that a sleeper on the channel's descriptor, e.g. tokio
+/// `AsyncFd`, is woken without calling [`CompChannel::wait`](crate::verbs::CompChannel::wait)).
+/// Started with the first completion channel or the first peer of another process.
 #[derive(Debug)]
 pub(crate) struct Watchdog {
     pub(crate) shared: Arc<WatchShared>,
@@ -278,6 +288,11 @@ impl Watchdog {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(live);
+        self.ensure_thread();
+        self.shared.efd.signal();
+    }
+
+    fn ensure_thread(&self) {
         let mut t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
         if t.is_none() {
             let shared = self.shared.clone();
@@ -285,8 +300,13 @@ impl Watchdog {
                 .name("soft-rnic-watchdog".into())
                 .spawn(move || run(&shared))
                 .ok();
+            if t.is_none() {
+                tracing::warn!(
+                    "soft RNIC: cannot start the service thread: dead peers and RNR deadlines \
+                     will only be noticed by callers of CompChannel::wait and Cq::poll"
+                );
+            }
         }
-        self.shared.efd.signal();
     }
 
     /// Registers a completion channel to wake when a peer dies.
@@ -298,6 +318,8 @@ impl Watchdog {
             .unwrap_or_else(|e| e.into_inner());
         v.retain(|w| w.strong_count() > 0);
         v.push(ch);
+        drop(v);
+        self.ensure_thread();
     }
 
     /// Marks `live` dead and wakes every channel (what the thread does on exit; also the test
@@ -331,11 +353,27 @@ impl Drop for Watchdog {
     }
 }
 
-/// The watchdog loop: poll the pidfds (and our eventfd for changes); mark exited peers dead.
+/// Rings the channels whose retry deadline has passed; returns how long until the next one.
+fn fire_deadlines(shared: &WatchShared) -> Option<u64> {
+    let now = super::shm::now_ns();
+    let mut next = u64::MAX;
+    let chans = shared.channels.lock().unwrap_or_else(|e| e.into_inner());
+    for c in chans.iter().filter_map(Weak::upgrade) {
+        match c.take_due(now) {
+            Some(d) => next = next.min(d),
+            None => c.wake(),
+        }
+    }
+    (next != u64::MAX).then(|| next.saturating_sub(now))
+}
+
+/// The watchdog loop: poll the pidfds (and our eventfd for changes) until the next channel
+/// deadline; mark exited peers dead, ring channels whose deadline passed.
 fn run(shared: &WatchShared) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     let mut lives: Vec<Arc<Liveness>> = Vec::new();
     while !shared.stop.load(Ordering::SeqCst) {
+        let next = fire_deadlines(shared);
         {
             let mut peers = shared.peers.lock().unwrap_or_else(|e| e.into_inner());
             // Forget peers nobody else references, and those already dead.
@@ -356,9 +394,24 @@ fn run(shared: &WatchShared) {
                 revents: 0,
             });
         }
-        // SAFETY: `fds` is a valid array of `fds.len()` pollfds for the duration of the call;
-        // every descriptor in it is kept open by `lives`/`shared` until after the call.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        let ts = next.map(|ns| libc::timespec {
+            tv_sec: (ns / 1_000_000_000) as libc::time_t,
+            tv_nsec: (ns % 1_000_000_000) as libc::c_long,
+        });
+        let tsp = ts
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfds and `tsp` null or a valid
+        // timespec for the duration of the call; every descriptor in `fds` is kept open by
+        // `lives`/`shared` until after the call.
+        let r = unsafe {
+            libc::ppoll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                tsp,
+                std::ptr::null(),
+            )
+        };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::Interrupted {
