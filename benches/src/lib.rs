@@ -125,8 +125,9 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
 }
 
 /// `cargo bench` entry: the bench executable stands in for `rpc-bench` (it starts copies of
-/// itself as server processes). Without a subcommand it runs `run --quick`; cargo's
-/// `--bench` flag and test-name filters are dropped.
+/// itself as server processes). Without a subcommand it runs `run --quick`, writing
+/// `bench-out/results.json` at the workspace root (cargo runs benches in the package
+/// directory); cargo's `--bench` flag and test-name filters are dropped.
 pub fn bench_main() -> ExitCode {
     let mut args: Vec<OsString> = std::env::args_os().collect();
     let is_sub = args
@@ -136,8 +137,15 @@ pub fn bench_main() -> ExitCode {
     if is_sub {
         return main_with(args);
     }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(
+            || std::path::PathBuf::from("."),
+            std::path::Path::to_path_buf,
+        );
     args.truncate(1);
-    args.extend(["run", "--quick"].map(OsString::from));
+    args.extend(["run", "--quick", "--json"].map(OsString::from));
+    args.push(root.join("bench-out").join("results.json").into_os_string());
     main_with(args)
 }
 
@@ -157,8 +165,8 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
         report::table(&report, &args.outstanding, runner::LARGE_FROM)
     );
     println!(
-        "\nStreaming (issue 7): not measured; the runtime answers UNIMPLEMENTED for streaming \
-         calls today."
+        "\nStreaming (issue 7: streaming ping-pong latency, streaming throughput against \
+         tonic's streaming): not measured yet."
     );
     println!("\nJSON: {}", args.json.display());
     if !args.no_plots {

@@ -433,8 +433,8 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
             bar.inc(1);
         }
         // Streaming figures (issue 7: streaming ping-pong latency, streaming throughput against
-        // tonic's streaming) go here, interleaved like the unary ones, once the runtime serves
-        // streaming calls; today it answers UNIMPLEMENTED, so nothing is measured.
+        // tonic's streaming) go here, interleaved like the unary ones, as cells of their own
+        // system kinds; `Report::streaming` is where their summary goes. Not measured yet.
     }
     bar.finish_and_clear();
     drop(remote);
