@@ -2,6 +2,8 @@
 //! and plots; the two-host mode works through `serve --listen` on loopback. Short phases: these
 //! check that figures are produced, not how fast anything is.
 
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
