@@ -160,10 +160,20 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
         report.seconds
     );
     println!();
-    print!(
-        "{}",
-        report::table(&report, &args.outstanding, runner::LARGE_FROM)
+    let table = report::table(&report, &args.outstanding, runner::LARGE_FROM);
+    print!("{table}");
+    // The same table beside the JSON file, with the command and machine, for the README.
+    let txt = args.json.with_extension("txt");
+    let header = format!(
+        "$ {}\n{}; load average {} before, {} after\n\n",
+        report.command,
+        report.machine.describe(),
+        fmt_load(report.load_before),
+        fmt_load(report.load_after)
     );
+    if let Err(e) = std::fs::write(&txt, header + &table) {
+        eprintln!("rpc-bench: {}: {e}", txt.display());
+    }
     println!(
         "\nStreaming (issue 7: streaming ping-pong latency, streaming throughput against \
          tonic's streaming): not measured yet."

@@ -634,6 +634,20 @@ pub fn table(report: &Report, ks: &[usize], large_from: usize) -> String {
         }
         let _ = writeln!(s);
     }
+    let mut wins: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in &report.ratios {
+        for sys in r.best_tonic.values() {
+            *wins.entry(sys.name()).or_default() += 1;
+        }
+    }
+    if !wins.is_empty() {
+        let list: Vec<String> = wins.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let _ = writeln!(
+            s,
+            "Best tonic configuration per figure (figures won): {}\n",
+            list.join(", ")
+        );
+    }
     let i3 = &report.issue3;
     let _ = writeln!(s, "Issue 3 (rdma-rpc alone, same run):");
     let _ = writeln!(
