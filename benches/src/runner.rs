@@ -40,7 +40,7 @@ pub struct RunArgs {
     /// CI mode: short phases, 3 repetitions; finishes in under a minute.
     #[arg(long)]
     pub quick: bool,
-    /// Interleaved repetitions (default 5, quick 3); figures are their medians.
+    /// Interleaved repetitions (default 7, quick 3); figures are their medians.
     #[arg(long)]
     pub reps: Option<usize>,
     /// Payload sizes, comma-separated (32, 4KiB, 16MiB, ...).
@@ -315,13 +315,14 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         Duration::from_secs_f64(v.unwrap_or(if quick { quick_d } else { full }).max(0.0))
     };
     let plan = Plan {
-        warmup: secs(args.warmup_secs, 0.02, 0.2),
-        latency: secs(args.latency_secs, 0.1, 0.8),
-        rate: secs(args.rate_secs, 0.05, 0.4),
+        warmup: secs(args.warmup_secs, 0.02, 0.1),
+        latency: secs(args.latency_secs, 0.1, 0.5),
+        rate: secs(args.rate_secs, 0.05, 0.3),
         min_calls: if quick { 3 } else { 10 },
         max_phase: Duration::from_secs(if quick { 5 } else { 20 }),
     };
-    let reps = args.reps.unwrap_or(if quick { 3 } else { 5 }).max(1);
+    // More, shorter repetitions: medians over more interleaved runs resist a noisy machine.
+    let reps = args.reps.unwrap_or(if quick { 3 } else { 7 }).max(1);
     let sizes = args.sizes.clone().unwrap_or_else(|| DEFAULT_SIZES.to_vec());
     if sizes.iter().any(|&s| s == 0 || s > MAX_SIZE) {
         bail!(
