@@ -17,21 +17,30 @@ pub const MAX_OUTSTANDING: usize = 128;
 /// otherwise.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// CPU time of both processes at one instant.
+/// CPU time and soft RNIC counters of both processes at one instant.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Snapshot {
     /// This (client) process.
     pub client: CpuTime,
     /// The server process.
     pub server: CpuTime,
+    /// (bytes copied, work requests) of this process's soft RNICs.
+    pub client_nic: (u64, u64),
+    /// The same for the server process.
+    pub server_nic: (u64, u64),
 }
 
 impl Snapshot {
     /// What both processes used since `earlier`.
     pub fn since(&self, earlier: Snapshot) -> CpuDelta {
+        let d = |a: (u64, u64), b: (u64, u64)| (a.0.saturating_sub(b.0), a.1.saturating_sub(b.1));
+        let (cb, co) = d(self.client_nic, earlier.client_nic);
+        let (sb, so) = d(self.server_nic, earlier.server_nic);
         CpuDelta {
             client: self.client.since(earlier.client),
             server: self.server.since(earlier.server),
+            nic_bytes: cb + sb,
+            nic_ops: co + so,
         }
     }
 }

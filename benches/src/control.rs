@@ -12,7 +12,8 @@
 //!
 //! ```text
 //! START <args of `rpc-bench server`>   -> READY <data port>
-//! CPU                                  -> CPU <user ns> <sys ns>      (of the server process)
+//! CPU                                  -> CPU <user ns> <sys ns> <nic bytes> <nic ops>
+//!                                         (of the server process; nic: its soft RNICs)
 //! STOP                                 -> STOPPED
 //! INFO                                 -> INFO <machine description>
 //! BYE                                  -> (connection closed)
@@ -327,11 +328,12 @@ impl Remote {
         Ok(SocketAddr::new(self.host, port))
     }
 
-    /// CPU time of the running server process.
+    /// CPU time and soft RNIC counters (bytes copied, work requests) of the running server
+    /// process.
     ///
     /// # Errors
     /// When no server runs or the answer is malformed.
-    pub fn server_cpu(&mut self) -> Result<CpuTime> {
+    pub fn server_usage(&mut self) -> Result<(CpuTime, (u64, u64))> {
         let line = self.ask("CPU")?;
         parse_cpu(&line).ok_or_else(|| anyhow!("bad CPU answer {line:?}"))
     }
@@ -378,18 +380,18 @@ impl Drop for Remote {
     }
 }
 
-/// `CPU <user ns> <sys ns>` -> the times.
-pub fn parse_cpu(line: &str) -> Option<CpuTime> {
+/// `CPU <user ns> <sys ns> <nic bytes> <nic ops>` -> the times and counters.
+pub fn parse_cpu(line: &str) -> Option<(CpuTime, (u64, u64))> {
     let mut w = line.strip_prefix("CPU ")?.split_whitespace();
-    let user = w.next()?.parse().ok()?;
-    let sys = w.next()?.parse().ok()?;
-    Some(CpuTime::from_nanos(user, sys))
+    let mut next = || w.next()?.parse::<u64>().ok();
+    let (user, sys, bytes, ops) = (next()?, next()?, next()?, next()?);
+    Some((CpuTime::from_nanos(user, sys), (bytes, ops)))
 }
 
-/// `CPU <user ns> <sys ns>` for `t`.
-pub fn format_cpu(t: CpuTime) -> String {
+/// The `CPU` answer for `t` and the soft RNIC counters `nic`.
+pub fn format_cpu(t: CpuTime, nic: (u64, u64)) -> String {
     let (u, s) = t.to_nanos();
-    format!("CPU {u} {s}")
+    format!("CPU {u} {s} {} {}", nic.0, nic.1)
 }
 
 #[cfg(test)]
@@ -399,7 +401,8 @@ mod tests {
     #[test]
     fn cpu_lines_round_trip() {
         let t = CpuTime::from_nanos(123_456_789, 42);
-        assert_eq!(parse_cpu(&format_cpu(t)), Some(t));
+        assert_eq!(parse_cpu(&format_cpu(t, (7, 8))), Some((t, (7, 8))));
+        assert_eq!(parse_cpu("CPU 1 2 3"), None);
         assert_eq!(parse_cpu("CPU 1"), None);
         assert_eq!(parse_cpu("CPU x 2"), None);
         assert_eq!(parse_cpu("READY 5"), None);

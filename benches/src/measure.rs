@@ -66,13 +66,17 @@ pub fn record(h: &mut Histogram<u64>, d: Duration) {
     h.saturating_record(ns);
 }
 
-/// CPU time of both sides over one timed phase.
+/// CPU time of both sides over one timed phase, and what their soft RNICs did.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuDelta {
     /// The client process (this one).
     pub client: CpuTime,
     /// The server process.
     pub server: CpuTime,
+    /// Payload bytes the soft RNICs of both processes copied.
+    pub nic_bytes: u64,
+    /// Work requests the soft RNICs of both processes executed.
+    pub nic_ops: u64,
 }
 
 /// One timed one-outstanding phase.

@@ -64,6 +64,11 @@ pub struct LatencyFig {
     pub client_cpu_us_per_call: f64,
     /// The server's share, µs.
     pub server_cpu_us_per_call: f64,
+    /// Payload bytes the soft RNICs of both processes copied per call (0 for tonic and for
+    /// providers that do not count).
+    pub nic_bytes_per_call: f64,
+    /// Work requests the soft RNICs of both processes executed per call.
+    pub nic_ops_per_call: f64,
 }
 
 impl LatencyFig {
@@ -85,6 +90,8 @@ impl LatencyFig {
             cpu_us_per_call: per_call(r.cpu.client.total() + r.cpu.server.total()),
             client_cpu_us_per_call: per_call(r.cpu.client.total()),
             server_cpu_us_per_call: per_call(r.cpu.server.total()),
+            nic_bytes_per_call: r.cpu.nic_bytes as f64 / calls,
+            nic_ops_per_call: r.cpu.nic_ops as f64 / calls,
         }
     }
 }
@@ -169,6 +176,10 @@ pub struct Row {
     pub rates: BTreeMap<usize, RateSummary>,
     /// Median CPU µs per call with one outstanding.
     pub cpu_us_per_call: Option<f64>,
+    /// Median soft RNIC payload bytes copied per call, one outstanding.
+    pub nic_bytes_per_call: Option<f64>,
+    /// Median soft RNIC work requests per call, one outstanding.
+    pub nic_ops_per_call: Option<f64>,
 }
 
 /// Medians at one outstanding count.
@@ -261,6 +272,8 @@ pub fn summarize(cells: &[Cell]) -> Vec<Row> {
                 p50_range_us: p50_range,
                 rates,
                 cpu_us_per_call: m(|l| l.cpu_us_per_call),
+                nic_bytes_per_call: m(|l| l.nic_bytes_per_call),
+                nic_ops_per_call: m(|l| l.nic_ops_per_call),
             }
         })
         .collect()
@@ -634,6 +647,34 @@ pub fn table(report: &Report, ks: &[usize], large_from: usize) -> String {
         }
         let _ = writeln!(s);
     }
+    let nic: Vec<&Row> = report
+        .rows
+        .iter()
+        .filter(|r| !r.system.is_tonic() && r.nic_ops_per_call.is_some_and(|o| o > 0.0))
+        .collect();
+    if !nic.is_empty() {
+        let _ = writeln!(
+            s,
+            "Soft RNIC work per call, 1 outstanding (counted by the provider in both processes): \
+             work requests, and payload bytes it copied / (request + response payload):"
+        );
+        for r in nic {
+            let name = if r.system == System::Raw {
+                raw_name.as_str()
+            } else {
+                r.system.name()
+            };
+            let _ = writeln!(
+                s,
+                "  {:<8} {:<9} {:>6} WRs {:>6} x",
+                size_name(r.size),
+                name,
+                num(r.nic_ops_per_call),
+                num(r.nic_bytes_per_call.map(|b| b / (2.0 * r.size as f64)))
+            );
+        }
+        let _ = writeln!(s);
+    }
     let mut wins: BTreeMap<&str, usize> = BTreeMap::new();
     for r in &report.ratios {
         for sys in r.best_tonic.values() {
@@ -728,6 +769,8 @@ mod tests {
             p50_range_us: None,
             rates,
             cpu_us_per_call: Some(1.0),
+            nic_bytes_per_call: None,
+            nic_ops_per_call: None,
         }
     }
 

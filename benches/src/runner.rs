@@ -162,10 +162,12 @@ struct RemoteProbe<'a>(&'a mut Remote);
 
 impl Probe for RemoteProbe<'_> {
     fn snapshot(&mut self) -> Result<Snapshot> {
-        let server = self.0.server_cpu()?;
+        let (server, server_nic) = self.0.server_usage()?;
         Ok(Snapshot {
             client: sys::process_cpu(),
             server,
+            client_nic: sys::nic_counters(),
+            server_nic,
         })
     }
 }

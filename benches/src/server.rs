@@ -117,7 +117,11 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     out.flush()?;
     for line in std::io::stdin().lock().lines() {
         match line?.trim() {
-            "CPU" => writeln!(out, "{}", control::format_cpu(crate::sys::process_cpu()))?,
+            "CPU" => writeln!(
+                out,
+                "{}",
+                control::format_cpu(crate::sys::process_cpu(), crate::sys::nic_counters())
+            )?,
             "QUIT" => break,
             other => writeln!(out, "ERR unknown command {other:?}")?,
         }

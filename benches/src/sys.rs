@@ -40,6 +40,13 @@ impl CpuTime {
     }
 }
 
+/// What the soft RNICs of this process did so far: (payload bytes copied, work requests
+/// executed). Zero for other providers, which do not count.
+pub fn nic_counters() -> (u64, u64) {
+    let c = rpc_core::verbs::soft::process_counters();
+    (c.bytes_copied, c.ops)
+}
+
 /// CPU time of the whole calling process (every thread), from `getrusage(RUSAGE_SELF)`.
 pub fn process_cpu() -> CpuTime {
     // SAFETY: `rusage` is plain data for which all-zero is valid; getrusage writes only into
