@@ -130,7 +130,12 @@ fn one_host_run_measures_every_system_and_writes_json_and_plots() {
         2.0 * f64::from(64u32 << 10)
     );
     assert!(row(&r, "rpc", 32)["nic_ops_per_call"].as_f64().unwrap() >= 2.0);
-    assert_eq!(row(&r, "tonic-ct", 32)["nic_ops_per_call"].as_f64().unwrap(), 0.0);
+    assert_eq!(
+        row(&r, "tonic-ct", 32)["nic_ops_per_call"]
+            .as_f64()
+            .unwrap(),
+        0.0
+    );
     // Ratios against tonic and the raw floor, and every target with a verdict or "not
     // measured" (16 MiB and 64 outstanding were not run).
     let ratio32 = r["ratios"]
