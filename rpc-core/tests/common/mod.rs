@@ -15,11 +15,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rpc_core::{
-    Channel, ChannelBuilder, Code, Metadata, PollerMode, Request, Response, RunningServer, Server,
+    Channel, ChannelBuilder, Code, PollerMode, Request, Response, RunningServer, Server,
     ServerBuilder, Status,
 };
 
-pub use lab_client::LabClient;
 pub use lab_server::LabServer;
 
 // ----- messages ------------------------------------------------------------------------------
@@ -301,15 +300,23 @@ impl TestServer {
         addr: &str,
         f: impl FnOnce(ServerBuilder) -> ServerBuilder,
     ) -> TestServer {
+        TestServer::try_bind_with(addr, f)
+            .await
+            .expect("server binds")
+    }
+
+    /// Starts a server configured by `f` on `addr`, or says why it could not.
+    pub async fn try_bind_with(
+        addr: &str,
+        f: impl FnOnce(ServerBuilder) -> ServerBuilder,
+    ) -> Result<TestServer, rpc_core::Error> {
         init_logs();
         let state = LabState::new();
         let b = Server::builder().add_service(LabServer::new(LabSvc {
             state: Arc::clone(&state),
         }));
-        let server = within(Duration::from_secs(20), "bind", f(b).bind(addr))
-            .await
-            .expect("server binds");
-        TestServer { server, state }
+        let server = within(Duration::from_secs(20), "bind", f(b).bind(addr)).await?;
+        Ok(TestServer { server, state })
     }
 
     pub fn addr(&self) -> String {
@@ -480,8 +487,16 @@ pub fn check_blob(b: &Blob, seq: u64, len: usize, what: &str) {
 /// Encoded length of a blob of `seq` with `n` data bytes.
 pub fn blob_len(seq: u64, n: usize) -> usize {
     use prost::encoding::encoded_len_varint;
-    let s = if seq == 0 { 0 } else { 1 + encoded_len_varint(seq) };
-    let d = if n == 0 { 0 } else { 1 + encoded_len_varint(n as u64) + n };
+    let s = if seq == 0 {
+        0
+    } else {
+        1 + encoded_len_varint(seq)
+    };
+    let d = if n == 0 {
+        0
+    } else {
+        1 + encoded_len_varint(n as u64) + n
+    };
     s + d
 }
 
