@@ -343,7 +343,8 @@ impl<P: Provider> ClientCore<P> {
             self.stage(metadata, &NoMsg)?
         };
         let landing = match landing_hint {
-            Some(n) if MAX_HEADER_LEN + n > self.eager_limit => {
+            // No zone for a response the caller could not accept anyway.
+            Some(n) if MAX_HEADER_LEN + n > self.eager_limit && n as u64 <= self.max_message => {
                 match self.bulk.get(MAX_HEADER_LEN + crate::MAX_METADATA_LEN + n) {
                     Ok(mut b) => {
                         let cap = b.capacity();
@@ -979,16 +980,20 @@ impl<P: Provider> Driver<P> {
                 drop(slot);
                 self.calls[s].lent_bulk = None;
                 self.calls[s].landing = None;
-                let mut buf = match core.bulk.get(desc.len as usize) {
+                let got = if desc.len > core.max_message {
+                    Err(format!(
+                        "response of {} bytes exceeds the {} byte message limit",
+                        desc.len, core.max_message
+                    ))
+                } else {
+                    core.bulk
+                        .get(desc.len as usize)
+                        .map_err(|e| format!("response too large: {e}"))
+                };
+                let mut buf = match got {
                     Ok(b) => b,
-                    Err(e) => {
-                        self.deliver(
-                            core,
-                            s,
-                            Outcome::Failed(Status::resource_exhausted(format!(
-                                "response too large: {e}"
-                            ))),
-                        );
+                    Err(why) => {
+                        self.deliver(core, s, Outcome::Failed(Status::resource_exhausted(why)));
                         self.release_peer(call)?;
                         self.retire(s);
                         return Ok(());
@@ -1093,11 +1098,16 @@ impl<P: Provider> Driver<P> {
                 core.counters
                     .landing_responses
                     .fetch_add(1, Ordering::Relaxed);
-                self.deliver(
-                    core,
-                    call.slot() as usize,
-                    Outcome::Landing { buf, md, payload },
-                );
+                let outcome = if payload.len() as u64 > core.max_message {
+                    Outcome::Failed(Status::resource_exhausted(format!(
+                        "response of {} bytes exceeds the {} byte message limit",
+                        payload.len(),
+                        core.max_message
+                    )))
+                } else {
+                    Outcome::Landing { buf, md, payload }
+                };
+                self.deliver(core, call.slot() as usize, outcome);
                 self.retire(s);
             }
             other => {

@@ -139,6 +139,8 @@ pub(crate) struct ServerConn<P: Provider> {
     deferred: VecDeque<Deferred>,
     _closed: tokio::sync::oneshot::Sender<()>,
     peer: std::net::SocketAddr,
+    /// The largest request accepted and response sent (the server's `max_message`).
+    max_message: u64,
 }
 
 /// The shard.
@@ -265,6 +267,15 @@ impl<P: Provider> ServerConn<P> {
     fn respond(&mut self, call: CallId, msg: &dyn EncodeMsg, metadata: &Metadata) {
         let len = msg.encoded_len();
         let md_len = metadata.encoded_len();
+        if len as u64 > self.max_message {
+            return self.fail(
+                call,
+                &Status::resource_exhausted(format!(
+                    "response of {len} bytes exceeds the {} byte message limit",
+                    self.max_message
+                )),
+            );
+        }
         let landing = self.slot(call).and_then(|c| c.landing);
         match self
             .link
@@ -292,7 +303,7 @@ impl<P: Provider> ServerConn<P> {
                 call,
                 &Status::resource_exhausted(format!(
                     "response of {len} bytes exceeds the {} byte message limit",
-                    self.link.wire.config().max_message
+                    self.max_message
                 )),
             ),
         }
@@ -609,7 +620,9 @@ impl<P: Provider> Shard<P> {
             reserved_credits: 2,
             credit_update_threshold: (cfg.geometry.recv_slots / 4).max(2),
             eager_limit: cfg.geometry.slot_size.min(hello.geometry.slot_size),
-            max_message: cfg.max_message,
+            // Clients do not know our limit: a request above it fails its call with
+            // RESOURCE_EXHAUSTED (`start_read`), it does not close the connection.
+            max_message: u64::MAX,
             stream_window: 16,
         };
         let wire = wire::Conn::new(Role::Server, wcfg).map_err(|e| format!("protocol: {e}"))?;
@@ -650,6 +663,7 @@ impl<P: Provider> Shard<P> {
             deferred: VecDeque::with_capacity(cfg.geometry.send_slots as usize),
             _closed: closed,
             peer,
+            max_message: cfg.max_message,
         });
         Ok((welcome, key))
     }
@@ -837,19 +851,27 @@ impl<P: Provider> Shard<P> {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return;
         };
-        let buf = match conn.link.bulk.get(desc.len as usize) {
+        let got = if desc.len > conn.max_message {
+            Err(format!(
+                "request of {} bytes exceeds the {} byte message limit",
+                desc.len, conn.max_message
+            ))
+        } else {
+            conn.link
+                .bulk
+                .get(desc.len as usize)
+                .map_err(|e| format!("request too large: {e}"))
+        };
+        let buf = match got {
             Ok(mut b) => {
                 b.set_len(desc.len as usize);
                 b
             }
-            Err(e) => {
+            Err(why) => {
                 if let Some(c) = conn.slot(call) {
                     retire(&self.live_calls, c);
                 }
-                conn.fail(
-                    call,
-                    &Status::resource_exhausted(format!("request too large: {e}")),
-                );
+                conn.fail(call, &Status::resource_exhausted(why));
                 return;
             }
         };
