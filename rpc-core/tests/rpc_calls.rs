@@ -1038,3 +1038,61 @@ async fn auth_token_is_required_and_refusals_take_no_slot() {
     .unwrap();
     check_blob(r.get_ref(), 2, 10, "second authenticated client");
 }
+
+/// The deadline covers the whole call, including the wait for a free call cell: a call
+/// queued behind slow calls fails with DEADLINE_EXCEEDED in about its timeout.
+async fn deadline_while_queued(api: Api) {
+    let srv = TestServer::start().await;
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder().max_concurrent_calls(2).connect(),
+    )
+    .await
+    .unwrap();
+    let mut slow = Vec::new();
+    for k in 0..2 {
+        let ch = ch.clone();
+        slow.push(tokio::spawn(async move {
+            let mut req = Request::new(sleep_req(k, 3_000));
+            req.set_timeout(Duration::from_secs(30));
+            ch.unary::<_, Blob>(&lab_server::SLEEP, req).await
+        }));
+    }
+    let state = Arc::clone(&srv.state);
+    wait_until(Duration::from_secs(10), "both cells busy", || {
+        state.started.load(Ordering::Acquire) == 2
+    })
+    .await;
+    let timeout = Duration::from_millis(300);
+    let mut req = Request::new(Blob {
+        seq: 1,
+        data: pattern(10, 1),
+    });
+    req.set_timeout(timeout);
+    let t0 = Instant::now();
+    let r: Result<Response<Blob>, Status> = call(&ch, api, &lab_server::ECHO, req).await;
+    let took = t0.elapsed();
+    assert_code(&r, Code::DeadlineExceeded, &format!("{api:?} queued call"));
+    assert!(
+        took < timeout + Duration::from_millis(2_000),
+        "{api:?}: a queued call with a {timeout:?} timeout failed after {took:?} (the slow \
+         calls take 3 s)"
+    );
+    for t in slow {
+        let r = within(Duration::from_secs(20), "slow call", t)
+            .await
+            .unwrap();
+        r.expect("the slow calls complete");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_covers_waiting_for_a_call_cell_async() {
+    deadline_while_queued(Api::Async).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_covers_waiting_for_a_call_cell_blocking() {
+    deadline_while_queued(Api::Blocking).await;
+}
