@@ -274,7 +274,7 @@ impl<P: Provider> ClientCore<P> {
         Ok((idx, self.claim(idx)))
     }
 
-    fn acquire_blocking(&self) -> Result<(u32, u32), Status> {
+    fn acquire_blocking(&self, deadline: Option<Instant>) -> Result<(u32, u32), Status> {
         let mut spins = 0u32;
         loop {
             if self.is_dead() {
@@ -291,6 +291,9 @@ impl<P: Provider> ClientCore<P> {
                 }
                 Err(tokio::sync::TryAcquireError::Closed) => return Err(self.dead_status()),
                 Err(tokio::sync::TryAcquireError::NoPermits) => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(queued_too_long());
+                    }
                     self.progress();
                     spins = backoff(spins);
                 }
@@ -429,7 +432,20 @@ impl<P: Provider> ClientCore<P> {
     {
         let hint = request.response_size_hint();
         let (metadata, msg, timeout) = request.into_parts();
-        let (idx, generation) = self.acquire().await?;
+        // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
+        let (idx, generation, timeout) = match timeout {
+            None => {
+                let (idx, generation) = self.acquire().await?;
+                (idx, generation, None)
+            }
+            Some(t) => {
+                let start = Instant::now();
+                let (idx, generation) = tokio::time::timeout(t, self.acquire())
+                    .await
+                    .map_err(|_| queued_too_long())??;
+                (idx, generation, Some(t.saturating_sub(start.elapsed())))
+            }
+        };
         let mut guard = CellGuard {
             core: self,
             idx,
@@ -473,7 +489,10 @@ impl<P: Provider> ClientCore<P> {
     {
         let hint = request.response_size_hint();
         let (metadata, msg, timeout) = request.into_parts();
-        let (idx, generation) = self.acquire_blocking()?;
+        // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
+        let start = Instant::now();
+        let (idx, generation) = self.acquire_blocking(timeout.map(|t| start + t))?;
+        let timeout = timeout.map(|t| t.saturating_sub(start.elapsed()));
         let mut guard = CellGuard {
             core: self,
             idx,
@@ -549,6 +568,11 @@ impl<P: Provider> ClientCore<P> {
             idle = SPIN_ITERS / 2;
         }
     }
+}
+
+/// The status of a call whose deadline passed while it waited for a free call cell.
+fn queued_too_long() -> Status {
+    Status::deadline_exceeded("deadline exceeded while waiting for a free call slot")
 }
 
 /// Spins, then yields, then sleeps a little: for waits that should be short.
