@@ -50,8 +50,9 @@ impl ChildProc {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix("RPCTEST ") {
-                    if tx.send(rest.to_owned()).is_err() {
+                // libtest may have printed `test name ... ` before it on the same line.
+                if let Some(at) = line.find("RPCTEST ") {
+                    if tx.send(line[at + 8..].to_owned()).is_err() {
                         break;
                     }
                 }
