@@ -129,7 +129,7 @@ fn scalars(i: u64) -> Scalars {
         a: i,
         b: i as u32,
         c: i as f64 * 0.5,
-        d: i % 2 == 0,
+        d: i.is_multiple_of(2),
         e: -(i as i64),
     }
 }

@@ -198,7 +198,7 @@ async fn ten_thousand_concurrent_calls_from_eight_tasks() {
             for i in 0..PER_TASK {
                 let seq = t * PER_TASK + i;
                 // Every 97th call is a rendezvous request and response.
-                let len = if seq % 97 == 0 { 20_000 } else { 16 };
+                let len = if seq.is_multiple_of(97) { 20_000 } else { 16 };
                 let ch = &ch;
                 calls.push(async move {
                     let mut req = Request::new(Blob {

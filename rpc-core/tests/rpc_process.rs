@@ -72,7 +72,7 @@ async fn child_client() {
                 seq: k,
                 ms: 120_000,
                 reply_len: if k % 2 == 1 { 300_000 } else { 0 },
-                pad: if k % 2 == 0 {
+                pad: if k.is_multiple_of(2) {
                     pattern(300_000, k)
                 } else {
                     Bytes::new()
@@ -93,7 +93,7 @@ async fn child_client() {
                     seq,
                     data: pattern(1 << 20, seq),
                 });
-                if (i + t) % 2 == 0 {
+                if (i + t).is_multiple_of(2) {
                     req.set_response_size_hint(1 << 20 | 64);
                 }
                 let _ = ch.unary::<_, Blob>(&lab_server::ECHO, req).await;
@@ -245,7 +245,7 @@ async fn client_process_killed_mid_call() {
                 seq,
                 data: pattern(n, seq),
             });
-            if seq % 2 == 0 {
+            if seq.is_multiple_of(2) {
                 req.set_response_size_hint(n + 16);
             }
             let r: Response<Blob> = call(&other, Api::Async, &lab_server::ECHO, req)
@@ -279,7 +279,7 @@ async fn client_process_killed_mid_call() {
     // The other client never noticed.
     assert!(other.is_connected());
     for seq in 20..40u64 {
-        echo(seq, if seq % 3 == 0 { 1 << 20 } else { 100 }).await;
+        echo(seq, if seq.is_multiple_of(3) { 1 << 20 } else { 100 }).await;
     }
     // And the server takes new clients.
     let fresh = srv.channel(PollerMode::Caller).await;

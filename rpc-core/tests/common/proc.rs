@@ -51,10 +51,10 @@ impl ChildProc {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 // libtest may have printed `test name ... ` before it on the same line.
-                if let Some(at) = line.find("RPCTEST ") {
-                    if tx.send(line[at + 8..].to_owned()).is_err() {
-                        break;
-                    }
+                if let Some(at) = line.find("RPCTEST ")
+                    && tx.send(line[at + 8..].to_owned()).is_err()
+                {
+                    break;
                 }
             }
         });
