@@ -1096,3 +1096,47 @@ async fn deadline_covers_waiting_for_a_call_cell_async() {
 async fn deadline_covers_waiting_for_a_call_cell_blocking() {
     deadline_while_queued(Api::Blocking).await;
 }
+
+// ----- handler panics ------------------------------------------------------------------------
+
+/// A handler that panics (at once, or after waiting) fails its own call, not the server: the
+/// caller gets an error status, and the server keeps serving this and other connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_panic_fails_only_its_call() {
+    let srv = TestServer::start().await;
+    let ch = srv.channel(PollerMode::Thread).await;
+    let bystander = srv.channel(PollerMode::Thread).await;
+    for ms in [0u64, 20] {
+        let what = format!("handler panicking after {ms} ms");
+        let mut req = Request::new(sleep_req(1, ms));
+        req.set_timeout(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let r: Result<Response<Blob>, Status> =
+            call(&ch, Api::Async, &lab_server::EXPLODE, req).await;
+        let st = r.expect_err(&what);
+        assert!(
+            matches!(st.code(), Code::Internal | Code::Unknown) && st.message().contains("panic"),
+            "{what}: {st:?}"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{what}: the failure took {:?} (the call's deadline?)",
+            t0.elapsed()
+        );
+        for c in [&ch, &bystander] {
+            let r: Response<Blob> = call(
+                c,
+                Api::Async,
+                &lab_server::ECHO,
+                Request::new(Blob {
+                    seq: 2,
+                    data: pattern(20_000, 2),
+                }),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{what}: the server stopped serving: {e:?}"));
+            check_blob(r.get_ref(), 2, 20_000, &what);
+        }
+        srv.settle(&format!("{what}: live calls back to 0")).await;
+    }
+}

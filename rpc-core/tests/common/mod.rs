@@ -115,6 +115,8 @@ pub trait Lab {
     async fn meta(&self, request: Blob) -> Result<Blob, Status>;
     /// Scalars in, scalars out, ready at once.
     async fn ping(&self, request: Scalars) -> Result<Scalars, Status>;
+    /// Panics: at once (`ms == 0`) or after waiting `ms`.
+    async fn explode(&self, request: SleepRequest) -> Result<Blob, Status>;
 }
 
 /// Counters shared by a test and its server's handlers.
@@ -251,6 +253,15 @@ impl lab_server::Lab for LabSvc {
                 .map_err(|e| Status::internal(e.to_string()))?;
         }
         Ok(resp)
+    }
+
+    async fn explode(&self, request: Request<SleepRequest>) -> Result<Response<Blob>, Status> {
+        self.state.calls.fetch_add(1, Ordering::Relaxed);
+        let ms = request.get_ref().ms;
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        panic!("handler panicked on purpose (test)");
     }
 
     async fn ping(&self, request: Request<Scalars>) -> Result<Response<Scalars>, Status> {
