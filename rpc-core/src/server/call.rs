@@ -3,6 +3,9 @@
 //! call that a task uses to answer.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use prost::Message;
@@ -110,6 +113,44 @@ fn reply_unary<Resp: Message>(out: Result<Response<Resp>, Status>, ctx: &mut dyn
     }
 }
 
+/// The status of a call whose handler panicked.
+fn panicked(path: &str, payload: &(dyn std::any::Any + Send)) -> Status {
+    let why = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)");
+    Status::internal(format!("the handler of {path} panicked: {why}"))
+}
+
+/// A handler future whose panic ends its call with INTERNAL instead of unwinding through (and
+/// killing) the shard that polls it. Never polled again after it panicked.
+struct CatchPanic<Fut> {
+    fut: Fut,
+    path: &'static str,
+}
+
+impl<Resp, Fut> Future for CatchPanic<Fut>
+where
+    Fut: Future<Output = Result<Response<Resp>, Status>>,
+{
+    type Output = Fut::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // SAFETY: structural pinning of `fut`: it is never moved out of `self`.
+        let this = unsafe { self.get_unchecked_mut() };
+        let path = this.path;
+        // SAFETY: `this.fut` is pinned because `self` is.
+        let fut = unsafe { Pin::new_unchecked(&mut this.fut) };
+        // Unwind safety: after a panic the future is only dropped, never polled again (the
+        // task completes with the INTERNAL status).
+        match std::panic::catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
+            Ok(p) => p,
+            Err(payload) => Poll::Ready(Err(panicked(path, payload.as_ref()))),
+        }
+    }
+}
+
 impl IncomingCall<'_> {
     /// Runs a unary handler: decodes the request from the receive buffer, calls `handler`, and
     /// encodes its response (or status) straight into a send slot. A handler whose future is
@@ -129,7 +170,7 @@ impl IncomingCall<'_> {
             metadata,
             timeout,
             spawned,
-            ..
+            path,
         } = self;
         let message = match payload.decode::<Req>() {
             Ok(m) => m,
@@ -138,8 +179,15 @@ impl IncomingCall<'_> {
                 return Dispatched(());
             }
         };
-        let fut = handler(Request::from_parts(metadata, message, timeout));
-        let task = FutureTask::new(fut, reply_unary::<Resp>);
+        let request = Request::from_parts(metadata, message, timeout);
+        let fut = match std::panic::catch_unwind(AssertUnwindSafe(|| handler(request))) {
+            Ok(fut) => fut,
+            Err(payload) => {
+                ctx.fail(&panicked(path, payload.as_ref()));
+                return Dispatched(());
+            }
+        };
+        let task = FutureTask::new(CatchPanic { fut, path }, reply_unary::<Resp>);
         match tasks.spawn(task, ctx) {
             Ok(id) => *spawned = id,
             Err(_task) => {
