@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::*;
 use prost::Message;
-use rpc_core::{Code, PollerMode, Request, Response, Status};
+use rpc_core::{Channel, Code, PollerMode, Request, Response, Status};
 
 /// Serializes the calls of 16 MiB and more across the tests of this binary (memory).
 static BIG: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -1139,4 +1139,285 @@ async fn handler_panic_fails_only_its_call() {
         }
         srv.settle(&format!("{what}: live calls back to 0")).await;
     }
+}
+
+// ----- stress at the limits ------------------------------------------------------------------
+
+/// Mixed calls (eager, rendezvous, landing) from `tasks` tasks, `per_task` each, all checked.
+async fn mixed_load(ch: &Channel, tasks: u64, per_task: u64, base: u64) {
+    let mut all = Vec::new();
+    for t in 0..tasks {
+        let ch = ch.clone();
+        all.push(tokio::spawn(async move {
+            for i in 0..per_task {
+                let seq = base + t * per_task + i;
+                let n = [10usize, 700, 5_000, 100_000][(seq % 4) as usize];
+                let mut req = Request::new(Blob {
+                    seq,
+                    data: pattern(n, seq),
+                });
+                if seq % 8 == 3 {
+                    req.set_response_size_hint(n + 16);
+                }
+                req.set_timeout(Duration::from_secs(60));
+                let r: Response<Blob> = ch
+                    .unary(&lab_server::ECHO, req)
+                    .await
+                    .unwrap_or_else(|e| panic!("call {seq} ({n} B): {e:?}"));
+                check_blob(r.get_ref(), seq, n, &format!("call {seq}"));
+            }
+        }));
+    }
+    for t in all {
+        within(Duration::from_secs(120), "mixed load", t)
+            .await
+            .unwrap();
+    }
+}
+
+/// The smallest rings (4 slots of 1 KiB each way) under 32 concurrent callers: credits run
+/// out all the time and must always come back (no deadlock, nothing lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smallest_rings_under_load() {
+    let g = rpc_core::buf::Geometry {
+        slot_size: 1024,
+        send_slots: 4,
+        recv_slots: 4,
+    };
+    let srv = TestServer::start_with(|b| b.geometry(g)).await;
+    for mode in [PollerMode::Thread, PollerMode::Caller] {
+        let ch = within(
+            Duration::from_secs(20),
+            "connect",
+            srv.builder()
+                .geometry(g)
+                .poller(mode)
+                .max_concurrent_calls(32)
+                .connect(),
+        )
+        .await
+        .unwrap();
+        mixed_load(&ch, 32, 20, 0).await;
+        assert!(ch.is_connected());
+    }
+    srv.settle("live calls back to 0").await;
+}
+
+/// Blocking callers on many threads and async tasks share one caller-polled channel with
+/// fewer cells than callers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_polled_channel_shared_by_threads_and_tasks() {
+    let srv = TestServer::start().await;
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder()
+            .poller(PollerMode::Caller)
+            .max_concurrent_calls(4)
+            .connect(),
+    )
+    .await
+    .unwrap();
+    let threads: Vec<_> = (0..6u64)
+        .map(|t| {
+            let ch = ch.clone();
+            std::thread::spawn(move || {
+                for i in 0..150u64 {
+                    let seq = 100_000 + t * 1000 + i;
+                    let n = if i % 10 == 0 { 50_000 } else { 40 };
+                    let mut req = Request::new(Blob {
+                        seq,
+                        data: pattern(n, seq),
+                    });
+                    req.set_timeout(Duration::from_secs(60));
+                    let r: Response<Blob> = ch
+                        .unary_blocking(&lab_server::ECHO, req)
+                        .unwrap_or_else(|e| panic!("blocking call {seq}: {e:?}"));
+                    check_blob(r.get_ref(), seq, n, "blocking call");
+                }
+            })
+        })
+        .collect();
+    mixed_load(&ch, 4, 100, 0).await;
+    let joined = blocking(Duration::from_secs(120), "blocking callers", move || {
+        threads
+            .into_iter()
+            .map(|t| t.join().is_ok())
+            .collect::<Vec<_>>()
+    })
+    .await;
+    assert!(joined.iter().all(|ok| *ok), "a blocking caller failed");
+    srv.settle("live calls back to 0").await;
+}
+
+/// Several shards, many connections of both poller modes, all busy at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_connections_over_several_shards() {
+    let srv = TestServer::start_with(|b| b.shards(3)).await;
+    let mut chans = Vec::new();
+    for k in 0..6 {
+        let mode = if k % 2 == 0 {
+            PollerMode::Thread
+        } else {
+            PollerMode::Caller
+        };
+        chans.push(srv.channel(mode).await);
+    }
+    let mut all = Vec::new();
+    for (k, ch) in chans.iter().enumerate() {
+        let ch = ch.clone();
+        all.push(tokio::spawn(async move {
+            mixed_load(&ch, 4, 25, k as u64 * 1000).await;
+        }));
+    }
+    for t in all {
+        within(Duration::from_secs(120), "connections", t)
+            .await
+            .unwrap();
+    }
+    srv.settle("live calls back to 0").await;
+}
+
+/// Connections come and go: a shard holding at most 2 gets its slots back every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_churn_returns_server_slots() {
+    let srv = TestServer::start_with(|b| b.max_connections_per_shard(2)).await;
+    let keep = srv.channel(PollerMode::Thread).await;
+    for i in 0..30u64 {
+        let start = Instant::now();
+        let ch = loop {
+            match srv.builder().connect().await {
+                Ok(c) => break c,
+                Err(e) => {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(10),
+                        "connection {i}: the slot was not freed: {e}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        let r: Response<Blob> = call(
+            &ch,
+            Api::Async,
+            &lab_server::ECHO,
+            Request::new(Blob {
+                seq: i,
+                data: pattern(20_000, i),
+            }),
+        )
+        .await
+        .unwrap();
+        check_blob(r.get_ref(), i, 20_000, "churn");
+        // Half of them leave with a call in flight.
+        if i % 2 == 1 {
+            let f = ch.unary::<_, Blob>(&lab_server::SLEEP, Request::new(sleep_req(i, 10_000)));
+            let _ = tokio::time::timeout(Duration::from_millis(20), f).await;
+        }
+    }
+    let state = Arc::clone(&srv.state);
+    wait_until(
+        Duration::from_secs(20),
+        "handlers of departed clients dropped",
+        || state.sleeping() == 0,
+    )
+    .await;
+    srv.settle("live calls back to 0").await;
+    let r: Response<Blob> = call(
+        &keep,
+        Api::Async,
+        &lab_server::ECHO,
+        Request::new(Blob::default()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.get_ref(), &Blob::default());
+}
+
+/// A server with few call slots refuses the excess with RESOURCE_EXHAUSTED and recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_call_slots_exhausted() {
+    let srv = TestServer::start_with(|b| b.max_calls_per_shard(4)).await;
+    let ch = srv.channel(PollerMode::Thread).await;
+    let mut all = Vec::new();
+    for k in 0..12u64 {
+        let ch = ch.clone();
+        all.push(tokio::spawn(async move {
+            let mut req = Request::new(sleep_req(k, 300));
+            req.set_timeout(Duration::from_secs(30));
+            ch.unary::<_, Blob>(&lab_server::SLEEP, req).await
+        }));
+    }
+    let (mut ok, mut exhausted) = (0, 0);
+    for t in all {
+        match within(Duration::from_secs(30), "call", t).await.unwrap() {
+            Ok(_) => ok += 1,
+            Err(s) if s.code() == Code::ResourceExhausted => exhausted += 1,
+            Err(s) => panic!("unexpected status {s:?}"),
+        }
+    }
+    assert!(ok >= 4, "{ok} calls succeeded");
+    assert_eq!(ok + exhausted, 12);
+    srv.settle("live calls back to 0").await;
+    assert_eq!(srv.state.sleeping(), 0);
+    mixed_load(&ch, 4, 10, 0).await;
+}
+
+/// A client asking for a larger call table than the server allows gets a clear refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_call_table_is_refused() {
+    let srv = TestServer::start().await;
+    let e = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder().max_concurrent_calls(4096).connect(),
+    )
+    .await
+    .expect_err("the server allows 1024 calls per connection");
+    assert_eq!(e.kind(), rpc_core::ErrorKind::Handshake, "{e}");
+    assert!(e.to_string().contains("exceeds"), "{e}");
+}
+
+/// More calls in flight than the connection has ring slots (default geometry: 128 each way;
+/// the server allows 1024 calls per connection): 600 calls whose handlers all answer at
+/// about the same time. Terminal frames wait for credits; none may be lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_calls_in_flight_than_ring_slots() {
+    const CALLS: u64 = 600;
+    let srv = TestServer::start().await;
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder().max_concurrent_calls(CALLS as u32).connect(),
+    )
+    .await
+    .unwrap();
+    let mut all = Vec::new();
+    for k in 0..CALLS {
+        let ch = ch.clone();
+        all.push(tokio::spawn(async move {
+            let mut req = Request::new(SleepRequest {
+                reply_len: 32,
+                ..sleep_req(k, 500)
+            });
+            req.set_timeout(Duration::from_secs(30));
+            let r: Result<Response<Blob>, Status> = ch.unary(&lab_server::SLEEP, req).await;
+            (k, r)
+        }));
+    }
+    let mut failed = Vec::new();
+    for t in all {
+        let (k, r) = within(Duration::from_secs(60), "call", t).await.unwrap();
+        match r {
+            Ok(b) => check_blob(b.get_ref(), k, 32, "call"),
+            Err(s) => failed.push((k, s)),
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {CALLS} calls failed, first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    srv.settle("live calls back to 0").await;
 }
