@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 use tracing::{debug, info, warn};
 
-use crate::buf::{BulkBuf, BulkPool, EncodeMsg, NoMsg, RawBytes, SlotArena, TaskId};
+use crate::buf::{BulkBuf, BulkPool, EncodeMsg, Geometry, NoMsg, RawBytes, SlotArena, TaskId};
 use crate::connect::{Hello, Welcome};
 use crate::link::{
     CommitError, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind, decode_metadata,
@@ -610,8 +610,20 @@ impl<P: Provider> Shard<P> {
         };
         qp.connect(&hello.endpoint, &attr)
             .map_err(|e| format!("connect QP: {e}"))?;
-        let arena =
-            SlotArena::<P>::new(&self.pd, cfg.geometry).map_err(|e| format!("slots: {e}"))?;
+        // Every call of the client's table may hold a staged terminal frame in a send slot while
+        // it waits for a credit, besides the frames in flight (at most the client's receive
+        // ring): with fewer send slots a terminal frame would find none and its call would
+        // never be answered.
+        let need = hello
+            .max_calls
+            .saturating_add(hello.geometry.recv_slots)
+            .saturating_add(2)
+            .min(Geometry::MAX_SLOTS);
+        let geometry = Geometry {
+            send_slots: cfg.geometry.send_slots.max(need),
+            ..cfg.geometry
+        };
+        let arena = SlotArena::<P>::new(&self.pd, geometry).map_err(|e| format!("slots: {e}"))?;
         let wcfg = wire::Config {
             max_calls: hello.max_calls,
             peer_max_calls: hello.max_calls,
@@ -660,7 +672,7 @@ impl<P: Provider> Shard<P> {
         self.conns[idx] = Some(ServerConn {
             link,
             calls,
-            deferred: VecDeque::with_capacity(cfg.geometry.send_slots as usize),
+            deferred: VecDeque::with_capacity(geometry.send_slots as usize),
             _closed: closed,
             peer,
             max_message: cfg.max_message,
