@@ -1421,3 +1421,135 @@ async fn more_calls_in_flight_than_ring_slots() {
     );
     srv.settle("live calls back to 0").await;
 }
+
+/// Hundreds of rendezvous calls at once (one RDMA READ each way per call, plus landing-zone
+/// WRITEs): more one-sided operations in flight than ring slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_rendezvous_calls() {
+    const CALLS: u64 = 400;
+    let srv = TestServer::start().await;
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder().max_concurrent_calls(CALLS as u32).connect(),
+    )
+    .await
+    .unwrap();
+    let mut all = Vec::new();
+    for k in 0..CALLS {
+        let ch = ch.clone();
+        all.push(tokio::spawn(async move {
+            // The handler waits so that the requests pile up, then all answer together.
+            let mut req = Request::new(SleepRequest {
+                pad: pattern(40_000, k),
+                reply_len: 40_000,
+                ..sleep_req(k, 300)
+            });
+            if k % 2 == 0 {
+                req.set_response_size_hint(40_016);
+            }
+            req.set_timeout(Duration::from_secs(30));
+            let r: Result<Response<Blob>, Status> = ch.unary(&lab_server::SLEEP, req).await;
+            (k, r)
+        }));
+    }
+    let mut failed = Vec::new();
+    for t in all {
+        let (k, r) = within(Duration::from_secs(60), "call", t).await.unwrap();
+        match r {
+            Ok(b) => check_blob(b.get_ref(), k, 40_000, "call"),
+            Err(s) => failed.push((k, s)),
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {CALLS} calls failed, first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert!(ch.is_connected());
+    srv.settle("live calls back to 0").await;
+}
+
+/// Cancellations of calls that lent buffers, on the smallest rings (credits are short, so
+/// the frames that give buffers back must wait for credits rather than be lost): afterwards
+/// every call cell and call-table slot is usable again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellations_on_the_smallest_rings() {
+    const CELLS: u32 = 4;
+    let g = rpc_core::buf::Geometry {
+        slot_size: 1024,
+        send_slots: 4,
+        recv_slots: 4,
+    };
+    let srv = TestServer::start_with(|b| b.geometry(g)).await;
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder()
+            .geometry(g)
+            .max_concurrent_calls(CELLS)
+            .connect(),
+    )
+    .await
+    .unwrap();
+    for round in 0..60u64 {
+        let mut burst = Vec::new();
+        for k in 0..6u64 {
+            let ch = ch.clone();
+            let seq = round * 10 + k;
+            burst.push(tokio::spawn(async move {
+                let mut req = Request::new(SleepRequest {
+                    pad: if k % 2 == 0 {
+                        pattern(5_000, seq)
+                    } else {
+                        Bytes::new()
+                    },
+                    reply_len: 5_000,
+                    ..sleep_req(seq, k % 3)
+                });
+                if k % 3 != 0 {
+                    req.set_response_size_hint(5_016);
+                }
+                let f = ch.unary::<_, Blob>(&lab_server::SLEEP, req);
+                let _ = tokio::time::timeout(Duration::from_micros(200 * (k + round % 5)), f).await;
+            }));
+        }
+        for b in burst {
+            within(Duration::from_secs(20), "burst", b).await.unwrap();
+        }
+    }
+    let state = Arc::clone(&srv.state);
+    wait_until(
+        Duration::from_secs(20),
+        "handlers finished or dropped",
+        || state.sleeping() == 0,
+    )
+    .await;
+    srv.settle("live calls back to 0").await;
+    // Every cell (and the call table behind it) works: CELLS calls at once, twice.
+    for pass in 0..2u64 {
+        let mut all = Vec::new();
+        for k in 0..u64::from(CELLS) {
+            let ch = ch.clone();
+            all.push(tokio::spawn(async move {
+                let seq = 10_000 + pass * 10 + k;
+                let mut req = Request::new(SleepRequest {
+                    pad: pattern(5_000, seq),
+                    reply_len: 5_000,
+                    ..sleep_req(seq, 50)
+                });
+                req.set_response_size_hint(5_016);
+                req.set_timeout(Duration::from_secs(10));
+                let r: Result<Response<Blob>, Status> = ch.unary(&lab_server::SLEEP, req).await;
+                let b = r.unwrap_or_else(|e| panic!("pass {pass}, call {k}: {e:?}"));
+                check_blob(b.get_ref(), seq, 5_000, "after the cancellations");
+            }));
+        }
+        for t in all {
+            within(Duration::from_secs(30), "calls on every cell", t)
+                .await
+                .unwrap();
+        }
+    }
+}
