@@ -247,10 +247,20 @@ fn soft_rnic_copies_each_payload_once() {
     let srv = rt.block_on(TestServer::start());
     let ch = rt.block_on(srv.channel(PollerMode::Thread));
     const K: u64 = 20;
+    // Data lengths whose blob (sequence number = length) encodes to exactly the largest
+    // eager message and one byte more.
+    let encoding_to = |enc: usize| {
+        (0..enc)
+            .rev()
+            .find(|&d| blob_len(d as u64, d) == enc)
+            .expect("a length encoding to enc")
+    };
+    let (at_max, over_max) = (encoding_to(EAGER_MAX), encoding_to(EAGER_MAX + 1));
     let cases = [
         ("eager", 100usize, false),
         ("eager", 4000, false),
-        ("eager max", EAGER_MAX - 16, false),
+        ("eager max", at_max, false),
+        ("eager max + 1", over_max, false),
         ("rendezvous, READ", EAGER_MAX + 100, false),
         ("rendezvous, READ", 64 << 10, false),
         ("rendezvous, READ", 1 << 20, false),
@@ -260,6 +270,7 @@ fn soft_rnic_copies_each_payload_once() {
         ("rendezvous, landing", scaled(8 << 20), true),
     ];
     let mut failures = Vec::new();
+    let mut ops_of = std::collections::HashMap::new();
     for (label, n, hint) in cases {
         let seq = n as u64;
         let payload = pattern(n, seq);
@@ -297,6 +308,7 @@ fn soft_rnic_copies_each_payload_once() {
             copied as i64 - two_n as i64,
             copied as f64 / two_n as f64,
         );
+        ops_of.insert((n, hint), ops);
         if copied < two_n || copied > two_n + PER_CALL_OVERHEAD {
             failures.push(format!(
                 "{label} {n} B: {copied} B copied per call, expected 2N = {two_n} plus at \
@@ -307,6 +319,24 @@ fn soft_rnic_copies_each_payload_once() {
             failures.push(format!(
                 "{label} {n} B: a heap allocation of {largest} B during the calls (a copy of \
                  the payload?)"
+            ));
+        }
+    }
+    // The threshold is where it should be: one encoded byte more turns both messages into
+    // rendezvous transfers (READs and a release frame).
+    if ops_of[&(at_max, false)] >= ops_of[&(over_max, false)] {
+        failures.push(format!(
+            "eager threshold: {} work requests at {EAGER_MAX} encoded bytes, {} at one more",
+            ops_of[&(at_max, false)],
+            ops_of[&(over_max, false)]
+        ));
+    }
+    // The size hint really selects the landing-zone WRITE: no response READ, no release frame.
+    for n in [64 << 10, 1 << 20, scaled(8 << 20)] {
+        let (read, landing) = (ops_of[&(n, false)], ops_of[&(n, true)]);
+        if landing >= read {
+            failures.push(format!(
+                "{n} B: {landing} work requests per call with a landing zone, {read} without"
             ));
         }
     }
