@@ -1553,3 +1553,69 @@ async fn cancellations_on_the_smallest_rings() {
         }
     }
 }
+
+/// Trailers or response metadata too large for the connection's slots still end the call
+/// with a status at once (not at its deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_larger_than_a_slot_still_ends_the_call() {
+    let g = rpc_core::buf::Geometry {
+        slot_size: 1024,
+        ..rpc_core::buf::Geometry::default()
+    };
+    let srv = TestServer::start_with(|b| b.geometry(g)).await;
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder().geometry(g).connect(),
+    )
+    .await
+    .unwrap();
+    // A failing handler with 2 KB of trailers.
+    let mut req = Request::new(FailRequest {
+        code: Code::NotFound as u32,
+        message: "big trailers".into(),
+        trailer_key: "x-big".into(),
+        trailer_value: vec![7u8; 2000],
+    });
+    req.set_timeout(Duration::from_secs(20));
+    let t0 = Instant::now();
+    let r: Result<Response<Blob>, Status> = call(&ch, Api::Async, &lab_server::FAIL, req).await;
+    let st = r.expect_err("the handler fails");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "status with large trailers: {st:?} after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(st.code(), Code::ResourceExhausted, "{st:?}");
+    assert!(
+        st.message().contains("NOT_FOUND") && st.message().contains("big trailers"),
+        "the original status is named: {st:?}"
+    );
+    // A response whose metadata (echoed request metadata) does not fit a slot.
+    let mut req = Request::new(Blob {
+        seq: 1,
+        data: pattern(10, 1),
+    });
+    // 100 short entries fit the request's frame; echoed with an `echo-` prefix each, they do
+    // not fit the response's.
+    for k in 0..100 {
+        req.metadata_mut()
+            .insert(format!("k{k:02}"), b"v".repeat(3))
+            .unwrap();
+    }
+    req.set_timeout(Duration::from_secs(20));
+    let t0 = Instant::now();
+    let r: Result<Response<Blob>, Status> = call(&ch, Api::Async, &lab_server::META, req).await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "response with large metadata: {r:?} after {:?}",
+        t0.elapsed()
+    );
+    assert_code(
+        &r,
+        Code::ResourceExhausted,
+        "response metadata larger than a slot",
+    );
+    srv.settle("live calls back to 0").await;
+    assert!(ch.is_connected());
+}
