@@ -410,6 +410,35 @@ impl<P: Provider> ServerConn<P> {
                 staged: st,
                 code: status.code() as u8,
             }),
+            Err(FrameError::TooLarge) => self.fail_without_trailers(call, status),
+            Err(e) => self.frame_failed(call, e),
+        }
+    }
+
+    /// Ends the call with RESOURCE_EXHAUSTED when its status does not fit a frame (trailers
+    /// larger than the connection's slots): the caller learns the original code and message.
+    fn fail_without_trailers(&mut self, call: CallId, status: &Status) {
+        let room = (self.link.wire.config().eager_limit as usize).saturating_sub(MAX_HEADER_LEN);
+        let why = format!(
+            "status {} with {} bytes of trailing metadata does not fit a {} byte frame: {}",
+            status.code().name(),
+            status.metadata().encoded_len(),
+            self.link.wire.config().eager_limit,
+            status.message()
+        );
+        let mut end = why.len().min(room).min(1024);
+        while !why.is_char_boundary(end) {
+            end -= 1;
+        }
+        match self
+            .link
+            .stage(&Metadata::new(), &RawBytes(&why.as_bytes()[..end]))
+        {
+            Ok(st) => self.commit_terminal(Deferred::Status {
+                call,
+                staged: st,
+                code: crate::Code::ResourceExhausted as u8,
+            }),
             Err(e) => self.frame_failed(call, e),
         }
     }
