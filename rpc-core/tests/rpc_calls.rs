@@ -1619,3 +1619,142 @@ async fn metadata_larger_than_a_slot_still_ends_the_call() {
     srv.settle("live calls back to 0").await;
     assert!(ch.is_connected());
 }
+
+// ----- server poll modes, tiny timeouts, thresholds with metadata ----------------------------
+
+/// Every server poll mode serves mixed traffic, waiting handlers and cancellations (a lost
+/// wake-up in the event mode would show up as a hang).
+async fn poll_mode_case(mode: rpc_core::PollMode) {
+    let srv = TestServer::start_with(|b| b.poll_mode(mode)).await;
+    for poller in [PollerMode::Thread, PollerMode::Caller] {
+        let ch = srv.channel(poller).await;
+        mixed_load(&ch, 4, 25, 0).await;
+        // Sparse traffic: the shard goes idle (and, in event mode, to sleep) between calls.
+        for i in 0..10u64 {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            let r: Response<Blob> = call(
+                &ch,
+                Api::Async,
+                &lab_server::ECHO,
+                Request::new(Blob {
+                    seq: i,
+                    data: pattern(if i % 2 == 0 { 10 } else { 50_000 }, i),
+                }),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}/{poller:?} sparse call {i}: {e:?}"));
+            check_blob(
+                r.get_ref(),
+                i,
+                if i % 2 == 0 { 10 } else { 50_000 },
+                "sparse",
+            );
+        }
+        // A handler woken by a timer while the shard sleeps.
+        let r: Response<Blob> = call(
+            &ch,
+            Api::Blocking,
+            &lab_server::SLEEP,
+            Request::new(SleepRequest {
+                reply_len: 10,
+                ..sleep_req(3, 100)
+            }),
+        )
+        .await
+        .unwrap();
+        check_blob(r.get_ref(), 3, 10, "timer-woken handler");
+        // A deadline the shard must notice while idle.
+        let mut req = Request::new(sleep_req(4, 20_000));
+        req.set_timeout(Duration::from_millis(200));
+        let r: Result<Response<Blob>, Status> =
+            call(&ch, Api::Async, &lab_server::SLEEP, req).await;
+        assert_code(&r, Code::DeadlineExceeded, &format!("{mode:?} deadline"));
+    }
+    let state = Arc::clone(&srv.state);
+    wait_until(Duration::from_secs(10), "handlers dropped", || {
+        state.sleeping() == 0
+    })
+    .await;
+    srv.settle("live calls back to 0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_poll_mode_event() {
+    poll_mode_case(rpc_core::PollMode::Event).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_poll_mode_busy() {
+    poll_mode_case(rpc_core::PollMode::Busy).await;
+}
+
+/// Zero and tiny timeouts, on eager and rendezvous calls: DEADLINE_EXCEEDED (or a response,
+/// when the call beat its deadline), never a hang or a leak.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_and_tiny_timeouts() {
+    const CELLS: u32 = 4;
+    let srv = TestServer::start().await;
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder().max_concurrent_calls(CELLS).connect(),
+    )
+    .await
+    .unwrap();
+    for api in [Api::Async, Api::Blocking] {
+        for (i, t) in [0u64, 1, 1_000, 50_000, 500_000].into_iter().enumerate() {
+            for n in [10usize, 100_000] {
+                let what = format!("{api:?} timeout {t} ns, {n} B");
+                let mut req = Request::new(Blob {
+                    seq: i as u64,
+                    data: pattern(n, i as u64),
+                });
+                req.set_timeout(Duration::from_nanos(t));
+                let r: Result<Response<Blob>, Status> =
+                    call(&ch, api, &lab_server::ECHO, req).await;
+                match r {
+                    Ok(b) => check_blob(b.get_ref(), i as u64, n, &what),
+                    Err(s) => assert_eq!(s.code(), Code::DeadlineExceeded, "{what}: {s:?}"),
+                }
+                if t == 0 {
+                    assert_code(
+                        &call::<_, Blob>(&ch, api, &lab_server::SLEEP, {
+                            let mut r = Request::new(sleep_req(0, 10));
+                            r.set_timeout(Duration::ZERO);
+                            r
+                        })
+                        .await,
+                        Code::DeadlineExceeded,
+                        &what,
+                    );
+                }
+            }
+        }
+    }
+    srv.settle("live calls back to 0").await;
+    mixed_load(&ch, CELLS as u64, 10, 0).await;
+}
+
+/// Request and response frames with metadata, one byte around the eager limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_threshold_with_metadata() {
+    let srv = TestServer::start().await;
+    let ch = srv.channel(PollerMode::Thread).await;
+    let mut md = rpc_core::Metadata::new();
+    md.insert("tenant", "blue").unwrap();
+    md.insert("trace", vec![9u8; 1000]).unwrap();
+    let room = EAGER_MAX - md.encoded_len();
+    for enc in room - 40..room + 40 {
+        let b = blob_of_encoded_len(enc as u64, enc);
+        let n = b.data.len();
+        let mut req = Request::new(b);
+        *req.metadata_mut() = md.clone();
+        let r: Response<Blob> = call(&ch, Api::Async, &lab_server::META, req)
+            .await
+            .unwrap_or_else(|e| panic!("{enc} encoded bytes: {e:?}"));
+        check_blob(r.get_ref(), enc as u64, n, &format!("{enc} encoded bytes"));
+        assert_eq!(r.metadata().get_str("echo-tenant"), Some("blue"));
+        assert_eq!(r.metadata().get("echo-trace"), Some(&[9u8; 1000][..]));
+    }
+    srv.settle("live calls back to 0").await;
+}
