@@ -104,6 +104,29 @@ fn counted<T>(f: impl FnOnce() -> T) -> (T, u64, usize) {
     )
 }
 
+/// Aborts the process (failing the test run) if a test outlives its budget: some calls here
+/// carry no deadline on purpose, and a bug must not hang CI.
+struct Watchdog(Option<std::sync::mpsc::Sender<()>>);
+
+impl Watchdog {
+    fn arm(what: &'static str, limit: Duration) -> Watchdog {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+                eprintln!("{what}: no result within {limit:?} (hang): aborting");
+                std::process::abort();
+            }
+        });
+        Watchdog(Some(tx))
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.take();
+    }
+}
+
 /// The tests of this binary count process-wide: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -153,6 +176,10 @@ fn ping_request(i: u64, deadline: bool) -> Request<Scalars> {
 #[test]
 fn zero_allocations_per_blocking_call() {
     let _g = serial();
+    let _w = Watchdog::arm(
+        "zero_allocations_per_blocking_call",
+        Duration::from_secs(600),
+    );
     let rt = runtime();
     let (srv, ch) = rt.block_on(async {
         let srv = TestServer::start().await;
@@ -187,6 +214,7 @@ fn zero_allocations_per_blocking_call() {
 #[test]
 fn zero_allocations_per_async_call() {
     let _g = serial();
+    let _w = Watchdog::arm("zero_allocations_per_async_call", Duration::from_secs(600));
     let rt = runtime();
     let srv = rt.block_on(TestServer::start());
     // Both channels live throughout: tearing one down (its poller thread, its QP on both
@@ -239,6 +267,10 @@ const PER_CALL_OVERHEAD: u64 = 512;
 #[test]
 fn soft_rnic_copies_each_payload_once() {
     let _g = serial();
+    let _w = Watchdog::arm(
+        "soft_rnic_copies_each_payload_once",
+        Duration::from_secs(600),
+    );
     if ProviderKind::from_env().ok() != Some(ProviderKind::Soft) {
         println!("skipped: byte counters exist on the soft provider only");
         return;

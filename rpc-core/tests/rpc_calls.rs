@@ -653,10 +653,13 @@ async fn metadata_round_trips_on_every_path() {
         }
     }
     // No metadata, no deadline: the handler sees neither.
-    let r: Response<Blob> = ch
-        .unary(&lab_server::META, Request::new(Blob::default()))
-        .await
-        .unwrap();
+    let r: Response<Blob> = within(
+        CALL_LIMIT,
+        "call without a deadline",
+        ch.unary(&lab_server::META, Request::new(Blob::default())),
+    )
+    .await
+    .unwrap();
     assert!(r.metadata().is_empty(), "{:?}", r.metadata());
     srv.settle("live calls back to 0").await;
 }
