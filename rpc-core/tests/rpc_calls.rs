@@ -1761,3 +1761,31 @@ async fn eager_threshold_with_metadata() {
     }
     srv.settle("live calls back to 0").await;
 }
+
+/// After a restart, many tasks call at once on the dead channel: one reconnection serves
+/// them all (the new server takes a single connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_share_one_reconnection() {
+    let srv = TestServer::start().await;
+    let addr = srv.addr();
+    let ch = srv.channel(PollerMode::Thread).await;
+    mixed_load(&ch, 2, 4, 0).await;
+    within(Duration::from_secs(20), "shutdown", srv.server.shutdown()).await;
+    wait_until(Duration::from_secs(10), "channel sees the loss", || {
+        !ch.is_connected()
+    })
+    .await;
+    let start = Instant::now();
+    let srv2 = loop {
+        match TestServer::try_bind_with(&addr, |b| b.max_connections_per_shard(1)).await {
+            Ok(s) => break s,
+            Err(e) => {
+                assert!(start.elapsed() < Duration::from_secs(20), "rebind: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    mixed_load(&ch, 32, 3, 100).await;
+    assert!(ch.is_connected());
+    srv2.settle("live calls back to 0").await;
+}
