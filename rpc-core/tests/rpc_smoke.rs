@@ -41,35 +41,18 @@ impl Service for EchoSvc {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_round_trips() {
     let _ = tracing_subscriber::fmt().with_env_filter("info").try_init();
-    let server = Server::builder()
-        .add_service(EchoSvc)
-        .bind("127.0.0.1:0")
-        .await
-        .unwrap();
-    let ch = Channel::connect(server.local_addr().to_string())
-        .await
-        .unwrap();
-    for (i, size) in [0usize, 10, 1000, 7000, 9000, 100_000, 5 << 20]
-        .into_iter()
-        .enumerate()
-    {
-        let msg = Echo {
-            seq: i as u64,
-            data: Bytes::from(vec![i as u8; size]),
-        };
-        let r: Response<Echo> = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            ch.unary(&ECHO, Request::new(msg.clone())),
-        )
-        .await
-        .expect("no hang")
-        .unwrap();
+    let server = Server::builder().add_service(EchoSvc).bind("127.0.0.1:0").await.unwrap();
+    let ch = Channel::connect(server.local_addr().to_string()).await.unwrap();
+    for (i, size) in [0usize, 10, 1000, 7000, 9000, 100_000, 5 << 20].into_iter().enumerate() {
+        let msg = Echo { seq: i as u64, data: Bytes::from(vec![i as u8; size]) };
+        let r: Response<Echo> =
+            tokio::time::timeout(std::time::Duration::from_secs(10), ch.unary(&ECHO, Request::new(msg.clone())))
+                .await
+                .expect("no hang")
+                .unwrap();
         assert_eq!(r.into_inner(), msg, "size {size}");
     }
-    let e = ch
-        .unary::<_, Echo>(&FAIL, Request::new(Echo::default()))
-        .await
-        .unwrap_err();
+    let e = ch.unary::<_, Echo>(&FAIL, Request::new(Echo::default())).await.unwrap_err();
     assert_eq!(e.code(), rpc_core::Code::NotFound);
     assert_eq!(e.message(), "nothing here");
     server.shutdown().await;
