@@ -400,7 +400,7 @@ impl<P: Provider> ClientCore<P> {
         }
     }
 
-    fn acquire_blocking(&self) -> Result<(u32, u32), Status> {
+    fn acquire_blocking(&self, deadline: Option<Instant>) -> Result<(u32, u32), Status> {
         let mut spins = 0u32;
         loop {
             if self.is_dead() {
@@ -408,6 +408,9 @@ impl<P: Provider> ClientCore<P> {
             }
             if let Some(idx) = self.free.pop() {
                 return Ok((idx, self.claim(idx)));
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(queued_too_long());
             }
             self.progress();
             spins = backoff(spins);
@@ -461,7 +464,8 @@ impl<P: Provider> ClientCore<P> {
             self.stage(metadata, &NoMsg)?
         };
         let landing = match landing_hint {
-            Some(n) if MAX_HEADER_LEN + n > self.eager_limit => {
+            // No zone for a response the caller could not accept anyway.
+            Some(n) if MAX_HEADER_LEN + n > self.eager_limit && n as u64 <= self.max_message => {
                 match self.bulk.get(MAX_HEADER_LEN + crate::MAX_METADATA_LEN + n) {
                     Ok(mut b) => {
                         let cap = b.capacity();
@@ -547,7 +551,20 @@ impl<P: Provider> ClientCore<P> {
     {
         let hint = request.response_size_hint();
         let (metadata, msg, timeout) = request.into_parts();
-        let (idx, generation) = self.acquire().await?;
+        // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
+        let (idx, generation, timeout) = match timeout {
+            None => {
+                let (idx, generation) = self.acquire().await?;
+                (idx, generation, None)
+            }
+            Some(t) => {
+                let start = Instant::now();
+                let (idx, generation) = tokio::time::timeout(t, self.acquire())
+                    .await
+                    .map_err(|_| queued_too_long())??;
+                (idx, generation, Some(t.saturating_sub(start.elapsed())))
+            }
+        };
         let mut guard = CellGuard {
             core: self,
             idx,
@@ -830,7 +847,10 @@ impl<P: Provider> ClientCore<P> {
     {
         let hint = request.response_size_hint();
         let (metadata, msg, timeout) = request.into_parts();
-        let (idx, generation) = self.acquire_blocking()?;
+        // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
+        let start = Instant::now();
+        let (idx, generation) = self.acquire_blocking(timeout.map(|t| start + t))?;
+        let timeout = timeout.map(|t| t.saturating_sub(start.elapsed()));
         let mut guard = CellGuard {
             core: self,
             idx,
@@ -906,6 +926,11 @@ impl<P: Provider> ClientCore<P> {
             idle = SPIN_ITERS / 2;
         }
     }
+}
+
+/// The status of a call whose deadline passed while it waited for a free call cell.
+fn queued_too_long() -> Status {
+    Status::deadline_exceeded("deadline exceeded while waiting for a free call slot")
 }
 
 /// Spins, then yields, then sleeps a little: for waits that should be short.
@@ -1602,16 +1627,20 @@ impl<P: Provider> Driver<P> {
                 drop(slot);
                 self.calls[s].lent_bulk = None;
                 self.calls[s].landing = None;
-                let mut buf = match core.bulk.get(desc.len as usize) {
+                let got = if desc.len > core.max_message {
+                    Err(format!(
+                        "response of {} bytes exceeds the {} byte message limit",
+                        desc.len, core.max_message
+                    ))
+                } else {
+                    core.bulk
+                        .get(desc.len as usize)
+                        .map_err(|e| format!("response too large: {e}"))
+                };
+                let mut buf = match got {
                     Ok(b) => b,
-                    Err(e) => {
-                        self.deliver(
-                            core,
-                            s,
-                            Outcome::Failed(Status::resource_exhausted(format!(
-                                "response too large: {e}"
-                            ))),
-                        );
+                    Err(why) => {
+                        self.deliver(core, s, Outcome::Failed(Status::resource_exhausted(why)));
                         self.release_peer(call)?;
                         self.retire(s);
                         return Ok(());
@@ -1759,11 +1788,16 @@ impl<P: Provider> Driver<P> {
                 core.counters
                     .landing_responses
                     .fetch_add(1, Ordering::Relaxed);
-                self.deliver(
-                    core,
-                    call.slot() as usize,
-                    Outcome::Landing { buf, md, payload },
-                );
+                let outcome = if payload.len() as u64 > core.max_message {
+                    Outcome::Failed(Status::resource_exhausted(format!(
+                        "response of {} bytes exceeds the {} byte message limit",
+                        payload.len(),
+                        core.max_message
+                    )))
+                } else {
+                    Outcome::Landing { buf, md, payload }
+                };
+                self.deliver(core, call.slot() as usize, outcome);
                 self.retire(s);
             }
             other => {

@@ -543,7 +543,10 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         reserved_credits: 2,
         credit_update_threshold: (b.geometry.recv_slots / 4).max(2),
         eager_limit: b.geometry.slot_size.min(welcome.geometry.slot_size),
-        max_message: b.max_message,
+        // The server does not know our limit: a response above it must fail its call with
+        // RESOURCE_EXHAUSTED (checked per call by the driver), not be a protocol violation
+        // that closes the connection.
+        max_message: u64::MAX,
         stream_window: 16,
     };
     let eager_limit = wcfg.eager_limit as usize;

@@ -15,13 +15,14 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 use tracing::{debug, info, warn};
 
-use crate::buf::{BulkBuf, BulkPool, EncodeMsg, NoMsg, RawBytes, SlotArena, TaskId};
+use crate::buf::Polled;
+use crate::buf::{BulkBuf, BulkPool, EncodeMsg, Geometry, NoMsg, RawBytes, SlotArena, TaskId};
 use crate::connect::{Hello, Welcome};
 use crate::link::{
     CommitError, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind, decode_metadata,
     split_wr_id,
 };
-use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks};
+use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks, panicked};
 use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
 use crate::server::peer::{BulkMem, BulkOp, OpKind, Peer, PeerApi, ShardInbox};
 use crate::server::router::Router;
@@ -99,6 +100,8 @@ struct SrvCall<P: Provider> {
     stream_bulks: VecDeque<BulkBuf<P>>,
     /// The handler's stream waits for window, credit or a send slot.
     blocked: bool,
+    /// The method's path (for messages).
+    path: &'static str,
 }
 
 /// A client stream frame that arrived while an earlier one was still being READ.
@@ -132,6 +135,7 @@ impl<P: Provider> SrvCall<P> {
             held: VecDeque::new(),
             stream_bulks: VecDeque::new(),
             blocked: false,
+            path: "?",
         }
     }
 }
@@ -171,6 +175,8 @@ pub(crate) struct ServerConn<P: Provider> {
     deferred: VecDeque<Deferred>,
     _closed: tokio::sync::oneshot::Sender<()>,
     peer: std::net::SocketAddr,
+    /// The largest request accepted and response sent (the server's `max_message`).
+    max_message: u64,
 }
 
 /// The shard.
@@ -348,6 +354,15 @@ impl<P: Provider> ServerConn<P> {
     fn respond(&mut self, call: CallId, msg: &dyn EncodeMsg, metadata: &Metadata) {
         let len = msg.encoded_len();
         let md_len = metadata.encoded_len();
+        if len as u64 > self.max_message {
+            return self.fail(
+                call,
+                &Status::resource_exhausted(format!(
+                    "response of {len} bytes exceeds the {} byte message limit",
+                    self.max_message
+                )),
+            );
+        }
         let landing = self.slot(call).and_then(|c| c.landing);
         match self
             .link
@@ -375,7 +390,7 @@ impl<P: Provider> ServerConn<P> {
                 call,
                 &Status::resource_exhausted(format!(
                     "response of {len} bytes exceeds the {} byte message limit",
-                    self.link.wire.config().max_message
+                    self.max_message
                 )),
             ),
         }
@@ -618,6 +633,35 @@ impl<P: Provider> ServerConn<P> {
                 staged: st,
                 code: status.code() as u8,
             }),
+            Err(FrameError::TooLarge) => self.fail_without_trailers(call, status),
+            Err(e) => self.frame_failed(call, e),
+        }
+    }
+
+    /// Ends the call with RESOURCE_EXHAUSTED when its status does not fit a frame (trailers
+    /// larger than the connection's slots): the caller learns the original code and message.
+    fn fail_without_trailers(&mut self, call: CallId, status: &Status) {
+        let room = (self.link.wire.config().eager_limit as usize).saturating_sub(MAX_HEADER_LEN);
+        let why = format!(
+            "status {} with {} bytes of trailing metadata does not fit a {} byte frame: {}",
+            status.code().name(),
+            status.metadata().encoded_len(),
+            self.link.wire.config().eager_limit,
+            status.message()
+        );
+        let mut end = why.len().min(room).min(1024);
+        while !why.is_char_boundary(end) {
+            end -= 1;
+        }
+        match self
+            .link
+            .stage(&Metadata::new(), &RawBytes(&why.as_bytes()[..end]))
+        {
+            Ok(st) => self.commit_terminal(Deferred::Status {
+                call,
+                staged: st,
+                code: crate::Code::ResourceExhausted as u8,
+            }),
             Err(e) => self.frame_failed(call, e),
         }
     }
@@ -830,8 +874,20 @@ impl<P: Provider> Shard<P> {
         };
         qp.connect(&hello.endpoint, &attr)
             .map_err(|e| format!("connect QP: {e}"))?;
-        let arena =
-            SlotArena::<P>::new(&self.pd, cfg.geometry).map_err(|e| format!("slots: {e}"))?;
+        // Every call of the client's table may hold a staged terminal frame in a send slot while
+        // it waits for a credit, besides the frames in flight (at most the client's receive
+        // ring): with fewer send slots a terminal frame would find none and its call would
+        // never be answered.
+        let need = hello
+            .max_calls
+            .saturating_add(hello.geometry.recv_slots)
+            .saturating_add(2)
+            .min(Geometry::MAX_SLOTS);
+        let geometry = Geometry {
+            send_slots: cfg.geometry.send_slots.max(need),
+            ..cfg.geometry
+        };
+        let arena = SlotArena::<P>::new(&self.pd, geometry).map_err(|e| format!("slots: {e}"))?;
         let wcfg = wire::Config {
             max_calls: hello.max_calls,
             peer_max_calls: hello.max_calls,
@@ -840,7 +896,9 @@ impl<P: Provider> Shard<P> {
             reserved_credits: 2,
             credit_update_threshold: (cfg.geometry.recv_slots / 4).max(2),
             eager_limit: cfg.geometry.slot_size.min(hello.geometry.slot_size),
-            max_message: cfg.max_message,
+            // Clients do not know our limit: a request above it fails its call with
+            // RESOURCE_EXHAUSTED (`start_read`), it does not close the connection.
+            max_message: u64::MAX,
             stream_window: 16,
         };
         let wire = wire::Conn::new(Role::Server, wcfg).map_err(|e| format!("protocol: {e}"))?;
@@ -882,9 +940,10 @@ impl<P: Provider> Shard<P> {
             link,
             goaway_sent: false,
             calls,
-            deferred: VecDeque::with_capacity(cfg.geometry.send_slots as usize),
+            deferred: VecDeque::with_capacity(geometry.send_slots as usize),
             _closed: closed,
             peer,
+            max_message: cfg.max_message,
         });
         Ok((welcome, key))
     }
@@ -1202,19 +1261,27 @@ impl<P: Provider> Shard<P> {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return;
         };
-        let buf = match conn.link.bulk.get(desc.len as usize) {
+        let got = if desc.len > conn.max_message {
+            Err(format!(
+                "request of {} bytes exceeds the {} byte message limit",
+                desc.len, conn.max_message
+            ))
+        } else {
+            conn.link
+                .bulk
+                .get(desc.len as usize)
+                .map_err(|e| format!("request too large: {e}"))
+        };
+        let buf = match got {
             Ok(mut b) => {
                 b.set_len(desc.len as usize);
                 b
             }
-            Err(e) => {
+            Err(why) => {
                 if let Some(c) = conn.slot(call) {
                     retire(&self.live_calls, c);
                 }
-                conn.fail(
-                    call,
-                    &Status::resource_exhausted(format!("request too large: {e}")),
-                );
+                conn.fail(call, &Status::resource_exhausted(why));
                 return;
             }
         };
@@ -1372,7 +1439,16 @@ impl<P: Provider> Shard<P> {
                 call,
                 api: &self.peer_api,
             };
-            if self.tasks.poll(task, &mut reply)
+            let done = match self.tasks.poll(task, &mut reply) {
+                Polled::Pending => false,
+                Polled::Done => true,
+                Polled::Panicked(payload) => {
+                    let path = reply.conn.slot(call).map_or("?", |c| c.path);
+                    reply.fail(&panicked(path, payload.as_ref()));
+                    true
+                }
+            };
+            if done
                 && let Some(c) = reply.conn.calls.get_mut(call.slot() as usize)
                 && c.id == call
             {
