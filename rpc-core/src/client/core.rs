@@ -28,8 +28,8 @@ use crate::buf::{
 };
 use crate::client::PollerMode;
 use crate::link::{
-    CommitError, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind, decode_metadata,
-    split_wr_id,
+    CommitError, Control, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind,
+    decode_metadata, split_wr_id,
 };
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
@@ -157,13 +157,11 @@ pub(crate) struct Driver<P: Provider> {
     /// Per cell: the wire call slot it runs as.
     cell_slot: Box<[Option<u32>]>,
     pending: VecDeque<(u32, u32, CallId, Submission<P>)>,
-    cancel_retry: VecDeque<CallId>,
     /// Stream messages of calls whose request is not sent yet.
     stream_pending: VecDeque<StreamSend<P>>,
     /// Call slots with stream messages waiting in `out`.
     out_calls: Vec<usize>,
-    /// Window grants that found no credit yet.
-    grant_retry: VecDeque<(CallId, u32)>,
+
     cq: P::Cq,
     channel: P::CompChannel,
     wcs: [Wc; POLL_BATCH],
@@ -243,10 +241,10 @@ impl<P: Provider> ClientCore<P> {
             calls: (0..n).map(|_| DrvCall::empty()).collect(),
             cell_slot: vec![None; n].into_boxed_slice(),
             pending: VecDeque::with_capacity(n),
-            cancel_retry: VecDeque::with_capacity(n),
+
             stream_pending: VecDeque::new(),
             out_calls: Vec::with_capacity(n),
-            grant_retry: VecDeque::new(),
+
             link: parts.link,
             cq: parts.cq,
             channel: parts.channel,
@@ -1055,19 +1053,7 @@ impl<P: Provider> Driver<P> {
             work += 1;
             self.cancel_cell(core, idx, generation)?;
         }
-        while let Some(call) = self.cancel_retry.pop_front() {
-            match self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
-            {
-                Err(FrameError::Busy) => {
-                    self.cancel_retry.push_front(call);
-                    break;
-                }
-                Err(FrameError::Link(e)) => return Err(e),
-                _ => {}
-            }
-        }
+        self.link.flush_control()?;
         work += self.start_pending(core)?;
         while self.pending.is_empty()
             && let Some((idx, generation)) = core.submitted.pop()
@@ -1097,21 +1083,8 @@ impl<P: Provider> Driver<P> {
             if core.cells[idx as usize].generation.load(Ordering::Acquire) == generation
                 && let Some(slot) = self.cell_slot[idx as usize]
             {
-                self.grant_retry
-                    .push_back((self.calls[slot as usize].id, n));
-            }
-        }
-        while let Some((call, n)) = self.grant_retry.pop_front() {
-            match self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.window_update(call, n))
-            {
-                Err(FrameError::Busy) => {
-                    self.grant_retry.push_front((call, n));
-                    break;
-                }
-                Err(FrameError::Link(e)) => return Err(e),
-                _ => {}
+                let call = self.calls[slot as usize].id;
+                self.link.control(Control::WindowUpdate(call, n))?;
             }
         }
         let n = self
@@ -1511,14 +1484,7 @@ impl<P: Provider> Driver<P> {
         }
         self.deliver(core, slot, Outcome::Failed(status));
         if tell {
-            match self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
-            {
-                Err(FrameError::Busy) => self.cancel_retry.push_back(call),
-                Err(FrameError::Link(e)) => return Err(e),
-                _ => {}
-            }
+            self.link.control(Control::Cancel(call))?;
         }
         if self.calls[slot].lends() {
             self.calls[slot].finishing = true;
@@ -1850,13 +1816,7 @@ impl<P: Provider> Driver<P> {
     }
 
     fn release_peer(&mut self, call: CallId) -> Result<(), LinkError> {
-        match self
-            .link
-            .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call))
-        {
-            Err(FrameError::Link(e)) => Err(e),
-            _ => Ok(()),
-        }
+        self.link.control(Control::BulkRelease(call))
     }
 
     fn fail_all(&mut self, core: &ClientCore<P>, status: Status) -> usize {

@@ -491,7 +491,14 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
     let caps = QpCaps {
-        max_send_wr: b.geometry.send_slots + 64,
+        // Every send slot in flight, a READ (rendezvous response, stream message) per call,
+        // and control frames.
+        max_send_wr: b
+            .geometry
+            .send_slots
+            .saturating_add(b.max_calls.saturating_mul(2))
+            .saturating_add(16)
+            .min(ctx.caps().max_qp_wr),
         max_recv_wr: b.geometry.recv_slots,
         max_send_sge: 1,
         max_recv_sge: 1,

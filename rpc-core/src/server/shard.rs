@@ -19,8 +19,8 @@ use crate::buf::Polled;
 use crate::buf::{BulkBuf, BulkPool, EncodeMsg, Geometry, NoMsg, RawBytes, SlotArena, TaskId};
 use crate::connect::{Hello, Welcome};
 use crate::link::{
-    CommitError, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind, decode_metadata,
-    split_wr_id,
+    CommitError, Control, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind,
+    decode_metadata, split_wr_id,
 };
 use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks, panicked};
 use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
@@ -167,8 +167,7 @@ pub(crate) struct ServerConn<P: Provider> {
     link: Link<P>,
     /// Calls whose handler stream waits for credit or a send slot.
     blocked: Vec<CallId>,
-    /// Window grants that found no credit yet.
-    grants: VecDeque<(CallId, u32)>,
+
     /// GoAway was sent (the server is draining).
     goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
@@ -219,7 +218,15 @@ pub(crate) fn open<P: Provider>(
 ) -> Result<(Shard<P>, ShardHandle), crate::Error> {
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
-    let per_conn = qp_caps(&cfg, ctx.caps().max_inline);
+    // CQ room for `max_conns_per_shard` connections of default size; a connection that does
+    // not fit any more is refused (the soft and ib providers both refuse a QP whose CQ could
+    // overrun).
+    let default_client_calls = 64;
+    let send_slots = cfg
+        .geometry
+        .send_slots
+        .max(default_client_calls + cfg.geometry.recv_slots + 2);
+    let per_conn = qp_caps(&cfg, ctx.caps(), send_slots, default_client_calls);
     let cqe = (per_conn.max_send_wr + per_conn.max_recv_wr)
         .saturating_mul(cfg.max_conns_per_shard)
         .min(ctx.caps().max_cqe);
@@ -276,13 +283,24 @@ pub(crate) fn open<P: Provider>(
     Ok((shard, handle))
 }
 
-fn qp_caps(cfg: &ServerConfig, device_inline: u32) -> QpCaps {
+/// Queue sizes of a connection with `send_slots` send slots whose client has `peer_calls`
+/// calls: every send slot in flight, plus a READ (rendezvous request, stream message) and a
+/// WRITE (landing zone, bulk handle) per call, plus control frames; within the device's limit.
+fn qp_caps(
+    cfg: &ServerConfig,
+    caps: &crate::verbs::Caps,
+    send_slots: u32,
+    peer_calls: u32,
+) -> QpCaps {
     QpCaps {
-        max_send_wr: cfg.geometry.send_slots + 64,
+        max_send_wr: send_slots
+            .saturating_add(peer_calls.saturating_mul(2))
+            .saturating_add(16)
+            .min(caps.max_qp_wr),
         max_recv_wr: cfg.geometry.recv_slots,
         max_send_sge: 1,
         max_recv_sge: 1,
-        max_inline_data: device_inline.min(256),
+        max_inline_data: caps.max_inline.min(256),
     }
 }
 
@@ -607,9 +625,7 @@ impl<P: Provider> ServerConn<P> {
                 "client exceeded its stream window".into(),
             ));
         }
-        let _ = self
-            .link
-            .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+        self.link.control(Control::BulkRelease(call))?;
         loop {
             let Some(c) = self.slot(call) else {
                 return Ok(());
@@ -752,10 +768,8 @@ impl<P: Provider> ServerConn<P> {
             c.lent = false;
             c.resp_bulk = None;
         }
-        if release {
-            let _ = self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+        if release && let Err(e) = self.link.control(Control::BulkRelease(call)) {
+            warn!(%call, "returning the client's buffer: {e}");
         }
         self.link.wire.finish(call);
     }
@@ -769,6 +783,7 @@ impl<P: Provider> Shard<P> {
             pin_to_core(core);
         }
         let mut idle: u32 = 0;
+        let mut stop_at: Option<Instant> = None;
         loop {
             let mut work = self.poll_cq();
             work += self.run_ready();
@@ -776,9 +791,22 @@ impl<P: Provider> Shard<P> {
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
                 work += self.maintain();
-                if self.stop.load(Ordering::Acquire) && self.live_calls.load(Ordering::Acquire) == 0
-                {
-                    break;
+                if self.stop.load(Ordering::Acquire) {
+                    // Draining: stop once every call finished, or when the grace period is up
+                    // (the handlers still running are then dropped with their connections).
+                    let deadline =
+                        *stop_at.get_or_insert_with(|| Instant::now() + self.cfg.shutdown_grace);
+                    let live = self.live_calls.load(Ordering::Acquire);
+                    if live == 0 {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        warn!(
+                            shard = self.id,
+                            "shutdown grace period over: dropping {live} call(s) still running"
+                        );
+                        break;
+                    }
                 }
             }
             if work > 0 {
@@ -863,17 +891,6 @@ impl<P: Provider> Shard<P> {
             ));
         };
         let cfg = &self.cfg;
-        let caps = qp_caps(cfg, self.ctx.caps().max_inline);
-        let mut qp = self
-            .pd
-            .create_qp(&self.cq, &self.cq, caps)
-            .map_err(|e| format!("create QP: {e}"))?;
-        let attr = ConnectAttr {
-            access: Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
-            ..ConnectAttr::default()
-        };
-        qp.connect(&hello.endpoint, &attr)
-            .map_err(|e| format!("connect QP: {e}"))?;
         // Every call of the client's table may hold a staged terminal frame in a send slot while
         // it waits for a credit, besides the frames in flight (at most the client's receive
         // ring): with fewer send slots a terminal frame would find none and its call would
@@ -887,6 +904,17 @@ impl<P: Provider> Shard<P> {
             send_slots: cfg.geometry.send_slots.max(need),
             ..cfg.geometry
         };
+        let caps = qp_caps(cfg, self.ctx.caps(), geometry.send_slots, hello.max_calls);
+        let mut qp = self
+            .pd
+            .create_qp(&self.cq, &self.cq, caps)
+            .map_err(|e| format!("create QP: {e}"))?;
+        let attr = ConnectAttr {
+            access: Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
+            ..ConnectAttr::default()
+        };
+        qp.connect(&hello.endpoint, &attr)
+            .map_err(|e| format!("connect QP: {e}"))?;
         let arena = SlotArena::<P>::new(&self.pd, geometry).map_err(|e| format!("slots: {e}"))?;
         let wcfg = wire::Config {
             max_calls: hello.max_calls,
@@ -936,7 +964,7 @@ impl<P: Provider> Shard<P> {
         self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
             blocked: Vec::with_capacity(hello.max_calls as usize),
-            grants: VecDeque::new(),
+
             link,
             goaway_sent: false,
             calls,
@@ -1198,7 +1226,9 @@ impl<P: Provider> Shard<P> {
                 self.drop_call(idx, call);
             }
             Event::BulkRelease { call } => {
-                if let Some(c) = conn.calls.get_mut(call.slot() as usize)
+                // Only for this very call: a late release of an earlier call in the same slot
+                // must not free the buffer the current call lent.
+                if let Some(c) = conn.slot(call)
                     && c.stream_bulks.pop_front().is_none()
                 {
                     c.resp_bulk = None;
@@ -1209,9 +1239,7 @@ impl<P: Provider> Shard<P> {
                 bulk: Some(_),
                 ..
             } => {
-                let _ = conn
-                    .link
-                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+                conn.link.control(Control::BulkRelease(call))?;
             }
             Event::StreamMessage { call, bulk, .. } => {
                 let held = match bulk {
@@ -1466,8 +1494,9 @@ impl<P: Provider> Shard<P> {
         while let Some((key, call, n)) = self.peer_api.grants.pop() {
             if let Some(Some(conn)) = self.conns.get_mut(key.idx as usize)
                 && conn.link.key() == key
+                && let Err(e) = conn.link.control(Control::WindowUpdate(call, n))
             {
-                conn.grants.push_back((call, n));
+                warn!(%call, "window update: {e}");
             }
         }
         let stopping = self.stop.load(Ordering::Acquire);
@@ -1482,16 +1511,10 @@ impl<P: Provider> Shard<P> {
             };
             if stopping && !conn.goaway_sent {
                 // Draining: tell the client to start no new call here.
-                match conn
-                    .link
-                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.go_away())
-                {
-                    Ok(()) => conn.goaway_sent = true,
-                    Err(FrameError::Link(e)) => {
-                        failed = Some((conn.link.key(), e));
-                        break;
-                    }
-                    Err(_) => {}
+                conn.goaway_sent = true;
+                if let Err(e) = conn.link.control(Control::GoAway) {
+                    failed = Some((conn.link.key(), e));
+                    break;
                 }
             }
             match conn.link.post_recvs(true) {
@@ -1502,21 +1525,9 @@ impl<P: Provider> Shard<P> {
                 }
             }
             conn.flush_deferred();
-            while let Some((call, n)) = conn.grants.pop_front() {
-                match conn
-                    .link
-                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.window_update(call, n))
-                {
-                    Err(FrameError::Busy) => {
-                        conn.grants.push_front((call, n));
-                        break;
-                    }
-                    Err(FrameError::Link(e)) => {
-                        failed = Some((conn.link.key(), e));
-                        break;
-                    }
-                    _ => {}
-                }
+            if let Err(e) = conn.link.flush_control() {
+                failed = Some((conn.link.key(), e));
+                break;
             }
             if !conn.blocked.is_empty()
                 && conn.link.wire.data_credits() > 0
