@@ -19,4 +19,4 @@ pub use decode::{SlotReader, ZERO_COPY_MIN};
 pub use encode::{EncodeMsg, NoMsg, RawBytes};
 pub use handoff::{CancelOutcome, Exclusive, ExclusiveGuard, Mailbox, Taken};
 pub use slots::{Geometry, RecvSlot, Repost, SlotArena};
-pub use task::{CtxFamily, FutureTask, Notify, SlabTask, TaskId, TaskSlab};
+pub use task::{CtxFamily, FutureTask, Notify, Polled, SlabTask, Spawned, TaskId, TaskSlab};

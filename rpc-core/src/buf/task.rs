@@ -13,6 +13,7 @@
 use std::cell::UnsafeCell;
 use std::future::Future;
 use std::mem::{MaybeUninit, align_of, size_of};
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -163,6 +164,28 @@ pub struct TaskSlab<C: CtxFamily, N: Notify> {
 // tasks with it, which `Send` tasks allow.
 unsafe impl<C: CtxFamily, N: Notify> Send for TaskSlab<C, N> {}
 
+/// What [`TaskSlab::spawn`] did with a task.
+#[derive(Debug)]
+pub enum Spawned {
+    /// It finished at once; its slot is free again.
+    Done,
+    /// It waits, parked in its slot.
+    Parked(TaskId),
+    /// It panicked (and was dropped).
+    Panicked(Box<dyn std::any::Any + Send>),
+}
+
+/// What [`TaskSlab::poll`] did.
+#[derive(Debug)]
+pub enum Polled {
+    /// The task waits.
+    Pending,
+    /// The task finished (or the id was stale).
+    Done,
+    /// The task panicked (and was dropped).
+    Panicked(Box<dyn std::any::Any + Send>),
+}
+
 /// Handle to a spawned task: slot index and generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TaskId {
@@ -249,14 +272,16 @@ impl<C: CtxFamily, N: Notify> TaskSlab<C, N> {
         self.slots.len() - self.free.len()
     }
 
-    /// Moves `task` into a free slot and polls it once. Returns `Ok(None)` when it finished at
-    /// once (the slot is free again), `Ok(Some(id))` when it is parked, and gives the task back
-    /// when no slot is free.
+    /// Moves `task` into a free slot and polls it once. Gives the task back when no slot is
+    /// free.
+    ///
+    /// # Errors
+    /// The task, when every slot is taken.
     pub fn spawn<'a, T: SlabTask<C> + 'static>(
         &mut self,
         task: T,
         ctx: &'a mut C::Ctx<'a>,
-    ) -> Result<Option<TaskId>, T> {
+    ) -> Result<Spawned, T> {
         let Some(idx) = self.free.pop() else {
             return Err(task);
         };
@@ -272,11 +297,11 @@ impl<C: CtxFamily, N: Notify> TaskSlab<C, N> {
             idx,
             generation: self.slots[idx as usize].generation,
         };
-        if self.poll(id, ctx) {
-            Ok(None)
-        } else {
-            Ok(Some(id))
-        }
+        Ok(match self.poll(id, ctx) {
+            Polled::Pending => Spawned::Parked(id),
+            Polled::Done => Spawned::Done,
+            Polled::Panicked(p) => Spawned::Panicked(p),
+        })
     }
 
     fn place<T: SlabTask<C> + 'static>(&mut self, idx: u32, task: T) {
@@ -306,25 +331,43 @@ impl<C: CtxFamily, N: Notify> TaskSlab<C, N> {
     }
 
     /// Polls the task `id` if it is still live (a stale id from an earlier task in the slot is
-    /// ignored). Returns whether the slot is free afterwards.
-    pub fn poll<'a>(&mut self, id: TaskId, ctx: &'a mut C::Ctx<'a>) -> bool {
+    /// ignored: `Done`). A task that panics is dropped, and the panic is returned instead of
+    /// unwinding through the caller's poll loop.
+    pub fn poll<'a>(&mut self, id: TaskId, ctx: &'a mut C::Ctx<'a>) -> Polled {
         let Some(slot) = self.slots.get(id.idx as usize) else {
-            return true;
+            return Polled::Done;
         };
-        let Some(poll) = slot.poll else { return true };
+        let Some(poll) = slot.poll else {
+            return Polled::Done;
+        };
         if slot.generation != id.generation {
-            return false;
+            return Polled::Pending;
         }
         let waker = self.waker(id.idx);
         let mut cx = Context::from_waker(&waker);
         let p = slot.storage.get().cast::<u8>();
-        // SAFETY: the slot holds a live task of the type `poll` was made for (set together in
-        // `place`); it is polled from the owning thread only (`&mut self`).
-        let done = unsafe { poll(p, &mut cx, ctx) }.is_ready();
-        if done {
-            self.finish(id.idx);
+        // Unwind safety: after a panic the task is only dropped, never polled again.
+        let cx = &mut cx;
+        // The context goes through a raw pointer because closures cannot capture a `&'a mut`
+        // of a GAT projection invariant in `'a`.
+        let ctx: *mut C::Ctx<'a> = ctx;
+        let r = std::panic::catch_unwind(AssertUnwindSafe(move || {
+            // SAFETY: `ctx` is the `&'a mut` this function received, used once here and never
+            // elsewhere; the slot holds a live task of the type `poll` was made for (set
+            // together in `place`), polled from the owning thread only (`&mut self`).
+            unsafe { poll(p, cx, &mut *ctx) }
+        }));
+        match r {
+            Ok(Poll::Pending) => Polled::Pending,
+            Ok(Poll::Ready(())) => {
+                self.finish(id.idx);
+                Polled::Done
+            }
+            Err(payload) => {
+                self.finish(id.idx);
+                Polled::Panicked(payload)
+            }
         }
-        done
     }
 
     /// Drops the task `id` without finishing it (cancellation). Stale ids are ignored.
@@ -345,9 +388,14 @@ impl<C: CtxFamily, N: Notify> TaskSlab<C, N> {
         let slot = &mut self.slots[idx as usize];
         if slot.poll.take().is_some() {
             let p = slot.storage.get().cast::<u8>();
-            // SAFETY: the slot held a live task of the type `drop` was made for; `poll` was
-            // cleared first so it is dropped exactly once.
-            unsafe { (slot.drop)(p) };
+            let drop_fn = slot.drop;
+            // A destructor that panics must not unwind through the poll loop either; the slot
+            // is reclaimed whatever happens.
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: the slot held a live task of the type `drop` was made for; `poll`
+                // was cleared first so it is dropped exactly once.
+                unsafe { drop_fn(p) };
+            }));
             slot.generation = slot.generation.wrapping_add(1);
             self.free.push(idx);
         }
@@ -463,7 +511,7 @@ mod tests {
         let mut slab: TaskSlab<VecCtx, _> = TaskSlab::new(2, Arc::clone(&n));
         let mut out = Vec::new();
         let t = FutureTask::new(async { 5u32 }, |v, out: &mut Vec<u32>| out.push(v));
-        assert!(matches!(slab.spawn(t, &mut out), Ok(None)));
+        assert!(matches!(slab.spawn(t, &mut out), Ok(Spawned::Done)));
         assert_eq!(out, [5]);
         assert_eq!(slab.available(), 2);
         assert_eq!(slab.boxed(), 0);
@@ -479,13 +527,15 @@ mod tests {
             async move { rx.await.unwrap_or(0) },
             |v, o: &mut Vec<u32>| o.push(v),
         );
-        let id = slab.spawn(t, &mut out).ok().flatten().expect("parked");
+        let Ok(Spawned::Parked(id)) = slab.spawn(t, &mut out) else {
+            panic!("not parked")
+        };
         assert!(slab.next_ready().is_none());
         tx.send(42).unwrap();
         assert!(n.0.load(Ordering::Relaxed) >= 1);
         let r = slab.next_ready().expect("woken");
         assert_eq!(r, id);
-        assert!(slab.poll(r, &mut out));
+        assert!(matches!(slab.poll(r, &mut out), Polled::Done));
         assert_eq!(out, [42]);
         assert!(!slab.is_live(id));
     }
@@ -512,12 +562,26 @@ mod tests {
             },
             |_, _: &mut ()| {},
         );
-        let id = slab.spawn(t, &mut ()).ok().flatten().expect("parked");
+        let Ok(Spawned::Parked(id)) = slab.spawn(t, &mut ()) else {
+            panic!("not parked")
+        };
         assert_eq!(slab.boxed(), 1);
         assert_eq!(slab.available(), 0);
         slab.cancel(id);
         assert_eq!(dropped.load(Ordering::Relaxed), 1);
         assert_eq!(slab.available(), 1);
+    }
+
+    #[test]
+    fn a_panicking_task_is_dropped_and_reported() {
+        let n = Arc::new(CountNotify::default());
+        let mut slab: TaskSlab<UnitCtx, _> = TaskSlab::new(1, n);
+        let t = FutureTask::new(async { panic!("boom") }, |_: (), _: &mut ()| {});
+        let Ok(Spawned::Panicked(p)) = slab.spawn(t, &mut ()) else {
+            panic!("no panic seen")
+        };
+        assert_eq!(p.downcast_ref::<&str>().copied(), Some("boom"));
+        assert_eq!(slab.available(), 1, "the slot is free again");
     }
 
     #[test]

@@ -28,8 +28,8 @@ use crate::buf::{
 };
 use crate::client::PollerMode;
 use crate::link::{
-    CommitError, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind, decode_metadata,
-    split_wr_id,
+    CommitError, Control, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind,
+    decode_metadata, split_wr_id,
 };
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
@@ -157,13 +157,11 @@ pub(crate) struct Driver<P: Provider> {
     /// Per cell: the wire call slot it runs as.
     cell_slot: Box<[Option<u32>]>,
     pending: VecDeque<(u32, u32, CallId, Submission<P>)>,
-    cancel_retry: VecDeque<CallId>,
     /// Stream messages of calls whose request is not sent yet.
     stream_pending: VecDeque<StreamSend<P>>,
     /// Call slots with stream messages waiting in `out`.
     out_calls: Vec<usize>,
-    /// Window grants that found no credit yet.
-    grant_retry: VecDeque<(CallId, u32)>,
+
     cq: P::Cq,
     channel: P::CompChannel,
     wcs: [Wc; POLL_BATCH],
@@ -243,10 +241,10 @@ impl<P: Provider> ClientCore<P> {
             calls: (0..n).map(|_| DrvCall::empty()).collect(),
             cell_slot: vec![None; n].into_boxed_slice(),
             pending: VecDeque::with_capacity(n),
-            cancel_retry: VecDeque::with_capacity(n),
+
             stream_pending: VecDeque::new(),
             out_calls: Vec::with_capacity(n),
-            grant_retry: VecDeque::new(),
+
             link: parts.link,
             cq: parts.cq,
             channel: parts.channel,
@@ -400,7 +398,7 @@ impl<P: Provider> ClientCore<P> {
         }
     }
 
-    fn acquire_blocking(&self) -> Result<(u32, u32), Status> {
+    fn acquire_blocking(&self, deadline: Option<Instant>) -> Result<(u32, u32), Status> {
         let mut spins = 0u32;
         loop {
             if self.is_dead() {
@@ -408,6 +406,9 @@ impl<P: Provider> ClientCore<P> {
             }
             if let Some(idx) = self.free.pop() {
                 return Ok((idx, self.claim(idx)));
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(queued_too_long());
             }
             self.progress();
             spins = backoff(spins);
@@ -461,7 +462,8 @@ impl<P: Provider> ClientCore<P> {
             self.stage(metadata, &NoMsg)?
         };
         let landing = match landing_hint {
-            Some(n) if MAX_HEADER_LEN + n > self.eager_limit => {
+            // No zone for a response the caller could not accept anyway.
+            Some(n) if MAX_HEADER_LEN + n > self.eager_limit && n as u64 <= self.max_message => {
                 match self.bulk.get(MAX_HEADER_LEN + crate::MAX_METADATA_LEN + n) {
                     Ok(mut b) => {
                         let cap = b.capacity();
@@ -547,7 +549,20 @@ impl<P: Provider> ClientCore<P> {
     {
         let hint = request.response_size_hint();
         let (metadata, msg, timeout) = request.into_parts();
-        let (idx, generation) = self.acquire().await?;
+        // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
+        let (idx, generation, timeout) = match timeout {
+            None => {
+                let (idx, generation) = self.acquire().await?;
+                (idx, generation, None)
+            }
+            Some(t) => {
+                let start = Instant::now();
+                let (idx, generation) = tokio::time::timeout(t, self.acquire())
+                    .await
+                    .map_err(|_| queued_too_long())??;
+                (idx, generation, Some(t.saturating_sub(start.elapsed())))
+            }
+        };
         let mut guard = CellGuard {
             core: self,
             idx,
@@ -830,7 +845,10 @@ impl<P: Provider> ClientCore<P> {
     {
         let hint = request.response_size_hint();
         let (metadata, msg, timeout) = request.into_parts();
-        let (idx, generation) = self.acquire_blocking()?;
+        // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
+        let start = Instant::now();
+        let (idx, generation) = self.acquire_blocking(timeout.map(|t| start + t))?;
+        let timeout = timeout.map(|t| t.saturating_sub(start.elapsed()));
         let mut guard = CellGuard {
             core: self,
             idx,
@@ -906,6 +924,11 @@ impl<P: Provider> ClientCore<P> {
             idle = SPIN_ITERS / 2;
         }
     }
+}
+
+/// The status of a call whose deadline passed while it waited for a free call cell.
+fn queued_too_long() -> Status {
+    Status::deadline_exceeded("deadline exceeded while waiting for a free call slot")
 }
 
 /// Spins, then yields, then sleeps a little: for waits that should be short.
@@ -1030,19 +1053,7 @@ impl<P: Provider> Driver<P> {
             work += 1;
             self.cancel_cell(core, idx, generation)?;
         }
-        while let Some(call) = self.cancel_retry.pop_front() {
-            match self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
-            {
-                Err(FrameError::Busy) => {
-                    self.cancel_retry.push_front(call);
-                    break;
-                }
-                Err(FrameError::Link(e)) => return Err(e),
-                _ => {}
-            }
-        }
+        self.link.flush_control()?;
         work += self.start_pending(core)?;
         while self.pending.is_empty()
             && let Some((idx, generation)) = core.submitted.pop()
@@ -1072,21 +1083,8 @@ impl<P: Provider> Driver<P> {
             if core.cells[idx as usize].generation.load(Ordering::Acquire) == generation
                 && let Some(slot) = self.cell_slot[idx as usize]
             {
-                self.grant_retry
-                    .push_back((self.calls[slot as usize].id, n));
-            }
-        }
-        while let Some((call, n)) = self.grant_retry.pop_front() {
-            match self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.window_update(call, n))
-            {
-                Err(FrameError::Busy) => {
-                    self.grant_retry.push_front((call, n));
-                    break;
-                }
-                Err(FrameError::Link(e)) => return Err(e),
-                _ => {}
+                let call = self.calls[slot as usize].id;
+                self.link.control(Control::WindowUpdate(call, n))?;
             }
         }
         let n = self
@@ -1486,14 +1484,7 @@ impl<P: Provider> Driver<P> {
         }
         self.deliver(core, slot, Outcome::Failed(status));
         if tell {
-            match self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.cancel(call))
-            {
-                Err(FrameError::Busy) => self.cancel_retry.push_back(call),
-                Err(FrameError::Link(e)) => return Err(e),
-                _ => {}
-            }
+            self.link.control(Control::Cancel(call))?;
         }
         if self.calls[slot].lends() {
             self.calls[slot].finishing = true;
@@ -1602,16 +1593,20 @@ impl<P: Provider> Driver<P> {
                 drop(slot);
                 self.calls[s].lent_bulk = None;
                 self.calls[s].landing = None;
-                let mut buf = match core.bulk.get(desc.len as usize) {
+                let got = if desc.len > core.max_message {
+                    Err(format!(
+                        "response of {} bytes exceeds the {} byte message limit",
+                        desc.len, core.max_message
+                    ))
+                } else {
+                    core.bulk
+                        .get(desc.len as usize)
+                        .map_err(|e| format!("response too large: {e}"))
+                };
+                let mut buf = match got {
                     Ok(b) => b,
-                    Err(e) => {
-                        self.deliver(
-                            core,
-                            s,
-                            Outcome::Failed(Status::resource_exhausted(format!(
-                                "response too large: {e}"
-                            ))),
-                        );
+                    Err(why) => {
+                        self.deliver(core, s, Outcome::Failed(Status::resource_exhausted(why)));
                         self.release_peer(call)?;
                         self.retire(s);
                         return Ok(());
@@ -1759,11 +1754,16 @@ impl<P: Provider> Driver<P> {
                 core.counters
                     .landing_responses
                     .fetch_add(1, Ordering::Relaxed);
-                self.deliver(
-                    core,
-                    call.slot() as usize,
-                    Outcome::Landing { buf, md, payload },
-                );
+                let outcome = if payload.len() as u64 > core.max_message {
+                    Outcome::Failed(Status::resource_exhausted(format!(
+                        "response of {} bytes exceeds the {} byte message limit",
+                        payload.len(),
+                        core.max_message
+                    )))
+                } else {
+                    Outcome::Landing { buf, md, payload }
+                };
+                self.deliver(core, call.slot() as usize, outcome);
                 self.retire(s);
             }
             other => {
@@ -1816,13 +1816,7 @@ impl<P: Provider> Driver<P> {
     }
 
     fn release_peer(&mut self, call: CallId) -> Result<(), LinkError> {
-        match self
-            .link
-            .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call))
-        {
-            Err(FrameError::Link(e)) => Err(e),
-            _ => Ok(()),
-        }
+        self.link.control(Control::BulkRelease(call))
     }
 
     fn fail_all(&mut self, core: &ClientCore<P>, status: Status) -> usize {

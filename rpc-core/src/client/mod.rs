@@ -491,7 +491,14 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
     let caps = QpCaps {
-        max_send_wr: b.geometry.send_slots + 64,
+        // Every send slot in flight, a READ (rendezvous response, stream message) per call,
+        // and control frames.
+        max_send_wr: b
+            .geometry
+            .send_slots
+            .saturating_add(b.max_calls.saturating_mul(2))
+            .saturating_add(16)
+            .min(ctx.caps().max_qp_wr),
         max_recv_wr: b.geometry.recv_slots,
         max_send_sge: 1,
         max_recv_sge: 1,
@@ -543,7 +550,10 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         reserved_credits: 2,
         credit_update_threshold: (b.geometry.recv_slots / 4).max(2),
         eager_limit: b.geometry.slot_size.min(welcome.geometry.slot_size),
-        max_message: b.max_message,
+        // The server does not know our limit: a response above it must fail its call with
+        // RESOURCE_EXHAUSTED (checked per call by the driver), not be a protocol violation
+        // that closes the connection.
+        max_message: u64::MAX,
         stream_window: 16,
     };
     let eager_limit = wcfg.eager_limit as usize;

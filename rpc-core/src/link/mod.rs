@@ -132,6 +132,21 @@ impl From<LinkError> for FrameError {
     }
 }
 
+/// A control frame: no payload, may use the reserved credits, and must not be lost. When it
+/// finds no credit or send slot it waits in the link's backlog and goes out, in order, at the
+/// next [`Link::flush_control`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    /// The peer may reuse the buffer(s) it lent for the call.
+    BulkRelease(wire::CallId),
+    /// The client gives the call up.
+    Cancel(wire::CallId),
+    /// More stream window for the call.
+    WindowUpdate(wire::CallId, u32),
+    /// The server drains: no new calls.
+    GoAway,
+}
+
 /// What the chunk loop posts.
 #[derive(Clone, Copy, Debug)]
 enum Chunked {
@@ -207,6 +222,7 @@ pub struct Link<P: Provider> {
     key: LinkKey,
     max_inline: u32,
     epoch: Instant,
+    backlog: std::collections::VecDeque<Control>,
 }
 
 impl<P: Provider> std::fmt::Debug for Link<P> {
@@ -245,6 +261,7 @@ impl<P: Provider> Link<P> {
             key,
             max_inline,
             epoch,
+            backlog: std::collections::VecDeque::new(),
         };
         link.post_recvs(false)?;
         Ok(link)
@@ -684,6 +701,63 @@ impl<P: Provider> Link<P> {
             payload,
             event,
         })))
+    }
+
+    /// Sends a control frame now, or queues it behind earlier ones until credit allows.
+    /// Frames the protocol refuses (the call is long gone) are dropped.
+    ///
+    /// # Errors
+    /// When the link failed.
+    pub fn control(&mut self, c: Control) -> Result<(), LinkError> {
+        if !self.backlog.is_empty() {
+            self.backlog.push_back(c);
+            return self.flush_control();
+        }
+        if !self.try_control(c)? {
+            self.backlog.push_back(c);
+        }
+        Ok(())
+    }
+
+    /// Sends queued control frames while credit allows.
+    ///
+    /// # Errors
+    /// When the link failed.
+    pub fn flush_control(&mut self) -> Result<(), LinkError> {
+        while let Some(&c) = self.backlog.front() {
+            if !self.try_control(c)? {
+                break;
+            }
+            self.backlog.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Whether control frames wait for credit.
+    pub fn has_backlog(&self) -> bool {
+        !self.backlog.is_empty()
+    }
+
+    /// Tries once: `Ok(false)` when there is no credit or slot now.
+    fn try_control(&mut self, c: Control) -> Result<bool, LinkError> {
+        let md = Metadata::new();
+        let r = match c {
+            Control::BulkRelease(call) => {
+                self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.bulk_release(call))
+            }
+            Control::Cancel(call) => {
+                self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.cancel(call))
+            }
+            Control::WindowUpdate(call, n) => {
+                self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.window_update(call, n))
+            }
+            Control::GoAway => self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.go_away()),
+        };
+        match r {
+            Ok(()) | Err(FrameError::Refused(_)) | Err(FrameError::TooLarge) => Ok(true),
+            Err(FrameError::Busy) => Ok(false),
+            Err(FrameError::Link(e)) => Err(e),
+        }
     }
 
     /// Sends a CreditUpdate if the protocol asks for one.

@@ -3,6 +3,7 @@
 //! call that a task uses to answer.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
@@ -12,7 +13,7 @@ use futures_core::Stream;
 use prost::Message;
 
 use crate::buf::{
-    CtxFamily, EncodeMsg, FutureTask, RecvSlot, SlabTask, SlotReader, TaskId, TaskSlab,
+    CtxFamily, EncodeMsg, FutureTask, RecvSlot, SlabTask, SlotReader, Spawned, TaskId, TaskSlab,
 };
 use crate::server::notify::ShardNotify;
 use crate::streaming::{Inbox, Streaming};
@@ -208,6 +209,18 @@ impl std::fmt::Debug for IncomingCall<'_> {
 #[must_use]
 pub struct Dispatched(());
 
+/// Calls a handler (which builds its future); a panic fails the call with INTERNAL.
+fn call_handler<R>(ctx: &mut dyn CallCtx, path: &str, f: impl FnOnce() -> R) -> Option<R> {
+    // Unwind safety: on a panic nothing the closure touched is used again.
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => Some(r),
+        Err(payload) => {
+            ctx.fail(&panicked(path, payload.as_ref()));
+            None
+        }
+    }
+}
+
 /// The request of a client-streaming or bidi call: its metadata and the client's stream.
 fn stream_request<Req>(
     ctx: &mut dyn CallCtx,
@@ -230,10 +243,13 @@ fn spawn<'a, T: SlabTask<CallFamily> + 'static>(
     tasks: &mut Tasks,
     ctx: &'a mut (dyn CallCtx + 'a),
     spawned: &mut Option<TaskId>,
+    path: &'static str,
     task: T,
 ) {
-    match tasks.spawn(task, ctx) {
-        Ok(id) => *spawned = id,
+    match tasks.spawn(task, &mut *ctx) {
+        Ok(Spawned::Parked(id)) => *spawned = Some(id),
+        Ok(Spawned::Done) => {}
+        Ok(Spawned::Panicked(payload)) => ctx.fail(&panicked(path, payload.as_ref())),
         Err(_task) => {
             // No free task slot: more calls in flight than the shard's `max_calls_per_shard`.
             ctx.fail(&Status::resource_exhausted("server has no free call slot"));
@@ -246,6 +262,16 @@ fn reply_unary<Resp: Message>(out: Result<Response<Resp>, Status>, ctx: &mut dyn
         Ok(resp) => ctx.respond(resp.get_ref(), resp.metadata()),
         Err(status) => ctx.fail(&status),
     }
+}
+
+/// The status of a call whose handler panicked.
+pub(crate) fn panicked(path: &str, payload: &(dyn std::any::Any + Send)) -> Status {
+    let why = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)");
+    Status::internal(format!("the handler of {path} panicked: {why}"))
 }
 
 impl IncomingCall<'_> {
@@ -267,6 +293,7 @@ impl IncomingCall<'_> {
             metadata,
             timeout,
             spawned,
+            path,
             ..
         } = self;
         let message = match payload.decode::<Req>() {
@@ -278,8 +305,11 @@ impl IncomingCall<'_> {
         };
         let mut request = Request::from_parts(metadata, message, timeout);
         request.set_peer(ctx.peer());
-        let task = FutureTask::new(handler(request), reply_unary::<Resp>);
-        spawn(tasks, ctx, spawned, task);
+        let Some(fut) = call_handler(&mut *ctx, path, || handler(request)) else {
+            return Dispatched(());
+        };
+        let task = FutureTask::new(fut, reply_unary::<Resp>);
+        spawn(tasks, ctx, spawned, path, task);
         Dispatched(())
     }
 
@@ -301,6 +331,7 @@ impl IncomingCall<'_> {
             metadata,
             timeout,
             spawned,
+            path,
             ..
         } = self;
         let message = match payload.decode::<Req>() {
@@ -312,10 +343,13 @@ impl IncomingCall<'_> {
         };
         let mut request = Request::from_parts(metadata, message, timeout);
         request.set_peer(ctx.peer());
-        let task = ServerStream {
-            state: StreamState::Handler(Box::pin(handler(request))),
+        let Some(fut) = call_handler(&mut *ctx, path, || handler(request)) else {
+            return Dispatched(());
         };
-        spawn(tasks, ctx, spawned, task);
+        let task = ServerStream {
+            state: StreamState::Handler(Box::pin(fut)),
+        };
+        spawn(tasks, ctx, spawned, path, task);
         Dispatched(())
     }
 
@@ -335,13 +369,17 @@ impl IncomingCall<'_> {
             timeout,
             spawned,
             inbox,
+            path,
             ..
         } = self;
         let Some(request) = stream_request(&mut *ctx, metadata, timeout, inbox) else {
             return Dispatched(());
         };
-        let task = FutureTask::new(handler(request), reply_unary::<Resp>);
-        spawn(tasks, ctx, spawned, task);
+        let Some(fut) = call_handler(&mut *ctx, path, || handler(request)) else {
+            return Dispatched(());
+        };
+        let task = FutureTask::new(fut, reply_unary::<Resp>);
+        spawn(tasks, ctx, spawned, path, task);
         Dispatched(())
     }
 
@@ -362,15 +400,19 @@ impl IncomingCall<'_> {
             timeout,
             spawned,
             inbox,
+            path,
             ..
         } = self;
         let Some(request) = stream_request(&mut *ctx, metadata, timeout, inbox) else {
             return Dispatched(());
         };
-        let task = ServerStream {
-            state: StreamState::Handler(Box::pin(handler(request))),
+        let Some(fut) = call_handler(&mut *ctx, path, || handler(request)) else {
+            return Dispatched(());
         };
-        spawn(tasks, ctx, spawned, task);
+        let task = ServerStream {
+            state: StreamState::Handler(Box::pin(fut)),
+        };
+        spawn(tasks, ctx, spawned, path, task);
         Dispatched(())
     }
 

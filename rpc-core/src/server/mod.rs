@@ -76,6 +76,7 @@ pub(crate) struct ServerConfig {
     pub(crate) max_message: u64,
     pub(crate) bulk_cache_bytes: usize,
     pub(crate) max_calls_per_conn: u32,
+    pub(crate) shutdown_grace: Duration,
 }
 
 impl ServerConfig {
@@ -114,6 +115,7 @@ impl Server {
                 max_message: 256 << 20,
                 bulk_cache_bytes: 256 << 20,
                 max_calls_per_conn: 1024,
+                shutdown_grace: Duration::from_secs(10),
             },
             provider_error: ProviderKind::from_env().err().map(|e| e.to_string()),
         }
@@ -204,6 +206,13 @@ impl ServerBuilder {
     /// Calls in flight per shard (handler task slots; default 4096).
     pub fn max_calls_per_shard(mut self, n: u32) -> Self {
         self.cfg.tasks_per_shard = n.max(1);
+        self
+    }
+
+    /// How long [`RunningServer::shutdown`] lets calls in flight finish before dropping the
+    /// handlers still running (default 10 s).
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.cfg.shutdown_grace = grace;
         self
     }
 
@@ -502,8 +511,9 @@ impl RunningServer {
             .sum()
     }
 
-    /// Stops accepting, lets in-flight calls finish, then stops the shards and closes every
-    /// connection.
+    /// Stops accepting, tells clients to start no new call here (GoAway), lets calls in flight
+    /// finish for at most the grace period ([`ServerBuilder::shutdown_grace`]), then stops the
+    /// shards and closes every connection.
     ///
     /// # Cancel safety
     /// Dropping the future leaves the shards stopping in the background.

@@ -15,13 +15,14 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 use tracing::{debug, info, warn};
 
-use crate::buf::{BulkBuf, BulkPool, EncodeMsg, NoMsg, RawBytes, SlotArena, TaskId};
+use crate::buf::Polled;
+use crate::buf::{BulkBuf, BulkPool, EncodeMsg, Geometry, NoMsg, RawBytes, SlotArena, TaskId};
 use crate::connect::{Hello, Welcome};
 use crate::link::{
-    CommitError, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind, decode_metadata,
-    split_wr_id,
+    CommitError, Control, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind,
+    decode_metadata, split_wr_id,
 };
-use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks};
+use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks, panicked};
 use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
 use crate::server::peer::{BulkMem, BulkOp, OpKind, Peer, PeerApi, ShardInbox};
 use crate::server::router::Router;
@@ -99,6 +100,8 @@ struct SrvCall<P: Provider> {
     stream_bulks: VecDeque<BulkBuf<P>>,
     /// The handler's stream waits for window, credit or a send slot.
     blocked: bool,
+    /// The method's path (for messages).
+    path: &'static str,
 }
 
 /// A client stream frame that arrived while an earlier one was still being READ.
@@ -132,6 +135,7 @@ impl<P: Provider> SrvCall<P> {
             held: VecDeque::new(),
             stream_bulks: VecDeque::new(),
             blocked: false,
+            path: "?",
         }
     }
 }
@@ -163,14 +167,15 @@ pub(crate) struct ServerConn<P: Provider> {
     link: Link<P>,
     /// Calls whose handler stream waits for credit or a send slot.
     blocked: Vec<CallId>,
-    /// Window grants that found no credit yet.
-    grants: VecDeque<(CallId, u32)>,
+
     /// GoAway was sent (the server is draining).
     goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
     deferred: VecDeque<Deferred>,
     _closed: tokio::sync::oneshot::Sender<()>,
     peer: std::net::SocketAddr,
+    /// The largest request accepted and response sent (the server's `max_message`).
+    max_message: u64,
 }
 
 /// The shard.
@@ -213,7 +218,15 @@ pub(crate) fn open<P: Provider>(
 ) -> Result<(Shard<P>, ShardHandle), crate::Error> {
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
-    let per_conn = qp_caps(&cfg, ctx.caps().max_inline);
+    // CQ room for `max_conns_per_shard` connections of default size; a connection that does
+    // not fit any more is refused (the soft and ib providers both refuse a QP whose CQ could
+    // overrun).
+    let default_client_calls = 64;
+    let send_slots = cfg
+        .geometry
+        .send_slots
+        .max(default_client_calls + cfg.geometry.recv_slots + 2);
+    let per_conn = qp_caps(&cfg, ctx.caps(), send_slots, default_client_calls);
     let cqe = (per_conn.max_send_wr + per_conn.max_recv_wr)
         .saturating_mul(cfg.max_conns_per_shard)
         .min(ctx.caps().max_cqe);
@@ -270,13 +283,24 @@ pub(crate) fn open<P: Provider>(
     Ok((shard, handle))
 }
 
-fn qp_caps(cfg: &ServerConfig, device_inline: u32) -> QpCaps {
+/// Queue sizes of a connection with `send_slots` send slots whose client has `peer_calls`
+/// calls: every send slot in flight, plus a READ (rendezvous request, stream message) and a
+/// WRITE (landing zone, bulk handle) per call, plus control frames; within the device's limit.
+fn qp_caps(
+    cfg: &ServerConfig,
+    caps: &crate::verbs::Caps,
+    send_slots: u32,
+    peer_calls: u32,
+) -> QpCaps {
     QpCaps {
-        max_send_wr: cfg.geometry.send_slots + 64,
+        max_send_wr: send_slots
+            .saturating_add(peer_calls.saturating_mul(2))
+            .saturating_add(16)
+            .min(caps.max_qp_wr),
         max_recv_wr: cfg.geometry.recv_slots,
         max_send_sge: 1,
         max_recv_sge: 1,
-        max_inline_data: device_inline.min(256),
+        max_inline_data: caps.max_inline.min(256),
     }
 }
 
@@ -348,6 +372,15 @@ impl<P: Provider> ServerConn<P> {
     fn respond(&mut self, call: CallId, msg: &dyn EncodeMsg, metadata: &Metadata) {
         let len = msg.encoded_len();
         let md_len = metadata.encoded_len();
+        if len as u64 > self.max_message {
+            return self.fail(
+                call,
+                &Status::resource_exhausted(format!(
+                    "response of {len} bytes exceeds the {} byte message limit",
+                    self.max_message
+                )),
+            );
+        }
         let landing = self.slot(call).and_then(|c| c.landing);
         match self
             .link
@@ -375,7 +408,7 @@ impl<P: Provider> ServerConn<P> {
                 call,
                 &Status::resource_exhausted(format!(
                     "response of {len} bytes exceeds the {} byte message limit",
-                    self.link.wire.config().max_message
+                    self.max_message
                 )),
             ),
         }
@@ -592,9 +625,7 @@ impl<P: Provider> ServerConn<P> {
                 "client exceeded its stream window".into(),
             ));
         }
-        let _ = self
-            .link
-            .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+        self.link.control(Control::BulkRelease(call))?;
         loop {
             let Some(c) = self.slot(call) else {
                 return Ok(());
@@ -617,6 +648,35 @@ impl<P: Provider> ServerConn<P> {
                 call,
                 staged: st,
                 code: status.code() as u8,
+            }),
+            Err(FrameError::TooLarge) => self.fail_without_trailers(call, status),
+            Err(e) => self.frame_failed(call, e),
+        }
+    }
+
+    /// Ends the call with RESOURCE_EXHAUSTED when its status does not fit a frame (trailers
+    /// larger than the connection's slots): the caller learns the original code and message.
+    fn fail_without_trailers(&mut self, call: CallId, status: &Status) {
+        let room = (self.link.wire.config().eager_limit as usize).saturating_sub(MAX_HEADER_LEN);
+        let why = format!(
+            "status {} with {} bytes of trailing metadata does not fit a {} byte frame: {}",
+            status.code().name(),
+            status.metadata().encoded_len(),
+            self.link.wire.config().eager_limit,
+            status.message()
+        );
+        let mut end = why.len().min(room).min(1024);
+        while !why.is_char_boundary(end) {
+            end -= 1;
+        }
+        match self
+            .link
+            .stage(&Metadata::new(), &RawBytes(&why.as_bytes()[..end]))
+        {
+            Ok(st) => self.commit_terminal(Deferred::Status {
+                call,
+                staged: st,
+                code: crate::Code::ResourceExhausted as u8,
             }),
             Err(e) => self.frame_failed(call, e),
         }
@@ -708,10 +768,8 @@ impl<P: Provider> ServerConn<P> {
             c.lent = false;
             c.resp_bulk = None;
         }
-        if release {
-            let _ = self
-                .link
-                .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+        if release && let Err(e) = self.link.control(Control::BulkRelease(call)) {
+            warn!(%call, "returning the client's buffer: {e}");
         }
         self.link.wire.finish(call);
     }
@@ -725,6 +783,7 @@ impl<P: Provider> Shard<P> {
             pin_to_core(core);
         }
         let mut idle: u32 = 0;
+        let mut stop_at: Option<Instant> = None;
         loop {
             let mut work = self.poll_cq();
             work += self.run_ready();
@@ -732,9 +791,22 @@ impl<P: Provider> Shard<P> {
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
                 work += self.maintain();
-                if self.stop.load(Ordering::Acquire) && self.live_calls.load(Ordering::Acquire) == 0
-                {
-                    break;
+                if self.stop.load(Ordering::Acquire) {
+                    // Draining: stop once every call finished, or when the grace period is up
+                    // (the handlers still running are then dropped with their connections).
+                    let deadline =
+                        *stop_at.get_or_insert_with(|| Instant::now() + self.cfg.shutdown_grace);
+                    let live = self.live_calls.load(Ordering::Acquire);
+                    if live == 0 {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        warn!(
+                            shard = self.id,
+                            "shutdown grace period over: dropping {live} call(s) still running"
+                        );
+                        break;
+                    }
                 }
             }
             if work > 0 {
@@ -819,7 +891,20 @@ impl<P: Provider> Shard<P> {
             ));
         };
         let cfg = &self.cfg;
-        let caps = qp_caps(cfg, self.ctx.caps().max_inline);
+        // Every call of the client's table may hold a staged terminal frame in a send slot while
+        // it waits for a credit, besides the frames in flight (at most the client's receive
+        // ring): with fewer send slots a terminal frame would find none and its call would
+        // never be answered.
+        let need = hello
+            .max_calls
+            .saturating_add(hello.geometry.recv_slots)
+            .saturating_add(2)
+            .min(Geometry::MAX_SLOTS);
+        let geometry = Geometry {
+            send_slots: cfg.geometry.send_slots.max(need),
+            ..cfg.geometry
+        };
+        let caps = qp_caps(cfg, self.ctx.caps(), geometry.send_slots, hello.max_calls);
         let mut qp = self
             .pd
             .create_qp(&self.cq, &self.cq, caps)
@@ -830,8 +915,7 @@ impl<P: Provider> Shard<P> {
         };
         qp.connect(&hello.endpoint, &attr)
             .map_err(|e| format!("connect QP: {e}"))?;
-        let arena =
-            SlotArena::<P>::new(&self.pd, cfg.geometry).map_err(|e| format!("slots: {e}"))?;
+        let arena = SlotArena::<P>::new(&self.pd, geometry).map_err(|e| format!("slots: {e}"))?;
         let wcfg = wire::Config {
             max_calls: hello.max_calls,
             peer_max_calls: hello.max_calls,
@@ -840,7 +924,9 @@ impl<P: Provider> Shard<P> {
             reserved_credits: 2,
             credit_update_threshold: (cfg.geometry.recv_slots / 4).max(2),
             eager_limit: cfg.geometry.slot_size.min(hello.geometry.slot_size),
-            max_message: cfg.max_message,
+            // Clients do not know our limit: a request above it fails its call with
+            // RESOURCE_EXHAUSTED (`start_read`), it does not close the connection.
+            max_message: u64::MAX,
             stream_window: 16,
         };
         let wire = wire::Conn::new(Role::Server, wcfg).map_err(|e| format!("protocol: {e}"))?;
@@ -878,13 +964,14 @@ impl<P: Provider> Shard<P> {
         self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
             blocked: Vec::with_capacity(hello.max_calls as usize),
-            grants: VecDeque::new(),
+
             link,
             goaway_sent: false,
             calls,
-            deferred: VecDeque::with_capacity(cfg.geometry.send_slots as usize),
+            deferred: VecDeque::with_capacity(geometry.send_slots as usize),
             _closed: closed,
             peer,
+            max_message: cfg.max_message,
         });
         Ok((welcome, key))
     }
@@ -1139,7 +1226,9 @@ impl<P: Provider> Shard<P> {
                 self.drop_call(idx, call);
             }
             Event::BulkRelease { call } => {
-                if let Some(c) = conn.calls.get_mut(call.slot() as usize)
+                // Only for this very call: a late release of an earlier call in the same slot
+                // must not free the buffer the current call lent.
+                if let Some(c) = conn.slot(call)
                     && c.stream_bulks.pop_front().is_none()
                 {
                     c.resp_bulk = None;
@@ -1150,9 +1239,7 @@ impl<P: Provider> Shard<P> {
                 bulk: Some(_),
                 ..
             } => {
-                let _ = conn
-                    .link
-                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+                conn.link.control(Control::BulkRelease(call))?;
             }
             Event::StreamMessage { call, bulk, .. } => {
                 let held = match bulk {
@@ -1202,19 +1289,27 @@ impl<P: Provider> Shard<P> {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return;
         };
-        let buf = match conn.link.bulk.get(desc.len as usize) {
+        let got = if desc.len > conn.max_message {
+            Err(format!(
+                "request of {} bytes exceeds the {} byte message limit",
+                desc.len, conn.max_message
+            ))
+        } else {
+            conn.link
+                .bulk
+                .get(desc.len as usize)
+                .map_err(|e| format!("request too large: {e}"))
+        };
+        let buf = match got {
             Ok(mut b) => {
                 b.set_len(desc.len as usize);
                 b
             }
-            Err(e) => {
+            Err(why) => {
                 if let Some(c) = conn.slot(call) {
                     retire(&self.live_calls, c);
                 }
-                conn.fail(
-                    call,
-                    &Status::resource_exhausted(format!("request too large: {e}")),
-                );
+                conn.fail(call, &Status::resource_exhausted(why));
                 return;
             }
         };
@@ -1372,7 +1467,16 @@ impl<P: Provider> Shard<P> {
                 call,
                 api: &self.peer_api,
             };
-            if self.tasks.poll(task, &mut reply)
+            let done = match self.tasks.poll(task, &mut reply) {
+                Polled::Pending => false,
+                Polled::Done => true,
+                Polled::Panicked(payload) => {
+                    let path = reply.conn.slot(call).map_or("?", |c| c.path);
+                    reply.fail(&panicked(path, payload.as_ref()));
+                    true
+                }
+            };
+            if done
                 && let Some(c) = reply.conn.calls.get_mut(call.slot() as usize)
                 && c.id == call
             {
@@ -1390,8 +1494,9 @@ impl<P: Provider> Shard<P> {
         while let Some((key, call, n)) = self.peer_api.grants.pop() {
             if let Some(Some(conn)) = self.conns.get_mut(key.idx as usize)
                 && conn.link.key() == key
+                && let Err(e) = conn.link.control(Control::WindowUpdate(call, n))
             {
-                conn.grants.push_back((call, n));
+                warn!(%call, "window update: {e}");
             }
         }
         let stopping = self.stop.load(Ordering::Acquire);
@@ -1406,16 +1511,10 @@ impl<P: Provider> Shard<P> {
             };
             if stopping && !conn.goaway_sent {
                 // Draining: tell the client to start no new call here.
-                match conn
-                    .link
-                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.go_away())
-                {
-                    Ok(()) => conn.goaway_sent = true,
-                    Err(FrameError::Link(e)) => {
-                        failed = Some((conn.link.key(), e));
-                        break;
-                    }
-                    Err(_) => {}
+                conn.goaway_sent = true;
+                if let Err(e) = conn.link.control(Control::GoAway) {
+                    failed = Some((conn.link.key(), e));
+                    break;
                 }
             }
             match conn.link.post_recvs(true) {
@@ -1426,21 +1525,9 @@ impl<P: Provider> Shard<P> {
                 }
             }
             conn.flush_deferred();
-            while let Some((call, n)) = conn.grants.pop_front() {
-                match conn
-                    .link
-                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.window_update(call, n))
-                {
-                    Err(FrameError::Busy) => {
-                        conn.grants.push_front((call, n));
-                        break;
-                    }
-                    Err(FrameError::Link(e)) => {
-                        failed = Some((conn.link.key(), e));
-                        break;
-                    }
-                    _ => {}
-                }
+            if let Err(e) = conn.link.flush_control() {
+                failed = Some((conn.link.key(), e));
+                break;
             }
             if !conn.blocked.is_empty()
                 && conn.link.wire.data_credits() > 0

@@ -1,0 +1,377 @@
+//! Counted, not guessed: heap allocations per call in steady state (a counting global
+//! allocator over the whole process: the calling thread, the client's poller, the server's
+//! shard), and the payload bytes the soft RNICs copy per call (`process_counters`).
+//!
+//! The tests of this binary run one at a time (they count process-wide). With
+//! `RPC_ALLOC_TRACE=1` every counted allocation prints a backtrace (the first 20).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::*;
+use rpc_core::verbs::ProviderKind;
+use rpc_core::{Channel, PollerMode, Request, Response};
+
+// ----- the counting allocator ----------------------------------------------------------------
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+static TRACE: AtomicBool = AtomicBool::new(false);
+static TRACED: AtomicU32 = AtomicU32::new(0);
+
+thread_local! {
+    /// Set while this thread prints a backtrace (whose own allocations are not counted).
+    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
+}
+
+fn note(size: usize) {
+    if !COUNTING.load(Ordering::Relaxed) {
+        return;
+    }
+    // `try_with`: the thread-local may be gone while a thread exits.
+    if IN_TRACE.try_with(Cell::get).unwrap_or(true) {
+        return;
+    }
+    ALLOCS.fetch_add(1, Ordering::Relaxed);
+    LARGEST.fetch_max(size, Ordering::Relaxed);
+    if TRACE.load(Ordering::Relaxed) && TRACED.fetch_add(1, Ordering::Relaxed) < 20 {
+        let _ = IN_TRACE.try_with(|t| t.set(true));
+        let bt = std::backtrace::Backtrace::force_capture();
+        let thread = std::thread::current();
+        eprintln!(
+            "allocation of {size} bytes on thread {:?}:\n{bt}",
+            thread.name()
+        );
+        let _ = IN_TRACE.try_with(|t| t.set(false));
+    }
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so
+// `System`'s guarantees are ours; the bookkeeping only touches atomics and a const-initialised
+// thread-local `Cell` (neither allocates), except backtrace printing, which runs with the
+// thread's `IN_TRACE` flag set so that its own allocations do not recurse into it.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note(layout.size());
+        // SAFETY: same contract as ours (`layout` has a non-zero size, our caller's duty).
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` with `layout` (every allocation here does).
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note(layout.size());
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note(new_size);
+        // SAFETY: `ptr`/`layout` came from `System`; `new_size` as our caller gave it.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Counts the allocations `f` makes (every thread of the process); returns them and the
+/// largest one.
+fn counted<T>(f: impl FnOnce() -> T) -> (T, u64, usize) {
+    TRACE.store(
+        std::env::var_os("RPC_ALLOC_TRACE").is_some(),
+        Ordering::Relaxed,
+    );
+    TRACED.store(0, Ordering::Relaxed);
+    ALLOCS.store(0, Ordering::Relaxed);
+    LARGEST.store(0, Ordering::Relaxed);
+    COUNTING.store(true, Ordering::SeqCst);
+    let r = f();
+    COUNTING.store(false, Ordering::SeqCst);
+    (
+        r,
+        ALLOCS.load(Ordering::Relaxed),
+        LARGEST.load(Ordering::Relaxed),
+    )
+}
+
+/// Aborts the process (failing the test run) if a test outlives its budget: some calls here
+/// carry no deadline on purpose, and a bug must not hang CI.
+struct Watchdog(Option<std::sync::mpsc::Sender<()>>);
+
+impl Watchdog {
+    fn arm(what: &'static str, limit: Duration) -> Watchdog {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+                eprintln!("{what}: no result within {limit:?} (hang): aborting");
+                std::process::abort();
+            }
+        });
+        Watchdog(Some(tx))
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.take();
+    }
+}
+
+/// The tests of this binary count process-wide: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+// ----- 11. zero allocations per small call ---------------------------------------------------
+
+const WARMUP: u64 = 1_000;
+const CALLS: u64 = 5_000;
+
+fn scalars(i: u64) -> Scalars {
+    Scalars {
+        a: i,
+        b: i as u32,
+        c: i as f64 * 0.5,
+        d: i.is_multiple_of(2),
+        e: -(i as i64),
+    }
+}
+
+fn check_ping(i: u64, r: &Response<Scalars>) {
+    let s = r.get_ref();
+    assert_eq!(s.a, i.wrapping_add(1), "call {i}");
+    assert_eq!(s.e, i as i64, "call {i}");
+}
+
+fn ping_request(i: u64, deadline: bool) -> Request<Scalars> {
+    let mut req = Request::new(scalars(i));
+    if deadline {
+        req.set_timeout(Duration::from_secs(30));
+    }
+    req
+}
+
+/// `unary_blocking` (the caller polls) against a handler that is ready at once, with and
+/// without a deadline: after warm-up, no allocation anywhere in the process.
+#[test]
+fn zero_allocations_per_blocking_call() {
+    let _g = serial();
+    let _w = Watchdog::arm(
+        "zero_allocations_per_blocking_call",
+        Duration::from_secs(600),
+    );
+    let rt = runtime();
+    let (srv, ch) = rt.block_on(async {
+        let srv = TestServer::start().await;
+        let ch = srv.channel(PollerMode::Caller).await;
+        (srv, ch)
+    });
+    for deadline in [false, true] {
+        let run = |from: u64, n: u64| {
+            for i in from..from + n {
+                let r = ch
+                    .unary_blocking(&lab_server::PING, ping_request(i, deadline))
+                    .unwrap();
+                check_ping(i, &r);
+            }
+        };
+        run(0, WARMUP);
+        let ((), allocs, largest) = counted(|| run(WARMUP, CALLS));
+        println!(
+            "blocking calls (caller polls), deadline {deadline}: {allocs} allocations in \
+             {CALLS} calls (largest {largest} B)"
+        );
+        assert_eq!(
+            allocs, 0,
+            "blocking calls, deadline {deadline}: {allocs} heap allocations in {CALLS} calls \
+             (RPC_ALLOC_TRACE=1 shows where)"
+        );
+    }
+    rt.block_on(srv.settle("live calls back to 0"));
+}
+
+/// Async calls from a task, with the poller thread and with the caller polling.
+#[test]
+fn zero_allocations_per_async_call() {
+    let _g = serial();
+    let _w = Watchdog::arm("zero_allocations_per_async_call", Duration::from_secs(600));
+    let rt = runtime();
+    let srv = rt.block_on(TestServer::start());
+    // Both channels live throughout: tearing one down (its poller thread, its QP on both
+    // sides) runs in the background and would be counted.
+    let channels: Vec<(PollerMode, Channel)> = [PollerMode::Thread, PollerMode::Caller]
+        .into_iter()
+        .map(|mode| (mode, rt.block_on(srv.channel(mode))))
+        .collect();
+    for (mode, ch) in &channels {
+        for deadline in [false, true] {
+            let run = |from: u64, n: u64| {
+                rt.block_on(async {
+                    for i in from..from + n {
+                        let r = ch
+                            .unary(&lab_server::PING, ping_request(i, deadline))
+                            .await
+                            .unwrap();
+                        check_ping(i, &r);
+                    }
+                })
+            };
+            run(0, WARMUP);
+            let ((), allocs, largest) = counted(|| run(WARMUP, CALLS));
+            println!(
+                "async calls ({mode:?} poller), deadline {deadline}: {allocs} allocations in \
+                 {CALLS} calls (largest {largest} B)"
+            );
+            assert_eq!(
+                allocs, 0,
+                "async calls ({mode:?} poller), deadline {deadline}: {allocs} heap \
+                 allocations in {CALLS} calls (RPC_ALLOC_TRACE=1 shows where)"
+            );
+        }
+    }
+    rt.block_on(srv.settle("live calls back to 0"));
+}
+
+// ----- 12. payload copies --------------------------------------------------------------------
+
+/// Bytes of frame headers, descriptors and protocol frames (credit updates, bulk releases) a
+/// call may add to its payload.
+const PER_CALL_OVERHEAD: u64 = 512;
+
+/// For echoes of N bytes (eager, rendezvous with the response READ, rendezvous with the
+/// response written into a landing zone), the soft RNICs of the process (client and server)
+/// copy about 2N bytes per call: the request once and the response once, no other copy by
+/// the NIC. And no heap allocation as large as the payload happens during a call: the
+/// runtime stages no intermediate copy of it (encode into registered memory, zero-copy
+/// decode).
+#[test]
+fn soft_rnic_copies_each_payload_once() {
+    let _g = serial();
+    let _w = Watchdog::arm(
+        "soft_rnic_copies_each_payload_once",
+        Duration::from_secs(600),
+    );
+    if ProviderKind::from_env().ok() != Some(ProviderKind::Soft) {
+        println!("skipped: byte counters exist on the soft provider only");
+        return;
+    }
+    let rt = runtime();
+    let srv = rt.block_on(TestServer::start());
+    let ch = rt.block_on(srv.channel(PollerMode::Thread));
+    const K: u64 = 20;
+    // Data lengths whose blob (sequence number = length) encodes to exactly the largest
+    // eager message and one byte more.
+    let encoding_to = |enc: usize| {
+        (0..enc)
+            .rev()
+            .find(|&d| blob_len(d as u64, d) == enc)
+            .expect("a length encoding to enc")
+    };
+    let (at_max, over_max) = (encoding_to(EAGER_MAX), encoding_to(EAGER_MAX + 1));
+    let cases = [
+        ("eager", 100usize, false),
+        ("eager", 4000, false),
+        ("eager max", at_max, false),
+        ("eager max + 1", over_max, false),
+        ("rendezvous, READ", EAGER_MAX + 100, false),
+        ("rendezvous, READ", 64 << 10, false),
+        ("rendezvous, READ", 1 << 20, false),
+        ("rendezvous, landing", 64 << 10, true),
+        ("rendezvous, landing", 1 << 20, true),
+        ("rendezvous, READ", scaled(8 << 20), false),
+        ("rendezvous, landing", scaled(8 << 20), true),
+    ];
+    let mut failures = Vec::new();
+    let mut ops_of = std::collections::HashMap::new();
+    for (label, n, hint) in cases {
+        let seq = n as u64;
+        let payload = pattern(n, seq);
+        let request = || {
+            let mut req = Request::new(Blob {
+                seq,
+                data: payload.clone(),
+            });
+            if hint {
+                req.set_response_size_hint(n + 16);
+            }
+            req
+        };
+        let run = |k: u64| {
+            rt.block_on(async {
+                for _ in 0..k {
+                    let r: Response<Blob> = ch.unary(&lab_server::ECHO, request()).await.unwrap();
+                    assert_eq!(r.get_ref().data.len(), n);
+                }
+            })
+        };
+        run(3);
+        let before = rpc_core::verbs::soft::process_counters();
+        let ((), _allocs, largest) = counted(|| run(K));
+        let after = rpc_core::verbs::soft::process_counters();
+        // Every byte still right after the counted calls.
+        let r: Response<Blob> = rt.block_on(ch.unary(&lab_server::ECHO, request())).unwrap();
+        check_blob(r.get_ref(), seq, n, label);
+        let copied = (after.bytes_copied - before.bytes_copied) / K;
+        let ops = (after.ops - before.ops) as f64 / K as f64;
+        let two_n = 2 * n as u64;
+        println!(
+            "{label:>20} {n:>9} B: RNIC copied {copied:>9} B per call = 2N + {:>4} \
+             (ratio {:.4}), {ops:.1} work requests per call, largest allocation {largest} B",
+            copied as i64 - two_n as i64,
+            copied as f64 / two_n as f64,
+        );
+        ops_of.insert((n, hint), ops);
+        if copied < two_n || copied > two_n + PER_CALL_OVERHEAD {
+            failures.push(format!(
+                "{label} {n} B: {copied} B copied per call, expected 2N = {two_n} plus at \
+                 most {PER_CALL_OVERHEAD}"
+            ));
+        }
+        if n >= 4000 && largest >= n {
+            failures.push(format!(
+                "{label} {n} B: a heap allocation of {largest} B during the calls (a copy of \
+                 the payload?)"
+            ));
+        }
+    }
+    // The threshold is where it should be: one encoded byte more turns both messages into
+    // rendezvous transfers (READs and a release frame).
+    if ops_of[&(at_max, false)] >= ops_of[&(over_max, false)] {
+        failures.push(format!(
+            "eager threshold: {} work requests at {EAGER_MAX} encoded bytes, {} at one more",
+            ops_of[&(at_max, false)],
+            ops_of[&(over_max, false)]
+        ));
+    }
+    // The size hint really selects the landing-zone WRITE: no response READ, no release frame.
+    for n in [64 << 10, 1 << 20, scaled(8 << 20)] {
+        let (read, landing) = (ops_of[&(n, false)], ops_of[&(n, true)]);
+        if landing >= read {
+            failures.push(format!(
+                "{n} B: {landing} work requests per call with a landing zone, {read} without"
+            ));
+        }
+    }
+    rt.block_on(srv.settle("live calls back to 0"));
+    assert!(failures.is_empty(), "{failures:#?}");
+}
