@@ -18,7 +18,8 @@ use crate::verbs::{Access, Mr, Pd, Provider, RemoteMr, Result, Sge};
 const MIN_CLASS: u32 = 12; // 4 KiB
 const MAX_CLASS: u32 = 30; // 1 GiB
 const CLASSES: usize = (MAX_CLASS - MIN_CLASS + 1) as usize;
-const PER_CLASS: usize = 8;
+/// Idle buffers kept per size class (the byte cap `max_cached` bounds the total).
+const PER_CLASS: usize = 64;
 
 /// Pool of registered bulk buffers of one protection domain.
 pub struct BulkPool<P: Provider> {

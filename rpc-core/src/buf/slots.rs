@@ -181,6 +181,11 @@ impl<P: Provider> SlotArena<P> {
         }
     }
 
+    /// Whether receive slots wait to be posted again.
+    pub fn has_reposts(&self) -> bool {
+        !self.repost.is_empty()
+    }
+
     /// Pops a receive slot to post again; `None` when none is waiting.
     pub fn take_repost(&self) -> Option<u32> {
         self.repost.pop()

@@ -1048,6 +1048,7 @@ impl<P: Provider> Driver<P> {
     }
 
     fn step(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
+        self.link.tick();
         let mut work = self.link.post_recvs(true)? as usize;
         while let Some((idx, generation)) = core.cancelled.pop() {
             work += 1;

@@ -222,6 +222,7 @@ pub struct Link<P: Provider> {
     key: LinkKey,
     max_inline: u32,
     epoch: Instant,
+    clock: u64,
     backlog: std::collections::VecDeque<Control>,
 }
 
@@ -261,8 +262,10 @@ impl<P: Provider> Link<P> {
             key,
             max_inline,
             epoch,
+            clock: 0,
             backlog: std::collections::VecDeque::new(),
         };
+        link.tick();
         link.post_recvs(false)?;
         Ok(link)
     }
@@ -272,9 +275,16 @@ impl<P: Provider> Link<P> {
         self.key
     }
 
-    /// Nanoseconds since the runtime's epoch: the protocol's clock.
+    /// Nanoseconds since the runtime's epoch: the protocol's clock, as of the last
+    /// [`Link::tick`] (one clock read per turn of the poll loop, not per frame).
     pub fn now(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
+        self.clock
+    }
+
+    /// Reads the clock.
+    pub fn tick(&mut self) -> u64 {
+        self.clock = self.epoch.elapsed().as_nanos() as u64;
+        self.clock
     }
 
     /// Posts the receive slots waiting on the repost queue, in batches. With `report`, the
@@ -284,6 +294,9 @@ impl<P: Provider> Link<P> {
     /// When `post_recv` fails.
     pub fn post_recvs(&mut self, report: bool) -> Result<u32, LinkError> {
         const BATCH: usize = 16;
+        if !self.arena.has_reposts() {
+            return Ok(0);
+        }
         let mut total = 0;
         loop {
             let mut sges = [Sge::default(); BATCH];

@@ -1148,6 +1148,7 @@ impl<P: Provider> Shard<P> {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return Ok(());
         };
+        conn.link.tick();
         let inbound = match conn.link.on_recv(wc, slot)? {
             None => return Ok(()),
             Some(Received::Written { .. }) => {
@@ -1548,7 +1549,7 @@ impl<P: Provider> Shard<P> {
                 break;
             }
             if let Some(d) = conn.link.wire.poll_timeout()
-                && d <= conn.link.now()
+                && d <= conn.link.tick()
             {
                 let now = conn.link.now();
                 while n_expired < expired.len() {
