@@ -1285,11 +1285,10 @@ impl<P: Provider> Driver<P> {
                 self.flush_out(core, slot)
             }
             None => {
-                if self
-                    .pending
-                    .iter()
-                    .any(|p| p.0 == ss.idx && p.1 == ss.generation)
-                {
+                // No wire slot yet: the request is still queued (in `pending`, or submitted and
+                // not taken yet: the caller's submission and this message can race past one
+                // `step`), or the call is over. A running mailbox means not started.
+                if cell.mb.is_running() {
                     self.stream_pending.push_back(ss);
                 } else {
                     self.discard(ss);
