@@ -713,19 +713,46 @@ impl<P: Provider> ClientCore<P> {
         }
     }
 
-    /// Sends every message of `stream`, then the end of the stream; stops early when the call
-    /// ended (the server answered already, or it was cancelled).
+    /// Sends every message of `stream`, then the end of the stream. Stops (and drops the
+    /// stream) as soon as the call is over: the server answered, the call was cancelled or
+    /// expired, or the connection died; also while the stream has nothing to give, since
+    /// the end of the call wakes the cell's `send_waker`.
     async fn pump<S>(&self, idx: u32, generation: u32, stream: S)
     where
         S: futures_core::Stream + Send,
         S::Item: Message,
     {
+        let cell = &self.cells[idx as usize];
         let mut stream = std::pin::pin!(stream);
         loop {
-            let next = std::future::poll_fn(|cx| stream.as_mut().poll_next(cx)).await;
-            let Some(item) = next else { break };
-            if self.send_item(idx, generation, &item).await.is_err() {
-                return;
+            let next = std::future::poll_fn(|cx| {
+                if !self.call_live(idx, generation) {
+                    return Poll::Ready(None);
+                }
+                cell.send_waker.register(cx.waker());
+                if !self.call_live(idx, generation) {
+                    return Poll::Ready(None);
+                }
+                match stream.as_mut().poll_next(cx) {
+                    Poll::Ready(item) => Poll::Ready(Some(item)),
+                    Poll::Pending => {
+                        if self.mode == PollerMode::Caller {
+                            self.progress();
+                            cx.waker().wake_by_ref();
+                        }
+                        Poll::Pending
+                    }
+                }
+            })
+            .await;
+            match next {
+                None => return,
+                Some(None) => break,
+                Some(Some(item)) => {
+                    if self.send_item(idx, generation, &item).await.is_err() {
+                        return;
+                    }
+                }
             }
         }
         self.send_end(idx, generation);
@@ -946,6 +973,8 @@ impl<P: Provider> InboxHost for CallHost<P> {
             }
             crate::buf::CancelOutcome::Caller => core.release_cell(self.idx),
         }
+        // A bidi call's pump waiting for the request stream learns the call is over.
+        cell.send_waker.wake();
     }
 }
 
