@@ -69,6 +69,10 @@ pub(crate) trait InboxHost: Send + Sync + 'static {
     /// The consumer went away (before or after the end): give the call up if it still runs,
     /// and let go of what it holds.
     fn abandon(&self);
+    /// The consumer found nothing and is about to wait. A host that nobody drives but its
+    /// callers (the client's `PollerMode::Caller`) makes progress here and has the consumer
+    /// polled again; others do nothing.
+    fn waiting(&self, _cx: &mut Context<'_>) {}
 }
 
 /// The receiving side of one call's message stream.
@@ -152,6 +156,9 @@ impl Inbox {
             if attempt == 0 {
                 self.waker.register(cx.waker());
             }
+        }
+        if let Some(h) = self.host.get() {
+            h.waiting(cx);
         }
         Poll::Pending
     }

@@ -976,6 +976,14 @@ impl<P: Provider> InboxHost for CallHost<P> {
         // A bidi call's pump waiting for the request stream learns the call is over.
         cell.send_waker.wake();
     }
+
+    fn waiting(&self, cx: &mut std::task::Context<'_>) {
+        if self.core.mode == PollerMode::Caller {
+            // No poller thread: the consumer drives the connection while it waits.
+            self.core.progress();
+            cx.waker().wake_by_ref();
+        }
+    }
 }
 
 /// Returns the cell when the call ends early, or cancels it when the caller's future is dropped
