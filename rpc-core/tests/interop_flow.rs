@@ -926,3 +926,80 @@ async fn streams_with_the_caller_poller() {
     drop(client);
     env.finish().await;
 }
+
+/// Many stalled streams at once, each direction, on one connection: their unread messages must
+/// not take every receive slot of the connection (each stream may hold a window, and ten
+/// windows are more than a ring), so unary calls and other streams still go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_stalled_streams_do_not_starve_the_connection() {
+    const STREAMS: u64 = 10;
+    let env = Env::start().await;
+    // Server -> client: ten server streams nobody reads.
+    let mut stalled = Vec::new();
+    for _ in 0..STREAMS {
+        let s = within(
+            "produce",
+            env.client.produce(Produce {
+                count: 100,
+                sizes: vec![200],
+                fail_after: None,
+            }),
+        )
+        .await
+        .expect("produce")
+        .into_inner();
+        stalled.push(s);
+    }
+    env.counters
+        .until("every producer filled its window", |c| {
+            c.produced() >= STREAMS * WINDOW
+        })
+        .await;
+    // Client -> server: ten client streams the server does not read.
+    let mut held = Vec::new();
+    let mut held_counters = Vec::new();
+    for _ in 0..STREAMS {
+        let c = Arc::new(Counters::default());
+        let req = with_md(counted_items(&c, 100, &[200]), &[("hold", "1")]);
+        let client = env.client.clone();
+        held.push(tokio::spawn(async move { client.consume(req).await }));
+        held_counters.push(c);
+    }
+    for c in &held_counters {
+        c.until("the client stream stalls", |c| c.produced() > WINDOW)
+            .await;
+    }
+    // The connection still serves other calls.
+    for i in 0..50u64 {
+        let r = within("ping", env.client.ping(item(i, 100)))
+            .await
+            .expect("unary call beside stalled streams");
+        assert_eq!(r.into_inner().seq, i);
+    }
+    let mut s = within(
+        "another produce",
+        env.client.produce(Produce {
+            count: 200,
+            sizes: vec![300],
+            fail_after: None,
+        }),
+    )
+    .await
+    .expect("produce")
+    .into_inner();
+    assert_eq!(drain(&mut s, async |_| {}).await.expect("OK"), 200);
+    // Release everything: all of it completes, in order.
+    for mut s in stalled {
+        assert_eq!(drain(&mut s, async |_| {}).await.expect("OK"), 100);
+    }
+    env.gate.add_permits(STREAMS as usize);
+    for h in held {
+        let sum = within("held consume", h)
+            .await
+            .expect("task")
+            .expect("consume")
+            .into_inner();
+        assert_eq!(sum.count, 100);
+    }
+    env.finish().await;
+}
