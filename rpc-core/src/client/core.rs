@@ -33,7 +33,7 @@ use crate::link::{
 };
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
-use crate::streaming::{Inbox, InboxHost, Item, Streaming};
+use crate::streaming::{Inbox, InboxHost, Item, SlotBudget, Streaming, stream_slot_budget};
 use crate::verbs::{CompChannel, Cq, Provider, Wc, WcStatus};
 use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_HEADER_LEN};
 use crate::{Metadata, Request, Response, Status};
@@ -164,6 +164,8 @@ pub(crate) struct Driver<P: Provider> {
     out_calls: Vec<usize>,
     /// Window grants that found no credit yet.
     grant_retry: VecDeque<(CallId, u32)>,
+    /// Receive slots unread server-stream messages may keep.
+    budget: Arc<SlotBudget>,
     cq: P::Cq,
     channel: P::CompChannel,
     wcs: [Wc; POLL_BATCH],
@@ -247,6 +249,7 @@ impl<P: Provider> ClientCore<P> {
             stream_pending: VecDeque::new(),
             out_calls: Vec::with_capacity(n),
             grant_retry: VecDeque::new(),
+            budget: SlotBudget::new(stream_slot_budget(parts.link.arena.geometry().recv_slots)),
             link: parts.link,
             cq: parts.cq,
             channel: parts.channel,
@@ -1716,11 +1719,9 @@ impl<P: Provider> Driver<P> {
                 }
                 let held = match (bulk, slot) {
                     (Some(d), _) => Held::Bulk(d),
-                    (None, Some(slot)) => Held::Item(Item::Slot {
-                        start: payload.start,
-                        end: payload.end,
-                        slot,
-                    }),
+                    (None, Some(slot)) => {
+                        Held::Item(self.budget.item(slot, payload.start, payload.end))
+                    }
                     (None, None) => return Ok(()),
                 };
                 self.stream_in(s, held)?;

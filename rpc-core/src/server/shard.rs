@@ -26,7 +26,7 @@ use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
 use crate::server::peer::{BulkMem, BulkOp, OpKind, Peer, PeerApi, ShardInbox};
 use crate::server::router::Router;
 use crate::server::{PollMode, ServerConfig};
-use crate::streaming::{Inbox, Item};
+use crate::streaming::{Inbox, Item, SlotBudget, stream_slot_budget};
 use crate::verbs::{
     Access, CompChannel, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Wc, WcStatus,
 };
@@ -165,6 +165,8 @@ pub(crate) struct ServerConn<P: Provider> {
     blocked: Vec<CallId>,
     /// Window grants that found no credit yet.
     grants: VecDeque<(CallId, u32)>,
+    /// Receive slots unread client-stream messages may keep.
+    budget: Arc<SlotBudget>,
     /// GoAway was sent (the server is draining).
     goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
@@ -879,6 +881,7 @@ impl<P: Provider> Shard<P> {
         self.conns[idx] = Some(ServerConn {
             blocked: Vec::with_capacity(hello.max_calls as usize),
             grants: VecDeque::new(),
+            budget: SlotBudget::new(stream_slot_budget(cfg.geometry.recv_slots)),
             link,
             goaway_sent: false,
             calls,
@@ -1160,11 +1163,11 @@ impl<P: Provider> Shard<P> {
                         drop(inbound);
                         Held::Bulk(desc)
                     }
-                    None => Held::Item(Item::Slot {
-                        start: inbound.payload.start,
-                        end: inbound.payload.end,
-                        slot: inbound.slot,
-                    }),
+                    None => Held::Item(conn.budget.item(
+                        inbound.slot,
+                        inbound.payload.start,
+                        inbound.payload.end,
+                    )),
                 };
                 conn.stream_in(call, held)?;
             }
