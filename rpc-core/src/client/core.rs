@@ -87,9 +87,11 @@ pub(crate) enum Outcome<P: Provider> {
 struct Cell<P: Provider> {
     mb: Mailbox<Submission<P>, Outcome<P>>,
     generation: AtomicU32,
-    /// Client stream messages handed to the driver and not yet sent (flow control).
-    queued: AtomicU32,
-    /// Woken when a queued stream message is sent.
+    /// The client stream's window as the caller sees it: messages it may still stage. Taken
+    /// before a message is staged (so a message only holds a send slot while it can go out at
+    /// once: a stalled stream holds none), given back by the server's WindowUpdates.
+    window: AtomicU32,
+    /// Woken when the window grows or the call ends.
     send_waker: atomic_waker::AtomicWaker,
 }
 
@@ -267,7 +269,7 @@ impl<P: Provider> ClientCore<P> {
                 .map(|_| Cell {
                     mb: Mailbox::default(),
                     generation: AtomicU32::new(0),
-                    queued: AtomicU32::new(0),
+                    window: AtomicU32::new(0),
                     send_waker: atomic_waker::AtomicWaker::new(),
                 })
                 .collect(),
@@ -362,7 +364,7 @@ impl<P: Provider> ClientCore<P> {
         let cell = &self.cells[idx as usize];
         let ok = cell.mb.claim();
         debug_assert!(ok, "a free cell must be claimable");
-        cell.queued.store(0, Ordering::Release);
+        cell.window.store(self.stream_window, Ordering::Release);
         cell.generation
             .fetch_add(1, Ordering::AcqRel)
             .wrapping_add(1)
@@ -636,6 +638,9 @@ impl<P: Provider> ClientCore<P> {
     }
 
     /// Queues one client stream message, waiting while the stream window is used up.
+    ///
+    /// The caller-side window mirrors the wire's: a message is staged into a send slot only
+    /// when the window has room, so the driver can post it at once (credit permitting).
     async fn send_item(
         &self,
         idx: u32,
@@ -647,11 +652,11 @@ impl<P: Provider> ClientCore<P> {
             if !self.call_live(idx, generation) {
                 return Poll::Ready(());
             }
-            if cell.queued.load(Ordering::Acquire) < self.stream_window {
+            if cell.window.load(Ordering::Acquire) > 0 {
                 return Poll::Ready(());
             }
             cell.send_waker.register(cx.waker());
-            if cell.queued.load(Ordering::Acquire) < self.stream_window {
+            if cell.window.load(Ordering::Acquire) > 0 {
                 return Poll::Ready(());
             }
             if self.mode == PollerMode::Caller {
@@ -684,7 +689,10 @@ impl<P: Provider> ClientCore<P> {
             }
             (self.stage(&md, &NoMsg)?, Some(buf))
         };
-        cell.queued.fetch_add(1, Ordering::AcqRel);
+        // Only this call's pump takes window (one message at a time); the driver only gives.
+        let _ = cell
+            .window
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| w.checked_sub(1));
         self.stream_sends.push(StreamSend {
             idx,
             generation,
@@ -1142,7 +1150,7 @@ impl<P: Provider> Driver<P> {
             work += self.start_pending(core)?;
             if !self.out_calls.is_empty() {
                 for slot in std::mem::take(&mut self.out_calls) {
-                    self.flush_out(core, slot)?;
+                    self.flush_out(slot)?;
                 }
             }
         }
@@ -1322,7 +1330,7 @@ impl<P: Provider> Driver<P> {
             Some(slot) => {
                 let slot = slot as usize;
                 self.calls[slot].out.push_back(ss);
-                self.flush_out(core, slot)
+                self.flush_out(slot)
             }
             None => {
                 // No wire slot yet: the request is still queued (in `pending`, or submitted and
@@ -1339,7 +1347,7 @@ impl<P: Provider> Driver<P> {
     }
 
     /// Sends the call's queued stream messages while window and credit last.
-    fn flush_out(&mut self, core: &ClientCore<P>, slot: usize) -> Result<(), LinkError> {
+    fn flush_out(&mut self, slot: usize) -> Result<(), LinkError> {
         let call = self.calls[slot].id;
         while let Some(ss) = self.calls[slot].out.pop_front() {
             let (idx, generation) = (ss.idx, ss.generation);
@@ -1381,17 +1389,7 @@ impl<P: Provider> Driver<P> {
                 }
             };
             match r {
-                Ok(()) => {
-                    let cell = &core.cells[idx as usize];
-                    if cell.generation.load(Ordering::Acquire) == generation {
-                        let _ =
-                            cell.queued
-                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
-                                    q.checked_sub(1)
-                                });
-                        cell.send_waker.wake();
-                    }
-                }
+                Ok(()) => {}
                 Err(None) => {
                     // No credit or slot for the EndOfStream: try again later.
                     self.calls[slot].out.push_front(StreamSend {
@@ -1726,10 +1724,17 @@ impl<P: Provider> Driver<P> {
                 };
                 self.stream_in(s, held)?;
             }
-            Event::WindowUpdate { call, .. } => {
+            Event::WindowUpdate { call, grant } => {
                 let s = call.slot() as usize;
                 if self.calls[s].id == call {
-                    self.flush_out(core, s)?;
+                    if let Some((idx, generation)) = self.calls[s].cell {
+                        let cell = &core.cells[idx as usize];
+                        if cell.generation.load(Ordering::Acquire) == generation {
+                            cell.window.fetch_add(grant, Ordering::AcqRel);
+                            cell.send_waker.wake();
+                        }
+                    }
+                    self.flush_out(s)?;
                 }
             }
             Event::BulkRelease { call } => {
