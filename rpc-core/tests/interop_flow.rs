@@ -1003,3 +1003,73 @@ async fn many_stalled_streams_do_not_starve_the_connection() {
     }
     env.finish().await;
 }
+
+/// Streams of large messages (each moved by an RDMA READ, later ones held behind it) cancelled
+/// or failed while READs are in flight: the connection survives and every call slot and lent
+/// buffer comes back (64 wire call slots: a leak per call would hang the later rounds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_and_failed_streams_of_large_messages_leave_the_connection_clean() {
+    static BIG: [usize; 2] = [256 << 10, 9000];
+    let env = Env::start().await;
+    for round in 0..80u64 {
+        match round % 4 {
+            // Server stream dropped after the first message.
+            0 => {
+                let mut s = within(
+                    "produce",
+                    env.client.produce(Produce {
+                        count: 40,
+                        sizes: vec![256 << 10, 9000],
+                        fail_after: None,
+                    }),
+                )
+                .await
+                .expect("produce")
+                .into_inner();
+                within("first", s.message())
+                    .await
+                    .expect("OK")
+                    .expect("an item");
+            }
+            // Server stream failing after a few large messages.
+            1 => {
+                let mut s = within(
+                    "produce",
+                    env.client.produce(Produce {
+                        count: 40,
+                        sizes: vec![256 << 10],
+                        fail_after: Some(3),
+                    }),
+                )
+                .await
+                .expect("produce")
+                .into_inner();
+                let e = drain(&mut s, async |_| {}).await.expect_err("ABORTED");
+                assert_eq!(e.code(), Code::Aborted, "{e}");
+            }
+            // Client stream the server fails after 2 messages.
+            2 => {
+                let c = Arc::new(Counters::default());
+                let req = with_md(counted_items(&c, 40, &BIG), &[("fail-after", "2")]);
+                let e = within("consume", env.client.consume(req))
+                    .await
+                    .expect_err("ABORTED");
+                assert_eq!(e.code(), Code::Aborted, "{e}");
+            }
+            // Client stream cancelled (its future dropped) while it is being sent.
+            _ => {
+                let c = Arc::new(Counters::default());
+                let call = env.client.consume(counted_items(&c, 40, &BIG));
+                let r = tokio::time::timeout(Duration::from_millis(3), call).await;
+                assert!(r.is_err() || r.is_ok_and(|r| r.is_ok()));
+            }
+        }
+        assert!(env.channel.is_connected(), "round {round}: connection lost");
+    }
+    let r = within("ping", env.client.ping(item(7, 100)))
+        .await
+        .expect("the connection still serves calls");
+    assert_eq!(r.into_inner().seq, 7);
+    assert!(env.channel.is_connected());
+    env.finish().await;
+}
