@@ -1450,9 +1450,14 @@ impl<P: Provider> Driver<P> {
 
     fn deliver_held(&mut self, s: usize, held: Held) -> Result<(), LinkError> {
         let Some(inbox) = self.calls[s].inbox.clone() else {
-            return Err(LinkError::Protocol(
-                "stream frame for a call without a server stream".into(),
-            ));
+            // The wire checked the call has a server stream: no inbox means the call was given
+            // up here (cancelled, expired) while frames were held behind a READ. Drop them; a
+            // large message's buffer goes back to the server unread.
+            if let Held::Bulk(_) = held {
+                let call = self.calls[s].id;
+                self.release_peer(call)?;
+            }
+            return Ok(());
         };
         match held {
             Held::Item(item) => {

@@ -549,9 +549,15 @@ impl<P: Provider> ServerConn<P> {
             return Ok(());
         };
         let Some(inbox) = c.inbox.clone() else {
-            return Err(LinkError::Protocol(
-                "stream frame for a call without a client stream".into(),
-            ));
+            // The wire checked the call has a client stream: no inbox means the call was given
+            // up here (cancelled, expired) while frames were held behind a READ. Drop them; a
+            // large message's buffer goes back to the client unread.
+            if let Held::Bulk(_) = held {
+                let _ = self
+                    .link
+                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+            }
+            return Ok(());
         };
         match held {
             Held::Item(item) => {
