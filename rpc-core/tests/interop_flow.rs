@@ -1073,3 +1073,46 @@ async fn cancelled_and_failed_streams_of_large_messages_leave_the_connection_cle
     assert!(env.channel.is_connected());
     env.finish().await;
 }
+
+/// Streams outlive the channel they were started on: dropping every handle of the channel
+/// does not strand a stream in flight (as a tonic client's streams keep their connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_outlive_their_channel() {
+    let env = Env::start().await;
+    let ch = within(
+        "connect",
+        Channel::connect(env.server.local_addr().to_string()),
+    )
+    .await
+    .expect("connect");
+    let client = flow_client::FlowClient::new(ch);
+    let mut s = within(
+        "produce",
+        client.produce(Produce {
+            count: 100,
+            sizes: vec![100, 20_000],
+            fail_after: None,
+        }),
+    )
+    .await
+    .expect("produce")
+    .into_inner();
+    let (tx, items) = channel_stream::<Item>(4);
+    let mut echo = within("echo", client.echo(items))
+        .await
+        .expect("echo")
+        .into_inner();
+    drop(client); // the last handle of that channel
+    assert_eq!(drain(&mut s, async |_| {}).await.expect("OK"), 100);
+    for i in 0..3 {
+        tx.send(item(i, 100)).await.expect("send");
+        let m = within("echo", echo.message())
+            .await
+            .expect("OK")
+            .expect("the echo");
+        assert_eq!(m.seq, i);
+    }
+    drop(tx);
+    assert!(within("end", echo.message()).await.expect("OK").is_none());
+    env.finish().await;
+}
