@@ -261,9 +261,12 @@ enum Source<T> {
 
 /// Messages of type `T` arriving on a streaming call, ending with the call's status.
 ///
-/// Dropping it before the end cancels the call (the peer is told).
+/// Dropping it before the end cancels the call (the peer is told). On the client it keeps its
+/// connection open while it lives, even when every `Channel` handle is gone.
 pub struct Streaming<T> {
     source: Source<T>,
+    /// What must live as long as the stream (the client connection it arrives on).
+    keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
     _marker: PhantomData<fn() -> T>,
 }
 
@@ -282,8 +285,16 @@ impl<T> Streaming<T> {
     pub(crate) fn from_inbox(inbox: Arc<Inbox>) -> Streaming<T> {
         Streaming {
             source: Source::Inbox(inbox),
+            keep: None,
             _marker: PhantomData,
         }
+    }
+
+    /// Keeps `owner` alive as long as the stream: a client stream holds its connection, as
+    /// an unary call does while it runs, so dropping every `Channel` handle strands no stream.
+    pub(crate) fn keep_alive(mut self, owner: Arc<dyn std::any::Any + Send + Sync>) -> Self {
+        self.keep = Some(owner);
+        self
     }
 
     /// A `Streaming` fed by any stream: for adapters (serving a handler through another
@@ -291,6 +302,7 @@ impl<T> Streaming<T> {
     pub fn from_stream(s: impl Stream<Item = Result<T, Status>> + Send + 'static) -> Streaming<T> {
         Streaming {
             source: Source::Local(Box::pin(s)),
+            keep: None,
             _marker: PhantomData,
         }
     }
