@@ -736,7 +736,10 @@ impl<P: Provider> Shard<P> {
         loop {
             let mut work = self.poll_cq();
             work += self.run_ready();
-            if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) {
+            // Stopping: check every pass, or a sleeping shard notices only every
+            // MAINTAIN_EVERY sleeps (up to 64 x MAX_SLEEP) that its last call is gone.
+            if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) || self.stop.load(Ordering::Relaxed)
+            {
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
                 work += self.maintain();
