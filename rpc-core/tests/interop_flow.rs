@@ -1117,3 +1117,38 @@ async fn streams_outlive_their_channel() {
     assert!(within("end", echo.message()).await.expect("OK").is_none());
     env.finish().await;
 }
+
+/// A stream whose call fails before its request leaves (here: a deadline already passed) ends
+/// with that status instead of waiting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_failing_before_its_request_is_sent_ends() {
+    let env = Env::start().await;
+    let mut req = Request::new(Produce {
+        count: 10,
+        sizes: vec![10],
+        fail_after: None,
+    });
+    req.set_timeout(Duration::ZERO);
+    match within("produce", env.client.produce(req)).await {
+        Err(e) => assert_eq!(e.code(), Code::DeadlineExceeded, "{e}"),
+        Ok(r) => {
+            let mut s = r.into_inner();
+            let e = within("the status", s.message())
+                .await
+                .expect_err("DEADLINE_EXCEEDED");
+            assert_eq!(e.code(), Code::DeadlineExceeded, "{e}");
+        }
+    }
+    let (_tx, items) = channel_stream::<Item>(1);
+    let mut req = Request::new(items);
+    req.set_timeout(Duration::ZERO);
+    let mut s = within("echo", env.client.echo(req))
+        .await
+        .expect("the request is queued")
+        .into_inner();
+    let e = within("the status", s.message())
+        .await
+        .expect_err("DEADLINE_EXCEEDED");
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e}");
+    env.finish().await;
+}
