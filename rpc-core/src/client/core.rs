@@ -1186,7 +1186,7 @@ impl<P: Provider> Driver<P> {
                     }
                     e => Status::internal(format!("cannot start call: {e}")),
                 };
-                self.deliver_cell(core, idx, generation, Outcome::Failed(status));
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
                 return Ok(());
             }
         };
@@ -1233,7 +1233,7 @@ impl<P: Provider> Driver<P> {
                     }
                     e => Status::internal(format!("request refused: {e}")),
                 };
-                self.deliver_cell(core, idx, generation, Outcome::Failed(status));
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
                 Ok(())
             }
             Err(CommitError::Link(e)) => Err(e),
@@ -1287,6 +1287,22 @@ impl<P: Provider> Driver<P> {
             drop(o);
             core.release_cell(idx);
         }
+    }
+
+    /// Fails a call whose request never left; its stream, if it has one, ends with `status`
+    /// (the caller of a streaming call waits on the stream, not on the cell).
+    fn fail_unsent(
+        &mut self,
+        core: &ClientCore<P>,
+        idx: u32,
+        generation: u32,
+        inbox: Option<Arc<Inbox>>,
+        status: Status,
+    ) {
+        if let Some(inbox) = inbox {
+            inbox.finish(Some(status.clone()));
+        }
+        self.deliver_cell(core, idx, generation, Outcome::Failed(status));
     }
 
     /// Delivers the outcome of the call in wire slot `slot` (if its caller still waits).
@@ -1576,7 +1592,7 @@ impl<P: Provider> Driver<P> {
                 core.arena.release_send(sub.staged.slot);
                 self.link.wire.finish(call);
                 let status = Status::deadline_exceeded("deadline exceeded waiting for credit");
-                self.deliver_cell(core, idx, generation, Outcome::Failed(status));
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
             }
         }
     }
@@ -1894,7 +1910,7 @@ impl<P: Provider> Driver<P> {
         }
         while let Some((idx, generation, _call, sub)) = self.pending.pop_front() {
             core.arena.release_send(sub.staged.slot);
-            self.deliver_cell(core, idx, generation, Outcome::Failed(status.clone()));
+            self.fail_unsent(core, idx, generation, sub.inbox, status.clone());
             n += 1;
         }
         while let Some((idx, generation)) = core.submitted.pop() {
@@ -1902,7 +1918,7 @@ impl<P: Provider> Driver<P> {
             match core.cells[idx as usize].mb.take() {
                 Taken::Run(sub) => {
                     core.arena.release_send(sub.staged.slot);
-                    self.deliver_cell(core, idx, generation, Outcome::Failed(status.clone()));
+                    self.fail_unsent(core, idx, generation, sub.inbox, status.clone());
                 }
                 Taken::Cancelled(sub) => {
                     core.arena.release_send(sub.staged.slot);
