@@ -404,6 +404,11 @@ async fn slow_consumer_slows_the_producer() {
         .await
         .expect("produce")
         .into_inner();
+        // Before anything is consumed the producer runs a whole window ahead (pipelining)...
+        env.counters
+            .until("the producer filled the window", |c| c.produced() >= WINDOW)
+            .await;
+        // ...and no further while the consumer takes one message every 2 ms.
         let n = drain(&mut s, async |_| {
             svc_counters.consumed_one();
             tokio::time::sleep(Duration::from_millis(2)).await;
@@ -415,10 +420,6 @@ async fn slow_consumer_slows_the_producer() {
         assert!(
             ahead <= WINDOW,
             "the producer got {ahead} messages ahead of the consumer (window {WINDOW})"
-        );
-        assert!(
-            ahead >= WINDOW / 2,
-            "the producer never got ahead ({ahead}): no pipelining"
         );
         // Reset for the next size.
         env.counters.produced.store(0, Ordering::SeqCst);
