@@ -76,25 +76,30 @@ async fn client_streaming() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_streaming() {
     let env = Env::start().await;
-    let req = StreamingOutputCallRequest {
-        response_parameters: sizes(&RESPONSE_SIZES),
-        ..Default::default()
-    };
-    let mut s = within(
-        "streaming_output_call",
-        env.client.streaming_output_call(req),
-    )
-    .await
-    .expect("streaming_output_call")
-    .into_inner();
-    for want in RESPONSE_SIZES {
-        let m = within("response", s.message())
-            .await
-            .expect("response")
-            .expect("a response, not the end");
-        assert_eq!(body_len(&m.payload), want);
+    // gRPC's case (an empty request), then with a request large enough for the rendezvous path
+    // (the server READs it before its handler starts streaming).
+    for request_size in [0usize, 271_828] {
+        let req = StreamingOutputCallRequest {
+            response_parameters: sizes(&RESPONSE_SIZES),
+            payload: Some(payload(request_size)),
+            response_status: None,
+        };
+        let mut s = within(
+            "streaming_output_call",
+            env.client.streaming_output_call(req),
+        )
+        .await
+        .expect("streaming_output_call")
+        .into_inner();
+        for want in RESPONSE_SIZES {
+            let m = within("response", s.message())
+                .await
+                .expect("response")
+                .expect("a response, not the end");
+            assert_eq!(body_len(&m.payload), want);
+        }
+        assert!(within("end", s.message()).await.expect("OK").is_none());
     }
-    assert!(within("end", s.message()).await.expect("OK").is_none());
     env.finish().await;
 }
 
