@@ -1153,3 +1153,43 @@ async fn a_stream_failing_before_its_request_is_sent_ends() {
     assert_eq!(e.code(), Code::DeadlineExceeded, "{e}");
     env.finish().await;
 }
+
+/// A deadline over a server stream read slowly: the messages received before it arrive, then
+/// DEADLINE_EXCEEDED, then the end; the server stops producing and frees the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_a_slow_server_stream() {
+    let env = Env::start().await;
+    let mut req = Request::new(Produce {
+        count: 100_000,
+        sizes: vec![100],
+        fail_after: None,
+    });
+    req.set_timeout(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let mut s = within("produce", env.client.produce(req))
+        .await
+        .expect("produce")
+        .into_inner();
+    let c = Arc::clone(&env.counters);
+    let e = drain(&mut s, async |_| {
+        c.consumed_one();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    })
+    .await
+    .expect_err("DEADLINE_EXCEEDED");
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(within("after", s.message()).await.expect("ended").is_none());
+    assert!(
+        env.counters.consumed() > 0,
+        "some messages came before the deadline"
+    );
+    let produced = env.counters.produced();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        env.counters.produced(),
+        produced,
+        "the producer went on after the deadline"
+    );
+    env.finish().await;
+}
