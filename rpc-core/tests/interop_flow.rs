@@ -1184,6 +1184,13 @@ async fn a_deadline_ends_a_slow_server_stream() {
         env.counters.consumed() > 0,
         "some messages came before the deadline"
     );
+    // The server expires its copy of the deadline and drops the handler...
+    let t1 = Instant::now();
+    while env.server.live_calls() != 0 {
+        assert!(t1.elapsed() < HANG, "the server kept the expired call");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // ...whose stream is not polled again.
     let produced = env.counters.produced();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
