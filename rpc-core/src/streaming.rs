@@ -22,22 +22,85 @@ use crate::{Metadata, Status};
 
 /// A received stream message, still in registered memory.
 pub(crate) enum Item {
-    /// Bytes `start..end` of a receive slot.
+    /// Bytes `start..end` of a receive slot, counted against the connection's [`SlotBudget`].
     Slot {
         slot: RecvSlot,
         start: usize,
         end: usize,
+        _charge: SlotCharge,
     },
-    /// A whole buffer (a large message READ into a bulk buffer).
+    /// A whole buffer (a large message READ into a bulk buffer, or a small one copied out of
+    /// its slot).
     Owned(Box<dyn AsRef<[u8]> + Send>),
 }
 
 impl std::fmt::Debug for Item {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Item::Slot { slot, start, end } => write!(f, "Item::Slot({slot:?}, {start}..{end})"),
+            Item::Slot {
+                slot, start, end, ..
+            } => write!(f, "Item::Slot({slot:?}, {start}..{end})"),
             Item::Owned(b) => write!(f, "Item::Owned({} bytes)", b.as_ref().as_ref().len()),
         }
+    }
+}
+
+/// How many of a connection's receive slots unread stream messages may keep.
+///
+/// A message stays in the slot it arrived in (zero copy) until its consumer takes it, and each
+/// stream may have a window of messages unread: a few stalled streams would otherwise hold
+/// every receive slot, and with no slot to repost the connection has no credit left for any
+/// other call. Past the budget a message is copied out of its slot (one allocation, only while
+/// streams are stalled) and the slot goes back to the ring at once; what the copies take is
+/// still bounded by the stream windows.
+#[derive(Debug)]
+pub(crate) struct SlotBudget {
+    held: AtomicU32,
+    max: u32,
+}
+
+/// The slot budget of a connection whose receive ring has `recv_slots` slots: half of it, so
+/// the other half keeps serving every other call whatever the streams hold.
+pub(crate) fn stream_slot_budget(recv_slots: u32) -> u32 {
+    recv_slots / 2
+}
+
+/// One slot counted in a [`SlotBudget`]; uncounted when dropped.
+#[derive(Debug)]
+pub(crate) struct SlotCharge(Arc<SlotBudget>);
+
+impl Drop for SlotCharge {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl SlotBudget {
+    /// A budget of `max` slots.
+    pub(crate) fn new(max: u32) -> Arc<SlotBudget> {
+        Arc::new(SlotBudget {
+            held: AtomicU32::new(0),
+            max,
+        })
+    }
+
+    /// The stream message in bytes `start..end` of `slot`: kept in the slot within the budget,
+    /// copied out (and the slot released) past it.
+    pub(crate) fn item(self: &Arc<Self>, slot: RecvSlot, start: usize, end: usize) -> Item {
+        if self.held.fetch_add(1, Ordering::AcqRel) < self.max {
+            return Item::Slot {
+                slot,
+                start,
+                end,
+                _charge: SlotCharge(Arc::clone(self)),
+            };
+        }
+        self.held.fetch_sub(1, Ordering::AcqRel);
+        // Clamped as `SlotReader` clamps (the parser checked the range already).
+        let b = slot.bytes();
+        let end = end.min(b.len());
+        let copy = b.get(start.min(end)..end).unwrap_or_default().to_vec();
+        Item::Owned(Box::new(copy))
     }
 }
 
@@ -52,7 +115,9 @@ impl AsRef<[u8]> for OwnedItem {
 impl Item {
     fn decode<T: Message + Default>(self) -> Result<T, Status> {
         let r = match self {
-            Item::Slot { slot, start, end } => T::decode(SlotReader::new(slot, start, end)),
+            Item::Slot {
+                slot, start, end, ..
+            } => T::decode(SlotReader::new(slot, start, end)),
             Item::Owned(b) => {
                 let n = b.as_ref().as_ref().len();
                 T::decode(SlotReader::new(OwnedItem(b), 0, n))
@@ -69,6 +134,10 @@ pub(crate) trait InboxHost: Send + Sync + 'static {
     /// The consumer went away (before or after the end): give the call up if it still runs,
     /// and let go of what it holds.
     fn abandon(&self);
+    /// The consumer found nothing and is about to wait. A host that nobody drives but its
+    /// callers (the client's `PollerMode::Caller`) makes progress here and has the consumer
+    /// polled again; others do nothing.
+    fn waiting(&self, _cx: &mut Context<'_>) {}
 }
 
 /// The receiving side of one call's message stream.
@@ -153,6 +222,9 @@ impl Inbox {
                 self.waker.register(cx.waker());
             }
         }
+        if let Some(h) = self.host.get() {
+            h.waiting(cx);
+        }
         Poll::Pending
     }
 
@@ -189,9 +261,12 @@ enum Source<T> {
 
 /// Messages of type `T` arriving on a streaming call, ending with the call's status.
 ///
-/// Dropping it before the end cancels the call (the peer is told).
+/// Dropping it before the end cancels the call (the peer is told). On the client it keeps its
+/// connection open while it lives, even when every `Channel` handle is gone.
 pub struct Streaming<T> {
     source: Source<T>,
+    /// What must live as long as the stream (the client connection it arrives on).
+    keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
     _marker: PhantomData<fn() -> T>,
 }
 
@@ -210,8 +285,16 @@ impl<T> Streaming<T> {
     pub(crate) fn from_inbox(inbox: Arc<Inbox>) -> Streaming<T> {
         Streaming {
             source: Source::Inbox(inbox),
+            keep: None,
             _marker: PhantomData,
         }
+    }
+
+    /// Keeps `owner` alive as long as the stream: a client stream holds its connection, as
+    /// an unary call does while it runs, so dropping every `Channel` handle strands no stream.
+    pub(crate) fn keep_alive(mut self, owner: Arc<dyn std::any::Any + Send + Sync>) -> Self {
+        self.keep = Some(owner);
+        self
     }
 
     /// A `Streaming` fed by any stream: for adapters (serving a handler through another
@@ -219,6 +302,7 @@ impl<T> Streaming<T> {
     pub fn from_stream(s: impl Stream<Item = Result<T, Status>> + Send + 'static) -> Streaming<T> {
         Streaming {
             source: Source::Local(Box::pin(s)),
+            keep: None,
             _marker: PhantomData,
         }
     }

@@ -33,7 +33,7 @@ use crate::link::{
 };
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
-use crate::streaming::{Inbox, InboxHost, Item, Streaming};
+use crate::streaming::{Inbox, InboxHost, Item, SlotBudget, Streaming, stream_slot_budget};
 use crate::verbs::{CompChannel, Cq, Provider, Wc, WcStatus};
 use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_HEADER_LEN};
 use crate::{Metadata, Request, Response, Status};
@@ -87,9 +87,11 @@ pub(crate) enum Outcome<P: Provider> {
 struct Cell<P: Provider> {
     mb: Mailbox<Submission<P>, Outcome<P>>,
     generation: AtomicU32,
-    /// Client stream messages handed to the driver and not yet sent (flow control).
-    queued: AtomicU32,
-    /// Woken when a queued stream message is sent.
+    /// The client stream's window as the caller sees it: messages it may still stage. Taken
+    /// before a message is staged (so a message only holds a send slot while it can go out at
+    /// once: a stalled stream holds none), given back by the server's WindowUpdates.
+    window: AtomicU32,
+    /// Woken when the window grows or the call ends.
     send_waker: atomic_waker::AtomicWaker,
 }
 
@@ -161,7 +163,8 @@ pub(crate) struct Driver<P: Provider> {
     stream_pending: VecDeque<StreamSend<P>>,
     /// Call slots with stream messages waiting in `out`.
     out_calls: Vec<usize>,
-
+    /// Receive slots unread server-stream messages may keep.
+    budget: Arc<SlotBudget>,
     cq: P::Cq,
     channel: P::CompChannel,
     wcs: [Wc; POLL_BATCH],
@@ -244,7 +247,7 @@ impl<P: Provider> ClientCore<P> {
 
             stream_pending: VecDeque::new(),
             out_calls: Vec::with_capacity(n),
-
+            budget: SlotBudget::new(stream_slot_budget(parts.link.arena.geometry().recv_slots)),
             link: parts.link,
             cq: parts.cq,
             channel: parts.channel,
@@ -262,7 +265,7 @@ impl<P: Provider> ClientCore<P> {
                 .map(|_| Cell {
                     mb: Mailbox::default(),
                     generation: AtomicU32::new(0),
-                    queued: AtomicU32::new(0),
+                    window: AtomicU32::new(0),
                     send_waker: atomic_waker::AtomicWaker::new(),
                 })
                 .collect(),
@@ -357,7 +360,7 @@ impl<P: Provider> ClientCore<P> {
         let cell = &self.cells[idx as usize];
         let ok = cell.mb.claim();
         debug_assert!(ok, "a free cell must be claimable");
-        cell.queued.store(0, Ordering::Release);
+        cell.window.store(self.stream_window, Ordering::Release);
         cell.generation
             .fetch_add(1, Ordering::AcqRel)
             .wrapping_add(1)
@@ -648,6 +651,9 @@ impl<P: Provider> ClientCore<P> {
     }
 
     /// Queues one client stream message, waiting while the stream window is used up.
+    ///
+    /// The caller-side window mirrors the wire's: a message is staged into a send slot only
+    /// when the window has room, so the driver can post it at once (credit permitting).
     async fn send_item(
         &self,
         idx: u32,
@@ -659,11 +665,11 @@ impl<P: Provider> ClientCore<P> {
             if !self.call_live(idx, generation) {
                 return Poll::Ready(());
             }
-            if cell.queued.load(Ordering::Acquire) < self.stream_window {
+            if cell.window.load(Ordering::Acquire) > 0 {
                 return Poll::Ready(());
             }
             cell.send_waker.register(cx.waker());
-            if cell.queued.load(Ordering::Acquire) < self.stream_window {
+            if cell.window.load(Ordering::Acquire) > 0 {
                 return Poll::Ready(());
             }
             if self.mode == PollerMode::Caller {
@@ -696,7 +702,10 @@ impl<P: Provider> ClientCore<P> {
             }
             (self.stage(&md, &NoMsg)?, Some(buf))
         };
-        cell.queued.fetch_add(1, Ordering::AcqRel);
+        // Only this call's pump takes window (one message at a time); the driver only gives.
+        let _ = cell
+            .window
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| w.checked_sub(1));
         self.stream_sends.push(StreamSend {
             idx,
             generation,
@@ -728,19 +737,46 @@ impl<P: Provider> ClientCore<P> {
         }
     }
 
-    /// Sends every message of `stream`, then the end of the stream; stops early when the call
-    /// ended (the server answered already, or it was cancelled).
+    /// Sends every message of `stream`, then the end of the stream. Stops (and drops the
+    /// stream) as soon as the call is over: the server answered, the call was cancelled or
+    /// expired, or the connection died; also while the stream has nothing to give, since
+    /// the end of the call wakes the cell's `send_waker`.
     async fn pump<S>(&self, idx: u32, generation: u32, stream: S)
     where
         S: futures_core::Stream + Send,
         S::Item: Message,
     {
+        let cell = &self.cells[idx as usize];
         let mut stream = std::pin::pin!(stream);
         loop {
-            let next = std::future::poll_fn(|cx| stream.as_mut().poll_next(cx)).await;
-            let Some(item) = next else { break };
-            if self.send_item(idx, generation, &item).await.is_err() {
-                return;
+            let next = std::future::poll_fn(|cx| {
+                if !self.call_live(idx, generation) {
+                    return Poll::Ready(None);
+                }
+                cell.send_waker.register(cx.waker());
+                if !self.call_live(idx, generation) {
+                    return Poll::Ready(None);
+                }
+                match stream.as_mut().poll_next(cx) {
+                    Poll::Ready(item) => Poll::Ready(Some(item)),
+                    Poll::Pending => {
+                        if self.mode == PollerMode::Caller {
+                            self.progress();
+                            cx.waker().wake_by_ref();
+                        }
+                        Poll::Pending
+                    }
+                }
+            })
+            .await;
+            match next {
+                None => return,
+                Some(None) => break,
+                Some(Some(item)) => {
+                    if self.send_item(idx, generation, &item).await.is_err() {
+                        return;
+                    }
+                }
             }
         }
         self.send_end(idx, generation);
@@ -969,6 +1005,16 @@ impl<P: Provider> InboxHost for CallHost<P> {
             }
             crate::buf::CancelOutcome::Caller => core.release_cell(self.idx),
         }
+        // A bidi call's pump waiting for the request stream learns the call is over.
+        cell.send_waker.wake();
+    }
+
+    fn waiting(&self, cx: &mut std::task::Context<'_>) {
+        if self.core.mode == PollerMode::Caller {
+            // No poller thread: the consumer drives the connection while it waits.
+            self.core.progress();
+            cx.waker().wake_by_ref();
+        }
     }
 }
 
@@ -1101,7 +1147,7 @@ impl<P: Provider> Driver<P> {
             work += self.start_pending(core)?;
             if !self.out_calls.is_empty() {
                 for slot in std::mem::take(&mut self.out_calls) {
-                    self.flush_out(core, slot)?;
+                    self.flush_out(slot)?;
                 }
             }
         }
@@ -1137,7 +1183,7 @@ impl<P: Provider> Driver<P> {
                     }
                     e => Status::internal(format!("cannot start call: {e}")),
                 };
-                self.deliver_cell(core, idx, generation, Outcome::Failed(status));
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
                 return Ok(());
             }
         };
@@ -1184,7 +1230,7 @@ impl<P: Provider> Driver<P> {
                     }
                     e => Status::internal(format!("request refused: {e}")),
                 };
-                self.deliver_cell(core, idx, generation, Outcome::Failed(status));
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
                 Ok(())
             }
             Err(CommitError::Link(e)) => Err(e),
@@ -1240,6 +1286,22 @@ impl<P: Provider> Driver<P> {
         }
     }
 
+    /// Fails a call whose request never left; its stream, if it has one, ends with `status`
+    /// (the caller of a streaming call waits on the stream, not on the cell).
+    fn fail_unsent(
+        &mut self,
+        core: &ClientCore<P>,
+        idx: u32,
+        generation: u32,
+        inbox: Option<Arc<Inbox>>,
+        status: Status,
+    ) {
+        if let Some(inbox) = inbox {
+            inbox.finish(Some(status.clone()));
+        }
+        self.deliver_cell(core, idx, generation, Outcome::Failed(status));
+    }
+
     /// Delivers the outcome of the call in wire slot `slot` (if its caller still waits).
     fn deliver(&mut self, core: &ClientCore<P>, slot: usize, o: Outcome<P>) {
         if let Some((idx, generation)) = self.calls[slot].cell.take() {
@@ -1281,14 +1343,13 @@ impl<P: Provider> Driver<P> {
             Some(slot) => {
                 let slot = slot as usize;
                 self.calls[slot].out.push_back(ss);
-                self.flush_out(core, slot)
+                self.flush_out(slot)
             }
             None => {
-                if self
-                    .pending
-                    .iter()
-                    .any(|p| p.0 == ss.idx && p.1 == ss.generation)
-                {
+                // No wire slot yet: the request is still queued (in `pending`, or submitted and
+                // not taken yet: the caller's submission and this message can race past one
+                // `step`), or the call is over. A running mailbox means not started.
+                if cell.mb.is_running() {
                     self.stream_pending.push_back(ss);
                 } else {
                     self.discard(ss);
@@ -1299,7 +1360,7 @@ impl<P: Provider> Driver<P> {
     }
 
     /// Sends the call's queued stream messages while window and credit last.
-    fn flush_out(&mut self, core: &ClientCore<P>, slot: usize) -> Result<(), LinkError> {
+    fn flush_out(&mut self, slot: usize) -> Result<(), LinkError> {
         let call = self.calls[slot].id;
         while let Some(ss) = self.calls[slot].out.pop_front() {
             let (idx, generation) = (ss.idx, ss.generation);
@@ -1341,17 +1402,7 @@ impl<P: Provider> Driver<P> {
                 }
             };
             match r {
-                Ok(()) => {
-                    let cell = &core.cells[idx as usize];
-                    if cell.generation.load(Ordering::Acquire) == generation {
-                        let _ =
-                            cell.queued
-                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
-                                    q.checked_sub(1)
-                                });
-                        cell.send_waker.wake();
-                    }
-                }
+                Ok(()) => {}
                 Err(None) => {
                     // No credit or slot for the EndOfStream: try again later.
                     self.calls[slot].out.push_front(StreamSend {
@@ -1412,9 +1463,14 @@ impl<P: Provider> Driver<P> {
 
     fn deliver_held(&mut self, s: usize, held: Held) -> Result<(), LinkError> {
         let Some(inbox) = self.calls[s].inbox.clone() else {
-            return Err(LinkError::Protocol(
-                "stream frame for a call without a server stream".into(),
-            ));
+            // The wire checked the call has a server stream: no inbox means the call was given
+            // up here (cancelled, expired) while frames were held behind a READ. Drop them; a
+            // large message's buffer goes back to the server unread.
+            if let Held::Bulk(_) = held {
+                let call = self.calls[s].id;
+                self.release_peer(call)?;
+            }
+            return Ok(());
         };
         match held {
             Held::Item(item) => {
@@ -1527,7 +1583,7 @@ impl<P: Provider> Driver<P> {
                 core.arena.release_send(sub.staged.slot);
                 self.link.wire.finish(call);
                 let status = Status::deadline_exceeded("deadline exceeded waiting for credit");
-                self.deliver_cell(core, idx, generation, Outcome::Failed(status));
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
             }
         }
     }
@@ -1677,19 +1733,24 @@ impl<P: Provider> Driver<P> {
                 }
                 let held = match (bulk, slot) {
                     (Some(d), _) => Held::Bulk(d),
-                    (None, Some(slot)) => Held::Item(Item::Slot {
-                        start: payload.start,
-                        end: payload.end,
-                        slot,
-                    }),
+                    (None, Some(slot)) => {
+                        Held::Item(self.budget.item(slot, payload.start, payload.end))
+                    }
                     (None, None) => return Ok(()),
                 };
                 self.stream_in(s, held)?;
             }
-            Event::WindowUpdate { call, .. } => {
+            Event::WindowUpdate { call, grant } => {
                 let s = call.slot() as usize;
                 if self.calls[s].id == call {
-                    self.flush_out(core, s)?;
+                    if let Some((idx, generation)) = self.calls[s].cell {
+                        let cell = &core.cells[idx as usize];
+                        if cell.generation.load(Ordering::Acquire) == generation {
+                            cell.window.fetch_add(grant, Ordering::AcqRel);
+                            cell.send_waker.wake();
+                        }
+                    }
+                    self.flush_out(s)?;
                 }
             }
             Event::BulkRelease { call } => {
@@ -1843,7 +1904,7 @@ impl<P: Provider> Driver<P> {
         }
         while let Some((idx, generation, _call, sub)) = self.pending.pop_front() {
             core.arena.release_send(sub.staged.slot);
-            self.deliver_cell(core, idx, generation, Outcome::Failed(status.clone()));
+            self.fail_unsent(core, idx, generation, sub.inbox, status.clone());
             n += 1;
         }
         while let Some((idx, generation)) = core.submitted.pop() {
@@ -1851,7 +1912,7 @@ impl<P: Provider> Driver<P> {
             match core.cells[idx as usize].mb.take() {
                 Taken::Run(sub) => {
                     core.arena.release_send(sub.staged.slot);
-                    self.deliver_cell(core, idx, generation, Outcome::Failed(status.clone()));
+                    self.fail_unsent(core, idx, generation, sub.inbox, status.clone());
                 }
                 Taken::Cancelled(sub) => {
                     core.arena.release_send(sub.staged.slot);

@@ -330,7 +330,8 @@ impl Channel {
         Resp: Message + Default + 'static,
     {
         let conn = self.conn().await?;
-        with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)
+        let r = with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)?;
+        Ok(r.map(|s| s.keep_alive(conn)))
     }
 
     /// A client-streaming call: sends every message of the request stream (as the server's
@@ -376,7 +377,8 @@ impl Channel {
         Resp: Message + Default + 'static,
     {
         let conn = self.conn().await?;
-        with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
+        let r = with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)?;
+        Ok(r.map(|s| s.keep_alive(conn)))
     }
 }
 

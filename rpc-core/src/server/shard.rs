@@ -27,7 +27,7 @@ use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
 use crate::server::peer::{BulkMem, BulkOp, OpKind, Peer, PeerApi, ShardInbox};
 use crate::server::router::Router;
 use crate::server::{PollMode, ServerConfig};
-use crate::streaming::{Inbox, Item};
+use crate::streaming::{Inbox, Item, SlotBudget, stream_slot_budget};
 use crate::verbs::{
     Access, CompChannel, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Wc, WcStatus,
 };
@@ -167,7 +167,8 @@ pub(crate) struct ServerConn<P: Provider> {
     link: Link<P>,
     /// Calls whose handler stream waits for credit or a send slot.
     blocked: Vec<CallId>,
-
+    /// Receive slots unread client-stream messages may keep.
+    budget: Arc<SlotBudget>,
     /// GoAway was sent (the server is draining).
     goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
@@ -580,9 +581,15 @@ impl<P: Provider> ServerConn<P> {
             return Ok(());
         };
         let Some(inbox) = c.inbox.clone() else {
-            return Err(LinkError::Protocol(
-                "stream frame for a call without a client stream".into(),
-            ));
+            // The wire checked the call has a client stream: no inbox means the call was given
+            // up here (cancelled, expired) while frames were held behind a READ. Drop them; a
+            // large message's buffer goes back to the client unread.
+            if let Held::Bulk(_) = held {
+                let _ = self
+                    .link
+                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
+            }
+            return Ok(());
         };
         match held {
             Held::Item(item) => {
@@ -787,7 +794,10 @@ impl<P: Provider> Shard<P> {
         loop {
             let mut work = self.poll_cq();
             work += self.run_ready();
-            if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) {
+            // Stopping: check every pass, or a sleeping shard notices only every
+            // MAINTAIN_EVERY sleeps (up to 64 x MAX_SLEEP) that its last call is gone.
+            if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) || self.stop.load(Ordering::Relaxed)
+            {
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
                 work += self.maintain();
@@ -964,7 +974,7 @@ impl<P: Provider> Shard<P> {
         self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
             blocked: Vec::with_capacity(hello.max_calls as usize),
-
+            budget: SlotBudget::new(stream_slot_budget(cfg.geometry.recv_slots)),
             link,
             goaway_sent: false,
             calls,
@@ -1248,11 +1258,11 @@ impl<P: Provider> Shard<P> {
                         drop(inbound);
                         Held::Bulk(desc)
                     }
-                    None => Held::Item(Item::Slot {
-                        start: inbound.payload.start,
-                        end: inbound.payload.end,
-                        slot: inbound.slot,
-                    }),
+                    None => Held::Item(conn.budget.item(
+                        inbound.slot,
+                        inbound.payload.start,
+                        inbound.payload.end,
+                    )),
                 };
                 conn.stream_in(call, held)?;
             }
