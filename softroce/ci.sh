@@ -13,7 +13,7 @@
 # reason to skip); anything else is a failure.
 #
 # Environment: SOFTROCE_TESTS  regex of the rpc-core test targets run in the VM (default
-#              '^(ib_|conformance_ib|rpc_)': the ib tests, the conformance suite on ib, and the
+#              '^(ib_|conformance_ib|rpc_|interop)': the ib tests, the conformance suite on ib, and the
 #              RPC integration tests, which run on ib there because the VM step sets
 #              RPC_PROVIDER=ib; the library's unit tests stay on the host);
 #              every softroce/vm.sh variable (SOFTROCE_CACHE, ...).
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 HOST_PKGS=(qemu-system-x86 libibverbs-dev librdmacm-dev libclang1-14 libclang-common-14-dev pkg-config)
-TESTS=${SOFTROCE_TESTS:-'^(ib_|conformance_ib|rpc_)'}
+TESTS=${SOFTROCE_TESTS:-'^(ib_|conformance_ib|rpc_|interop)'}
 
 t_start=$SECONDS
 phase() { printf '\n--- softroce/ci: %s (t=%ss)\n' "$*" "$((SECONDS - t_start))"; }
