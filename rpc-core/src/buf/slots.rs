@@ -186,6 +186,11 @@ impl<P: Provider> SlotArena<P> {
         !self.repost.is_empty()
     }
 
+    /// How many receive slots wait to be posted again.
+    pub fn reposts_waiting(&self) -> usize {
+        self.repost.len()
+    }
+
     /// Pops a receive slot to post again; `None` when none is waiting.
     pub fn take_repost(&self) -> Option<u32> {
         self.repost.pop()

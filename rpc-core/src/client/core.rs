@@ -93,6 +93,8 @@ struct Cell<P: Provider> {
     window: AtomicU32,
     /// Woken when the window grows or the call ends.
     send_waker: atomic_waker::AtomicWaker,
+    /// Claimed by an async call (the driver task polls for those, not for blocking calls).
+    is_async: AtomicBool,
 }
 
 /// The driver's record of a call on the wire.
@@ -189,6 +191,10 @@ pub(crate) struct ClientCore<P: Provider> {
     /// Callers waiting for a free cell (slow path only).
     waiters: std::sync::atomic::AtomicUsize,
     cell_freed: tokio::sync::Notify,
+    /// Wakes the driver task (`PollerMode::Caller`) when work arrives.
+    drive: Arc<tokio::sync::Notify>,
+    /// Cells held by async calls.
+    async_calls: std::sync::atomic::AtomicUsize,
     submitted: ArrayQueue<(u32, u32)>,
     cancelled: ArrayQueue<(u32, u32)>,
     stream_sends: SegQueue<StreamSend<P>>,
@@ -267,11 +273,14 @@ impl<P: Provider> ClientCore<P> {
                     generation: AtomicU32::new(0),
                     window: AtomicU32::new(0),
                     send_waker: atomic_waker::AtomicWaker::new(),
+                    is_async: AtomicBool::new(false),
                 })
                 .collect(),
             free,
             waiters: std::sync::atomic::AtomicUsize::new(0),
             cell_freed: tokio::sync::Notify::new(),
+            drive: Arc::new(tokio::sync::Notify::new()),
+            async_calls: std::sync::atomic::AtomicUsize::new(0),
             submitted: ArrayQueue::new(n),
             cancelled: ArrayQueue::new(n),
             stream_sends: SegQueue::new(),
@@ -352,6 +361,7 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::Release);
         self.doorbell.ring_always();
+        self.drive.notify_one();
     }
 
     // ----- caller side ---------------------------------------------------------------------
@@ -373,7 +383,7 @@ impl<P: Provider> ClientCore<P> {
                 return Err(self.dead_status());
             }
             if let Some(idx) = self.free.pop() {
-                return Ok((idx, self.claim(idx)));
+                return Ok((idx, self.claim_async(idx)));
             }
             // Slow path: register as a waiter, then re-check before sleeping (a cell freed in
             // between is seen, or its release sees us and notifies).
@@ -383,20 +393,12 @@ impl<P: Provider> ClientCore<P> {
             notified.as_mut().enable();
             let again = self.free.pop();
             if again.is_none() && !self.is_dead() {
-                if self.mode == PollerMode::Caller {
-                    // Nobody else may be driving: make progress while waiting.
-                    self.progress();
-                    tokio::select! {
-                        _ = &mut notified => {}
-                        _ = tokio::task::yield_now() => {}
-                    }
-                } else {
-                    notified.await;
-                }
+                // The poller (thread or driver task) frees cells as calls complete.
+                notified.await;
             }
             self.waiters.fetch_sub(1, Ordering::SeqCst);
             if let Some(idx) = again {
-                return Ok((idx, self.claim(idx)));
+                return Ok((idx, self.claim_async(idx)));
             }
         }
     }
@@ -418,7 +420,22 @@ impl<P: Provider> ClientCore<P> {
         }
     }
 
+    /// Claims a cell for an async call.
+    fn claim_async(&self, idx: u32) -> u32 {
+        self.cells[idx as usize]
+            .is_async
+            .store(true, Ordering::Release);
+        self.async_calls.fetch_add(1, Ordering::AcqRel);
+        self.claim(idx)
+    }
+
     fn release_cell(&self, idx: u32) {
+        if self.cells[idx as usize]
+            .is_async
+            .swap(false, Ordering::AcqRel)
+        {
+            self.async_calls.fetch_sub(1, Ordering::AcqRel);
+        }
         self.cells[idx as usize].mb.release();
         let _ = self.free.push(idx);
         if self.waiters.load(Ordering::SeqCst) > 0 {
@@ -531,12 +548,7 @@ impl<P: Provider> ClientCore<P> {
         }
         let _ = self.submitted.push((idx, generation));
         self.counters.calls.fetch_add(1, Ordering::Relaxed);
-        match self.mode {
-            PollerMode::Thread => self.doorbell.ring(),
-            PollerMode::Caller => {
-                self.progress();
-            }
-        }
+        self.kick();
         Ok(())
     }
 
@@ -576,21 +588,7 @@ impl<P: Provider> ClientCore<P> {
         drop(msg);
         self.submit(idx, generation, sub)?;
         guard.submitted = true;
-        let outcome = std::future::poll_fn(|cx| {
-            if self.mode == PollerMode::Caller {
-                self.progress();
-            }
-            match self.cells[idx as usize].mb.poll_done(cx) {
-                Poll::Ready(o) => Poll::Ready(o),
-                Poll::Pending => {
-                    if self.mode == PollerMode::Caller {
-                        cx.waker().wake_by_ref();
-                    }
-                    Poll::Pending
-                }
-            }
-        })
-        .await;
+        let outcome = self.outcome(idx).await;
         guard.submitted = false;
         let r = decode_outcome::<P, Resp>(outcome);
         drop(guard);
@@ -604,7 +602,47 @@ impl<P: Provider> ClientCore<P> {
             PollerMode::Thread => self.doorbell.ring(),
             PollerMode::Caller => {
                 self.progress();
+                self.drive.notify_one();
             }
+        }
+    }
+
+    /// Whether async calls are in flight or work is queued (something for the driver task:
+    /// blocking calls drive themselves).
+    fn busy(&self) -> bool {
+        self.async_calls.load(Ordering::Acquire) > 0
+            || !self.stream_sends.is_empty()
+            || !self.cancelled.is_empty()
+    }
+
+    /// `PollerMode::Caller` from async code: a task on the caller's runtime that drives the
+    /// connection while calls are in flight, yielding to the runtime between turns, and sleeps
+    /// when none is. The futures themselves sleep on their wakers instead of spinning. It ends
+    /// when the connection is dropped or stopped.
+    pub(crate) async fn drive_task(weak: std::sync::Weak<Self>) {
+        let drive = match weak.upgrade() {
+            Some(core) => Arc::clone(&core.drive),
+            None => return,
+        };
+        loop {
+            let Some(core) = weak.upgrade() else { return };
+            if core.stop.load(Ordering::Acquire) {
+                return;
+            }
+            core.progress();
+            if core.busy() {
+                drop(core);
+                yield_once().await;
+                continue;
+            }
+            let notified = drive.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if core.busy() || core.stop.load(Ordering::Acquire) {
+                continue;
+            }
+            drop(core);
+            notified.await;
         }
     }
 
@@ -671,10 +709,6 @@ impl<P: Provider> ClientCore<P> {
             cell.send_waker.register(cx.waker());
             if cell.window.load(Ordering::Acquire) > 0 {
                 return Poll::Ready(());
-            }
-            if self.mode == PollerMode::Caller {
-                self.progress();
-                cx.waker().wake_by_ref();
             }
             Poll::Pending
         })
@@ -759,13 +793,7 @@ impl<P: Provider> ClientCore<P> {
                 }
                 match stream.as_mut().poll_next(cx) {
                     Poll::Ready(item) => Poll::Ready(Some(item)),
-                    Poll::Pending => {
-                        if self.mode == PollerMode::Caller {
-                            self.progress();
-                            cx.waker().wake_by_ref();
-                        }
-                        Poll::Pending
-                    }
+                    Poll::Pending => Poll::Pending,
                 }
             })
             .await;
@@ -784,21 +812,9 @@ impl<P: Provider> ClientCore<P> {
 
     /// Waits for the final outcome of the call in cell `idx` (which the caller owns).
     async fn outcome(&self, idx: u32) -> Outcome<P> {
-        std::future::poll_fn(|cx| {
-            if self.mode == PollerMode::Caller {
-                self.progress();
-            }
-            match self.cells[idx as usize].mb.poll_done(cx) {
-                Poll::Ready(o) => Poll::Ready(o),
-                Poll::Pending => {
-                    if self.mode == PollerMode::Caller {
-                        cx.waker().wake_by_ref();
-                    }
-                    Poll::Pending
-                }
-            }
-        })
-        .await
+        // The poller thread, or in `PollerMode::Caller` the driver task, completes the call and
+        // wakes us: polling here too only repeats the driver's work (measured: slower).
+        std::future::poll_fn(|cx| self.cells[idx as usize].mb.poll_done(cx)).await
     }
 
     /// A server-streaming call.
@@ -900,7 +916,7 @@ impl<P: Provider> ClientCore<P> {
                 break o;
             }
             if self.progress() == 0 {
-                spins = backoff(spins);
+                spins = spin_then_yield(spins);
             }
         };
         guard.submitted = false;
@@ -967,6 +983,34 @@ fn queued_too_long() -> Status {
     Status::deadline_exceeded("deadline exceeded while waiting for a free call slot")
 }
 
+/// Gives the runtime a turn: wakes itself and returns `Pending` once. (`tokio::task::yield_now`
+/// would do, but on the multi-thread scheduler it queues the waker in a list that may grow: an
+/// allocation on the per-call path.)
+async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await;
+}
+
+/// Spins, then yields (never sleeps): how a blocking call waits for its own response, so a
+/// long call does not lose its core to a sleep.
+fn spin_then_yield(spins: u32) -> u32 {
+    if spins < 2_000 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+    spins.saturating_add(1)
+}
+
 /// Spins, then yields, then sleeps a little: for waits that should be short.
 fn backoff(spins: u32) -> u32 {
     if spins < 2_000 {
@@ -1009,11 +1053,10 @@ impl<P: Provider> InboxHost for CallHost<P> {
         cell.send_waker.wake();
     }
 
-    fn waiting(&self, cx: &mut std::task::Context<'_>) {
+    fn waiting(&self, _cx: &mut std::task::Context<'_>) {
         if self.core.mode == PollerMode::Caller {
-            // No poller thread: the consumer drives the connection while it waits.
+            // A chance to see our messages at once; the driver task keeps polling meanwhile.
             self.core.progress();
-            cx.waker().wake_by_ref();
         }
     }
 }
@@ -1095,7 +1138,7 @@ impl<P: Provider> Driver<P> {
 
     fn step(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
         self.link.tick();
-        let mut work = self.link.post_recvs(true)? as usize;
+        let mut work = self.link.repost_batched(false)? as usize;
         while let Some((idx, generation)) = core.cancelled.pop() {
             work += 1;
             self.cancel_cell(core, idx, generation)?;
@@ -1152,6 +1195,10 @@ impl<P: Provider> Driver<P> {
             }
         }
         work += self.expire(core)?;
+        if work == 0 {
+            // Idle turn: repost whatever waits (a busy turn waits for a batch).
+            self.link.post_recvs(true)?;
+        }
         self.link.maybe_credit_update()?;
         Ok(work)
     }

@@ -31,8 +31,9 @@ pub enum PollerMode {
     /// A dedicated poller thread (spins briefly, then sleeps on the completion channel).
     #[default]
     Thread,
-    /// The calling threads: a waiting call polls the CQ itself. Lowest latency for blocking
-    /// calls; async calls busy-poll through their executor while they wait.
+    /// The calling threads: a blocking call polls the CQ itself (the lowest latency), and async
+    /// calls are driven by a task on the caller's tokio runtime that polls while calls are in
+    /// flight (yielding between turns) and sleeps when none is. No extra thread.
     Caller,
 }
 
@@ -600,6 +601,9 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         max_message: b.max_message,
         describe,
     })?;
+    if b.poller == PollerMode::Caller {
+        tokio::spawn(ClientCore::drive_task(Arc::downgrade(&core)));
+    }
     if b.poller == PollerMode::Thread {
         let c = Arc::clone(&core);
         std::thread::Builder::new()

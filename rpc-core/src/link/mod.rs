@@ -222,7 +222,8 @@ pub struct Link<P: Provider> {
     key: LinkKey,
     max_inline: u32,
     epoch: Instant,
-    clock: u64,
+    clock: std::cell::Cell<u64>,
+    clock_stale: std::cell::Cell<bool>,
     backlog: std::collections::VecDeque<Control>,
 }
 
@@ -262,7 +263,8 @@ impl<P: Provider> Link<P> {
             key,
             max_inline,
             epoch,
-            clock: 0,
+            clock: std::cell::Cell::new(0),
+            clock_stale: std::cell::Cell::new(true),
             backlog: std::collections::VecDeque::new(),
         };
         link.tick();
@@ -275,16 +277,36 @@ impl<P: Provider> Link<P> {
         self.key
     }
 
-    /// Nanoseconds since the runtime's epoch: the protocol's clock, as of the last
-    /// [`Link::tick`] (one clock read per turn of the poll loop, not per frame).
+    /// Nanoseconds since the runtime's epoch: the protocol's clock. Read at most once per turn
+    /// of the poll loop (after [`Link::tick`]), and only when something needs the time.
     pub fn now(&self) -> u64 {
-        self.clock
+        if self.clock_stale.get() {
+            self.clock.set(self.epoch.elapsed().as_nanos() as u64);
+            self.clock_stale.set(false);
+        }
+        self.clock.get()
     }
 
-    /// Reads the clock.
-    pub fn tick(&mut self) -> u64 {
-        self.clock = self.epoch.elapsed().as_nanos() as u64;
-        self.clock
+    /// Starts a turn of the poll loop: the next [`Link::now`] reads the clock.
+    pub fn tick(&mut self) {
+        self.clock_stale.set(true);
+    }
+
+    /// Receive slots that must be waiting before a busy loop reposts them: posting in batches
+    /// costs one doorbell (and on `soft` one ring update) per batch instead of per message. An
+    /// idle loop reposts whatever waits ([`Link::post_recvs`]).
+    pub const REPOST_BATCH: usize = 8;
+
+    /// [`Link::post_recvs`] when at least [`Link::REPOST_BATCH`] slots wait, or when `idle`.
+    ///
+    /// # Errors
+    /// As [`Link::post_recvs`].
+    pub fn repost_batched(&mut self, idle: bool) -> Result<u32, LinkError> {
+        if idle || self.arena.reposts_waiting() >= Self::REPOST_BATCH {
+            self.post_recvs(true)
+        } else {
+            Ok(0)
+        }
     }
 
     /// Posts the receive slots waiting on the repost queue, in batches. With `report`, the

@@ -798,9 +798,10 @@ impl<P: Provider> Shard<P> {
             // MAINTAIN_EVERY sleeps (up to 64 x MAX_SLEEP) that its last call is gone.
             if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) || self.stop.load(Ordering::Relaxed)
             {
+                let idle_turn = work == 0;
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
-                work += self.maintain();
+                work += self.maintain(idle_turn);
                 if self.stop.load(Ordering::Acquire) {
                     // Draining: stop once every call finished, or when the grace period is up
                     // (the handlers still running are then dropped with their connections).
@@ -1501,7 +1502,7 @@ impl<P: Provider> Shard<P> {
     }
 
     /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines.
-    fn maintain(&mut self) -> usize {
+    fn maintain(&mut self, idle: bool) -> usize {
         while let Some((key, call, n)) = self.peer_api.grants.pop() {
             if let Some(Some(conn)) = self.conns.get_mut(key.idx as usize)
                 && conn.link.key() == key
@@ -1528,7 +1529,7 @@ impl<P: Provider> Shard<P> {
                     break;
                 }
             }
-            match conn.link.post_recvs(true) {
+            match conn.link.repost_batched(idle) {
                 Ok(k) => work += k as usize,
                 Err(e) => {
                     failed = Some((conn.link.key(), e));
@@ -1558,8 +1559,9 @@ impl<P: Provider> Shard<P> {
                 failed = Some((conn.link.key(), e));
                 break;
             }
+            conn.link.tick();
             if let Some(d) = conn.link.wire.poll_timeout()
-                && d <= conn.link.tick()
+                && d <= conn.link.now()
             {
                 let now = conn.link.now();
                 while n_expired < expired.len() {
