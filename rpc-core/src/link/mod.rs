@@ -302,7 +302,10 @@ impl<P: Provider> Link<P> {
     /// # Errors
     /// As [`Link::post_recvs`].
     pub fn repost_batched(&mut self, idle: bool) -> Result<u32, LinkError> {
-        if idle || self.arena.reposts_waiting() >= Self::REPOST_BATCH {
+        // Small rings repost sooner: a batch never holds more than an eighth of the ring.
+        let ring = self.arena.geometry().recv_slots as usize;
+        let batch = Self::REPOST_BATCH.min((ring / 8).max(1));
+        if idle || self.arena.reposts_waiting() >= batch {
             self.post_recvs(true)
         } else {
             Ok(0)
