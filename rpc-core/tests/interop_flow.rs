@@ -464,7 +464,9 @@ async fn fast_producer_stays_bounded() {
     .await
     .expect("the stream ends OK");
     assert_eq!(n, N);
-    assert!(env.counters.max_ahead() <= WINDOW, "{:?}", env.counters);
+    // The window is given back inside `message()`, before the drain callback counts the
+    // message consumed: the producer may be one ahead of what the counter shows.
+    assert!(env.counters.max_ahead() <= WINDOW + 1, "{:?}", env.counters);
 
     // Client -> server: the handler starts 200 ms late and sleeps every 1,000 messages. The
     // client pulls at most one window ahead, plus the item it holds while the window is shut.
