@@ -193,7 +193,7 @@ pub struct StreamRatio {
     pub best_tonic: BTreeMap<String, System>,
 }
 
-/// Ratios for every size that has rdma-rpc and tonic rows.
+/// Ratios for every size that has rdma-rpc and tonic rows (none for the other sizes).
 pub fn ratios(rows: &[StreamRow]) -> Vec<StreamRatio> {
     let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
     sizes.sort_unstable();
@@ -204,6 +204,9 @@ pub fn ratios(rows: &[StreamRow]) -> Vec<StreamRatio> {
         let Some(rpc) = here.iter().find(|r| r.system == System::Rpc) else {
             continue;
         };
+        if !here.iter().any(|r| r.system.is_tonic()) {
+            continue;
+        }
         let mut best = BTreeMap::new();
         let mut ratio = |name: &str, f: fn(&StreamRow) -> Option<f64>, lower_better: bool| {
             let (t, sys) = here
@@ -454,6 +457,8 @@ mod tests {
         assert_eq!(r.server_stream, Some(10.0));
         assert_eq!(r.best_tonic["server_stream"], System::TonicMt);
         assert_eq!(r.bidi, Some(10.0));
+        let alone = summarize(&cells[..2]);
+        assert!(ratios(&alone).is_empty(), "no tonic, no ratio");
         let report = StreamReport {
             sizes: vec![32],
             pipeline: 8,
