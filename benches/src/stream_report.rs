@@ -303,14 +303,21 @@ fn times(v: Option<f64>) -> String {
 pub fn table(s: &StreamReport, reps: &serde_json::Value, provider: &str) -> String {
     let mut out = String::new();
     let k = s.pipeline;
+    let bidi = if k > 0 {
+        format!(
+            "bidi@{k}: one bidi call with {k} messages in flight (messages/s, GB/s of request + \
+             reply payload)"
+        )
+    } else {
+        "no pipelined bidi phase (--stream-pipeline 0)".to_string()
+    };
     let _ = writeln!(
         out,
         "Streaming (issue 7), medians of {reps} interleaved repetitions. ping-pong: one bidi \
          call, one message out and its reply back before the next (µs per round trip, \
          messages/s, CPU µs per message); stream: server-streaming calls of many messages \
-         (messages/s, GB/s of payload one way, CPU µs per message); bidi@{k}: one bidi call \
-         with {k} messages in flight (messages/s, GB/s of request + reply payload). Ratio row: \
-         how many times better rdma-rpc ({provider}) is than the best tonic configuration."
+         (messages/s, GB/s of payload one way, CPU µs per message); {bidi}. Ratio row: how \
+         many times better rdma-rpc ({provider}) is than the best tonic configuration."
     );
     let head = format!(
         "{:<8} {:<9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} | {:>9} {:>8} {:>8} | {:>9} {:>8}",
@@ -325,7 +332,11 @@ pub fn table(s: &StreamReport, reps: &serde_json::Value, provider: &str) -> Stri
         "stream/s",
         "GB/s",
         "CPU µs",
-        format!("bidi@{k}/s"),
+        if k > 0 {
+            format!("bidi@{k}/s")
+        } else {
+            "bidi/s".to_string()
+        },
         "GB/s"
     );
     let _ = writeln!(out, "{head}");
