@@ -195,7 +195,12 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
         let title = format!("{provider} provider, {}", report.machine.cpu);
         let mut plots = plot::write_all(&dir, &report.rows, provider, &title);
         if let (Ok(files), Some(s)) = (&mut plots, &report.streaming) {
-            match plot::write_streaming(&dir, &s.rows, s.pipeline, provider, &title) {
+            let data = plot::StreamPlot {
+                rows: &s.rows,
+                ratios: &s.ratios,
+                pipeline: s.pipeline,
+            };
+            match plot::write_streaming(&dir, data, provider, &title) {
                 Ok(more) => files.extend(more),
                 Err(e) => plots = Err(e),
             }

@@ -18,7 +18,7 @@ use plotters::coord::combinators::BindKeyPoints;
 use plotters::prelude::*;
 
 use crate::report::{Row, System, size_name};
-use crate::stream_report::StreamRow;
+use crate::stream_report::{StreamRatio, StreamRow};
 
 const FONT: &str = "sans-serif";
 
@@ -91,34 +91,43 @@ pub fn write_all(dir: &Path, rows: &[Row], provider: &str, title: &str) -> Resul
     Ok(files)
 }
 
+/// What the streaming plot shows: medians and ratios of a run.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamPlot<'a> {
+    /// Medians per system and size.
+    pub rows: &'a [StreamRow],
+    /// rdma-rpc against the best tonic, per size.
+    pub ratios: &'a [StreamRatio],
+    /// Messages in flight of the pipelined bidi phase (0: none).
+    pub pipeline: usize,
+}
+
 /// Writes `streaming.{svg,png}` into `dir`: ping-pong round trips on one bidi call against
-/// message size, and streaming goodput against message size (server streaming, and bidi with
-/// `pipeline` messages in flight); returns the files.
+/// message size, streaming goodput against message size (server streaming, and bidi with
+/// `pipeline` messages in flight), and how many times better rdma-rpc is than the best tonic
+/// for each; returns the files.
 ///
 /// # Errors
 /// When a file cannot be written or the font cannot be loaded.
 pub fn write_streaming(
     dir: &Path,
-    rows: &[StreamRow],
-    pipeline: usize,
+    data: StreamPlot<'_>,
     provider: &str,
     title: &str,
 ) -> Result<Vec<PathBuf>> {
     register_font()?;
     std::fs::create_dir_all(dir)?;
     let file = |ext: &str| dir.join(format!("streaming.{ext}"));
-    let size = (1200, 560);
+    let size = (1680, 560);
     streaming(
         SVGBackend::new(&file("svg"), size).into_drawing_area(),
-        rows,
-        pipeline,
+        data,
         provider,
         title,
     )?;
     streaming(
         BitMapBackend::new(&file("png"), size).into_drawing_area(),
-        rows,
-        pipeline,
+        data,
         provider,
         title,
     )?;
@@ -386,11 +395,15 @@ fn size_panel<DB: DrawingBackend>(
 
 fn streaming<DB: DrawingBackend>(
     root: DrawingArea<DB, Shift>,
-    rows: &[StreamRow],
-    pipeline: usize,
+    data: StreamPlot<'_>,
     provider: &str,
     title: &str,
 ) -> Result<()> {
+    let StreamPlot {
+        rows,
+        ratios,
+        pipeline,
+    } = data;
     root.fill(&WHITE).map_err(err)?;
     let mut sizes: Vec<f64> = rows.iter().map(|r| r.size as f64).collect();
     sizes.sort_by(f64::total_cmp);
@@ -422,7 +435,7 @@ fn streaming<DB: DrawingBackend>(
     title_area
         .titled(&format!("Streaming: {title}"), (FONT, 20))
         .map_err(err)?;
-    let areas = body.split_evenly((1, 2));
+    let areas = body.split_evenly((1, 3));
     size_panel(
         &areas[0],
         "Ping-pong on one bidi call, per message",
@@ -446,6 +459,101 @@ fn streaming<DB: DrawingBackend>(
         provider,
         SeriesLabelPosition::UpperLeft,
     )?;
+    ratio_panel(&areas[2], &sizes, ratios, pipeline)?;
     root.present().map_err(err)?;
+    Ok(())
+}
+
+/// rdma-rpc against the best tonic per size, one line per figure, with the 1x line: above it
+/// rdma-rpc is better.
+fn ratio_panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    sizes: &[f64],
+    ratios: &[StreamRatio],
+    pipeline: usize,
+) -> Result<()> {
+    let figures: [(String, RGBColor, fn(&StreamRatio) -> Option<f64>); 4] = [
+        ("ping-pong p50".into(), RGBColor(0xd6, 0x27, 0x28), |r| {
+            r.p50
+        }),
+        ("ping-pong p99".into(), RGBColor(0xff, 0x7f, 0x0e), |r| {
+            r.p99
+        }),
+        (
+            "server stream msg/s".into(),
+            RGBColor(0x94, 0x67, 0xbd),
+            |r| r.server_stream,
+        ),
+        (
+            format!("bidi@{pipeline} msg/s"),
+            RGBColor(0x17, 0xbe, 0xcf),
+            |r| r.bidi,
+        ),
+    ];
+    let (xmin, xmax) = match (sizes.first(), sizes.last()) {
+        (Some(&a), Some(&b)) => (a, b),
+        _ => (1.0, 2.0),
+    };
+    let (ymin, ymax) = bounds(
+        ratios
+            .iter()
+            .flat_map(|r| figures.iter().filter_map(|f| (f.2)(r)))
+            .chain([1.0]),
+    );
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            "rdma-rpc / best tonic (above 1: rdma-rpc better)",
+            (FONT, 16),
+        )
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d(
+            (xmin / 1.5..xmax * 1.5)
+                .log_scale()
+                .with_key_points(sizes.to_vec()),
+            (ymin..ymax).log_scale(),
+        )
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("payload bytes per message")
+        .y_desc("times better")
+        .x_label_formatter(&|v| size_name(v.round() as usize))
+        .y_label_formatter(&|v| format!("{v}x"))
+        .label_style((FONT, 13))
+        .draw()
+        .map_err(err)?;
+    chart
+        .draw_series(LineSeries::new(
+            [(xmin / 1.5, 1.0), (xmax * 1.5, 1.0)],
+            BLACK.stroke_width(1),
+        ))
+        .map_err(err)?;
+    for (name, c, f) in figures {
+        if pipeline == 0 && name.starts_with("bidi") {
+            continue;
+        }
+        let pts: Vec<(f64, f64)> = ratios
+            .iter()
+            .filter_map(|r| Some((r.size as f64, f(r)?)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2)));
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))
+            .map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font((FONT, 13))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
     Ok(())
 }
