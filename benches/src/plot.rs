@@ -464,6 +464,9 @@ fn streaming<DB: DrawingBackend>(
     Ok(())
 }
 
+/// One figure of a [`StreamRatio`].
+type RatioOf = fn(&StreamRatio) -> Option<f64>;
+
 /// rdma-rpc against the best tonic per size, one line per figure, with the 1x line: above it
 /// rdma-rpc is better.
 fn ratio_panel<DB: DrawingBackend>(
@@ -472,7 +475,7 @@ fn ratio_panel<DB: DrawingBackend>(
     ratios: &[StreamRatio],
     pipeline: usize,
 ) -> Result<()> {
-    let figures: [(String, RGBColor, fn(&StreamRatio) -> Option<f64>); 4] = [
+    let figures: [(String, RGBColor, RatioOf); 4] = [
         ("ping-pong p50".into(), RGBColor(0xd6, 0x27, 0x28), |r| {
             r.p50
         }),
