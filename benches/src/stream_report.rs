@@ -28,6 +28,11 @@ pub struct StreamFig {
     pub goodput_gbps: f64,
     /// User + system CPU time of both processes per message (reply), µs.
     pub cpu_us_per_msg: f64,
+    /// Work requests the soft RNICs of both processes executed per message (0 for tonic and
+    /// for providers that do not count).
+    pub nic_ops_per_msg: f64,
+    /// Payload bytes the soft RNICs of both processes copied per message.
+    pub nic_bytes_per_msg: f64,
 }
 
 impl StreamFig {
@@ -44,6 +49,8 @@ impl StreamFig {
             goodput_gbps: f64::from(ways) * size as f64 * r.messages as f64 / secs / 1e9,
             cpu_us_per_msg: (r.cpu.client.total() + r.cpu.server.total()).as_secs_f64() * 1e6
                 / r.messages.max(1) as f64,
+            nic_ops_per_msg: r.cpu.nic_ops as f64 / r.messages.max(1) as f64,
+            nic_bytes_per_msg: r.cpu.nic_bytes as f64 / r.messages.max(1) as f64,
         }
     }
 }
@@ -82,6 +89,8 @@ pub struct StreamRateSummary {
     pub goodput_gbps: f64,
     /// CPU µs per message, both processes.
     pub cpu_us_per_msg: f64,
+    /// Soft RNIC work requests per message, both processes.
+    pub nic_ops_per_msg: f64,
 }
 
 /// Medians over repetitions for one (system, size).
@@ -124,6 +133,7 @@ fn summarize_rates(figs: &[&StreamFig]) -> Option<StreamRateSummary> {
         msgs_per_s: m(|x| x.msgs_per_s),
         goodput_gbps: m(|x| x.goodput_gbps),
         cpu_us_per_msg: m(|x| x.cpu_us_per_msg),
+        nic_ops_per_msg: m(|x| x.nic_ops_per_msg),
     })
 }
 
@@ -384,6 +394,33 @@ pub fn table(s: &StreamReport, reps: &serde_json::Value, provider: &str) -> Stri
         }
         let _ = writeln!(out);
     }
+    let nic: Vec<&StreamRow> = s
+        .rows
+        .iter()
+        .filter(|r| {
+            r.server_stream
+                .into_iter()
+                .chain(r.bidi)
+                .any(|x| x.nic_ops_per_msg > 0.0)
+        })
+        .collect();
+    if !nic.is_empty() {
+        let _ = writeln!(
+            out,
+            "Soft RNIC work requests per streamed message (both processes): server streaming, \
+             bidi@{k}:"
+        );
+        for r in nic {
+            let _ = writeln!(
+                out,
+                "  {:<8} {:<9} {:>6} {:>6}",
+                size_name(r.size),
+                r.system.name(),
+                num(r.server_stream.map(|x| x.nic_ops_per_msg)),
+                num(r.bidi.map(|x| x.nic_ops_per_msg)),
+            );
+        }
+    }
     let mut wins: BTreeMap<&str, usize> = BTreeMap::new();
     for r in &s.ratios {
         for sys in r.best_tonic.values() {
@@ -417,6 +454,8 @@ mod tests {
             msgs_per_s: rate,
             goodput_gbps: rate * size as f64 / 1e9,
             cpu_us_per_msg: 2.0,
+            nic_ops_per_msg: 0.0,
+            nic_bytes_per_msg: 0.0,
         };
         StreamCell {
             rep: 0,
