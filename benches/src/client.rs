@@ -73,6 +73,12 @@ pub trait BenchClient {
         plan: &Plan,
         probe: &mut dyn Probe,
     ) -> Result<RateRun>;
+
+    /// The streaming measurements of this system; `None` for a system without streaming
+    /// calls (the raw ping-pong).
+    fn streams(&mut self) -> Option<&mut dyn crate::stream::StreamClient> {
+        None
+    }
 }
 
 /// When a phase ends, given its start and the calls completed so far.

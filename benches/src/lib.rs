@@ -26,6 +26,8 @@ pub mod rpc_client;
 pub mod runner;
 pub mod server;
 pub mod service;
+pub mod stream;
+pub mod stream_report;
 pub mod sys;
 pub mod tonic_client;
 
@@ -160,7 +162,15 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
         report.seconds
     );
     println!();
-    let table = report::table(&report, &args.outstanding, runner::LARGE_FROM);
+    let mut table = report::table(&report, &args.outstanding, runner::LARGE_FROM);
+    let provider = report.config["provider"].as_str().unwrap_or("soft");
+    match &report.streaming {
+        Some(s) => {
+            table.push('\n');
+            table.push_str(&stream_report::table(s, &report.config["reps"], provider));
+        }
+        None => table.push_str("\nStreaming: not measured in this run.\n"),
+    }
     print!("{table}");
     // The same table beside the JSON file, with the command and machine, for the README.
     let txt = args.json.with_extension("txt");
@@ -174,10 +184,6 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
     if let Err(e) = std::fs::write(&txt, header + &table) {
         eprintln!("rpc-bench: {}: {e}", txt.display());
     }
-    println!(
-        "\nStreaming (issue 7: streaming ping-pong latency, streaming throughput against \
-         tonic's streaming): not measured yet."
-    );
     println!("\nJSON: {}", args.json.display());
     if !args.no_plots {
         let dir = args
@@ -186,13 +192,20 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
             .or_else(|| args.json.parent().map(std::path::Path::to_path_buf))
             .filter(|d| !d.as_os_str().is_empty())
             .unwrap_or_else(|| std::path::PathBuf::from("."));
-        let title = format!(
-            "{} provider, {}",
-            report.config["provider"].as_str().unwrap_or("soft"),
-            report.machine.cpu
-        );
-        let provider = report.config["provider"].as_str().unwrap_or("soft");
-        match plot::write_all(&dir, &report.rows, provider, &title) {
+        let title = format!("{provider} provider, {}", report.machine.cpu);
+        let mut plots = plot::write_all(&dir, &report.rows, provider, &title);
+        if let (Ok(files), Some(s)) = (&mut plots, &report.streaming) {
+            let data = plot::StreamPlot {
+                rows: &s.rows,
+                ratios: &s.ratios,
+                pipeline: s.pipeline,
+            };
+            match plot::write_streaming(&dir, data, provider, &title) {
+                Ok(more) => files.extend(more),
+                Err(e) => plots = Err(e),
+            }
+        }
+        match plots {
             Ok(files) => {
                 for f in files {
                     println!("plot: {}", f.display());

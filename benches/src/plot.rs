@@ -1,5 +1,6 @@
 //! Plots with plotters: latency against size (log-log) and throughput against outstanding
-//! calls, each as SVG and PNG.
+//! calls, and the streaming figures (ping-pong latency and goodput against size), each as SVG
+//! and PNG.
 //!
 //! Text needs a font. plotters' default `ttf` feature finds system fonts through fontconfig
 //! (a system package); instead the `ab_glyph` feature renders with a font we register: DejaVu
@@ -17,6 +18,7 @@ use plotters::coord::combinators::BindKeyPoints;
 use plotters::prelude::*;
 
 use crate::report::{Row, System, size_name};
+use crate::stream_report::{StreamRatio, StreamRow};
 
 const FONT: &str = "sans-serif";
 
@@ -87,6 +89,49 @@ pub fn write_all(dir: &Path, rows: &[Row], provider: &str, title: &str) -> Resul
     )?;
     files.extend([tput("svg"), tput("png")]);
     Ok(files)
+}
+
+/// What the streaming plot shows: medians and ratios of a run.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamPlot<'a> {
+    /// Medians per system and size.
+    pub rows: &'a [StreamRow],
+    /// rdma-rpc against the best tonic, per size.
+    pub ratios: &'a [StreamRatio],
+    /// Messages in flight of the pipelined bidi phase (0: none).
+    pub pipeline: usize,
+}
+
+/// Writes `streaming.{svg,png}` into `dir`: ping-pong round trips on one bidi call against
+/// message size, streaming goodput against message size (server streaming, and bidi with
+/// `pipeline` messages in flight), and how many times better rdma-rpc is than the best tonic
+/// for each; returns the files.
+///
+/// # Errors
+/// When a file cannot be written or the font cannot be loaded.
+pub fn write_streaming(
+    dir: &Path,
+    data: StreamPlot<'_>,
+    provider: &str,
+    title: &str,
+) -> Result<Vec<PathBuf>> {
+    register_font()?;
+    std::fs::create_dir_all(dir)?;
+    let file = |ext: &str| dir.join(format!("streaming.{ext}"));
+    let size = (1680, 560);
+    streaming(
+        SVGBackend::new(&file("svg"), size).into_drawing_area(),
+        data,
+        provider,
+        title,
+    )?;
+    streaming(
+        BitMapBackend::new(&file("png"), size).into_drawing_area(),
+        data,
+        provider,
+        title,
+    )?;
+    Ok(vec![file("svg"), file("png")])
 }
 
 fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
@@ -272,5 +317,246 @@ fn throughput<DB: DrawingBackend>(
             .map_err(err)?;
     }
     root.present().map_err(err)?;
+    Ok(())
+}
+
+/// Two series per system against message size on log-log axes: solid with dots, and dashed.
+type Series = Vec<(System, Vec<(f64, f64)>, Vec<(f64, f64)>)>;
+
+#[allow(clippy::too_many_arguments)]
+fn size_panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    caption: &str,
+    y_desc: &str,
+    sizes: &[f64],
+    series: &Series,
+    provider: &str,
+    legend: SeriesLabelPosition,
+) -> Result<()> {
+    let (xmin, xmax) = match (sizes.first(), sizes.last()) {
+        (Some(&a), Some(&b)) => (a, b),
+        _ => (1.0, 2.0),
+    };
+    let (ymin, ymax) = bounds(
+        series
+            .iter()
+            .flat_map(|(_, a, b)| a.iter().chain(b).map(|p| p.1)),
+    );
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, (FONT, 16))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(
+            (xmin / 1.5..xmax * 1.5)
+                .log_scale()
+                .with_key_points(sizes.to_vec()),
+            (ymin..ymax).log_scale(),
+        )
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("payload bytes per message")
+        .y_desc(y_desc)
+        .x_label_formatter(&|v| size_name(v.round() as usize))
+        .y_label_formatter(&|v| format!("{v}"))
+        .label_style((FONT, 13))
+        .draw()
+        .map_err(err)?;
+    for (sys, solid, dashed) in series {
+        let c = color(*sys);
+        chart
+            .draw_series(LineSeries::new(solid.clone(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(label(*sys, provider))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2)));
+        chart
+            .draw_series(solid.iter().map(|p| Circle::new(*p, 4, c.filled())))
+            .map_err(err)?;
+        chart
+            .draw_series(DashedLineSeries::new(
+                dashed.clone(),
+                6,
+                4,
+                c.stroke_width(1),
+            ))
+            .map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(legend)
+        .label_font((FONT, 13))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+fn streaming<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    data: StreamPlot<'_>,
+    provider: &str,
+    title: &str,
+) -> Result<()> {
+    let StreamPlot {
+        rows,
+        ratios,
+        pipeline,
+    } = data;
+    root.fill(&WHITE).map_err(err)?;
+    let mut sizes: Vec<f64> = rows.iter().map(|r| r.size as f64).collect();
+    sizes.sort_by(f64::total_cmp);
+    sizes.dedup();
+    let mut systems: Vec<System> = rows.iter().map(|r| r.system).collect();
+    systems.sort();
+    systems.dedup();
+    let pick = |sys: System, f: &dyn Fn(&StreamRow) -> Option<f64>| -> Vec<(f64, f64)> {
+        rows.iter()
+            .filter(|r| r.system == sys)
+            .filter_map(|r| Some((r.size as f64, f(r)?)))
+            .collect()
+    };
+    let latency: Series = systems
+        .iter()
+        .map(|&s| (s, pick(s, &|r| r.p50_us), pick(s, &|r| r.p99_us)))
+        .collect();
+    let goodput: Series = systems
+        .iter()
+        .map(|&s| {
+            (
+                s,
+                pick(s, &|r| r.server_stream.map(|x| x.goodput_gbps)),
+                pick(s, &|r| r.bidi.map(|x| x.goodput_gbps)),
+            )
+        })
+        .collect();
+    let (title_area, body) = root.split_vertically(36);
+    title_area
+        .titled(&format!("Streaming: {title}"), (FONT, 20))
+        .map_err(err)?;
+    let areas = body.split_evenly((1, 3));
+    size_panel(
+        &areas[0],
+        "Ping-pong on one bidi call, per message",
+        "µs (solid: p50, dashed: p99)",
+        &sizes,
+        &latency,
+        provider,
+        SeriesLabelPosition::UpperLeft,
+    )?;
+    let caption = if pipeline > 0 {
+        format!("Goodput: server streaming (solid), bidi with {pipeline} in flight (dashed)")
+    } else {
+        "Goodput: server streaming".to_string()
+    };
+    size_panel(
+        &areas[1],
+        &caption,
+        "GB/s of payload",
+        &sizes,
+        &goodput,
+        provider,
+        SeriesLabelPosition::UpperLeft,
+    )?;
+    ratio_panel(&areas[2], &sizes, ratios, pipeline)?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// One figure of a [`StreamRatio`].
+type RatioOf = fn(&StreamRatio) -> Option<f64>;
+
+/// rdma-rpc against the best tonic per size, one line per figure, with the 1x line: above it
+/// rdma-rpc is better.
+fn ratio_panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    sizes: &[f64],
+    ratios: &[StreamRatio],
+    pipeline: usize,
+) -> Result<()> {
+    let figures: [(String, RGBColor, RatioOf); 4] = [
+        ("ping-pong p50".into(), RGBColor(0xd6, 0x27, 0x28), |r| {
+            r.p50
+        }),
+        ("ping-pong p99".into(), RGBColor(0xff, 0x7f, 0x0e), |r| {
+            r.p99
+        }),
+        (
+            "server stream msg/s".into(),
+            RGBColor(0x94, 0x67, 0xbd),
+            |r| r.server_stream,
+        ),
+        (
+            format!("bidi@{pipeline} msg/s"),
+            RGBColor(0x17, 0xbe, 0xcf),
+            |r| r.bidi,
+        ),
+    ];
+    let (xmin, xmax) = match (sizes.first(), sizes.last()) {
+        (Some(&a), Some(&b)) => (a, b),
+        _ => (1.0, 2.0),
+    };
+    let (ymin, ymax) = bounds(
+        ratios
+            .iter()
+            .flat_map(|r| figures.iter().filter_map(|f| (f.2)(r)))
+            .chain([1.0]),
+    );
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            "rdma-rpc / best tonic (above 1: rdma-rpc better)",
+            (FONT, 16),
+        )
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d(
+            (xmin / 1.5..xmax * 1.5)
+                .log_scale()
+                .with_key_points(sizes.to_vec()),
+            (ymin..ymax).log_scale(),
+        )
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("payload bytes per message")
+        .y_desc("times better")
+        .x_label_formatter(&|v| size_name(v.round() as usize))
+        .y_label_formatter(&|v| format!("{v}x"))
+        .label_style((FONT, 13))
+        .draw()
+        .map_err(err)?;
+    chart
+        .draw_series(LineSeries::new(
+            [(xmin / 1.5, 1.0), (xmax * 1.5, 1.0)],
+            BLACK.stroke_width(1),
+        ))
+        .map_err(err)?;
+    for (name, c, f) in figures {
+        if pipeline == 0 && name.starts_with("bidi") {
+            continue;
+        }
+        let pts: Vec<(f64, f64)> = ratios
+            .iter()
+            .filter_map(|r| Some((r.size as f64, f(r)?)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2)));
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))
+            .map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font((FONT, 13))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
     Ok(())
 }

@@ -515,8 +515,8 @@ pub struct Report {
     pub issue3: Issue3,
     /// Targets and verdicts.
     pub targets: Vec<Target>,
-    /// Streaming figures (issue 7): not measured yet.
-    pub streaming: Option<serde_json::Value>,
+    /// Streaming figures (issue 7), when measured.
+    pub streaming: Option<crate::stream_report::StreamReport>,
     /// Every cell of every repetition.
     pub cells: Vec<Cell>,
     /// Cells that failed.

@@ -5,6 +5,10 @@
 //! outstanding: `k` tasks on one current-thread tokio runtime sharing one channel, still
 //! polled by the calling (only) thread, or, with `AsyncMode::Poller`, tasks on a two-worker
 //! runtime with a dedicated poller thread.
+//!
+//! Streaming calls (issue 7) run on the caller-polled channel and its current-thread runtime:
+//! the consumer of a stream drives the connection while it waits, the request pump is a task
+//! on the same runtime, so one client thread does everything, as in the unary phases.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,8 +21,9 @@ use rpc_core::{Channel, PollerMode, Request};
 
 use crate::client::{self, BenchClient, MAX_OUTSTANDING, Probe, StopRule};
 use crate::measure::{self, LatencyRun, Plan, RateRun};
-use crate::proto::EchoRequest;
 use crate::proto::bench_client::BenchClient as Generated;
+use crate::proto::{EchoReply, EchoRequest, StreamRequest};
+use crate::stream::{Outbox, Replies, StreamClient, StreamSystem};
 
 /// How the many-outstanding phases drive calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -187,5 +192,52 @@ impl BenchClient for RpcClient {
         )?;
         let cpu = probe.snapshot()?.since(before);
         Ok(RateRun { calls, wall, cpu })
+    }
+
+    fn streams(&mut self) -> Option<&mut dyn StreamClient> {
+        Some(self)
+    }
+}
+
+impl Replies for rpc_core::Streaming<EchoReply> {
+    async fn next_len(&mut self) -> Result<Option<usize>> {
+        self.message()
+            .await
+            .map(|m| m.map(|r| r.payload.len()))
+            .map_err(|s| anyhow::anyhow!("rdma-rpc: stream: {s}"))
+    }
+}
+
+impl StreamSystem for RpcClient {
+    type Replies = rpc_core::Streaming<EchoReply>;
+
+    fn runtime(&self) -> &tokio::runtime::Runtime {
+        &self.rt
+    }
+
+    fn call_timeout(&self) -> Duration {
+        self.deadline.unwrap_or(client::CALL_TIMEOUT)
+    }
+
+    async fn open_bidi(&self, requests: Outbox, limit: Duration) -> Result<Self::Replies> {
+        let mut r = Request::new(requests);
+        r.set_timeout(limit);
+        let s = self
+            .client
+            .echo_bidi(r)
+            .await
+            .map_err(|s| anyhow::anyhow!("rdma-rpc: EchoBidi: {s}"))?;
+        Ok(s.into_inner())
+    }
+
+    async fn open_stream(&self, count: u32, size: u32, limit: Duration) -> Result<Self::Replies> {
+        let mut r = Request::new(StreamRequest { count, size });
+        r.set_timeout(limit);
+        let s = self
+            .client
+            .echo_stream(r)
+            .await
+            .map_err(|s| anyhow::anyhow!("rdma-rpc: EchoStream: {s}"))?;
+        Ok(s.into_inner())
     }
 }

@@ -2,9 +2,11 @@
 //!
 //! For each repetition, for each size, for each system in turn (a, b, c, a, b, c, ...): start
 //! that system's server process on the server host, connect, warm up and time one-outstanding
-//! calls, then warm up and time each many-outstanding count, disconnect, stop the server. Only
-//! one system's processes exist at a time, so a busy-polling server never steals the core of
-//! another system's measurement. Figures are medians over the repetitions.
+//! calls, then warm up and time each many-outstanding count, disconnect, stop the server. Then,
+//! for each streaming size, for each system that streams, the same with the streaming phases
+//! (ping-pong on one bidi call, server streaming, pipelined bidi). Only one system's processes
+//! exist at a time, so a busy-polling server never steals the core of another system's
+//! measurement. Figures are medians over the repetitions.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -19,6 +21,8 @@ use crate::measure::{self, Machine, Plan};
 use crate::report::{self, Cell, Issue3, LatencyFig, RateFig, Report, System};
 use crate::rpc_client::AsyncMode;
 use crate::server::PollArg;
+use crate::stream::{self, DEFAULT_PIPELINE, DEFAULT_STREAM_SIZES};
+use crate::stream_report::{self, StreamCell, StreamFig, StreamReport};
 use crate::sys;
 use crate::tonic_client::{self, Flavor, Window};
 
@@ -46,6 +50,17 @@ pub struct RunArgs {
     /// Payload sizes, comma-separated (32, 4KiB, 16MiB, ...).
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     pub sizes: Option<Vec<usize>>,
+    /// Message sizes of the streaming measurements (default: 32 B, 4 KiB, 64 KiB and 1 MiB;
+    /// `--sizes` when that is given).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    pub stream_sizes: Option<Vec<usize>>,
+    /// Skip the streaming measurements.
+    #[arg(long)]
+    pub no_streaming: bool,
+    /// Messages in flight on the pipelined bidi call of the streaming measurements (0: skip
+    /// that phase).
+    #[arg(long, default_value_t = DEFAULT_PIPELINE)]
+    pub stream_pipeline: usize,
     /// Outstanding-call counts of the throughput phases (1 is always the latency phase).
     #[arg(long, value_delimiter = ',', default_value = "8,64")]
     pub outstanding: Vec<usize>,
@@ -156,6 +171,7 @@ struct Cfg {
     max_inflight: usize,
     server_max_secs: u64,
     deadline: Option<Duration>,
+    pipeline: usize,
 }
 
 struct RemoteProbe<'a>(&'a mut Remote);
@@ -305,6 +321,75 @@ fn run_cell(
     cell
 }
 
+fn run_stream_cell(
+    remote: &mut Remote,
+    cfg: &Cfg,
+    rep: usize,
+    system: System,
+    size: usize,
+) -> StreamCell {
+    let started = Instant::now();
+    let mut cell = StreamCell {
+        rep,
+        system,
+        size,
+        load1: measure::load_avg().map(|l| l[0]),
+        ping_pong: None,
+        server_stream: None,
+        bidi: None,
+        skipped: Vec::new(),
+        error: None,
+        secs: 0.0,
+    };
+    // The adapter serves rdma-rpc's implementation over gRPC, which cannot take streaming
+    // requests yet: only server streaming runs through it.
+    let bidi_ok = !(cfg.adapter && system.is_tonic());
+    let r = (|| -> Result<()> {
+        let addr = remote.start(&server_args(cfg, system, size))?;
+        let mut client = connect(cfg, system, addr, size)?;
+        let mut probe = RemoteProbe(remote);
+        let s = client
+            .streams()
+            .ok_or_else(|| anyhow::anyhow!("{} has no streaming calls", system.name()))?;
+        if bidi_ok {
+            let pp = s.ping_pong(size, &cfg.plan, &mut probe)?;
+            cell.ping_pong = Some(LatencyFig::from_run(size, &pp));
+        } else {
+            cell.skipped
+                .push("ping-pong: the tonic adapter cannot serve bidi calls".into());
+        }
+        let st = s.server_stream(size, &cfg.plan, &mut probe)?;
+        cell.server_stream = Some(StreamFig::from_run(size, 1, 0, &st));
+        let k = cfg.pipeline;
+        if k == 0 {
+            cell.skipped.push("bidi: --stream-pipeline 0".into());
+        } else if !bidi_ok {
+            cell.skipped
+                .push("bidi: the tonic adapter cannot serve bidi calls".into());
+        } else if k.saturating_mul(size) > cfg.max_inflight {
+            cell.skipped.push(format!(
+                "bidi: {k} x {} in flight exceeds the in-flight limit",
+                report::size_name(size)
+            ));
+        } else {
+            let b = s.bidi(size, k, &cfg.plan, &mut probe)?;
+            cell.bidi = Some(StreamFig::from_run(size, 2, k, &b));
+        }
+        drop(client);
+        Ok(())
+    })();
+    let stopped = remote.stop();
+    if let Err(e) = r.and(stopped) {
+        cell.error = Some(format!(
+            "{} {} streaming: {e:#}",
+            system.name(),
+            report::size_name(size)
+        ));
+    }
+    cell.secs = started.elapsed().as_secs_f64();
+    cell
+}
+
 /// Runs the benchmark; writes the JSON file and plots; returns the report.
 ///
 /// # Errors
@@ -326,7 +411,28 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
     // More, shorter repetitions: medians over more interleaved runs resist a noisy machine.
     let reps = args.reps.unwrap_or(if quick { 3 } else { 7 }).max(1);
     let sizes = args.sizes.clone().unwrap_or_else(|| DEFAULT_SIZES.to_vec());
-    if sizes.iter().any(|&s| s == 0 || s > MAX_SIZE) {
+    let stream_systems: Vec<System> = if args.no_streaming {
+        Vec::new()
+    } else {
+        args.systems
+            .iter()
+            .copied()
+            .filter(|&s| s != System::Raw)
+            .collect()
+    };
+    let stream_sizes = if stream_systems.is_empty() {
+        Vec::new()
+    } else {
+        args.stream_sizes
+            .clone()
+            .or_else(|| args.sizes.clone())
+            .unwrap_or_else(|| DEFAULT_STREAM_SIZES.to_vec())
+    };
+    if sizes
+        .iter()
+        .chain(&stream_sizes)
+        .any(|&s| s == 0 || s > MAX_SIZE)
+    {
         bail!(
             "sizes must be between 1 byte and {}",
             report::size_name(MAX_SIZE)
@@ -338,6 +444,9 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         .any(|&k| k == 0 || k > MAX_OUTSTANDING)
     {
         bail!("outstanding counts must be between 1 and {MAX_OUTSTANDING}");
+    }
+    if args.stream_pipeline > MAX_OUTSTANDING {
+        bail!("--stream-pipeline must be at most {MAX_OUTSTANDING}");
     }
     if args.systems.is_empty() {
         bail!("no system to run");
@@ -372,6 +481,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
             .max_inflight
             .unwrap_or(if quick { 16 << 20 } else { 128 << 20 }),
         server_max_secs: max_secs.min(600),
+        pipeline: args.stream_pipeline,
     };
 
     let mut remote = match &args.connect {
@@ -386,7 +496,9 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         .map_or(0, |d| d.as_secs());
 
     let issue3 = !args.no_issue3 && args.systems.contains(&System::Rpc);
-    let per_rep = sizes.len() * args.systems.len() + if issue3 { 2 } else { 0 };
+    let per_rep = sizes.len() * args.systems.len()
+        + if issue3 { 2 } else { 0 }
+        + stream_sizes.len() * stream_systems.len();
     let bar = if args.no_progress {
         ProgressBar::hidden()
     } else {
@@ -402,6 +514,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
     let mut cells = Vec::new();
     let mut bulk_cells = Vec::new();
     let mut memcpy = Vec::new();
+    let mut stream_cells = Vec::new();
     for rep in 0..reps {
         for &size in &sizes {
             for &system in &args.systems {
@@ -435,9 +548,23 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
             memcpy.push(measure::memcpy_gbps(BULK_SIZE, plan.rate.max(plan.warmup)));
             bar.inc(1);
         }
-        // Streaming figures (issue 7: streaming ping-pong latency, streaming throughput against
-        // tonic's streaming) go here, interleaved like the unary ones, as cells of their own
-        // system kinds; `Report::streaming` is where their summary goes. Not measured yet.
+        // Streaming (issue 7), interleaved the same way: each size, each system in turn.
+        for &size in &stream_sizes {
+            for &system in &stream_systems {
+                bar.set_message(format!(
+                    "rep {}/{reps}: {} {} streaming",
+                    rep + 1,
+                    system.name(),
+                    report::size_name(size)
+                ));
+                let cell = run_stream_cell(&mut remote, &cfg, rep, system, size);
+                if let Some(e) = &cell.error {
+                    bar.suspend(|| eprintln!("rpc-bench: {e}"));
+                }
+                stream_cells.push(cell);
+                bar.inc(1);
+            }
+        }
     }
     bar.finish_and_clear();
     drop(remote);
@@ -462,16 +589,37 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         Issue3::default()
     };
     let targets = report::targets(&rows, &ratios, &i3);
+    let streaming = (!stream_cells.is_empty()).then(|| {
+        let rows = stream_report::summarize(&stream_cells);
+        StreamReport {
+            sizes: stream_sizes.clone(),
+            pipeline: cfg.pipeline,
+            messages_per_call: stream_sizes
+                .iter()
+                .map(|&s| (s, stream::messages_per_call(s)))
+                .collect(),
+            ratios: stream_report::ratios(&rows),
+            rows,
+            errors: stream_cells
+                .iter()
+                .filter_map(|c| c.error.clone())
+                .collect(),
+            cells: stream_cells,
+        }
+    });
     let errors: Vec<String> = cells
         .iter()
         .chain(&bulk_cells)
         .filter_map(|c| c.error.clone())
+        .chain(streaming.iter().flat_map(|s| s.errors.iter().cloned()))
         .collect();
     cells.extend(bulk_cells);
     let config = serde_json::json!({
         "provider": provider.name(),
         "reps": reps,
         "sizes": sizes,
+        "stream_sizes": stream_sizes,
+        "stream_pipeline": cfg.pipeline,
         "outstanding": args.outstanding,
         "systems": args.systems,
         "two_host": args.connect,
@@ -499,7 +647,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         ratios,
         issue3: i3,
         targets,
-        streaming: None,
+        streaming,
         cells,
         errors,
     };
@@ -549,6 +697,7 @@ mod tests {
             max_inflight: 1 << 20,
             server_max_secs: 10,
             deadline: None,
+            pipeline: 8,
         };
         let mt = server_args(&cfg, System::TonicMt, 32);
         assert!(!mt.contains(&"--core".to_string()));

@@ -53,6 +53,39 @@ impl<S> futures_core::Stream for Replies<S> {
     }
 }
 
+/// The replies of `EchoBidi`: every request message of the stream `S` answered by one reply,
+/// as `Echo` answers (no copy: the reply shares the request's payload); the call ends when the
+/// request stream does, and with its error if it fails. `E` is the status type of the framework.
+#[derive(Debug)]
+pub struct EchoEach<S> {
+    requests: S,
+}
+
+impl<S> EchoEach<S> {
+    fn new(requests: S) -> Self {
+        EchoEach { requests }
+    }
+}
+
+impl<S, E> futures_core::Stream for EchoEach<S>
+where
+    S: futures_core::Stream<Item = Result<EchoRequest, E>> + Unpin,
+{
+    type Item = Result<EchoReply, E>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.get_mut().requests)
+            .poll_next(cx)
+            .map(|item| {
+                item.map(|r| {
+                    r.map(|req| EchoReply {
+                        payload: reply_payload(req),
+                    })
+                })
+            })
+    }
+}
+
 /// The rdma-rpc implementation.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct BenchService;
@@ -75,16 +108,13 @@ impl crate::proto::bench_server::Bench for BenchService {
         Ok(rpc_core::Response::new(Replies::new(request.get_ref())))
     }
 
-    type EchoBidiStream = Replies<rpc_core::Status>;
+    type EchoBidiStream = EchoEach<rpc_core::Streaming<EchoRequest>>;
 
     async fn echo_bidi(
         &self,
-        _request: rpc_core::Request<rpc_core::Streaming<EchoRequest>>,
+        request: rpc_core::Request<rpc_core::Streaming<EchoRequest>>,
     ) -> Result<rpc_core::Response<Self::EchoBidiStream>, rpc_core::Status> {
-        // Streaming requests arrive with issue 7; the streaming benchmarks are not run yet.
-        Err(rpc_core::Status::unimplemented(
-            "EchoBidi: streaming benchmarks are not implemented yet (issue 7)",
-        ))
+        Ok(rpc_core::Response::new(EchoEach::new(request.into_inner())))
     }
 }
 
@@ -111,15 +141,13 @@ impl crate::proto::bench_tonic::bench_server::Bench for TonicBenchService {
         Ok(tonic::Response::new(Replies::new(request.get_ref())))
     }
 
-    type EchoBidiStream = Replies<tonic::Status>;
+    type EchoBidiStream = EchoEach<tonic::Streaming<EchoRequest>>;
 
     async fn echo_bidi(
         &self,
-        _request: tonic::Request<tonic::Streaming<EchoRequest>>,
+        request: tonic::Request<tonic::Streaming<EchoRequest>>,
     ) -> Result<tonic::Response<Self::EchoBidiStream>, tonic::Status> {
-        Err(tonic::Status::unimplemented(
-            "EchoBidi: streaming benchmarks are not implemented yet (issue 7)",
-        ))
+        Ok(tonic::Response::new(EchoEach::new(request.into_inner())))
     }
 }
 
@@ -155,5 +183,41 @@ mod tests {
             n += 1;
         }
         assert_eq!(n, 3);
+    }
+
+    #[test]
+    fn echo_each_answers_every_request_then_ends_with_the_error() {
+        struct Reqs(Vec<Result<EchoRequest, &'static str>>);
+        impl Stream for Reqs {
+            type Item = Result<EchoRequest, &'static str>;
+            fn poll_next(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+                let v = &mut self.get_mut().0;
+                Poll::Ready((!v.is_empty()).then(|| v.remove(0)))
+            }
+        }
+        let p = Bytes::from_static(b"ping");
+        let mut e = EchoEach::new(Reqs(vec![
+            Ok(EchoRequest {
+                payload: p.clone(),
+                reply_size: 0,
+            }),
+            Ok(EchoRequest {
+                payload: p.clone(),
+                reply_size: 9,
+            }),
+            Err("boom"),
+        ]));
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        let mut next = || match Pin::new(&mut e).poll_next(&mut cx) {
+            Poll::Ready(x) => x,
+            Poll::Pending => panic!("never pending"),
+        };
+        let first = next().unwrap().unwrap();
+        assert_eq!(first.payload, p);
+        assert_eq!(first.payload.as_ptr(), p.as_ptr(), "no copy");
+        assert_eq!(next().unwrap().unwrap().payload.len(), 9);
+        assert_eq!(next().unwrap().unwrap_err(), "boom");
+        assert!(next().is_none());
     }
 }

@@ -10,8 +10,9 @@ use bytes::Bytes;
 
 use crate::client::{self, BenchClient, Probe, StopRule};
 use crate::measure::{self, LatencyRun, Plan, RateRun};
-use crate::proto::EchoRequest;
 use crate::proto::bench_tonic::bench_client::BenchClient as Generated;
+use crate::proto::{EchoReply, EchoRequest, StreamRequest};
+use crate::stream::{Outbox, Replies, StreamClient, StreamSystem};
 
 /// Largest gRPC message either side accepts (tonic's default is 4 MiB).
 pub const MAX_MESSAGE: usize = 64 << 20;
@@ -185,5 +186,54 @@ impl BenchClient for TonicClient {
         )?;
         let cpu = probe.snapshot()?.since(before);
         Ok(RateRun { calls, wall, cpu })
+    }
+
+    fn streams(&mut self) -> Option<&mut dyn StreamClient> {
+        Some(self)
+    }
+}
+
+impl Replies for tonic::Streaming<EchoReply> {
+    async fn next_len(&mut self) -> Result<Option<usize>> {
+        self.message()
+            .await
+            .map(|m| m.map(|r| r.payload.len()))
+            .map_err(|s| anyhow::anyhow!("tonic: stream: {s}"))
+    }
+}
+
+impl StreamSystem for TonicClient {
+    type Replies = tonic::Streaming<EchoReply>;
+
+    fn runtime(&self) -> &tokio::runtime::Runtime {
+        &self.rt
+    }
+
+    fn call_timeout(&self) -> Duration {
+        self.deadline.unwrap_or(client::CALL_TIMEOUT)
+    }
+
+    async fn open_bidi(&self, requests: Outbox, limit: Duration) -> Result<Self::Replies> {
+        let mut r = tonic::Request::new(requests);
+        r.set_timeout(limit);
+        let s = self
+            .client
+            .clone()
+            .echo_bidi(r)
+            .await
+            .map_err(|s| anyhow::anyhow!("tonic: EchoBidi: {s}"))?;
+        Ok(s.into_inner())
+    }
+
+    async fn open_stream(&self, count: u32, size: u32, limit: Duration) -> Result<Self::Replies> {
+        let mut r = tonic::Request::new(StreamRequest { count, size });
+        r.set_timeout(limit);
+        let s = self
+            .client
+            .clone()
+            .echo_stream(r)
+            .await
+            .map_err(|s| anyhow::anyhow!("tonic: EchoStream: {s}"))?;
+        Ok(s.into_inner())
     }
 }

@@ -152,8 +152,74 @@ fn one_host_run_measures_every_system_and_writes_json_and_plots() {
     assert!(i3["calls_per_s_32"].as_f64().unwrap() > 0.0);
     assert!(i3["goodput_4mib_gbps"].as_f64().unwrap() > 0.0);
     assert!(i3["memcpy_4mib_gbps"].as_f64().unwrap() > 0.0);
-    assert!(r["streaming"].is_null());
-    for name in ["latency", "throughput"] {
+    // Streaming (issue 7): every phase of every streaming system at both sizes, ratios
+    // against tonic, no failures.
+    let st = &r["streaming"];
+    assert_eq!(st["errors"].as_array().unwrap().len(), 0, "{out}");
+    assert_eq!(st["pipeline"], 8);
+    for system in ["rpc", "tonic-ct", "tonic-mt"] {
+        for size in [32, 64 << 10] {
+            let row = st["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|x| x["system"] == system && x["size"] == size)
+                .unwrap_or_else(|| panic!("no streaming row for {system} {size}"));
+            assert_eq!(row["reps"], 1, "{system} {size}");
+            let p50 = row["p50_us"].as_f64().unwrap();
+            assert!(p50 > 0.0, "{system} {size}");
+            assert!(row["p99_us"].as_f64().unwrap() >= p50, "{system} {size}");
+            for phase in ["server_stream", "bidi"] {
+                let f = &row[phase];
+                assert!(
+                    f["msgs_per_s"].as_f64().unwrap() > 0.0,
+                    "{system} {size} {phase}"
+                );
+                assert!(
+                    f["goodput_gbps"].as_f64().unwrap() > 0.0,
+                    "{system} {size} {phase}"
+                );
+                assert!(
+                    f["cpu_us_per_msg"].as_f64().unwrap() > 0.0,
+                    "{system} {size} {phase}"
+                );
+            }
+        }
+    }
+    assert!(
+        st["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|x| x["system"] != "raw"),
+        "the raw ping-pong has no streaming"
+    );
+    for cell in st["cells"].as_array().unwrap() {
+        let ss = &cell["server_stream"];
+        // Whole calls of the planned number of messages.
+        let per_call = st["messages_per_call"][cell["size"].to_string()]
+            .as_u64()
+            .unwrap();
+        assert_eq!(
+            ss["messages"].as_u64().unwrap(),
+            ss["calls"].as_u64().unwrap() * per_call,
+            "{cell}"
+        );
+    }
+    let sr = st["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["size"] == 32)
+        .unwrap();
+    for fig in ["p50", "p99", "server_stream", "bidi"] {
+        assert!(sr[fig].as_f64().unwrap() > 0.0, "{fig}");
+    }
+    assert!(
+        out.contains("Streaming (issue 7)"),
+        "no streaming table:\n{out}"
+    );
+    for name in ["latency", "throughput", "streaming"] {
         let png = std::fs::read(dir.join(format!("{name}.png"))).unwrap();
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{name}.png");
         let svg = std::fs::read_to_string(dir.join(format!("{name}.svg"))).unwrap();
@@ -219,6 +285,14 @@ fn two_host_mode_runs_through_serve_listen() {
     assert!(row(&r, "raw", 256)["p50_us"].as_f64().unwrap() > 0.0);
     assert_eq!(r["config"]["two_host"], addr.as_str());
     assert!(r["issue3"]["p50_us"].is_null());
+    // Streaming across the two "hosts": rdma-rpc only (raw has none), so no ratios.
+    let st = &r["streaming"];
+    let rows = st["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{st}");
+    assert_eq!(rows[0]["system"], "rpc");
+    assert!(rows[0]["p50_us"].as_f64().unwrap() > 0.0);
+    assert!(rows[0]["server_stream"]["msgs_per_s"].as_f64().unwrap() > 0.0);
+    assert!(st["ratios"].as_array().unwrap().is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -236,6 +310,12 @@ fn bad_arguments_are_refused_with_a_reason() {
     );
     assert!(!ok);
     assert!(out.contains("outstanding counts"), "{out}");
+    let (ok, out) = run(
+        &["run", "--stream-pipeline", "999", "--no-progress"],
+        Duration::from_secs(30),
+    );
+    assert!(!ok);
+    assert!(out.contains("--stream-pipeline"), "{out}");
     let (ok, out) = run(
         &["run", "--connect", "127.0.0.1:1", "--no-progress"],
         Duration::from_secs(30),
