@@ -154,6 +154,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 const WARMUP: u64 = 1_000;
 /// Calls counted per variant (fewer in the Soft-RoCE VM, where the guest is emulated).
+/// Call it once before counting starts: the first call reads the environment.
 fn calls() -> u64 {
     if common::in_vm() { 1_000 } else { 5_000 }
 }
@@ -197,6 +198,7 @@ fn zero_allocations_per_blocking_call() {
         let ch = srv.channel(PollerMode::Caller).await;
         (srv, ch)
     });
+    let n = calls();
     for deadline in [false, true] {
         let run = |from: u64, n: u64| {
             for i in from..from + n {
@@ -207,18 +209,17 @@ fn zero_allocations_per_blocking_call() {
             }
         };
         run(0, WARMUP);
-        let ((), allocs, largest) = counted(|| run(WARMUP, calls()));
+        let ((), allocs, largest) = counted(|| run(WARMUP, n));
         println!(
             "blocking calls (caller polls), deadline {deadline}: {allocs} allocations in \
              {} calls (largest {largest} B)",
-            calls()
+            n
         );
         assert_eq!(
-            allocs,
-            0,
+            allocs, 0,
             "blocking calls, deadline {deadline}: {allocs} heap allocations in {} calls \
              (RPC_ALLOC_TRACE=1 shows where)",
-            calls()
+            n
         );
     }
     rt.block_on(srv.settle("live calls back to 0"));
@@ -237,6 +238,7 @@ fn zero_allocations_per_async_call() {
         .into_iter()
         .map(|mode| (mode, rt.block_on(srv.channel(mode))))
         .collect();
+    let n = calls();
     for (mode, ch) in &channels {
         for deadline in [false, true] {
             let run = |from: u64, n: u64| {
@@ -251,18 +253,17 @@ fn zero_allocations_per_async_call() {
                 })
             };
             run(0, WARMUP);
-            let ((), allocs, largest) = counted(|| run(WARMUP, calls()));
+            let ((), allocs, largest) = counted(|| run(WARMUP, n));
             println!(
                 "async calls ({mode:?} poller), deadline {deadline}: {allocs} allocations in \
                  {} calls (largest {largest} B)",
-                calls()
+                n
             );
             assert_eq!(
-                allocs,
-                0,
+                allocs, 0,
                 "async calls ({mode:?} poller), deadline {deadline}: {allocs} heap \
                  allocations in {} calls (RPC_ALLOC_TRACE=1 shows where)",
-                calls()
+                n
             );
         }
     }

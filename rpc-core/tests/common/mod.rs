@@ -402,8 +402,13 @@ pub async fn blocking<T: Send + 'static>(
 
 /// Whether the tests run in the Soft-RoCE VM (sizes and counts scaled down there: the guest
 /// runs under software emulation). `softroce/vm.sh` exports `SOFTROCE=1` to its programs.
+/// Read once and cached: later calls do not touch the environment (reading it allocates, which
+/// the allocation-counting tests would see).
 pub fn in_vm() -> bool {
-    std::env::var_os("SOFTROCE").is_some() || std::env::var_os("SOFTROCE_DEVICE").is_some()
+    static IN_VM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *IN_VM.get_or_init(|| {
+        std::env::var_os("SOFTROCE").is_some() || std::env::var_os("SOFTROCE_DEVICE").is_some()
+    })
 }
 
 /// The largest payload of the echo tests: 64 MiB, 4 MiB in the VM.
