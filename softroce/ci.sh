@@ -105,10 +105,11 @@ RXE_SKIPS=(queue_full local_protection)
 # rails would then serve the connections of its rxe1 shards to nobody: the RPC suites run on
 # rxe0 only (rails are exercised on the soft provider, and by the doctor and the smoke test
 # of the overrides below).
-batch=()
+# (`env` is the program then: the test binary goes into the guest through SOFTROCE_EXTRA.)
+batch=() extra=()
 for e in "${exes[@]}"; do
   case "$(basename "$e")" in
-    rpc_*|interop*) batch+=(/usr/bin/env RPC_IB_HCA=rxe0) ;;
+    rpc_*|interop*) batch+=(/usr/bin/env RPC_IB_HCA=rxe0) extra+=("$e") ;;
   esac
   batch+=("$e")
   if [[ "$(basename "$e")" == conformance_ib-* ]]; then
@@ -124,7 +125,7 @@ batch+=("$doctor" --iters 200)
 t_vm=$SECONDS
 rc=0
 # cargo runs test binaries in the package directory; so do we.
-(cd "$ROOT/rpc-core" && SOFTROCE_RXE=2 RPC_PROVIDER=ib "$ROOT/softroce/vm.sh" batch "${batch[@]}") || rc=$?
+(cd "$ROOT/rpc-core" && SOFTROCE_EXTRA="${SOFTROCE_EXTRA:-} ${extra[*]}" SOFTROCE_RXE=2 RPC_PROVIDER=ib "$ROOT/softroce/vm.sh" batch "${batch[@]}") || rc=$?
 phase "VM step took $((SECONDS - t_vm)) s; exit code $rc"
 if [[ $rc -ne 0 ]]; then
   echo "softroce/ci: FAILED: a program failed inside the Soft-RoCE VM (exit $rc)" >&2
