@@ -666,10 +666,68 @@ async fn metadata_round_trips_on_every_path() {
 
 // ----- 7. message limits ---------------------------------------------------------------------
 
+/// Over `limit` on `side`'s end (client or server): a request, and a response with and without
+/// a size hint, each fail with RESOURCE_EXHAUSTED; then a call of `ok_len` bytes still works
+/// on the same connection. Sequence numbers start at `seq`.
+async fn oversized_calls_fail_and_the_connection_lives(
+    ch: &Channel,
+    side: &str,
+    limit: usize,
+    ok_len: usize,
+    seq: u64,
+) {
+    let over = limit + 1000;
+    let req = Request::new(Blob {
+        seq,
+        data: pattern(over, seq),
+    });
+    let r: Result<Response<Blob>, Status> = call(ch, Api::Async, &lab_server::ECHO, req).await;
+    assert_code(
+        &r,
+        Code::ResourceExhausted,
+        &format!("request over the {side}'s limit"),
+    );
+    for hint in [false, true] {
+        let mut req = Request::new(GenRequest {
+            seq: seq + 1,
+            len: over as u64,
+        });
+        if hint {
+            req.set_response_size_hint(over + 16);
+        }
+        let r: Result<Response<Blob>, Status> =
+            call(ch, Api::Async, &lab_server::GENERATE, req).await;
+        assert_code(
+            &r,
+            Code::ResourceExhausted,
+            &format!("response over the {side}'s limit, hint {hint}"),
+        );
+    }
+    let r: Response<Blob> = call(
+        ch,
+        Api::Async,
+        &lab_server::ECHO,
+        Request::new(Blob {
+            seq: seq + 2,
+            data: pattern(ok_len, seq + 2),
+        }),
+    )
+    .await
+    .unwrap_or_else(|e| {
+        panic!("{side}'s limit: the connection survives oversized messages: {e:?}")
+    });
+    check_blob(
+        r.get_ref(),
+        seq + 2,
+        ok_len,
+        &format!("after oversized messages ({side})"),
+    );
+    assert!(ch.is_connected());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_messages_are_resource_exhausted() {
     const LIMIT: u64 = 1 << 20;
-    let over = (LIMIT as usize) + 1000;
     // The client's limit.
     let srv = TestServer::start().await;
     let ch = within(
@@ -679,89 +737,20 @@ async fn oversized_messages_are_resource_exhausted() {
     )
     .await
     .unwrap();
-    let req = Request::new(Blob {
-        seq: 1,
-        data: pattern(over, 1),
-    });
-    let r: Result<Response<Blob>, Status> = call(&ch, Api::Async, &lab_server::ECHO, req).await;
-    assert_code(
-        &r,
-        Code::ResourceExhausted,
-        "request over the client's limit",
-    );
-    for hint in [false, true] {
-        let mut req = Request::new(GenRequest {
-            seq: 2,
-            len: over as u64,
-        });
-        if hint {
-            req.set_response_size_hint(over + 16);
-        }
-        let r: Result<Response<Blob>, Status> =
-            call(&ch, Api::Async, &lab_server::GENERATE, req).await;
-        assert_code(
-            &r,
-            Code::ResourceExhausted,
-            &format!("response over the client's limit, hint {hint}"),
-        );
-    }
-    let r: Response<Blob> = call(
+    oversized_calls_fail_and_the_connection_lives(
         &ch,
-        Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 3,
-            data: pattern(LIMIT as usize - 100, 3),
-        }),
+        "client",
+        LIMIT as usize,
+        LIMIT as usize - 100,
+        1,
     )
-    .await
-    .expect("a message under the limit still works");
-    check_blob(r.get_ref(), 3, LIMIT as usize - 100, "under the limit");
-    assert!(ch.is_connected());
+    .await;
     srv.settle("live calls back to 0").await;
 
     // The server's limit.
     let srv = TestServer::start_with(|b| b.max_message(LIMIT)).await;
     let ch = srv.channel(PollerMode::Thread).await;
-    let req = Request::new(Blob {
-        seq: 4,
-        data: pattern(over, 4),
-    });
-    let r: Result<Response<Blob>, Status> = call(&ch, Api::Async, &lab_server::ECHO, req).await;
-    assert_code(
-        &r,
-        Code::ResourceExhausted,
-        "request over the server's limit",
-    );
-    for hint in [false, true] {
-        let mut req = Request::new(GenRequest {
-            seq: 5,
-            len: over as u64,
-        });
-        if hint {
-            req.set_response_size_hint(over + 16);
-        }
-        let r: Result<Response<Blob>, Status> =
-            call(&ch, Api::Async, &lab_server::GENERATE, req).await;
-        assert_code(
-            &r,
-            Code::ResourceExhausted,
-            &format!("response over the server's limit, hint {hint}"),
-        );
-    }
-    let r: Response<Blob> = call(
-        &ch,
-        Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 6,
-            data: pattern(1000, 6),
-        }),
-    )
-    .await
-    .expect("the connection survives oversized messages");
-    check_blob(r.get_ref(), 6, 1000, "after oversized messages");
-    assert!(ch.is_connected());
+    oversized_calls_fail_and_the_connection_lives(&ch, "server", LIMIT as usize, 1000, 4).await;
     srv.settle("live calls back to 0").await;
 }
 
