@@ -300,6 +300,27 @@ struct Env {
 }
 
 impl Env {
+    /// Starts a server-streaming `produce` call of `count` messages cycling through `sizes`,
+    /// failing with ABORTED after `fail_after` messages when given.
+    async fn produce(
+        &self,
+        count: u64,
+        sizes: Vec<u64>,
+        fail_after: Option<u64>,
+    ) -> Streaming<Item> {
+        within(
+            "produce",
+            self.client.produce(Produce {
+                count,
+                sizes,
+                fail_after,
+            }),
+        )
+        .await
+        .expect("produce")
+        .into_inner()
+    }
+
     async fn start() -> Env {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(
@@ -393,17 +414,7 @@ async fn slow_consumer_slows_the_producer() {
     // Small messages, then large ones (the bulk path) under the same window.
     for (count, size) in [(200u64, 100u64), (60, 64 << 10)] {
         let svc_counters = Arc::clone(&env.counters);
-        let mut s = within(
-            "produce",
-            env.client.produce(Produce {
-                count,
-                sizes: vec![size],
-                fail_after: None,
-            }),
-        )
-        .await
-        .expect("produce")
-        .into_inner();
+        let mut s = env.produce(count, vec![size], None).await;
         // Before anything is consumed the producer runs a whole window ahead (pipelining)...
         env.counters
             .until("the producer filled the window", |c| c.produced() >= WINDOW)
@@ -437,17 +448,7 @@ async fn fast_producer_stays_bounded() {
     const N: u64 = 10_000;
 
     // Server -> client: the consumer starts 200 ms late, then sleeps every 1,000 messages.
-    let mut s = within(
-        "produce",
-        env.client.produce(Produce {
-            count: N,
-            sizes: vec![64],
-            fail_after: None,
-        }),
-    )
-    .await
-    .expect("produce")
-    .into_inner();
+    let mut s = env.produce(N, vec![64], None).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let stalled_at = env.counters.produced();
     assert!(
@@ -504,17 +505,7 @@ async fn fast_producer_stays_bounded() {
 async fn a_stalled_stream_blocks_no_other_call() {
     let env = Env::start().await;
     // A server stream nobody reads: its producer stops at one window.
-    let mut stalled = within(
-        "produce",
-        env.client.produce(Produce {
-            count: 1000,
-            sizes: vec![200],
-            fail_after: None,
-        }),
-    )
-    .await
-    .expect("produce")
-    .into_inner();
+    let mut stalled = env.produce(1000, vec![200], None).await;
     env.counters
         .until("the producer filled the window", |c| c.produced() >= WINDOW)
         .await;
@@ -603,17 +594,13 @@ async fn large_messages_in_streams_take_the_bulk_path() {
     let total: u64 = SIZES.iter().map(|&s| s as u64).sum::<u64>() * 2;
     let env = Env::start().await;
 
-    let mut s = within(
-        "produce",
-        env.client.produce(Produce {
-            count: 2 * SIZES.len() as u64,
-            sizes: SIZES.iter().map(|&s| s as u64).collect(),
-            fail_after: None,
-        }),
-    )
-    .await
-    .expect("produce")
-    .into_inner();
+    let mut s = env
+        .produce(
+            2 * SIZES.len() as u64,
+            SIZES.iter().map(|&s| s as u64).collect(),
+            None,
+        )
+        .await;
     let mut bytes = 0u64;
     let mut seq = 0u64;
     while let Some(m) = within("item", s.message()).await.expect("OK") {
@@ -739,17 +726,7 @@ async fn a_status_in_mid_stream() {
         );
     };
     // Server streaming.
-    let mut s = within(
-        "produce",
-        env.client.produce(Produce {
-            count: 100,
-            sizes: vec![10, 20_000],
-            fail_after: Some(3),
-        }),
-    )
-    .await
-    .expect("produce")
-    .into_inner();
+    let mut s = env.produce(100, vec![10, 20_000], Some(3)).await;
     let e = drain(&mut s, async |_| {}).await.expect_err("ABORTED");
     want(&e, 3);
     assert!(within("after", s.message()).await.expect("ended").is_none());
@@ -829,17 +806,7 @@ async fn an_early_answer_ends_an_idle_client_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_stream_stops_its_producer() {
     let env = Env::start().await;
-    let mut s = within(
-        "produce",
-        env.client.produce(Produce {
-            count: 100_000,
-            sizes: vec![100],
-            fail_after: None,
-        }),
-    )
-    .await
-    .expect("produce")
-    .into_inner();
+    let mut s = env.produce(100_000, vec![100], None).await;
     for i in 0..5 {
         let m = within("item", s.message())
             .await
@@ -940,17 +907,7 @@ async fn many_stalled_streams_do_not_starve_the_connection() {
     // Server -> client: ten server streams nobody reads.
     let mut stalled = Vec::new();
     for _ in 0..STREAMS {
-        let s = within(
-            "produce",
-            env.client.produce(Produce {
-                count: 100,
-                sizes: vec![200],
-                fail_after: None,
-            }),
-        )
-        .await
-        .expect("produce")
-        .into_inner();
+        let s = env.produce(100, vec![200], None).await;
         stalled.push(s);
     }
     env.counters
@@ -979,17 +936,7 @@ async fn many_stalled_streams_do_not_starve_the_connection() {
             .expect("unary call beside stalled streams");
         assert_eq!(r.into_inner().seq, i);
     }
-    let mut s = within(
-        "another produce",
-        env.client.produce(Produce {
-            count: 200,
-            sizes: vec![300],
-            fail_after: None,
-        }),
-    )
-    .await
-    .expect("produce")
-    .into_inner();
+    let mut s = env.produce(200, vec![300], None).await;
     assert_eq!(drain(&mut s, async |_| {}).await.expect("OK"), 200);
     // Release everything: all of it completes, in order.
     for mut s in stalled {
@@ -1019,17 +966,7 @@ async fn cancelled_and_failed_streams_of_large_messages_leave_the_connection_cle
         match round % 4 {
             // Server stream dropped after the first message.
             0 => {
-                let mut s = within(
-                    "produce",
-                    env.client.produce(Produce {
-                        count: 40,
-                        sizes: vec![64 << 10, 9000],
-                        fail_after: None,
-                    }),
-                )
-                .await
-                .expect("produce")
-                .into_inner();
+                let mut s = env.produce(40, vec![64 << 10, 9000], None).await;
                 within("first", s.message())
                     .await
                     .expect("OK")
@@ -1037,17 +974,7 @@ async fn cancelled_and_failed_streams_of_large_messages_leave_the_connection_cle
             }
             // Server stream failing after a few large messages.
             1 => {
-                let mut s = within(
-                    "produce",
-                    env.client.produce(Produce {
-                        count: 40,
-                        sizes: vec![64 << 10],
-                        fail_after: Some(3),
-                    }),
-                )
-                .await
-                .expect("produce")
-                .into_inner();
+                let mut s = env.produce(40, vec![64 << 10], Some(3)).await;
                 let e = drain(&mut s, async |_| {}).await.expect_err("ABORTED");
                 assert_eq!(e.code(), Code::Aborted, "{e}");
             }
