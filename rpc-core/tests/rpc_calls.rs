@@ -773,8 +773,10 @@ async fn rebind(addr: &str) -> TestServer {
     }
 }
 
-async fn restart_case(mode: PollerMode, graceful: bool) {
-    let what = format!("{mode:?} restart (shutdown: {graceful})");
+/// The server goes away with calls in flight (they fail with UNAVAILABLE), then a new one
+/// binds the same port: the same channel reconnects on the next call made through `api`.
+async fn restart_case(mode: PollerMode, graceful: bool, api: Api) {
+    let what = format!("{mode:?} restart (shutdown: {graceful}, {api:?} calls)");
     let srv = TestServer::start().await;
     let addr = srv.addr();
     let ch = srv.channel(mode).await;
@@ -783,7 +785,7 @@ async fn restart_case(mode: PollerMode, graceful: bool) {
         async move {
             call::<_, Blob>(
                 &ch,
-                Api::Async,
+                api,
                 &lab_server::ECHO,
                 Request::new(Blob {
                     seq,
@@ -859,17 +861,28 @@ async fn restart_case(mode: PollerMode, graceful: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_shutdown_then_restart_thread_poller() {
-    restart_case(PollerMode::Thread, true).await;
+    restart_case(PollerMode::Thread, true, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_dropped_then_restart_thread_poller() {
-    restart_case(PollerMode::Thread, false).await;
+    restart_case(PollerMode::Thread, false, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_shutdown_then_restart_caller_poller() {
-    restart_case(PollerMode::Caller, true).await;
+    restart_case(PollerMode::Caller, true, Api::Async).await;
+}
+
+/// Blocking calls reconnect too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_dropped_then_restart_blocking_calls() {
+    restart_case(PollerMode::Thread, false, Api::Blocking).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_shutdown_then_restart_blocking_calls_caller_poller() {
+    restart_case(PollerMode::Caller, true, Api::Blocking).await;
 }
 
 // ----- 13. handshake -------------------------------------------------------------------------

@@ -120,6 +120,7 @@ impl ChannelBuilder {
                 builder: self,
                 conn: ArcSwap::new(Arc::new(conn)),
                 reconnect: tokio::sync::Mutex::new(()),
+                rt: tokio::runtime::Handle::current(),
             }),
         })
     }
@@ -156,6 +157,8 @@ struct Shared {
     builder: ChannelBuilder,
     conn: ArcSwap<Conn>,
     reconnect: tokio::sync::Mutex<()>,
+    /// The runtime the channel was connected on: blocking calls reconnect through it.
+    rt: tokio::runtime::Handle,
 }
 
 /// A connection to a server, usable from many tasks and threads at once. Cloning is cheap.
@@ -204,6 +207,38 @@ impl Channel {
     /// Dropping the future abandons the attempt and frees what it set up.
     pub async fn connect(addr: impl AsRef<str>) -> Result<Channel, Error> {
         Channel::builder(addr.as_ref()).connect().await
+    }
+
+    /// The live connection for a blocking call: when it was lost, reconnects through the
+    /// runtime the channel was connected on (the calling thread waits; it is not a runtime
+    /// thread, see [`Channel::unary_blocking`]).
+    fn conn_blocking(&self) -> Result<Arc<Conn>, Status> {
+        let c = self.shared.conn.load_full();
+        if c.is_usable() {
+            return Ok(c);
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let ch = self.clone();
+        // On a runtime that was shut down the task is dropped unrun, and so is `tx`.
+        self.shared.rt.spawn(async move {
+            let _ = tx.send(ch.conn().await);
+        });
+        // The handshake after the TCP connect is bounded by the server; allow it some time.
+        let limit = self.shared.builder.connect_timeout + Duration::from_secs(10);
+        match rx.recv_timeout(limit) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Status::unavailable(format!(
+                "connection to {} lost; reconnecting took longer than {limit:?}",
+                self.shared.builder.addr
+            ))),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Err(Status::unavailable(format!(
+                    "connection to {} lost; cannot reconnect: the runtime the channel was \
+                     connected on has shut down",
+                    self.shared.builder.addr
+                )))
+            }
+        }
     }
 
     /// The live connection, reconnecting once if it was lost.
@@ -296,7 +331,8 @@ impl Channel {
     ///
     /// # Errors
     /// As [`Channel::unary`]; when the connection is lost the call fails with `UNAVAILABLE`
-    /// and the next async call reconnects.
+    /// and the next call, blocking or async, reconnects (a blocking one through the runtime
+    /// the channel was connected on, waiting for it).
     pub fn unary_blocking<Req, Resp>(
         &self,
         method: &'static MethodDesc,
@@ -306,7 +342,7 @@ impl Channel {
         Req: Message,
         Resp: Message + Default,
     {
-        let conn = self.shared.conn.load_full();
+        let conn = self.conn_blocking()?;
         with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
     }
 
