@@ -1600,13 +1600,9 @@ impl<P: Provider> Driver<P> {
 
     fn expire(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
         let mut n = 0;
-        let Some(t) = self.link.wire.poll_timeout() else {
+        let Some(now) = self.link.expiry_due() else {
             return Ok(0);
         };
-        let now = self.link.now();
-        if t > now {
-            return Ok(0);
-        }
         while let Some(call) = self.link.wire.expire(now) {
             n += 1;
             let slot = call.slot() as usize;

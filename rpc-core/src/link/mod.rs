@@ -224,6 +224,8 @@ pub struct Link<P: Provider> {
     epoch: Instant,
     clock: std::cell::Cell<u64>,
     clock_stale: std::cell::Cell<bool>,
+    /// Turns that looked for expired deadlines (see [`Link::expiry_due`]).
+    expiry_turns: u32,
     backlog: std::collections::VecDeque<Control>,
 }
 
@@ -265,6 +267,7 @@ impl<P: Provider> Link<P> {
             epoch,
             clock: std::cell::Cell::new(0),
             clock_stale: std::cell::Cell::new(true),
+            expiry_turns: 0,
             backlog: std::collections::VecDeque::new(),
         };
         link.tick();
@@ -290,6 +293,24 @@ impl<P: Provider> Link<P> {
     /// Starts a turn of the poll loop: the next [`Link::now`] reads the clock.
     pub fn tick(&mut self) {
         self.clock_stale.set(true);
+    }
+
+    /// Turns between two clock reads made only to look for expired deadlines: on an idle
+    /// spinning loop the read costs more than the rest of the turn, and deadlines are coarse.
+    pub const EXPIRY_EVERY: u32 = 16;
+
+    /// Once per turn: the time, when a deadline of this link may have passed (expire calls
+    /// with [`wire::Conn::expire`] at it). Reads the clock only when this turn read it already
+    /// or on every [`Link::EXPIRY_EVERY`]th turn, so an expired call is found a few turns
+    /// late at most.
+    pub fn expiry_due(&mut self) -> Option<u64> {
+        let t = self.wire.poll_timeout()?;
+        self.expiry_turns = self.expiry_turns.wrapping_add(1);
+        if self.clock_stale.get() && !self.expiry_turns.is_multiple_of(Self::EXPIRY_EVERY) {
+            return None;
+        }
+        let now = self.now();
+        (t <= now).then_some(now)
     }
 
     /// Receive slots that must be waiting before a busy loop reposts them: posting in batches

@@ -1560,10 +1560,7 @@ impl<P: Provider> Shard<P> {
                 break;
             }
             conn.link.tick();
-            if let Some(d) = conn.link.wire.poll_timeout()
-                && d <= conn.link.now()
-            {
-                let now = conn.link.now();
+            if let Some(now) = conn.link.expiry_due() {
                 while n_expired < expired.len() {
                     let Some(call) = conn.link.wire.expire(now) else {
                         break;
