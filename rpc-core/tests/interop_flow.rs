@@ -427,10 +427,13 @@ async fn slow_consumer_slows_the_producer() {
         .await
         .expect("the stream ends OK");
         assert_eq!(n, count);
+        // The window is given back inside `message()`, before the drain callback counts the
+        // message consumed: the producer may be one ahead of what the counter shows.
         let ahead = env.counters.max_ahead();
         assert!(
-            ahead <= WINDOW,
-            "the producer got {ahead} messages ahead of the consumer (window {WINDOW})"
+            ahead <= WINDOW + 1,
+            "the producer got {ahead} messages ahead of the consumer (window {WINDOW}, bound {})",
+            WINDOW + 1
         );
         // Reset for the next size.
         env.counters.produced.store(0, Ordering::SeqCst);

@@ -11,6 +11,15 @@ pub trait EncodeMsg: Send + Sync {
     /// Encodes into `out[..self.encoded_len()]`; returns the bytes written, or `None` (writing
     /// nothing) when `out` is too small.
     fn encode_into(&self, out: &mut [u8]) -> Option<usize>;
+
+    /// Encodes through a [`Gather`]: large `bytes` fields that already lie in the gather's
+    /// registered region are referenced, not copied. Returns `None` when the staging area is
+    /// too small. The default copies everything (it is [`EncodeMsg::encode_into`]).
+    fn encode_gather(&self, g: &mut Gather<'_>) -> Option<()> {
+        let n = self.encode_into(g.rest())?;
+        g.staged(n);
+        Some(())
+    }
 }
 
 impl<M: Message> EncodeMsg for M {
@@ -24,6 +33,181 @@ impl<M: Message> EncodeMsg for M {
         self.encode_raw(&mut w);
         debug_assert!(w.is_empty(), "prost encoded_len disagrees with encode_raw");
         Some(len - w.len())
+    }
+
+    fn encode_gather(&self, g: &mut Gather<'_>) -> Option<()> {
+        if Message::encoded_len(self) > g.stage.len() - g.used {
+            return None;
+        }
+        self.encode_raw(g);
+        Some(())
+    }
+}
+
+/// One piece of a gathered encoding, in message order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Piece {
+    /// `len` bytes written into the staging area at `offset`.
+    Staged {
+        /// Offset in the staging area.
+        offset: usize,
+        /// Length.
+        len: usize,
+    },
+    /// `len` bytes left where they are, at `offset` in the gather's region.
+    Region {
+        /// Offset in the region.
+        offset: usize,
+        /// Length.
+        len: usize,
+    },
+}
+
+/// Most pieces a gathered encoding is made of (staged and referenced alternate, so at most
+/// `(MAX_PIECES - 1) / 2` references).
+pub const MAX_PIECES: usize = 3;
+
+/// A `bytes::BufMut` that encodes a message into a staging area, except that a contiguous
+/// slice of at least `min_ref` bytes lying inside `region` (registered memory the caller keeps
+/// alive until the NIC has sent it) is recorded as a reference instead of being copied. The
+/// result is a list of [`Piece`]s that a gather list of SGEs sends in order.
+///
+/// prost writes `bytes` and `Vec<u8>` fields with `BufMut::put`, everything else with
+/// `put_slice` or in place; only `put` looks for references.
+#[derive(Debug)]
+pub struct Gather<'a> {
+    stage: &'a mut [u8],
+    used: usize,
+    region: (usize, usize),
+    min_ref: usize,
+    pieces: [Piece; MAX_PIECES],
+    n: usize,
+}
+
+impl<'a> Gather<'a> {
+    /// A gather staging into `stage`, referencing slices of at least `min_ref` bytes inside
+    /// `region` (an empty region: nothing is referenced).
+    pub fn new(stage: &'a mut [u8], region: &[u8], min_ref: usize) -> Gather<'a> {
+        Gather {
+            stage,
+            used: 0,
+            region: (region.as_ptr() as usize, region.len()),
+            min_ref: min_ref.max(1),
+            pieces: [Piece::Staged { offset: 0, len: 0 }; MAX_PIECES],
+            n: 0,
+        }
+    }
+
+    /// The pieces, in order.
+    pub fn pieces(&self) -> &[Piece] {
+        &self.pieces[..self.n]
+    }
+
+    /// Bytes of the message so far, staged and referenced.
+    pub fn len(&self) -> usize {
+        self.pieces()
+            .iter()
+            .map(|p| match *p {
+                Piece::Staged { len, .. } | Piece::Region { len, .. } => len,
+            })
+            .sum()
+    }
+
+    /// Whether nothing was encoded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes referenced rather than copied.
+    pub fn referenced(&self) -> usize {
+        self.pieces()
+            .iter()
+            .map(|p| match *p {
+                Piece::Region { len, .. } => len,
+                Piece::Staged { .. } => 0,
+            })
+            .sum()
+    }
+
+    /// The unused rest of the staging area.
+    pub fn rest(&mut self) -> &mut [u8] {
+        &mut self.stage[self.used..]
+    }
+
+    /// Records that `n` more bytes were written at the start of [`Gather::rest`].
+    pub fn staged(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let offset = self.used;
+        self.used += n;
+        if self.n > 0
+            && let Piece::Staged { offset: o, len } = &mut self.pieces[self.n - 1]
+            && *o + *len == offset
+        {
+            *len += n;
+            return;
+        }
+        // A reference is pushed only when a slot is left for the staged piece after it.
+        debug_assert!(self.n < MAX_PIECES);
+        self.pieces[self.n] = Piece::Staged { offset, len: n };
+        self.n += 1;
+    }
+
+    /// `bytes` as a reference when it lies in the region, is large enough and a piece is left
+    /// for it and for a staged piece after it.
+    fn try_reference(&mut self, bytes: &[u8]) -> bool {
+        let (start, len) = self.region;
+        let p = bytes.as_ptr() as usize;
+        let inside = p >= start && p - start <= len && bytes.len() <= len - (p - start);
+        if bytes.len() < self.min_ref || !inside || self.n + 2 > MAX_PIECES {
+            return false;
+        }
+        self.pieces[self.n] = Piece::Region {
+            offset: p - start,
+            len: bytes.len(),
+        };
+        self.n += 1;
+        true
+    }
+}
+
+// SAFETY: `chunk_mut` hands out the unused rest of `stage`, and `advance_mut` (which records
+// the bytes as staged) refuses to move past its end: the contract of `BufMut`.
+unsafe impl bytes::BufMut for Gather<'_> {
+    fn remaining_mut(&self) -> usize {
+        self.stage.len() - self.used
+    }
+
+    unsafe fn advance_mut(&mut self, cnt: usize) {
+        assert!(
+            cnt <= self.remaining_mut(),
+            "advance_mut past the staging area"
+        );
+        self.staged(cnt);
+    }
+
+    fn chunk_mut(&mut self) -> &mut bytes::buf::UninitSlice {
+        bytes::buf::UninitSlice::new(&mut self.stage[self.used..])
+    }
+
+    fn put_slice(&mut self, src: &[u8]) {
+        self.rest()[..src.len()].copy_from_slice(src);
+        self.staged(src.len());
+    }
+
+    fn put<T: bytes::Buf>(&mut self, mut src: T)
+    where
+        Self: Sized,
+    {
+        while src.has_remaining() {
+            let chunk = src.chunk();
+            let n = chunk.len();
+            if !self.try_reference(chunk) {
+                self.put_slice(chunk);
+            }
+            src.advance(n);
+        }
     }
 }
 
@@ -65,6 +249,91 @@ mod tests {
     struct M {
         #[prost(string, tag = "1")]
         s: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Blob {
+        #[prost(uint64, tag = "1")]
+        seq: u64,
+        #[prost(bytes = "bytes", tag = "2")]
+        data: bytes::Bytes,
+        #[prost(string, tag = "3")]
+        note: String,
+    }
+
+    /// The pieces, put together, are the message's encoding.
+    fn assemble(pieces: &[Piece], stage: &[u8], region: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for p in pieces {
+            match *p {
+                Piece::Staged { offset, len } => {
+                    out.extend_from_slice(&stage[offset..offset + len])
+                }
+                Piece::Region { offset, len } => {
+                    out.extend_from_slice(&region[offset..offset + len])
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn gather_references_large_fields_in_the_region_and_copies_the_rest() {
+        let region: bytes::Bytes = (0..100_000u32).map(|i| i as u8).collect::<Vec<_>>().into();
+        let m = Blob {
+            seq: 7,
+            data: region.slice(1000..90_000),
+            note: "after".into(),
+        };
+        let mut stage = vec![0u8; Message::encoded_len(&m)];
+        let mut g = Gather::new(&mut stage, &region, 4096);
+        EncodeMsg::encode_gather(&m, &mut g).unwrap();
+        assert_eq!(g.referenced(), 89_000);
+        assert_eq!(g.len(), Message::encoded_len(&m));
+        assert_eq!(g.pieces().len(), 3);
+        assert_eq!(
+            g.pieces()[1],
+            Piece::Region {
+                offset: 1000,
+                len: 89_000
+            }
+        );
+        let pieces = g.pieces().to_vec();
+        assert_eq!(assemble(&pieces, &stage, &region), m.encode_to_vec());
+    }
+
+    #[test]
+    fn gather_copies_small_or_foreign_fields() {
+        let region = vec![1u8; 10_000];
+        let foreign: bytes::Bytes = vec![2u8; 50_000].into();
+        for (data, min_ref) in [
+            (foreign.clone(), 4096),
+            (bytes::Bytes::from(region[..100].to_vec()), 4096),
+        ] {
+            let m = Blob {
+                seq: 1,
+                data,
+                note: String::new(),
+            };
+            let mut stage = vec![0u8; Message::encoded_len(&m)];
+            let mut g = Gather::new(&mut stage, &region, min_ref);
+            EncodeMsg::encode_gather(&m, &mut g).unwrap();
+            assert_eq!(g.referenced(), 0);
+            assert_eq!(g.pieces().len(), 1);
+            let pieces = g.pieces().to_vec();
+            let out = assemble(&pieces, &stage, &region);
+            assert_eq!(out, m.encode_to_vec());
+        }
+        // A staging area too small is refused, writing nothing.
+        let m = Blob {
+            seq: 1,
+            data: foreign,
+            note: String::new(),
+        };
+        let mut stage = vec![0u8; 10];
+        let mut g = Gather::new(&mut stage, &region, 4096);
+        assert!(EncodeMsg::encode_gather(&m, &mut g).is_none());
+        assert!(g.is_empty());
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod task;
 
 pub use bulk::{BulkBuf, BulkPool};
 pub use decode::{SlotReader, ZERO_COPY_MIN};
-pub use encode::{EncodeMsg, NoMsg, RawBytes};
+pub use encode::{EncodeMsg, Gather, NoMsg, Piece, RawBytes};
 pub use handoff::{CancelOutcome, Exclusive, ExclusiveGuard, Mailbox, Taken};
 pub use slots::{Geometry, RecvSlot, Repost, SlotArena};
 pub use task::{CtxFamily, FutureTask, Notify, Polled, SlabTask, Spawned, TaskId, TaskSlab};

@@ -21,6 +21,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::buf::encode::MAX_PIECES;
 use crate::buf::{BulkBuf, BulkPool, EncodeMsg, RecvSlot, SlotArena};
 use crate::verbs::{
     PostError, Provider, Qp, RecvWr, SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOp,
@@ -614,6 +615,65 @@ impl<P: Provider> Link<P> {
         }
     }
 
+    /// Like [`Link::post_write_imm`], but the bytes are a gather list: `pieces[i]` (in order)
+    /// are `(sge_of_piece, len)` where each piece's SGE covers its whole length; chunks that
+    /// span pieces carry several SGEs (at most [`MAX_PIECES`], within the QP's
+    /// `max_send_sge`, which the caller checked).
+    ///
+    /// # Errors
+    /// When `post_send` fails or the pieces exceed the landing zone.
+    ///
+    /// # Safety
+    /// Every piece's memory must stay alive and unmodified until the last chunk's completion is
+    /// polled or the QP failed.
+    pub unsafe fn post_write_imm_gather(
+        &mut self,
+        aux: u32,
+        pieces: &[Sge],
+        remote: BulkDesc,
+        imm: u32,
+    ) -> Result<(), LinkError> {
+        let len: usize = pieces.iter().map(|p| p.length as usize).sum();
+        if len as u64 > remote.len || pieces.len() > MAX_PIECES {
+            return Err(LinkError::Protocol(
+                "bulk WRITE larger than the landing zone".into(),
+            ));
+        }
+        let remote = crate::verbs::RemoteMr {
+            addr: remote.addr,
+            len: remote.len,
+            rkey: remote.rkey,
+        };
+        let sges_of = |off: usize, n: u32, out: &mut [Sge; MAX_PIECES]| {
+            let (end, mut k, mut at) = (off + n as usize, 0, 0usize);
+            for p in pieces {
+                let (p_start, p_end) = (at, at + p.length as usize);
+                at = p_end;
+                let (s, e) = (p_start.max(off), p_end.min(end));
+                if s < e {
+                    out[k] = Sge {
+                        addr: p.addr + (s - p_start) as u64,
+                        length: (e - s) as u32,
+                        lkey: p.lkey,
+                    };
+                    k += 1;
+                }
+            }
+            Some(k)
+        };
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.post_chunked_sg(
+                WrKind::Write,
+                aux,
+                sges_of,
+                remote,
+                len,
+                Chunked::WriteImm(imm),
+            )
+        }
+    }
+
     /// Posts a one-sided RDMA READ (`write == false`) or WRITE of `len` bytes between local
     /// memory (`sge_of(offset, len)` gives the SGE of a piece) and `remote`, in chunks; only the
     /// last chunk is signaled, with `wr_id(key, kind, aux)`.
@@ -653,11 +713,34 @@ impl<P: Provider> Link<P> {
         len: usize,
         op: Chunked,
     ) -> Result<(), LinkError> {
+        let sges_of = |off: usize, n: u32, out: &mut [Sge; MAX_PIECES]| {
+            out[0] = sge_of(off, n)?;
+            Some(1)
+        };
+        // SAFETY: forwarded contract.
+        unsafe { self.post_chunked_sg(kind, aux, sges_of, remote, len, op) }
+    }
+
+    /// The chunk loop with a gather list: `sges_of(offset, len, out)` fills `out` with the
+    /// SGEs of bytes `[offset, offset + len)` of the local side and returns how many.
+    ///
+    /// # Safety
+    /// As [`Link::post_one_sided`].
+    unsafe fn post_chunked_sg(
+        &mut self,
+        kind: WrKind,
+        aux: u32,
+        sges_of: impl Fn(usize, u32, &mut [Sge; MAX_PIECES]) -> Option<usize>,
+        remote: crate::verbs::RemoteMr,
+        len: usize,
+        op: Chunked,
+    ) -> Result<(), LinkError> {
         let mut off = 0usize;
+        let mut sges = [Sge::default(); MAX_PIECES];
         loop {
             let n = (len - off).min(CHUNK);
             let last = off + n >= len;
-            let Some(sge) = sge_of(off, n as u32) else {
+            let Some(nsge) = sges_of(off, n as u32, &mut sges) else {
                 return Err(LinkError::Protocol(
                     "bulk operation outside the local buffer".into(),
                 ));
@@ -675,15 +758,15 @@ impl<P: Provider> Link<P> {
                     },
                     Chunked::Write | Chunked::WriteImm(_) => WrOp::Write { remote_addr, rkey },
                 },
-                sg_list: std::slice::from_ref(&sge),
+                sg_list: &sges[..nsge],
                 flags: if last {
                     SendFlags::SIGNALED
                 } else {
                     SendFlags::NONE
                 },
             };
-            // SAFETY: the SGE is inside the caller's local memory, kept alive (and untouched for
-            // a READ) until the completion (this function's contract).
+            // SAFETY: the SGEs are inside the caller's local memory, kept alive (and untouched
+            // for a READ) until the completion (this function's contract).
             unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
                 .map_err(|e| post_err("post_send(RDMA READ/WRITE)", &e))?;
             off += n;

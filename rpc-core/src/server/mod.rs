@@ -511,6 +511,17 @@ impl RunningServer {
             .sum()
     }
 
+    /// Response payload bytes sent without a copy, over all shards: `bytes` fields (of 16 KiB
+    /// or more) of a response that lie in the buffer its large request was READ into (an echo,
+    /// or a slice of the request) go out from there through the landing-zone WRITE's gather
+    /// list instead of being encoded into a new buffer.
+    pub fn zero_copy_response_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.zero_copy_bytes.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// Stops accepting, tells clients to start no new call here (GoAway), lets calls in flight
     /// finish for at most the grace period ([`ServerBuilder::shutdown_grace`]), then stops the
     /// shards and closes every connection.

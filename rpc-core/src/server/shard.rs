@@ -9,14 +9,17 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::SegQueue;
 use tracing::{debug, info, warn};
 
 use crate::buf::Polled;
-use crate::buf::{BulkBuf, BulkPool, EncodeMsg, Geometry, NoMsg, RawBytes, SlotArena, TaskId};
+use crate::buf::encode::MAX_PIECES;
+use crate::buf::{
+    BulkBuf, BulkPool, EncodeMsg, Gather, Geometry, NoMsg, Piece, RawBytes, SlotArena, TaskId,
+};
 use crate::connect::{Hello, Welcome};
 use crate::link::{
     CommitError, Control, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind,
@@ -29,7 +32,7 @@ use crate::server::router::Router;
 use crate::server::{PollMode, ServerConfig};
 use crate::streaming::{Inbox, Item, SlotBudget, stream_slot_budget};
 use crate::verbs::{
-    Access, CompChannel, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Wc, WcStatus,
+    Access, CompChannel, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Sge, Wc, WcStatus,
 };
 use crate::wire::{self, BulkDesc, CallId, Event, MAX_HEADER_LEN, Role, Transfer};
 use crate::{Metadata, Status};
@@ -66,6 +69,8 @@ pub(crate) struct ShardHandle {
     pub(crate) doorbell: Arc<Doorbell>,
     pub(crate) stop: Arc<AtomicBool>,
     pub(crate) live_calls: Arc<AtomicUsize>,
+    /// Response bytes sent straight from the request's buffer (see `respond_landing`).
+    pub(crate) zero_copy_bytes: Arc<AtomicU64>,
     pub(crate) thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -86,7 +91,10 @@ struct SrvCall<P: Provider> {
     /// A rendezvous request payload being READ: the buffer and what to dispatch it with.
     reading: Option<PendingDispatch<P>>,
     /// Our buffer lent to the client (rendezvous response) or being WRITTEN (landing).
-    resp_bulk: Option<BulkBuf<P>>,
+    resp_bulk: Option<RespHold<P>>,
+    /// The buffer a rendezvous request was READ into, shared with the request's `bytes`
+    /// fields: a response may be sent from it (`respond_landing`).
+    req_buf: Option<Arc<BulkBuf<P>>>,
     /// The call was dropped while its READ was in flight: release after the READ completes.
     drop_after_read: bool,
     /// Counted in the shard's live calls (accepted, not finished).
@@ -103,6 +111,36 @@ struct SrvCall<P: Provider> {
     /// The method's path (for messages).
     path: &'static str,
 }
+
+/// A request buffer shared by the request's `bytes` fields and the call.
+struct SharedBuf<P: Provider>(Arc<BulkBuf<P>>);
+
+impl<P: Provider> AsRef<[u8]> for SharedBuf<P> {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+/// What a response sent from our memory keeps alive until the peer is done with it.
+struct RespHold<P: Provider> {
+    /// The buffer the frame (or its staged part) is in.
+    _buf: BulkBuf<P>,
+    /// The request's buffer, when the frame references bytes in it.
+    _source: Option<Arc<BulkBuf<P>>>,
+}
+
+impl<P: Provider> RespHold<P> {
+    fn new(buf: BulkBuf<P>) -> Self {
+        RespHold {
+            _buf: buf,
+            _source: None,
+        }
+    }
+}
+
+/// Response `bytes` fields at least this large that lie in the request's buffer are sent from
+/// there instead of being copied (an echo, a slice of the request).
+const ZERO_COPY_MIN: usize = 16 << 10;
 
 /// A client stream frame that arrived while an earlier one was still being READ.
 enum Held {
@@ -128,6 +166,7 @@ impl<P: Provider> SrvCall<P> {
             lent: false,
             reading: None,
             resp_bulk: None,
+            req_buf: None,
             drop_after_read: false,
             active: false,
             inbox: None,
@@ -177,6 +216,9 @@ pub(crate) struct ServerConn<P: Provider> {
     peer: std::net::SocketAddr,
     /// The largest request accepted and response sent (the server's `max_message`).
     max_message: u64,
+    /// The QP takes gather lists long enough for a zero-copy response.
+    gather: bool,
+    zero_copy_bytes: Arc<AtomicU64>,
 }
 
 /// The shard.
@@ -201,6 +243,7 @@ pub(crate) struct Shard<P: Provider> {
     doorbell: Arc<Doorbell>,
     stop: Arc<AtomicBool>,
     live_calls: Arc<AtomicUsize>,
+    zero_copy_bytes: Arc<AtomicU64>,
     epoch: Instant,
     max_inline: u32,
     wcs: [Wc; POLL_BATCH],
@@ -237,6 +280,7 @@ pub(crate) fn open<P: Provider>(
     let inbox = Arc::new(SegQueue::new());
     let stop = Arc::new(AtomicBool::new(false));
     let live_calls = Arc::new(AtomicUsize::new(0));
+    let zero_copy_bytes = Arc::new(AtomicU64::new(0));
     let bulk = BulkPool::new(Arc::clone(&pd), cfg.bulk_cache_bytes);
     let peer_api = PeerApi::new(Arc::clone(&doorbell), Arc::clone(&bulk));
     let n = cfg.max_conns_per_shard as usize;
@@ -254,6 +298,7 @@ pub(crate) fn open<P: Provider>(
         doorbell: Arc::clone(&doorbell),
         stop: Arc::clone(&stop),
         live_calls: Arc::clone(&live_calls),
+        zero_copy_bytes: Arc::clone(&zero_copy_bytes),
         thread: std::sync::Mutex::new(None),
     };
     let shard = Shard {
@@ -275,6 +320,7 @@ pub(crate) fn open<P: Provider>(
         doorbell,
         stop,
         live_calls,
+        zero_copy_bytes,
         epoch,
         max_inline,
         wcs: [Wc::default(); POLL_BATCH],
@@ -299,7 +345,7 @@ fn qp_caps(
             .saturating_add(16)
             .min(caps.max_qp_wr),
         max_recv_wr: cfg.geometry.recv_slots,
-        max_send_sge: 1,
+        max_send_sge: (MAX_PIECES as u32).min(caps.max_sge),
         max_recv_sge: 1,
         max_inline_data: caps.max_inline.min(256),
     }
@@ -371,6 +417,8 @@ impl<P: Provider> ServerConn<P> {
 
     /// Sends the unary response of `call` by the cheapest path that fits.
     fn respond(&mut self, call: CallId, msg: &dyn EncodeMsg, metadata: &Metadata) {
+        // The request's buffer is released here unless the response is sent from it.
+        let source = self.slot(call).and_then(|c| c.req_buf.take());
         let len = msg.encoded_len();
         let md_len = metadata.encoded_len();
         if len as u64 > self.max_message {
@@ -398,7 +446,7 @@ impl<P: Provider> ServerConn<P> {
             },
             Transfer::Landing => {
                 if let Some(zone) = landing
-                    && self.respond_landing(call, msg, metadata, zone)
+                    && self.respond_landing(call, msg, metadata, zone, source)
                 {
                     return;
                 }
@@ -417,25 +465,38 @@ impl<P: Provider> ServerConn<P> {
 
     /// Writes the whole Response frame into the client's landing zone with WRITE_WITH_IMM.
     /// Returns false (nothing sent) when there is no credit or buffer now.
+    ///
+    /// Zero copy: `bytes` fields of the response that lie in `source` (the buffer the request
+    /// was READ into, which the request's `bytes` fields share) are not encoded into the
+    /// staging buffer: the WRITE's gather list sends them from where they are, and the call
+    /// keeps `source` until the WRITE completes.
     fn respond_landing(
         &mut self,
         call: CallId,
         msg: &dyn EncodeMsg,
         metadata: &Metadata,
         zone: BulkDesc,
+        source: Option<Arc<BulkBuf<P>>>,
     ) -> bool {
         let md_len = metadata.encoded_len();
         let len = msg.encoded_len();
-        let Ok(mut buf) = self.link.bulk.get(MAX_HEADER_LEN + md_len + len) else {
+        let body = MAX_HEADER_LEN + md_len;
+        let Ok(mut buf) = self.link.bulk.get(body + len) else {
             return false;
         };
-        {
+        let source = source.filter(|_| self.gather);
+        let mut pieces = [Piece::Staged { offset: 0, len: 0 }; MAX_PIECES];
+        let (npieces, referenced) = {
             let b = buf.as_mut_slice();
-            metadata.encode(&mut b[MAX_HEADER_LEN..MAX_HEADER_LEN + md_len]);
-            if msg.encode_into(&mut b[MAX_HEADER_LEN + md_len..]).is_none() {
+            metadata.encode(&mut b[MAX_HEADER_LEN..body]);
+            let region = source.as_deref().map_or(&[][..], BulkBuf::as_slice);
+            let mut g = Gather::new(&mut b[body..], region, ZERO_COPY_MIN);
+            if msg.encode_gather(&mut g).is_none() || g.len() != len {
                 return false;
             }
-        }
+            pieces[..g.pieces().len()].copy_from_slice(g.pieces());
+            (g.pieces().len(), g.referenced())
+        };
         let header = match self.link.wire.response(call, len, md_len, None, true) {
             Ok(h) => h,
             Err(_) => return false,
@@ -448,17 +509,55 @@ impl<P: Provider> ServerConn<P> {
         {
             return false;
         }
-        let total = hlen + md_len + len;
-        // SAFETY: `buf` is kept in the call's `resp_bulk` until the WRITE's completion (or the
-        // connection's end), and nothing writes it meanwhile.
+        // The gather list: header and metadata, then the pieces; staged pieces that follow
+        // each other in the staging buffer merge into one SGE.
+        let mut sges = [Sge::default(); MAX_PIECES];
+        let mut n = 0;
+        let mut push = |sge: Option<Sge>| -> bool {
+            let Some(sge) = sge else { return false };
+            if n > 0
+                && sges[n - 1].lkey == sge.lkey
+                && sges[n - 1].addr + u64::from(sges[n - 1].length) == sge.addr
+            {
+                sges[n - 1].length += sge.length;
+                return true;
+            }
+            if n == MAX_PIECES {
+                return false;
+            }
+            sges[n] = sge;
+            n += 1;
+            true
+        };
+        let mut ok = push(buf.sge(start, (body - start) as u32));
+        for p in &pieces[..npieces] {
+            ok &= match (*p, source.as_deref()) {
+                (Piece::Staged { offset, len }, _) => push(buf.sge(body + offset, len as u32)),
+                (Piece::Region { offset, len }, Some(src)) => push(src.sge(offset, len as u32)),
+                (Piece::Region { .. }, None) => false,
+            };
+        }
+        if !ok {
+            return false;
+        }
+        // SAFETY: `buf` and `source` are kept in the call's `resp_bulk` until the WRITE's
+        // completion (or the connection's end), and nothing writes them meanwhile (`source`
+        // is shared only with the request's immutable `bytes`).
         let r = unsafe {
             self.link
-                .post_write_imm(call.slot(), &buf, start, total, zone, call.0)
+                .post_write_imm_gather(call.slot(), &sges[..n], zone, call.0)
         };
         match r {
             Ok(()) => {
+                if referenced > 0 {
+                    self.zero_copy_bytes
+                        .fetch_add(referenced as u64, Ordering::Relaxed);
+                }
                 if let Some(c) = self.slot(call) {
-                    c.resp_bulk = Some(buf);
+                    c.resp_bulk = Some(RespHold {
+                        _buf: buf,
+                        _source: source.filter(|_| referenced > 0),
+                    });
                     c.lent = false;
                 }
                 self.link.wire.finish(call);
@@ -495,7 +594,7 @@ impl<P: Provider> ServerConn<P> {
         match self.link.stage(metadata, &NoMsg) {
             Ok(st) => {
                 if let Some(c) = self.slot(call) {
-                    c.resp_bulk = Some(buf);
+                    c.resp_bulk = Some(RespHold::new(buf));
                 }
                 self.commit_terminal(Deferred::Response {
                     call,
@@ -774,6 +873,7 @@ impl<P: Provider> ServerConn<P> {
             release = c.lent;
             c.lent = false;
             c.resp_bulk = None;
+            c.req_buf = None;
         }
         if release && let Err(e) = self.link.control(Control::BulkRelease(call)) {
             warn!(%call, "returning the client's buffer: {e}");
@@ -972,6 +1072,7 @@ impl<P: Provider> Shard<P> {
             hello.endpoint.qp_num
         );
         let calls = (0..hello.max_calls).map(|_| SrvCall::empty()).collect();
+        let link_gather = link.qp.caps().max_send_sge as usize >= MAX_PIECES;
         self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
             blocked: Vec::with_capacity(hello.max_calls as usize),
@@ -983,6 +1084,8 @@ impl<P: Provider> Shard<P> {
             _closed: closed,
             peer,
             max_message: cfg.max_message,
+            gather: link_gather,
+            zero_copy_bytes: Arc::clone(&self.zero_copy_bytes),
         });
         Ok((welcome, key))
     }
@@ -1376,11 +1479,14 @@ impl<P: Provider> Shard<P> {
             metadata,
             deadline_at,
         } = pending;
+        // Shared with the call: a response may be sent from it (`respond_landing`).
+        let buf = Arc::new(buf);
+        c.req_buf = Some(Arc::clone(&buf));
         self.dispatch(
             idx,
             call,
             method,
-            Payload::Owned(Box::new(buf)),
+            Payload::Owned(Box::new(SharedBuf(buf))),
             metadata,
             deadline_at,
         );
