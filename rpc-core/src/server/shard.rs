@@ -540,6 +540,12 @@ impl<P: Provider> ServerConn<P> {
         if !ok {
             return false;
         }
+        // Counted before posting: the client may have the response before this thread runs
+        // again (a failed post closes the connection anyway).
+        if referenced > 0 {
+            self.zero_copy_bytes
+                .fetch_add(referenced as u64, Ordering::Relaxed);
+        }
         // SAFETY: `buf` and `source` are kept in the call's `resp_bulk` until the WRITE's
         // completion (or the connection's end), and nothing writes them meanwhile (`source`
         // is shared only with the request's immutable `bytes`).
@@ -549,10 +555,6 @@ impl<P: Provider> ServerConn<P> {
         };
         match r {
             Ok(()) => {
-                if referenced > 0 {
-                    self.zero_copy_bytes
-                        .fetch_add(referenced as u64, Ordering::Relaxed);
-                }
                 if let Some(c) = self.slot(call) {
                     c.resp_bulk = Some(RespHold {
                         _buf: buf,
