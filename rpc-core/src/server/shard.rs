@@ -827,6 +827,7 @@ impl<P: Provider> ServerConn<P> {
                 if let Some(c) = self.slot(call) {
                     c.task = None;
                     c.lent = false;
+                    c.req_buf = None;
                     if !keep_bulk {
                         c.resp_bulk = None;
                     }
