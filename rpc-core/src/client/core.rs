@@ -1660,6 +1660,10 @@ impl<P: Provider> Driver<P> {
             }
             Some(WrKind::Write) => check(wc),
             Some(WrKind::Bulk) => Err(LinkError::Protocol("bulk completion on a client".into())),
+            Some(WrKind::Stripe) => match self.link.on_stripe(wc, aux)? {
+                Some(whole) => self.on_completion(core, &whole),
+                None => Ok(()),
+            },
             None => Err(LinkError::Protocol(
                 "completion with an unknown work-request id".into(),
             )),

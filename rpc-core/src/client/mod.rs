@@ -14,7 +14,7 @@ use tracing::{info, warn};
 
 use crate::buf::{BulkPool, Geometry, SlotArena};
 use crate::connect::{self, Hello, Message as Handshake};
-use crate::link::Link;
+use crate::link::{LANE_WRS, Lanes, Link};
 use crate::method::MethodDesc;
 use crate::streaming::Streaming;
 use crate::verbs::{
@@ -50,6 +50,7 @@ pub struct ChannelBuilder {
     geometry: Geometry,
     max_message: u64,
     connect_timeout: Duration,
+    qps_per_connection: Option<u32>,
 }
 
 impl ChannelBuilder {
@@ -96,6 +97,16 @@ impl ChannelBuilder {
         self
     }
 
+    /// RC queue pairs to offer per connection (1..=16; default: the provider's setting, on
+    /// `ib` `RPC_IB_QPS_PER_CONNECTION`, else 1). The connection uses as many as the server
+    /// also allows ([`ServerBuilder::qps_per_connection`](crate::ServerBuilder::qps_per_connection)):
+    /// the first carries every frame, the others spans of large one-sided transfers (RDMA
+    /// READ/WRITE of 256 KiB or more), like `NCCL_IB_QPS_PER_CONNECTION`.
+    pub fn qps_per_connection(mut self, n: u32) -> Self {
+        self.qps_per_connection = Some(n.clamp(1, crate::verbs::MAX_QPS_PER_CONNECTION));
+        self
+    }
+
     /// How long connecting may take (default 5 s).
     pub fn connect_timeout(mut self, t: Duration) -> Self {
         self.connect_timeout = t;
@@ -135,6 +146,10 @@ any_provider! {
 struct Conn {
     core: AnyCore,
     _tcp: tokio::sync::oneshot::Sender<()>,
+    /// Bytes of one-sided transfers striped over the connection's QPs.
+    striped: Arc<std::sync::atomic::AtomicU64>,
+    /// QPs the connection uses.
+    qps: u32,
 }
 
 impl Drop for Conn {
@@ -194,6 +209,7 @@ impl Channel {
             geometry: Geometry::default(),
             max_message: 256 << 20,
             connect_timeout: Duration::from_secs(5),
+            qps_per_connection: None,
         }
     }
 
@@ -295,6 +311,22 @@ impl Channel {
         // SAFETY: forwarded contract.
         let mr = with_any!(AnyCore, &conn.core, c => unsafe { c.register(ptr, len) })?;
         Ok(Region { mr, _conn: conn })
+    }
+
+    /// RC queue pairs the current connection uses (see
+    /// [`ChannelBuilder::qps_per_connection`]).
+    pub fn qps_per_connection(&self) -> u32 {
+        self.shared.conn.load().qps
+    }
+
+    /// Bytes of the current connection's one-sided transfers (rendezvous responses this
+    /// client READ) that were striped over several QPs.
+    pub fn striped_bytes(&self) -> u64 {
+        self.shared
+            .conn
+            .load()
+            .striped
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the current connection is up (false after the server went away, until the next
@@ -543,10 +575,30 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         max_recv_sge: 1,
         max_inline_data: ctx.caps().max_inline.min(256),
     };
-    let cq = ctx.create_cq(caps.max_send_wr + caps.max_recv_wr, Some(&channel))?;
+    let qps = match b.qps_per_connection {
+        Some(n) => n,
+        None => P::qps_per_connection()?,
+    };
+    // Data QPs (several QPs per connection): chunks of striped transfers only, no receives.
+    let lcaps = QpCaps {
+        max_send_wr: LANE_WRS.min(ctx.caps().max_qp_wr),
+        max_recv_wr: 1,
+        max_send_sge: caps.max_send_sge,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    let cqe = (caps.max_send_wr + caps.max_recv_wr)
+        .saturating_add((qps - 1).saturating_mul(lcaps.max_send_wr + lcaps.max_recv_wr));
+    let cq = ctx.create_cq(cqe, Some(&channel))?;
     let mut qp = pd.create_qp(&cq, &cq, caps)?;
     let access = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
     qp.modify_to_init(access)?;
+    let mut lanes = Vec::with_capacity(qps as usize - 1);
+    for _ in 1..qps {
+        let mut q = pd.create_qp(&cq, &cq, lcaps)?;
+        q.modify_to_init(access)?;
+        lanes.push(q);
+    }
     let arena = SlotArena::<P>::new(&pd, b.geometry)?;
     let hello = Hello {
         provider: if P::NAME == "ib" {
@@ -558,6 +610,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         geometry: b.geometry,
         max_calls: b.max_calls,
         token: b.token.clone(),
+        data_endpoints: lanes.iter().map(Qp::endpoint).collect(),
     };
     connect::send(&mut stream, &Handshake::Hello(hello)).await?;
     let welcome = match connect::recv(&mut stream).await? {
@@ -581,6 +634,23 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     };
     qp.modify_to_rtr(&welcome.endpoint, &attr)?;
     qp.modify_to_rts(&attr)?;
+    if welcome.data_endpoints.len() > lanes.len() {
+        return Err(Error::new(
+            ErrorKind::Handshake,
+            format!(
+                "server {} answered with {} data QPs, {} were offered",
+                b.addr,
+                welcome.data_endpoints.len(),
+                lanes.len()
+            ),
+        ));
+    }
+    // The server accepted the first ones; the rest are dropped unconnected.
+    lanes.truncate(welcome.data_endpoints.len());
+    for (q, ep) in lanes.iter_mut().zip(&welcome.data_endpoints) {
+        q.modify_to_rtr(ep, &attr)?;
+        q.modify_to_rts(&attr)?;
+    }
     let wcfg = wire::Config {
         max_calls: b.max_calls,
         peer_max_calls: welcome.max_calls,
@@ -600,7 +670,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     let wire = wire::Conn::new(Role::Client, wcfg)
         .map_err(|e| Error::new(ErrorKind::Config, format!("protocol configuration: {e}")))?;
     let bulk = BulkPool::new(Arc::clone(&pd), 256 << 20);
-    let link = Link::new(
+    let mut link = Link::new(
         qp,
         arena,
         wire,
@@ -610,11 +680,23 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         epoch(),
     )
     .map_err(|e| Error::new(ErrorKind::Verbs, e.to_string()))?;
+    let striped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let nqps = lanes.len() as u32 + 1;
+    link.set_lanes(Lanes::new(
+        lanes,
+        lcaps.max_send_wr,
+        Some(Arc::clone(&striped)),
+    ));
     let describe = format!(
-        "{} via {}/RC (device {}), shard {}/{}",
+        "{} via {}/RC (device {}{}), shard {}/{}",
         b.addr,
         P::TAG,
         ctx.info().name,
+        if link.lanes().is_empty() {
+            String::new()
+        } else {
+            format!(", {} QPs per connection", link.lanes().len() + 1)
+        },
         welcome.shard,
         welcome.shards
     );
@@ -669,5 +751,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     Ok(Conn {
         core: P::into_any(core),
         _tcp: close_tx,
+        striped,
+        qps: nqps,
     })
 }

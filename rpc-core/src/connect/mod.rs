@@ -1,6 +1,8 @@
 //! The bootstrap handshake over TCP: the client says [`Hello`] (its QP endpoint, ring geometry,
-//! call table size and the optional shared-secret token), the server answers [`Welcome`] (its
-//! endpoint, geometry, call table size and the shard that took the connection) or a
+//! call table size, the optional shared-secret token, and the endpoints of the data QPs it
+//! offers for several QPs per connection), the server answers [`Welcome`] (its endpoint,
+//! geometry, call table size, the shard that took the connection and as many data QP
+//! endpoints as it accepted, at most the client's) or a
 //! [`Refusal`] saying why. The TCP connection then stays open as the liveness channel: when
 //! either process dies its kernel closes the socket and the other side fails the connection's
 //! calls with `UNAVAILABLE` at once.
@@ -19,10 +21,12 @@ use crate::{Error, ErrorKind};
 
 /// Magic at the start of every handshake message.
 pub const MAGIC: [u8; 4] = *b"RRPC";
-/// Handshake protocol version.
-pub const VERSION: u16 = 1;
+/// Handshake protocol version (2: data QP endpoints).
+pub const VERSION: u16 = 2;
 /// Largest handshake message.
-pub const MAX_MESSAGE: usize = 512;
+pub const MAX_MESSAGE: usize = 1024;
+/// Most data QPs (besides the primary) one connection may have.
+pub const MAX_DATA_QPS: usize = crate::verbs::MAX_QPS_PER_CONNECTION as usize - 1;
 /// Longest shared-secret token.
 pub const MAX_TOKEN: usize = 64;
 /// How long a peer may take to send its handshake message.
@@ -45,6 +49,9 @@ pub struct Hello {
     pub max_calls: u32,
     /// Shared-secret token (empty when none).
     pub token: Vec<u8>,
+    /// Endpoints of the data QPs the client offers (at most [`MAX_DATA_QPS`]); the server
+    /// connects to the first ones it accepts.
+    pub data_endpoints: Vec<Endpoint>,
 }
 
 /// The server's acceptance.
@@ -60,6 +67,9 @@ pub struct Welcome {
     pub shard: u16,
     /// Number of shards.
     pub shards: u16,
+    /// Endpoints of the server's data QPs, connected to the client's first ones in order (at
+    /// most as many as offered; none for one QP per connection).
+    pub data_endpoints: Vec<Endpoint>,
 }
 
 /// Why the server refused.
@@ -112,6 +122,13 @@ impl W {
         self.u32(g.send_slots);
         self.u32(g.recv_slots);
     }
+    fn endpoints(&mut self, eps: &[Endpoint]) {
+        let eps = &eps[..eps.len().min(MAX_DATA_QPS)];
+        self.u8(eps.len() as u8);
+        for e in eps {
+            self.bytes(&e.to_bytes());
+        }
+    }
 }
 
 struct R<'a>(&'a [u8]);
@@ -154,6 +171,15 @@ impl<'a> R<'a> {
         Endpoint::from_bytes(b)
             .map_err(|e| Error::with_source(ErrorKind::Handshake, "bad peer endpoint", e))
     }
+    fn endpoints(&mut self) -> Result<Vec<Endpoint>, Error> {
+        let n = self.u8()? as usize;
+        if n > MAX_DATA_QPS {
+            return Err(handshake_err(format!(
+                "peer offers {n} data QPs per connection, at most {MAX_DATA_QPS} are allowed"
+            )));
+        }
+        (0..n).map(|_| self.endpoint()).collect()
+    }
 }
 
 impl Message {
@@ -168,6 +194,7 @@ impl Message {
                 w.bytes(&h.endpoint.to_bytes());
                 w.geometry(&h.geometry);
                 w.u32(h.max_calls);
+                w.endpoints(&h.data_endpoints);
                 w.0
             }
             Message::Welcome(m) => {
@@ -177,6 +204,7 @@ impl Message {
                 w.u32(m.max_calls);
                 w.u16(m.shard);
                 w.u16(m.shards);
+                w.endpoints(&m.data_endpoints);
                 w.0
             }
             Message::Refusal(r) => {
@@ -223,12 +251,14 @@ impl Message {
                 if max_calls == 0 || max_calls > Geometry::MAX_SLOTS {
                     return Err(handshake_err("peer call table size out of range"));
                 }
+                let data_endpoints = r.endpoints()?;
                 Message::Hello(Hello {
                     provider,
                     endpoint,
                     geometry,
                     max_calls,
                     token,
+                    data_endpoints,
                 })
             }
             KIND_WELCOME => {
@@ -243,12 +273,14 @@ impl Message {
                 if shards == 0 || shard >= shards {
                     return Err(handshake_err("peer shard index out of range"));
                 }
+                let data_endpoints = r.endpoints()?;
                 Message::Welcome(Welcome {
                     endpoint,
                     geometry,
                     max_calls,
                     shard,
                     shards,
+                    data_endpoints,
                 })
             }
             KIND_REFUSAL => {
@@ -353,6 +385,7 @@ mod tests {
                 geometry: g,
                 max_calls: 64,
                 token: b"secret".to_vec(),
+                data_endpoints: vec![ep(), ep(), ep()],
             }),
             Message::Welcome(Welcome {
                 endpoint: ep(),
@@ -360,6 +393,7 @@ mod tests {
                 max_calls: 64,
                 shard: 1,
                 shards: 2,
+                data_endpoints: vec![ep(); MAX_DATA_QPS],
             }),
             Message::Refusal(Refusal {
                 reason: "bad token".into(),
@@ -386,15 +420,51 @@ mod tests {
             geometry: Geometry::default(),
             max_calls: 64,
             token: vec![],
+            data_endpoints: vec![],
         })
         .encode();
         for cut in 0..good.len() {
             assert!(Message::decode(&good[..cut]).is_err());
         }
         let mut bad_geom = good.clone();
-        let off = good.len() - 16;
+        let off = good.len() - 17;
         bad_geom[off..off + 4].copy_from_slice(&7u32.to_le_bytes());
         assert!(Message::decode(&bad_geom).is_err());
+    }
+
+    #[test]
+    fn too_many_data_qps_are_refused() {
+        let mut m = Message::Hello(Hello {
+            provider: 1,
+            endpoint: ep(),
+            geometry: Geometry::default(),
+            max_calls: 64,
+            token: vec![],
+            data_endpoints: vec![],
+        })
+        .encode();
+        let last = m.len() - 1;
+        m[last] = MAX_DATA_QPS as u8 + 1;
+        m.extend(std::iter::repeat_n(
+            0,
+            Endpoint::ENCODED_LEN * (MAX_DATA_QPS + 1),
+        ));
+        let e = Message::decode(&m).unwrap_err();
+        assert!(e.to_string().contains("data QPs"), "{e}");
+        // A count with missing endpoints is a truncated message.
+        m.truncate(last + 1 + Endpoint::ENCODED_LEN);
+        m[last] = 2;
+        assert!(Message::decode(&m).is_err());
+        // The largest message fits the limit.
+        let big = Message::Welcome(Welcome {
+            endpoint: ep(),
+            geometry: Geometry::default(),
+            max_calls: 64,
+            shard: 0,
+            shards: 1,
+            data_endpoints: vec![ep(); MAX_DATA_QPS],
+        });
+        assert!(big.encode().len() <= MAX_MESSAGE);
     }
 
     #[test]
@@ -410,6 +480,6 @@ mod tests {
         let (mut a, mut b) = tokio::io::duplex(64);
         a.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
         let e = recv(&mut b).await.unwrap_err();
-        assert!(e.to_string().contains("over the 512-byte limit"), "{e}");
+        assert!(e.to_string().contains("over the 1024-byte limit"), "{e}");
     }
 }

@@ -18,8 +18,13 @@
 //! Work-request ids name the link (`key`, with a generation so completions of a closed link are
 //! ignored), the kind of work and a slot or call index.
 
+mod stripe;
+
 use std::sync::Arc;
 use std::time::Instant;
+
+use stripe::StripeDone;
+pub use stripe::{LANE_WRS, Lanes, STRIPE_MIN};
 
 use crate::buf::encode::MAX_PIECES;
 use crate::buf::{BulkBuf, BulkPool, EncodeMsg, RecvSlot, SlotArena};
@@ -58,6 +63,9 @@ pub enum WrKind {
     Nop = 5,
     /// The last chunk of a handler's one-sided bulk operation `aux`.
     Bulk = 6,
+    /// The last chunk of one span of a transfer striped over several QPs (`aux` from
+    /// [`stripe::stripe_aux`]); hand it to [`Link::on_stripe`].
+    Stripe = 7,
 }
 
 /// Encodes a work-request id.
@@ -78,6 +86,7 @@ pub const fn split_wr_id(id: u64) -> (LinkKey, Option<WrKind>, u32) {
         4 => Some(WrKind::Write),
         5 => Some(WrKind::Nop),
         6 => Some(WrKind::Bulk),
+        7 => Some(WrKind::Stripe),
         _ => None,
     };
     (key, kind, id as u32)
@@ -212,8 +221,10 @@ pub enum Received {
 
 /// One connection's transport state. Owned by one thread at a time.
 pub struct Link<P: Provider> {
-    /// The queue pair.
+    /// The queue pair: every frame, and the one-sided transfers that are not striped.
     pub qp: P::Qp,
+    /// Data QPs that large one-sided transfers are striped over (none by default).
+    lanes: Lanes<P>,
     /// Send and receive slots.
     pub arena: Arc<SlotArena<P>>,
     /// Protocol state.
@@ -260,6 +271,7 @@ impl<P: Provider> Link<P> {
     ) -> Result<Link<P>, LinkError> {
         let mut link = Link {
             qp,
+            lanes: Lanes::default(),
             arena,
             wire,
             bulk,
@@ -279,6 +291,48 @@ impl<P: Provider> Link<P> {
     /// The link's key.
     pub fn key(&self) -> LinkKey {
         self.key
+    }
+
+    /// Stripes large one-sided transfers over `lanes` too (data QPs connected to the peer's;
+    /// see [`Lanes`]).
+    pub fn set_lanes(&mut self, lanes: Lanes<P>) {
+        self.lanes = lanes;
+    }
+
+    /// The data QPs (empty with one QP per connection).
+    pub fn lanes(&self) -> &Lanes<P> {
+        &self.lanes
+    }
+
+    /// A completion of kind [`WrKind::Stripe`]: when it finishes its transfer, the completion
+    /// to handle in its place (its `wr_id` is the transfer's own); a held-back WRITE_WITH_IMM
+    /// is posted here, and its own completion comes later.
+    ///
+    /// # Errors
+    /// When posting the held-back WRITE_WITH_IMM fails.
+    pub fn on_stripe(&mut self, wc: &Wc, aux: u32) -> Result<Option<Wc>, LinkError> {
+        match self.lanes.done(aux, wc.status) {
+            StripeDone::Pending => Ok(None),
+            StripeDone::Complete(orig) => Ok(Some(Wc { wr_id: orig, ..*wc })),
+            StripeDone::PostHeld(orig, h) => {
+                let wr = SendWr {
+                    wr_id: orig,
+                    op: WrOp::WriteWithImm {
+                        remote_addr: h.remote_addr,
+                        rkey: h.rkey,
+                        imm: h.imm,
+                    },
+                    sg_list: &h.sges[..h.nsge],
+                    flags: SendFlags::SIGNALED,
+                };
+                // SAFETY: the SGEs name the transfer's local memory, which its poster keeps
+                // alive and unmodified until this work request's completion (the contract of
+                // the `post_*` call that striped it).
+                unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
+                    .map_err(|e| post_err("post_send(RDMA WRITE_WITH_IMM)", &e))?;
+                Ok(None)
+            }
+        }
     }
 
     /// Nanoseconds since the runtime's epoch: the protocol's clock. Read at most once per turn
@@ -735,45 +789,68 @@ impl<P: Provider> Link<P> {
         len: usize,
         op: Chunked,
     ) -> Result<(), LinkError> {
-        let mut off = 0usize;
-        let mut sges = [Sge::default(); MAX_PIECES];
-        loop {
-            let n = (len - off).min(CHUNK);
-            let last = off + n >= len;
-            let Some(nsge) = sges_of(off, n as u32, &mut sges) else {
-                return Err(LinkError::Protocol(
-                    "bulk operation outside the local buffer".into(),
-                ));
+        let orig = wr_id(self.key, kind, aux);
+        if let Some((span, used)) = self.lanes.plan(len)
+            && let Some((slot, generation)) = self.lanes.begin(orig, len, span, used, CHUNK)
+        {
+            // Spans 0..used-1 on the lanes, the last on the primary QP (see `stripe`).
+            let plain = match op {
+                Chunked::Read => Chunked::Read,
+                Chunked::Write | Chunked::WriteImm(_) => Chunked::Write,
             };
-            let remote_addr = remote.addr + off as u64;
-            let rkey = remote.rkey;
-            let wr = SendWr {
-                wr_id: wr_id(self.key, if last { kind } else { WrKind::Nop }, aux),
-                op: match op {
-                    Chunked::Read => WrOp::Read { remote_addr, rkey },
-                    Chunked::WriteImm(imm) if last => WrOp::WriteWithImm {
-                        remote_addr,
-                        rkey,
-                        imm,
-                    },
-                    Chunked::Write | Chunked::WriteImm(_) => WrOp::Write { remote_addr, rkey },
-                },
-                sg_list: &sges[..nsge],
-                flags: if last {
-                    SendFlags::SIGNALED
-                } else {
-                    SendFlags::NONE
-                },
-            };
-            // SAFETY: the SGEs are inside the caller's local memory, kept alive (and untouched
-            // for a READ) until the completion (this function's contract).
-            unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
-                .map_err(|e| post_err("post_send(RDMA READ/WRITE)", &e))?;
-            off += n;
-            if last {
-                return Ok(());
+            for j in 0..used - 1 {
+                let id = wr_id(
+                    self.key,
+                    WrKind::Stripe,
+                    stripe::stripe_aux(slot, generation, j + 1),
+                );
+                let qp = &mut self.lanes.qps_mut()[j];
+                // SAFETY: forwarded contract.
+                unsafe {
+                    post_span::<P>(
+                        qp,
+                        j * span,
+                        span.min(len - j * span),
+                        &sges_of,
+                        remote,
+                        plain,
+                        id,
+                        false,
+                    )
+                }?;
             }
+            let start = (used - 1) * span;
+            let (remaining, last_id) = match op {
+                Chunked::WriteImm(_) => (used - 1, orig),
+                _ => (
+                    used,
+                    wr_id(
+                        self.key,
+                        WrKind::Stripe,
+                        stripe::stripe_aux(slot, generation, 0),
+                    ),
+                ),
+            };
+            let hold = matches!(op, Chunked::WriteImm(_));
+            // SAFETY: forwarded contract.
+            let held = unsafe {
+                post_span::<P>(
+                    &mut self.qp,
+                    start,
+                    len - start,
+                    &sges_of,
+                    remote,
+                    op,
+                    last_id,
+                    hold,
+                )
+            }?;
+            self.lanes.armed(slot, remaining as u8, held);
+            return Ok(());
         }
+        // SAFETY: forwarded contract.
+        unsafe { post_span::<P>(&mut self.qp, 0, len, &sges_of, remote, op, orig, false) }?;
+        Ok(())
     }
 
     /// Parses a frame in `bytes` and runs it through the protocol.
@@ -925,6 +1002,82 @@ impl<P: Provider> Link<P> {
     }
 }
 
+/// Posts bytes `[start, start + len)` of a one-sided transfer on `qp` in chunks of at most
+/// [`CHUNK`], all unsignaled but the last (signaled with `last_id`). `WriteImm` makes the last
+/// chunk a WRITE_WITH_IMM; with `hold` that chunk is not posted but returned, to be posted
+/// later (see [`Link::on_stripe`]).
+///
+/// # Safety
+/// As [`Link::post_one_sided`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn post_span<P: Provider>(
+    qp: &mut P::Qp,
+    start: usize,
+    len: usize,
+    sges_of: &impl Fn(usize, u32, &mut [Sge; MAX_PIECES]) -> Option<usize>,
+    remote: crate::verbs::RemoteMr,
+    op: Chunked,
+    last_id: u64,
+    hold: bool,
+) -> Result<Option<stripe::Held>, LinkError> {
+    let end = start + len;
+    let mut off = start;
+    let mut sges = [Sge::default(); MAX_PIECES];
+    loop {
+        let n = (end - off).min(CHUNK);
+        let last = off + n >= end;
+        let Some(nsge) = sges_of(off, n as u32, &mut sges) else {
+            return Err(LinkError::Protocol(
+                "bulk operation outside the local buffer".into(),
+            ));
+        };
+        let remote_addr = remote.addr + off as u64;
+        let rkey = remote.rkey;
+        if last
+            && hold
+            && let Chunked::WriteImm(imm) = op
+        {
+            return Ok(Some(stripe::Held {
+                sges,
+                nsge,
+                remote_addr,
+                rkey,
+                imm,
+            }));
+        }
+        let wr = SendWr {
+            wr_id: if last {
+                last_id
+            } else {
+                last_id & !(0xff << 32) | (WrKind::Nop as u64) << 32
+            },
+            op: match op {
+                Chunked::Read => WrOp::Read { remote_addr, rkey },
+                Chunked::WriteImm(imm) if last => WrOp::WriteWithImm {
+                    remote_addr,
+                    rkey,
+                    imm,
+                },
+                Chunked::Write | Chunked::WriteImm(_) => WrOp::Write { remote_addr, rkey },
+            },
+            sg_list: &sges[..nsge],
+            flags: if last {
+                SendFlags::SIGNALED
+            } else {
+                SendFlags::NONE
+            },
+        };
+        // SAFETY: the SGEs are inside the caller's local memory, kept alive (and untouched
+        // for a READ) until the completion (this function's contract).
+        unsafe { qp.post_send(std::slice::from_ref(&wr)) }
+            .map_err(|e| post_err("post_send(RDMA READ/WRITE)", &e))?;
+        off += n;
+        if last {
+            return Ok(None);
+        }
+    }
+}
+
 /// Metadata decoded from a frame, or the reason it is invalid.
 pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, Status> {
     Metadata::decode(bytes).map_err(|e| Status::internal(format!("bad metadata from peer: {e}")))
@@ -935,6 +1088,9 @@ impl<P: Provider> Drop for Link<P> {
         // Move the QP to ERROR so the NIC stops touching our buffers before they are freed;
         // the QP itself is destroyed when `qp` drops.
         let _ = self.qp.modify_to_error();
+        for qp in self.lanes.qps_mut() {
+            let _ = qp.modify_to_error();
+        }
     }
 }
 
@@ -954,6 +1110,8 @@ mod tests {
             WrKind::Read,
             WrKind::Write,
             WrKind::Nop,
+            WrKind::Bulk,
+            WrKind::Stripe,
         ] {
             let id = wr_id(k, kind, 0xdead_beef);
             assert_eq!(split_wr_id(id), (k, Some(kind), 0xdead_beef));

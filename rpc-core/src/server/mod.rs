@@ -77,6 +77,8 @@ pub(crate) struct ServerConfig {
     pub(crate) bulk_cache_bytes: usize,
     pub(crate) max_calls_per_conn: u32,
     pub(crate) shutdown_grace: Duration,
+    /// QPs per connection at most (None: the provider's setting, `RPC_IB_QPS_PER_CONNECTION`).
+    pub(crate) qps_per_connection: Option<u32>,
 }
 
 impl ServerConfig {
@@ -116,6 +118,7 @@ impl Server {
                 bulk_cache_bytes: 256 << 20,
                 max_calls_per_conn: 1024,
                 shutdown_grace: Duration::from_secs(10),
+                qps_per_connection: None,
             },
             provider_error: ProviderKind::from_env().err().map(|e| e.to_string()),
         }
@@ -213,6 +216,15 @@ impl ServerBuilder {
     /// handlers still running (default 10 s).
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.cfg.shutdown_grace = grace;
+        self
+    }
+
+    /// Most RC queue pairs per connection (1..=16; default: the provider's setting, on `ib`
+    /// `RPC_IB_QPS_PER_CONNECTION`, else 1). A connection uses as many as both sides allow:
+    /// the first carries every frame, the others carry spans of large one-sided transfers
+    /// (RDMA READ/WRITE of 256 KiB or more), like `NCCL_IB_QPS_PER_CONNECTION`.
+    pub fn qps_per_connection(mut self, n: u32) -> Self {
+        self.cfg.qps_per_connection = Some(n.clamp(1, crate::verbs::MAX_QPS_PER_CONNECTION));
         self
     }
 
@@ -519,6 +531,15 @@ impl RunningServer {
         self.shards
             .iter()
             .map(|s| s.zero_copy_bytes.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Bytes of one-sided transfers striped over several QPs of a connection, over all shards
+    /// ([`ServerBuilder::qps_per_connection`]).
+    pub fn striped_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.striped_bytes.load(Ordering::Relaxed))
             .sum()
     }
 

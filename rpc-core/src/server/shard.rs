@@ -22,8 +22,8 @@ use crate::buf::{
 };
 use crate::connect::{Hello, Welcome};
 use crate::link::{
-    CommitError, Control, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind,
-    decode_metadata, split_wr_id,
+    CommitError, Control, FrameError, LANE_WRS, Lanes, Link, LinkError, LinkKey, Received, Staged,
+    WrKind, decode_metadata, split_wr_id,
 };
 use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks, panicked};
 use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
@@ -71,6 +71,8 @@ pub(crate) struct ShardHandle {
     pub(crate) live_calls: Arc<AtomicUsize>,
     /// Response bytes sent straight from the request's buffer (see `respond_landing`).
     pub(crate) zero_copy_bytes: Arc<AtomicU64>,
+    /// Bytes of one-sided transfers striped over several QPs (see `link::Lanes`).
+    pub(crate) striped_bytes: Arc<AtomicU64>,
     pub(crate) thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -244,6 +246,9 @@ pub(crate) struct Shard<P: Provider> {
     stop: Arc<AtomicBool>,
     live_calls: Arc<AtomicUsize>,
     zero_copy_bytes: Arc<AtomicU64>,
+    striped_bytes: Arc<AtomicU64>,
+    /// QPs per connection at most.
+    max_qps: u32,
     epoch: Instant,
     max_inline: u32,
     wcs: [Wc; POLL_BATCH],
@@ -271,7 +276,13 @@ pub(crate) fn open<P: Provider>(
         .send_slots
         .max(default_client_calls + cfg.geometry.recv_slots + 2);
     let per_conn = qp_caps(&cfg, ctx.caps(), send_slots, default_client_calls);
+    let max_qps = match cfg.qps_per_connection {
+        Some(n) => n,
+        None => P::qps_per_connection()?,
+    };
+    let lane_caps = lane_caps(&per_conn, ctx.caps());
     let cqe = (per_conn.max_send_wr + per_conn.max_recv_wr)
+        .saturating_add((max_qps - 1).saturating_mul(lane_caps.max_send_wr + lane_caps.max_recv_wr))
         .saturating_mul(cfg.max_conns_per_shard)
         .min(ctx.caps().max_cqe);
     let cq = ctx.create_cq(cqe, Some(&channel))?;
@@ -281,6 +292,7 @@ pub(crate) fn open<P: Provider>(
     let stop = Arc::new(AtomicBool::new(false));
     let live_calls = Arc::new(AtomicUsize::new(0));
     let zero_copy_bytes = Arc::new(AtomicU64::new(0));
+    let striped_bytes = Arc::new(AtomicU64::new(0));
     let bulk = BulkPool::new(Arc::clone(&pd), cfg.bulk_cache_bytes);
     let peer_api = PeerApi::new(Arc::clone(&doorbell), Arc::clone(&bulk));
     let n = cfg.max_conns_per_shard as usize;
@@ -299,6 +311,7 @@ pub(crate) fn open<P: Provider>(
         stop: Arc::clone(&stop),
         live_calls: Arc::clone(&live_calls),
         zero_copy_bytes: Arc::clone(&zero_copy_bytes),
+        striped_bytes: Arc::clone(&striped_bytes),
         thread: std::sync::Mutex::new(None),
     };
     let shard = Shard {
@@ -321,6 +334,8 @@ pub(crate) fn open<P: Provider>(
         stop,
         live_calls,
         zero_copy_bytes,
+        striped_bytes,
+        max_qps,
         epoch,
         max_inline,
         wcs: [Wc::default(); POLL_BATCH],
@@ -348,6 +363,18 @@ fn qp_caps(
         max_send_sge: (MAX_PIECES as u32).min(caps.max_sge),
         max_recv_sge: 1,
         max_inline_data: caps.max_inline.min(256),
+    }
+}
+
+/// Queue sizes of a data QP (several QPs per connection): only chunks of striped one-sided
+/// transfers are posted on it, and it receives nothing.
+fn lane_caps(primary: &QpCaps, caps: &crate::verbs::Caps) -> QpCaps {
+    QpCaps {
+        max_send_wr: LANE_WRS.min(caps.max_qp_wr),
+        max_recv_wr: 1,
+        max_send_sge: primary.max_send_sge,
+        max_recv_sge: 1,
+        max_inline_data: 0,
     }
 }
 
@@ -1029,6 +1056,20 @@ impl<P: Provider> Shard<P> {
         };
         qp.connect(&hello.endpoint, &attr)
             .map_err(|e| format!("connect QP: {e}"))?;
+        // Data QPs: as many as both sides allow, connected to the client's first ones.
+        let nlanes = (self.max_qps as usize - 1).min(hello.data_endpoints.len());
+        let lcaps = lane_caps(&caps, self.ctx.caps());
+        let mut lanes = Vec::with_capacity(nlanes);
+        for ep in &hello.data_endpoints[..nlanes] {
+            let mut q = self
+                .pd
+                .create_qp(&self.cq, &self.cq, lcaps)
+                .map_err(|e| format!("create data QP: {e}"))?;
+            q.connect(ep, &attr)
+                .map_err(|e| format!("connect data QP: {e}"))?;
+            lanes.push(q);
+        }
+        let data_endpoints: Vec<_> = lanes.iter().map(Qp::endpoint).collect();
         let arena = SlotArena::<P>::new(&self.pd, geometry).map_err(|e| format!("slots: {e}"))?;
         let wcfg = wire::Config {
             max_calls: hello.max_calls,
@@ -1059,20 +1100,32 @@ impl<P: Provider> Shard<P> {
             self.epoch,
         )
         .map_err(|e| format!("post receives: {e}"))?;
+        let mut link = link;
+        link.set_lanes(Lanes::new(
+            lanes,
+            lcaps.max_send_wr,
+            Some(Arc::clone(&self.striped_bytes)),
+        ));
         let welcome = Welcome {
             endpoint: link.qp.endpoint(),
             geometry: cfg.geometry,
             max_calls: hello.max_calls,
             shard: self.id,
             shards: self.nshards,
+            data_endpoints,
         };
         info!(
-            "accepted {peer} via {}/RC on shard {}/{}: QP {:#x} <-> {:#x} in RTS",
+            "accepted {peer} via {}/RC on shard {}/{}: QP {:#x} <-> {:#x} in RTS{}",
             P::TAG,
             self.id,
             self.nshards,
             link.qp.qp_num(),
-            hello.endpoint.qp_num
+            hello.endpoint.qp_num,
+            if link.lanes().is_empty() {
+                String::new()
+            } else {
+                format!(", {} QPs per connection", link.lanes().len() + 1)
+            }
         );
         let calls = (0..hello.max_calls).map(|_| SrvCall::empty()).collect();
         let link_gather = link.qp.caps().max_send_sge as usize >= MAX_PIECES;
@@ -1167,6 +1220,17 @@ impl<P: Provider> Shard<P> {
             }
             Some(WrKind::Nop) => check(wc),
             Some(WrKind::Bulk) => self.on_bulk_done(wc, aux as usize),
+            Some(WrKind::Stripe) => match self.conns.get_mut(idx) {
+                Some(Some(c)) => match c.link.on_stripe(wc, aux) {
+                    Ok(Some(whole)) => {
+                        self.on_completion(&whole);
+                        Ok(())
+                    }
+                    Ok(None) => Ok(()),
+                    Err(e) => Err(e),
+                },
+                _ => Ok(()),
+            },
             None => Err(LinkError::Protocol(
                 "completion with an unknown work-request id".into(),
             )),

@@ -46,6 +46,9 @@ use std::time::Duration;
 
 pub use error::{ErrorKind, PostError, Result, Verb, VerbsError, WcError};
 pub use group::QpGroup;
+
+/// Most RC queue pairs one connection may use ([`Provider::qps_per_connection`]).
+pub const MAX_QPS_PER_CONNECTION: u32 = 16;
 pub use types::{
     Access, Caps, ConnectAttr, DeviceInfo, Endpoint, GidFmt, LinkLayer, QpCaps, QpState, RecvWr,
     RemoteMr, SendFlags, SendWr, Sge, Wc, WcFlags, WcOpcode, WcStatus, WrOp,

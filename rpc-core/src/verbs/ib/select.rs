@@ -19,7 +19,7 @@ pub const ENV_TC: &str = "RPC_IB_TC";
 pub const ENV_SL: &str = "RPC_IB_SL";
 
 /// Most QPs one connection may be striped over.
-pub const MAX_QPS_PER_CONNECTION: u32 = 16;
+pub const MAX_QPS_PER_CONNECTION: u32 = crate::verbs::MAX_QPS_PER_CONNECTION;
 
 /// One entry of an `RPC_IB_HCA` list: a device name (or prefix) and an optional port.
 #[derive(Clone, Debug, PartialEq, Eq)]
