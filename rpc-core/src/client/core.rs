@@ -771,6 +771,7 @@ impl<P: Provider> ClientCore<P> {
         metadata: &Metadata,
         msg: &dyn EncodeMsg,
         timeout: Option<Duration>,
+        registered: Option<RegHandle>,
     ) -> Result<(u32, u32, Option<Streaming<Resp>>), Status> {
         let (idx, generation) = self.acquire().await?;
         let mut guard = CellGuard {
@@ -779,7 +780,7 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let mut sub = self.prepare(method, metadata, msg, timeout, None, None)?;
+        let mut sub = self.prepare(method, metadata, msg, timeout, None, registered)?;
         let streaming = if method.kind.server_streams() {
             let inbox = Inbox::new(self.stream_window);
             inbox.set_host(Box::new(CallHost {
@@ -937,15 +938,16 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) async fn server_streaming<Req, Resp>(
         self: &Arc<Self>,
         method: &'static MethodDesc,
-        request: Request<Req>,
+        mut request: Request<Req>,
     ) -> Result<Response<Streaming<Resp>>, Status>
     where
         Req: Message,
         Resp: Message + Default,
     {
+        let registered = request.take_registered();
         let (metadata, msg, timeout) = request.into_parts();
         let (_, _, streaming) = self
-            .start_stream::<Resp>(method, &metadata, &msg, timeout)
+            .start_stream::<Resp>(method, &metadata, &msg, timeout, registered)
             .await?;
         let streaming = streaming.ok_or_else(|| Status::internal("no stream"))?;
         Ok(Response::new(streaming))
@@ -964,7 +966,7 @@ impl<P: Provider> ClientCore<P> {
     {
         let (metadata, stream, timeout) = request.into_parts();
         let (idx, generation, _) = self
-            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout)
+            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout, None)
             .await?;
         let guard = CellGuard {
             core: self,
@@ -993,7 +995,7 @@ impl<P: Provider> ClientCore<P> {
     {
         let (metadata, stream, timeout) = request.into_parts();
         let (idx, generation, streaming) = self
-            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout)
+            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout, None)
             .await?;
         let streaming = streaming.ok_or_else(|| Status::internal("no stream"))?;
         let core = Arc::clone(self);
