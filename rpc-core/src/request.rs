@@ -213,6 +213,7 @@ pub struct Request<T> {
     timeout: Option<Duration>,
     response_hint: Option<usize>,
     peer: Option<crate::server::Peer>,
+    registered: Option<crate::client::RegHandle>,
 }
 
 impl<T> Request<T> {
@@ -224,6 +225,7 @@ impl<T> Request<T> {
             timeout: None,
             response_hint: None,
             peer: None,
+            registered: None,
         }
     }
 
@@ -287,6 +289,19 @@ impl<T> Request<T> {
         self.peer = peer;
     }
 
+    /// Tells the client runtime that the message's large `bytes` field may lie in `region`
+    /// (memory from [`crate::Channel::alloc_bytes`]): if it does, the request goes out
+    /// without copying it; the server RDMA-READs it from there. The request keeps the region
+    /// alive until the server has read it. Without this call, or when the field lies
+    /// elsewhere, the message is encoded into a bulk buffer as usual (a copy).
+    pub fn set_registered(&mut self, region: &crate::client::RegisteredBytes) {
+        self.registered = Some(region.handle().clone());
+    }
+
+    pub(crate) fn take_registered(&mut self) -> Option<crate::client::RegHandle> {
+        self.registered.take()
+    }
+
     /// Splits into parts.
     pub fn into_parts(self) -> (Metadata, T, Option<Duration>) {
         (self.metadata, self.message, self.timeout)
@@ -300,6 +315,7 @@ impl<T> Request<T> {
             timeout,
             response_hint: None,
             peer: None,
+            registered: None,
         }
     }
 
@@ -311,6 +327,7 @@ impl<T> Request<T> {
             timeout: self.timeout,
             response_hint: self.response_hint,
             peer: self.peer,
+            registered: self.registered,
         }
     }
 }

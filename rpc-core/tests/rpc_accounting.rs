@@ -276,6 +276,99 @@ fn zero_allocations_per_async_call() {
 /// call may add to its payload.
 const PER_CALL_OVERHEAD: u64 = 512;
 
+/// Echoes of N bytes whose request field lies in memory from `Channel::alloc_bytes`: the
+/// client copies none of it (`zero_copy_request_bytes` grows by N per call), the soft RNICs
+/// copy about 2N (the server's READ of the request and the response), and no heap
+/// allocation as large as the payload happens. So the NIC's copies are the only ones of the
+/// request (the response is zero-copy on the server with a landing zone, and decoded in
+/// place on the client).
+#[test]
+fn registered_requests_are_copied_by_the_nic_only() {
+    let _g = serial();
+    let _w = Watchdog::arm(
+        "registered_requests_are_copied_by_the_nic_only",
+        Duration::from_secs(600),
+    );
+    if ProviderKind::from_env().ok() != Some(ProviderKind::Soft) {
+        println!("skipped: byte counters exist on the soft provider only");
+        return;
+    }
+    let rt = runtime();
+    let srv = rt.block_on(TestServer::start());
+    let ch = rt.block_on(srv.channel(PollerMode::Thread));
+    const K: u64 = 20;
+    let mut failures = Vec::new();
+    for (n, hint) in [
+        (64 << 10, false),
+        (64 << 10, true),
+        (1 << 20, false),
+        (1 << 20, true),
+        (scaled(8 << 20), true),
+    ] {
+        let seq = n as u64;
+        let region = rt.block_on(async {
+            let mut b = ch.alloc_bytes(n).await.unwrap();
+            b.copy_from_slice(&pattern(n, seq));
+            b.freeze()
+        });
+        let request = || {
+            let mut req = Request::new(Blob {
+                seq,
+                data: region.bytes(),
+            });
+            req.set_registered(&region);
+            if hint {
+                req.set_response_size_hint(n + 16);
+            }
+            req
+        };
+        let run = |k: u64| {
+            rt.block_on(async {
+                for _ in 0..k {
+                    let r: Response<Blob> = ch.unary(&lab_server::ECHO, request()).await.unwrap();
+                    assert_eq!(r.get_ref().data.len(), n);
+                }
+            })
+        };
+        run(3);
+        let zc = ch.zero_copy_request_bytes();
+        let before = rpc_core::verbs::soft::process_counters();
+        let ((), allocs, largest) = counted(|| run(K));
+        let after = rpc_core::verbs::soft::process_counters();
+        let zero_copy = (ch.zero_copy_request_bytes() - zc) / K;
+        let r: Response<Blob> = rt.block_on(ch.unary(&lab_server::ECHO, request())).unwrap();
+        check_blob(r.get_ref(), seq, n, "registered echo");
+        let copied = (after.bytes_copied - before.bytes_copied) / K;
+        let two_n = 2 * n as u64;
+        println!(
+            "registered {n:>9} B, landing {hint:>5}: client copied {} B of the request, RNIC \
+             copied {copied:>9} B per call = 2N + {:>4}, {:.1} allocations per call, largest \
+             {largest} B",
+            n as u64 - zero_copy,
+            copied as i64 - two_n as i64,
+            allocs as f64 / K as f64,
+        );
+        if zero_copy != n as u64 {
+            failures.push(format!(
+                "{n} B: {zero_copy} B per call sent without a copy, expected all {n}"
+            ));
+        }
+        if copied < two_n || copied > two_n + PER_CALL_OVERHEAD {
+            failures.push(format!(
+                "{n} B: RNIC copied {copied} B per call, expected 2N = {two_n} plus at most \
+                 {PER_CALL_OVERHEAD}"
+            ));
+        }
+        if largest >= n {
+            failures.push(format!(
+                "{n} B: a heap allocation of {largest} B during the calls"
+            ));
+        }
+    }
+    rt.block_on(srv.settle("live calls back to 0"));
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// For echoes of N bytes (eager, rendezvous with the response READ, rendezvous with the
 /// response written into a landing zone), the soft RNICs of the process (client and server)
 /// copy about 2N bytes per call: the request once and the response once, no other copy by

@@ -175,6 +175,12 @@ impl<P: Provider> BulkBuf<P> {
         }
     }
 
+    /// The identity of the pool the buffer returns to (its protection domain's): memory is
+    /// only advertised on connections of that pool.
+    pub(crate) fn pool_id(&self) -> usize {
+        Arc::as_ptr(&self.pool) as *const () as usize
+    }
+
     /// An SGE for `[offset, offset + len)`.
     pub fn sge(&self, offset: usize, len: u32) -> Option<Sge> {
         self.mr().sge(offset, len)

@@ -14,7 +14,8 @@ pub trait EncodeMsg: Send + Sync {
 
     /// Encodes through a [`Gather`]: large `bytes` fields that already lie in the gather's
     /// registered region are referenced, not copied. Returns `None` when the staging area is
-    /// too small. The default copies everything (it is [`EncodeMsg::encode_into`]).
+    /// too small ([`Gather::needed`] then says how much would do). The default copies
+    /// everything (it is [`EncodeMsg::encode_into`]).
     fn encode_gather(&self, g: &mut Gather<'_>) -> Option<()> {
         let n = self.encode_into(g.rest())?;
         g.staged(n);
@@ -36,11 +37,10 @@ impl<M: Message> EncodeMsg for M {
     }
 
     fn encode_gather(&self, g: &mut Gather<'_>) -> Option<()> {
-        if Message::encoded_len(self) > g.stage.len() - g.used {
-            return None;
-        }
+        // The staging area may be smaller than the message (only its unreferenced part is
+        // staged): a `Gather` that runs out counts instead of writing.
         self.encode_raw(g);
-        Some(())
+        (!g.overflowed()).then_some(())
     }
 }
 
@@ -72,12 +72,15 @@ pub const MAX_PIECES: usize = 3;
 /// alive until the NIC has sent it) is recorded as a reference instead of being copied. The
 /// result is a list of [`Piece`]s that a gather list of SGEs sends in order.
 ///
-/// prost writes `bytes` and `Vec<u8>` fields with `BufMut::put`, everything else with
-/// `put_slice` or in place; only `put` looks for references.
+/// prost writes `bytes` fields with `BufMut::put`, everything else with `put_slice`; only
+/// `put` looks for references. When the staging area runs out, the rest is counted, not
+/// written ([`Gather::overflowed`], [`Gather::needed`]): the caller retries with a larger one.
 #[derive(Debug)]
 pub struct Gather<'a> {
     stage: &'a mut [u8],
     used: usize,
+    /// Bytes that did not fit in the staging area (the encoding is incomplete when nonzero).
+    lost: usize,
     region: (usize, usize),
     min_ref: usize,
     pieces: [Piece; MAX_PIECES],
@@ -91,6 +94,7 @@ impl<'a> Gather<'a> {
         Gather {
             stage,
             used: 0,
+            lost: 0,
             region: (region.as_ptr() as usize, region.len()),
             min_ref: min_ref.max(1),
             pieces: [Piece::Staged { offset: 0, len: 0 }; MAX_PIECES],
@@ -127,6 +131,17 @@ impl<'a> Gather<'a> {
                 Piece::Staged { .. } => 0,
             })
             .sum()
+    }
+
+    /// Whether the staging area ran out (the pieces are then incomplete).
+    pub fn overflowed(&self) -> bool {
+        self.lost > 0
+    }
+
+    /// Staging bytes this encoding needed: with a staging area this large (and the same
+    /// region) it fits.
+    pub fn needed(&self) -> usize {
+        self.used + self.lost
     }
 
     /// The unused rest of the staging area.
@@ -192,6 +207,11 @@ unsafe impl bytes::BufMut for Gather<'_> {
     }
 
     fn put_slice(&mut self, src: &[u8]) {
+        if self.lost > 0 || src.len() > self.remaining_mut() {
+            // Out of room: count from here on, write nothing more.
+            self.lost += src.len();
+            return;
+        }
         self.rest()[..src.len()].copy_from_slice(src);
         self.staged(src.len());
     }
@@ -324,7 +344,7 @@ mod tests {
             let out = assemble(&pieces, &stage, &region);
             assert_eq!(out, m.encode_to_vec());
         }
-        // A staging area too small is refused, writing nothing.
+        // A staging area too small is refused, and says how much would do.
         let m = Blob {
             seq: 1,
             data: foreign,
@@ -333,7 +353,31 @@ mod tests {
         let mut stage = vec![0u8; 10];
         let mut g = Gather::new(&mut stage, &region, 4096);
         assert!(EncodeMsg::encode_gather(&m, &mut g).is_none());
-        assert!(g.is_empty());
+        assert!(g.overflowed());
+        assert_eq!(g.needed(), Message::encoded_len(&m));
+    }
+
+    #[test]
+    fn gather_stages_only_the_unreferenced_part() {
+        let region: bytes::Bytes = vec![3u8; 200_000].into();
+        let m = Blob {
+            seq: 9,
+            data: region.slice(..150_000),
+            note: "x".repeat(100),
+        };
+        let staged = Message::encoded_len(&m) - 150_000;
+        // Too small: counts what it needs.
+        let mut small = vec![0u8; 8];
+        let mut g = Gather::new(&mut small, &region, 4096);
+        assert!(EncodeMsg::encode_gather(&m, &mut g).is_none());
+        assert_eq!(g.needed(), staged);
+        // Exactly that: fits.
+        let mut stage = vec![0u8; staged];
+        let mut g = Gather::new(&mut stage, &region, 4096);
+        EncodeMsg::encode_gather(&m, &mut g).unwrap();
+        assert_eq!((g.referenced(), g.needed()), (150_000, staged));
+        let pieces = g.pieces().to_vec();
+        assert_eq!(assemble(&pieces, &stage, &region), m.encode_to_vec());
     }
 
     #[test]

@@ -24,9 +24,10 @@ use prost::Message;
 use tracing::{debug, info, warn};
 
 use crate::buf::{
-    BulkBuf, BulkPool, EncodeMsg, Exclusive, Mailbox, NoMsg, RecvSlot, SlotArena, SlotReader, Taken,
+    BulkBuf, BulkPool, EncodeMsg, Exclusive, Gather, Mailbox, NoMsg, Piece, RecvSlot, SlotArena,
+    SlotReader, Taken, encode::MAX_PIECES,
 };
-use crate::client::PollerMode;
+use crate::client::{PollerMode, RegHandle, RegisteredBytesMut};
 use crate::link::{
     CommitError, Control, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind,
     decode_metadata, split_wr_id,
@@ -35,12 +36,20 @@ use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
 use crate::streaming::{Inbox, InboxHost, Item, SlotBudget, Streaming, stream_slot_budget};
 use crate::verbs::{CompChannel, Cq, Provider, Wc, WcStatus};
-use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_HEADER_LEN};
+use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Request, Response, Status};
 
 const POLL_BATCH: usize = 32;
 const SPIN_ITERS: u32 = 20_000;
 const MAX_SLEEP: Duration = Duration::from_millis(20);
+/// A request's `bytes` field at least this large that lies in the registered region the
+/// request names is sent from there (the server READs it) instead of being copied.
+const ZERO_COPY_REQUEST_MIN: usize = 16 << 10;
+/// The staging buffer first tried for the copied part of such a request (the smallest bulk
+/// buffer); a larger one is taken when the small fields need more.
+const STAGE_FIRST: usize = 4 << 10;
+
+const _: () = assert!(MAX_PIECES <= MAX_BULK_PIECES);
 
 /// What a caller hands the driver: a staged request frame and the buffers it lends.
 pub(crate) struct Submission<P: Provider> {
@@ -49,11 +58,28 @@ pub(crate) struct Submission<P: Provider> {
     timeout_ns: Option<u64>,
     staged: Staged,
     bulk: Option<BulkBuf<P>>,
+    /// The payload is `bulk`'s staged pieces around a field in the user's region.
+    gathered: Option<Gathered>,
     landing: Option<BulkBuf<P>>,
     /// Where the server's stream goes (server-streaming and bidi calls).
     inbox: Option<Arc<Inbox>>,
 }
 
+/// A request payload sent from where it lies: the remote ranges, in order (staged pieces in
+/// the submission's bulk buffer, the referenced field in the user's region), and the region,
+/// kept alive until the server has read it.
+struct Gathered {
+    user: RegHandle,
+    ranges: [BulkDesc; MAX_PIECES],
+    n: usize,
+    referenced: u64,
+}
+
+/// What a call lends the server until it says it is done (BulkRelease, or its final frame).
+struct Lent<P: Provider> {
+    _buf: BulkBuf<P>,
+    _user: Option<RegHandle>,
+}
 /// One message (or the end) of a client stream, handed to the driver.
 pub(crate) struct StreamSend<P: Provider> {
     idx: u32,
@@ -102,7 +128,7 @@ struct DrvCall<P: Provider> {
     id: CallId,
     /// The caller's cell, until the outcome is delivered or the caller gave up.
     cell: Option<(u32, u32)>,
-    lent_bulk: Option<BulkBuf<P>>,
+    lent_bulk: Option<Lent<P>>,
     landing: Option<BulkBuf<P>>,
     reading: Option<(BulkBuf<P>, Metadata)>,
     /// The call is over for the caller; waiting for the server to give our buffers back.
@@ -181,6 +207,8 @@ pub(crate) struct Counters {
     pub(crate) bulk_requests: AtomicU64,
     pub(crate) bulk_responses: AtomicU64,
     pub(crate) landing_responses: AtomicU64,
+    /// Request payload bytes sent from the user's registered memory (not copied).
+    pub(crate) zero_copy_request_bytes: AtomicU64,
 }
 
 /// One client connection.
@@ -311,6 +339,17 @@ impl<P: Provider> ClientCore<P> {
             .alloc_mr(len, access)
             .map_err(|e| Status::resource_exhausted(format!("register {len} bytes: {e}")))?;
         Ok(Box::new(mr))
+    }
+
+    /// Registered memory for request payloads, from the bulk pool (`Channel::alloc_bytes`).
+    pub(crate) fn alloc_bytes(&self, len: usize) -> Result<RegisteredBytesMut, Status> {
+        let mut buf = self
+            .bulk
+            .get(len)
+            .map_err(|e| Status::resource_exhausted(format!("register {len} bytes: {e}")))?;
+        // A buffer from the pool holds what its last user left: start from zeros.
+        buf.as_mut_slice().fill(0);
+        Ok(RegisteredBytesMut::new(Box::new(buf)))
     }
 
     /// Registers caller memory for remote read and write.
@@ -451,6 +490,7 @@ impl<P: Provider> ClientCore<P> {
         msg: &dyn EncodeMsg,
         timeout: Option<Duration>,
         landing_hint: Option<usize>,
+        registered: Option<RegHandle>,
     ) -> Result<Submission<P>, Status> {
         let len = msg.encoded_len();
         let md_len = metadata.encoded_len();
@@ -467,17 +507,34 @@ impl<P: Provider> ClientCore<P> {
         }
         let eager = MAX_HEADER_LEN + md_len + len <= self.eager_limit;
         let mut bulk = None;
+        let mut gathered = None;
         let staged = if eager {
             self.stage(metadata, msg)?
         } else {
-            let mut buf = self
-                .bulk
-                .get(len)
-                .map_err(|e| Status::resource_exhausted(format!("bulk buffer: {e}")))?;
-            if msg.encode_into(buf.as_mut_slice()).is_none() {
-                return Err(Status::internal("request encoding failed"));
+            // Registered memory of this connection's pool may be referenced; other memory
+            // (another connection's, after a reconnect) is copied.
+            let own = Arc::as_ptr(&self.bulk) as *const () as usize;
+            match registered
+                .filter(|r| r.0.pool_id() == own)
+                .map(|r| self.encode_gathered(msg, len, r))
+                .transpose()?
+                .flatten()
+            {
+                Some((buf, g)) => {
+                    bulk = Some(buf);
+                    gathered = Some(g);
+                }
+                None => {
+                    let mut buf = self
+                        .bulk
+                        .get(len)
+                        .map_err(|e| Status::resource_exhausted(format!("bulk buffer: {e}")))?;
+                    if msg.encode_into(buf.as_mut_slice()).is_none() {
+                        return Err(Status::internal("request encoding failed"));
+                    }
+                    bulk = Some(buf);
+                }
             }
-            bulk = Some(buf);
             self.counters.bulk_requests.fetch_add(1, Ordering::Relaxed);
             self.stage(metadata, &NoMsg)?
         };
@@ -501,9 +558,67 @@ impl<P: Provider> ClientCore<P> {
             timeout_ns: timeout.map(|t| t.as_nanos().min(u128::from(u64::MAX)) as u64),
             staged,
             bulk,
+            gathered,
             landing,
             inbox: None,
         })
+    }
+
+    /// Encodes `msg` (`len` bytes) with its large `bytes` field referenced where it lies in
+    /// `user`'s region and the rest staged in a small bulk buffer. `None` when nothing was
+    /// referenced (the caller copies as usual).
+    fn encode_gathered(
+        &self,
+        msg: &dyn EncodeMsg,
+        len: usize,
+        user: RegHandle,
+    ) -> Result<Option<(BulkBuf<P>, Gathered)>, Status> {
+        let region = user.0.as_slice();
+        let mut want = len.min(STAGE_FIRST);
+        for _ in 0..2 {
+            let mut buf = self
+                .bulk
+                .get(want)
+                .map_err(|e| Status::resource_exhausted(format!("bulk buffer: {e}")))?;
+            let mut g = Gather::new(buf.as_mut_slice(), region, ZERO_COPY_REQUEST_MIN);
+            if msg.encode_gather(&mut g).is_none() {
+                // The small fields need more room than the first try: once more with what
+                // they need.
+                want = g.needed();
+                continue;
+            }
+            if g.referenced() == 0 || g.len() != len {
+                return Ok(None);
+            }
+            let (n, referenced) = (g.pieces().len(), g.referenced() as u64);
+            let mut pieces = [Piece::Staged { offset: 0, len: 0 }; MAX_PIECES];
+            pieces[..n].copy_from_slice(g.pieces());
+            let stage = buf.remote();
+            let (user_addr, user_rkey) = user.0.remote();
+            let mut ranges = [BulkDesc::default(); MAX_PIECES];
+            for (r, p) in ranges.iter_mut().zip(&pieces[..n]) {
+                *r = match *p {
+                    Piece::Staged { offset, len } => BulkDesc {
+                        addr: stage.addr + offset as u64,
+                        len: len as u64,
+                        rkey: stage.rkey,
+                    },
+                    Piece::Region { offset, len } => BulkDesc {
+                        addr: user_addr + offset as u64,
+                        len: len as u64,
+                        rkey: user_rkey,
+                    },
+                };
+            }
+            let gathered = Gathered {
+                user,
+                ranges,
+                n,
+                referenced,
+            };
+            return Ok(Some((buf, gathered)));
+        }
+        Ok(None)
     }
 
     fn stage(&self, metadata: &Metadata, msg: &dyn EncodeMsg) -> Result<Staged, Status> {
@@ -556,13 +671,14 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) async fn unary<Req, Resp>(
         self: &Arc<Self>,
         method: &'static MethodDesc,
-        request: Request<Req>,
+        mut request: Request<Req>,
     ) -> Result<Response<Resp>, Status>
     where
         Req: Message,
         Resp: Message + Default,
     {
         let hint = request.response_size_hint();
+        let registered = request.take_registered();
         let (metadata, msg, timeout) = request.into_parts();
         // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
         let (idx, generation, timeout) = match timeout {
@@ -584,7 +700,7 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let sub = self.prepare(method, &metadata, &msg, timeout, hint)?;
+        let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
         drop(msg);
         self.submit(idx, generation, sub)?;
         guard.submitted = true;
@@ -655,6 +771,7 @@ impl<P: Provider> ClientCore<P> {
         metadata: &Metadata,
         msg: &dyn EncodeMsg,
         timeout: Option<Duration>,
+        registered: Option<RegHandle>,
     ) -> Result<(u32, u32, Option<Streaming<Resp>>), Status> {
         let (idx, generation) = self.acquire().await?;
         let mut guard = CellGuard {
@@ -663,7 +780,7 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let mut sub = self.prepare(method, metadata, msg, timeout, None)?;
+        let mut sub = self.prepare(method, metadata, msg, timeout, None, registered)?;
         let streaming = if method.kind.server_streams() {
             let inbox = Inbox::new(self.stream_window);
             inbox.set_host(Box::new(CallHost {
@@ -821,15 +938,16 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) async fn server_streaming<Req, Resp>(
         self: &Arc<Self>,
         method: &'static MethodDesc,
-        request: Request<Req>,
+        mut request: Request<Req>,
     ) -> Result<Response<Streaming<Resp>>, Status>
     where
         Req: Message,
         Resp: Message + Default,
     {
+        let registered = request.take_registered();
         let (metadata, msg, timeout) = request.into_parts();
         let (_, _, streaming) = self
-            .start_stream::<Resp>(method, &metadata, &msg, timeout)
+            .start_stream::<Resp>(method, &metadata, &msg, timeout, registered)
             .await?;
         let streaming = streaming.ok_or_else(|| Status::internal("no stream"))?;
         Ok(Response::new(streaming))
@@ -848,7 +966,7 @@ impl<P: Provider> ClientCore<P> {
     {
         let (metadata, stream, timeout) = request.into_parts();
         let (idx, generation, _) = self
-            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout)
+            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout, None)
             .await?;
         let guard = CellGuard {
             core: self,
@@ -877,7 +995,7 @@ impl<P: Provider> ClientCore<P> {
     {
         let (metadata, stream, timeout) = request.into_parts();
         let (idx, generation, streaming) = self
-            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout)
+            .start_stream::<Resp>(method, &metadata, &NoMsg, timeout, None)
             .await?;
         let streaming = streaming.ok_or_else(|| Status::internal("no stream"))?;
         let core = Arc::clone(self);
@@ -889,13 +1007,14 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) fn unary_blocking<Req, Resp>(
         self: &Arc<Self>,
         method: &'static MethodDesc,
-        request: Request<Req>,
+        mut request: Request<Req>,
     ) -> Result<Response<Resp>, Status>
     where
         Req: Message,
         Resp: Message + Default,
     {
         let hint = request.response_size_hint();
+        let registered = request.take_registered();
         let (metadata, msg, timeout) = request.into_parts();
         // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
         let start = Instant::now();
@@ -907,7 +1026,7 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let sub = self.prepare(method, &metadata, &msg, timeout, hint)?;
+        let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
         self.submit(idx, generation, sub)?;
         guard.submitted = true;
         let mut spins = 0;
@@ -1247,16 +1366,29 @@ impl<P: Provider> Driver<P> {
     ) -> Result<(), LinkError> {
         let now = self.link.now();
         let bulk = sub.bulk.as_ref().map(desc);
+        let ranges = match &sub.gathered {
+            Some(g) => &g.ranges[..g.n],
+            None => bulk.as_slice(),
+        };
         let landing = sub.landing.as_ref().map(desc);
         match self.link.commit(sub.staged, |w, pl, ml| {
-            w.request(call, pl, ml, bulk, landing, now)
+            w.request_pieces(call, pl, ml, ranges, landing, now)
         }) {
             Ok(()) => {
                 let slot = call.slot() as usize;
+                let user = sub.gathered.map(|g| {
+                    core.counters
+                        .zero_copy_request_bytes
+                        .fetch_add(g.referenced, Ordering::Relaxed);
+                    g.user
+                });
                 self.calls[slot] = DrvCall {
                     id: call,
                     cell: Some((idx, generation)),
-                    lent_bulk: sub.bulk,
+                    lent_bulk: sub.bulk.map(|b| Lent {
+                        _buf: b,
+                        _user: user,
+                    }),
                     landing: sub.landing,
                     inbox: sub.inbox,
                     ..DrvCall::empty()

@@ -2,6 +2,7 @@
 //! with a completion poller, futures and blocking calls.
 
 mod core;
+mod registered;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +25,8 @@ use crate::verbs::{
 use crate::wire::{self, Role};
 use crate::{Error, ErrorKind, Request, Response, Status};
 use core::{CLIENT_LINK, ClientCore, Parts, epoch};
+pub(crate) use registered::RegHandle;
+pub use registered::{RegisteredBytes, RegisteredBytesMut};
 
 /// Who polls the connection's completion queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -294,6 +297,31 @@ impl Channel {
         let conn = self.conn().await?;
         let mr = with_any!(AnyCore, &conn.core, c => c.alloc_region(len))?;
         Ok(Region { mr, _conn: conn })
+    }
+
+    /// Allocates `len` bytes of registered memory for request payloads (from the connection's
+    /// pool of bulk buffers): fill it, [`RegisteredBytesMut::freeze`] it, put
+    /// [`RegisteredBytes::bytes`] (or a slice) into a message's `bytes` field and name the
+    /// region with [`Request::set_registered`]. Such a request is not copied on the client:
+    /// the server RDMA-READs the field from here (the NIC's copy is the only one). Allocate
+    /// once and reuse it for many calls (a `Bytes` clone per call); it is eRPC's and UCX's
+    /// message buffer. The memory belongs to the current connection: after a reconnect,
+    /// requests that use it are copied as usual until it is allocated again.
+    ///
+    /// # Errors
+    /// `RESOURCE_EXHAUSTED` when the memory cannot be allocated or registered, or `len` is
+    /// above the largest bulk buffer (1 GiB); `UNAVAILABLE` when the connection is gone and
+    /// cannot be re-established.
+    pub async fn alloc_bytes(&self, len: usize) -> Result<RegisteredBytesMut, Status> {
+        let conn = self.conn().await?;
+        with_any!(AnyCore, &conn.core, c => c.alloc_bytes(len))
+    }
+
+    /// Payload bytes of requests sent without a copy since the connection was made: the
+    /// `bytes` fields that lay in memory from [`Channel::alloc_bytes`] (counted when posted).
+    pub fn zero_copy_request_bytes(&self) -> u64 {
+        let c = self.shared.conn.load();
+        with_any!(AnyCore, &c.core, c => c.counters.zero_copy_request_bytes.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Registers existing memory `[ptr, ptr + len)` for remote read and write, as

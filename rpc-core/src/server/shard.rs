@@ -34,7 +34,7 @@ use crate::streaming::{Inbox, Item, SlotBudget, stream_slot_budget};
 use crate::verbs::{
     Access, CompChannel, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Sge, Wc, WcStatus,
 };
-use crate::wire::{self, BulkDesc, CallId, Event, MAX_HEADER_LEN, Role, Transfer};
+use crate::wire::{self, BulkDesc, BulkMore, CallId, Event, MAX_HEADER_LEN, Role, Transfer};
 use crate::{Metadata, Status};
 
 /// Completions taken per `poll`.
@@ -183,6 +183,8 @@ impl<P: Provider> SrvCall<P> {
 
 struct PendingDispatch<P: Provider> {
     buf: BulkBuf<P>,
+    /// READs (one per remote range of the payload) whose completion is still to come.
+    reads_left: u8,
     method: u32,
     metadata: Metadata,
     deadline_at: Option<u64>,
@@ -1347,6 +1349,7 @@ impl<P: Provider> Shard<P> {
                 kind,
                 deadline_at,
                 bulk,
+                bulk_more,
                 landing,
                 replaced,
             } => {
@@ -1393,7 +1396,8 @@ impl<P: Provider> Shard<P> {
                 self.live_calls.fetch_add(1, Ordering::AcqRel);
                 if let Some(desc) = bulk {
                     drop(inbound);
-                    self.start_read(idx, call, method_id, metadata, deadline_at, desc);
+                    let head = (method_id, metadata, deadline_at);
+                    self.start_read(idx, call, head, desc, bulk_more);
                 } else {
                     let payload = Payload::Slot {
                         start: inbound.payload.start,
@@ -1459,32 +1463,38 @@ impl<P: Provider> Shard<P> {
         Ok(())
     }
 
+    /// READs a rendezvous request payload (the range `desc`, then those of `more`, one after
+    /// the other) into one bulk buffer and dispatches the call once every READ completed.
     fn start_read(
         &mut self,
         idx: usize,
         call: CallId,
-        method: u32,
-        metadata: Metadata,
-        deadline_at: Option<u64>,
+        (method, metadata, deadline_at): (u32, Metadata, Option<u64>),
         desc: BulkDesc,
+        more: BulkMore,
     ) {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return;
         };
-        let got = if desc.len > conn.max_message {
+        // The frame codec refused totals that overflow; saturate anyway.
+        let total = more
+            .as_slice()
+            .iter()
+            .fold(desc.len, |a, d| a.saturating_add(d.len));
+        let got = if total > conn.max_message {
             Err(format!(
-                "request of {} bytes exceeds the {} byte message limit",
-                desc.len, conn.max_message
+                "request of {total} bytes exceeds the {} byte message limit",
+                conn.max_message
             ))
         } else {
             conn.link
                 .bulk
-                .get(desc.len as usize)
+                .get(total as usize)
                 .map_err(|e| format!("request too large: {e}"))
         };
         let buf = match got {
             Ok(mut b) => {
-                b.set_len(desc.len as usize);
+                b.set_len(total as usize);
                 b
             }
             Err(why) => {
@@ -1495,9 +1505,39 @@ impl<P: Provider> Shard<P> {
                 return;
             }
         };
-        // SAFETY: `buf` is stored in the call's `reading` until the READ's completion (or the
+        // `buf` is stored in the call's `reading` until the READs' completions (or the
         // connection's end); nothing reads it meanwhile.
-        let r = unsafe { conn.link.post_read(call.slot(), &buf, desc) };
+        let r = if more.is_empty() {
+            // SAFETY: as just said.
+            unsafe { conn.link.post_read(call.slot(), &buf, desc) }
+        } else {
+            // One READ per range, into consecutive offsets. Each READ's last chunk is signaled
+            // and the call waits for all of them (`reads_left`): correct whatever QP or order
+            // the link posts the chunks on, for at most MAX_BULK_PIECES completions.
+            let mut at = 0usize;
+            std::iter::once(&desc)
+                .chain(more.as_slice())
+                .try_for_each(|d| {
+                    let off = at;
+                    at += d.len as usize;
+                    let remote = crate::verbs::RemoteMr {
+                        addr: d.addr,
+                        len: d.len,
+                        rkey: d.rkey,
+                    };
+                    // SAFETY: as above; the range lies in `buf` (its length is the total).
+                    unsafe {
+                        conn.link.post_one_sided(
+                            WrKind::Read,
+                            call.slot(),
+                            |o, l| buf.sge(off + o, l),
+                            remote,
+                            d.len as usize,
+                            false,
+                        )
+                    }
+                })
+        };
         if let Err(e) = r {
             warn!("rendezvous READ failed: {e}");
             let key = conn.link.key();
@@ -1507,6 +1547,7 @@ impl<P: Provider> Shard<P> {
         if let Some(c) = conn.calls.get_mut(call.slot() as usize) {
             c.reading = Some(PendingDispatch {
                 buf,
+                reads_left: 1 + more.len() as u8,
                 method,
                 metadata,
                 deadline_at,
@@ -1528,6 +1569,12 @@ impl<P: Provider> Shard<P> {
             let call = c.id;
             return conn.stream_read_done(call);
         }
+        if let Some(p) = c.reading.as_mut()
+            && p.reads_left > 1
+        {
+            p.reads_left -= 1;
+            return Ok(());
+        }
         let Some(pending) = c.reading.take() else {
             return Ok(());
         };
@@ -1542,6 +1589,7 @@ impl<P: Provider> Shard<P> {
         // The client's buffer is no longer needed once read; the terminal frame returns it.
         let PendingDispatch {
             buf,
+            reads_left: _,
             method,
             metadata,
             deadline_at,

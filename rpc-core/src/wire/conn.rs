@@ -20,7 +20,7 @@
 use std::fmt;
 
 use super::error::{ProtocolError, SendError, StartError, WireError};
-use super::frame::{BulkDesc, FrameFlags, FrameHeader, FrameKind, MAX_HEADER_LEN};
+use super::frame::{BulkDesc, BulkMore, FrameFlags, FrameHeader, FrameKind, MAX_HEADER_LEN};
 use super::heap::DeadlineHeap;
 use crate::method::CallKind;
 
@@ -219,8 +219,10 @@ pub enum Event {
         kind: CallKind,
         /// When the call expires, if it has a deadline.
         deadline_at: Option<u64>,
-        /// The request payload to RDMA-READ, if it travelled by rendezvous.
+        /// The request payload to RDMA-READ, if it travelled by rendezvous (its first range).
         bulk: Option<BulkDesc>,
+        /// Further ranges of the payload, READ after `bulk` into the same buffer.
+        bulk_more: BulkMore,
         /// Where the response may be RDMA-WRITTEN.
         landing: Option<BulkDesc>,
         /// A call of ours in the same slot that the client gave up without telling us
@@ -709,6 +711,49 @@ impl Conn {
         landing: Option<BulkDesc>,
         now: u64,
     ) -> Result<FrameHeader, SendError> {
+        self.request_pieces(
+            call,
+            payload_len,
+            metadata_len,
+            bulk.as_slice(),
+            landing,
+            now,
+        )
+    }
+
+    /// Client: like [`Conn::request`], with a rendezvous payload made of up to
+    /// [`super::MAX_BULK_PIECES`] remote ranges (`bulk`, in order; empty: no rendezvous). The
+    /// server READs them one after the other into one buffer.
+    ///
+    /// # Errors
+    /// As [`Conn::request`]; [`SendError::Invalid`] for too many ranges, one of length 0, or a
+    /// total above `max_message`.
+    pub fn request_pieces(
+        &mut self,
+        call: CallId,
+        payload_len: usize,
+        metadata_len: usize,
+        pieces: &[BulkDesc],
+        landing: Option<BulkDesc>,
+        now: u64,
+    ) -> Result<FrameHeader, SendError> {
+        let (bulk, bulk_more) = match pieces.split_first() {
+            None => (None, BulkMore::NONE),
+            Some((first, rest)) => {
+                let more = BulkMore::from_slice(rest)
+                    .ok_or(SendError::Invalid("more bulk pieces than MAX_BULK_PIECES"))?;
+                if pieces.iter().any(|d| d.len == 0) {
+                    return Err(SendError::Invalid("bulk piece of length 0"));
+                }
+                (Some(*first), more)
+            }
+        };
+        // The length checks see the whole payload.
+        let total = pieces
+            .iter()
+            .try_fold(0u64, |a, d| a.checked_add(d.len))
+            .ok_or(SendError::Invalid("bulk payload above max_message"))?;
+        let whole = bulk.map(|b| BulkDesc { len: total, ..b });
         if self.role != Role::Client {
             return Err(SendError::BadState("only a client sends a Request"));
         }
@@ -719,7 +764,7 @@ impl Conn {
             State::Cancelled | State::Expired => return Err(SendError::Gone),
             _ => return Err(SendError::BadState("the call's Request was already sent")),
         }
-        let (payload_len, metadata_len) = self.lens(payload_len, metadata_len, bulk)?;
+        let (payload_len, metadata_len) = self.lens(payload_len, metadata_len, whole)?;
         let client_streams = c.kind.client_streams();
         if client_streams && (payload_len != 0 || bulk.is_some()) {
             return Err(SendError::Invalid(
@@ -744,6 +789,7 @@ impl Conn {
         let flags = FrameFlags::EMPTY
             .with(FrameFlags::HAS_DEADLINE, deadline.is_some())
             .with(FrameFlags::HAS_BULK, bulk.is_some())
+            .with(FrameFlags::BULK_PIECES, !bulk_more.is_empty())
             .with(FrameFlags::HAS_LANDING, landing.is_some())
             .with(FrameFlags::END_STREAM, !client_streams)
             .with(FrameFlags::SERVER_STREAM, c.kind.server_streams());
@@ -754,6 +800,7 @@ impl Conn {
             payload_len,
             deadline,
             bulk,
+            bulk_more,
             landing,
             ..FrameHeader::new(FrameKind::Request, call.0)
         };
@@ -1171,10 +1218,10 @@ impl Conn {
     }
 
     fn check_bulk(&self, call: CallId, h: &FrameHeader) -> Result<(), ProtocolError> {
-        match h.bulk {
-            Some(b) if b.len > self.cfg.max_message => Err(ProtocolError::TooLarge {
+        match h.bulk_len() {
+            len if len > self.cfg.max_message => Err(ProtocolError::TooLarge {
                 call,
-                len: b.len,
+                len,
                 max: self.cfg.max_message,
             }),
             _ => Ok(()),
@@ -1373,6 +1420,7 @@ impl Conn {
             kind,
             deadline_at: deadline,
             bulk: h.bulk,
+            bulk_more: h.bulk_more,
             landing: h.landing,
             replaced,
         })

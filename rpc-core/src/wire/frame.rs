@@ -16,6 +16,9 @@
 //! HAS_DEADLINE  u64 timeout_ns (time left, relative)                      Request only
 //! HAS_BULK      BulkDesc {addr u64, len u64, rkey u32, pad u32 = 0}        Request, Response,
 //!               (payload to RDMA-READ; payload_len is then 0)              StreamMessage
+//! BULK_PIECES   u32 count (1 ..= MAX_BULK_PIECES - 1), u32 pad = 0,          Request only,
+//!               then `count` more BulkDescs: the payload is the bulk range    with HAS_BULK
+//!               followed by these, READ in order into one buffer
 //! HAS_LANDING   BulkDesc (where the server may RDMA-WRITE the response)   Request only
 //! ```
 //!
@@ -34,10 +37,20 @@ pub const BASE_HEADER_LEN: usize = 24;
 pub const DEADLINE_EXT_LEN: usize = 8;
 /// Bytes of a [`BulkDesc`] extension (bulk or landing).
 pub const BULK_EXT_LEN: usize = 24;
+/// Most remote ranges the payload of one rendezvous Request may be made of: the bulk
+/// descriptor and up to `MAX_BULK_PIECES - 1` more in the pieces extension
+/// ([`FrameFlags::BULK_PIECES`]).
+pub const MAX_BULK_PIECES: usize = 3;
+/// Bytes of the pieces extension before its descriptors (count and padding).
+pub const PIECES_EXT_BASE: usize = 8;
 /// The longest header: base plus every extension.
-pub const MAX_HEADER_LEN: usize = BASE_HEADER_LEN + DEADLINE_EXT_LEN + 2 * BULK_EXT_LEN;
+pub const MAX_HEADER_LEN: usize = BASE_HEADER_LEN
+    + DEADLINE_EXT_LEN
+    + 2 * BULK_EXT_LEN
+    + PIECES_EXT_BASE
+    + (MAX_BULK_PIECES - 1) * BULK_EXT_LEN;
 
-const _: () = assert!(MAX_HEADER_LEN == 80);
+const _: () = assert!(MAX_HEADER_LEN == 136);
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -156,10 +169,14 @@ impl FrameFlags {
     pub const WRITTEN: FrameFlags = FrameFlags(1 << 4);
     /// On a Request: the server answers with a stream (server-streaming and bidirectional).
     pub const SERVER_STREAM: FrameFlags = FrameFlags(1 << 5);
+    /// On a Request with [`FrameFlags::HAS_BULK`]: a pieces extension follows the bulk
+    /// descriptor; the payload is several remote ranges, READ one after the other into one
+    /// buffer (a request whose large `bytes` field is sent from where it lies).
+    pub const BULK_PIECES: FrameFlags = FrameFlags(1 << 6);
     /// Every flag this version knows.
-    pub const KNOWN: FrameFlags = FrameFlags(0x3f);
+    pub const KNOWN: FrameFlags = FrameFlags(0x7f);
     /// The flags that announce an extension.
-    pub const EXTENSIONS: FrameFlags = FrameFlags(0x07);
+    pub const EXTENSIONS: FrameFlags = FrameFlags(0x47);
 
     /// The flags of `bits`, or `None` if some bit is unknown.
     pub const fn from_bits(bits: u16) -> Option<FrameFlags> {
@@ -211,13 +228,14 @@ impl std::ops::BitOrAssign for FrameFlags {
 
 impl fmt::Debug for FrameFlags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const NAMES: [(FrameFlags, &str); 6] = [
+        const NAMES: [(FrameFlags, &str); 7] = [
             (FrameFlags::HAS_DEADLINE, "HAS_DEADLINE"),
             (FrameFlags::HAS_BULK, "HAS_BULK"),
             (FrameFlags::HAS_LANDING, "HAS_LANDING"),
             (FrameFlags::END_STREAM, "END_STREAM"),
             (FrameFlags::WRITTEN, "WRITTEN"),
             (FrameFlags::SERVER_STREAM, "SERVER_STREAM"),
+            (FrameFlags::BULK_PIECES, "BULK_PIECES"),
         ];
         if self.0 == 0 {
             return f.write_str("(empty)");
@@ -255,6 +273,56 @@ pub struct BulkDesc {
     pub rkey: u32,
 }
 
+/// The ranges of a rendezvous Request payload after the first ([`FrameHeader::bulk`]): the
+/// payload is the first range followed by these, in order. Empty on every other frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct BulkMore {
+    n: u8,
+    ranges: [BulkDesc; MAX_BULK_PIECES - 1],
+}
+
+impl BulkMore {
+    /// No further range.
+    pub const NONE: BulkMore = BulkMore {
+        n: 0,
+        ranges: [BulkDesc {
+            addr: 0,
+            len: 0,
+            rkey: 0,
+        }; MAX_BULK_PIECES - 1],
+    };
+
+    /// The ranges of `more`, or `None` when there are more than `MAX_BULK_PIECES - 1`.
+    pub fn from_slice(more: &[BulkDesc]) -> Option<BulkMore> {
+        let mut m = BulkMore::NONE;
+        m.ranges.get_mut(..more.len())?.copy_from_slice(more);
+        m.n = more.len() as u8;
+        Some(m)
+    }
+
+    /// The ranges, in order.
+    pub fn as_slice(&self) -> &[BulkDesc] {
+        &self.ranges[..usize::from(self.n)]
+    }
+
+    /// How many ranges.
+    pub const fn len(&self) -> usize {
+        self.n as usize
+    }
+
+    /// Whether there is none.
+    pub const fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// Their total length, `None` on overflow.
+    pub fn total_len(&self) -> Option<u64> {
+        self.as_slice()
+            .iter()
+            .try_fold(0u64, |a, d| a.checked_add(d.len))
+    }
+}
+
 /// A frame header: the base header plus its extensions. The flags that announce extensions
 /// ([`FrameFlags::EXTENSIONS`]) must agree with the `Option` fields.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -277,8 +345,10 @@ pub struct FrameHeader {
     pub seq: u32,
     /// Time left for the call in nanoseconds (Request only).
     pub deadline: Option<u64>,
-    /// Payload to RDMA-READ from the sender.
+    /// Payload to RDMA-READ from the sender (its first range, when `bulk_more` has more).
     pub bulk: Option<BulkDesc>,
+    /// Further ranges of a rendezvous Request payload ([`FrameFlags::BULK_PIECES`]).
+    pub bulk_more: BulkMore,
     /// Where the server may RDMA-WRITE the response (Request only).
     pub landing: Option<BulkDesc>,
 }
@@ -308,8 +378,16 @@ impl FrameHeader {
             seq: 0,
             deadline: None,
             bulk: None,
+            bulk_more: BulkMore::NONE,
             landing: None,
         }
+    }
+
+    /// Bytes of the rendezvous payload: the bulk range plus the further ones (saturating; a
+    /// valid header does not overflow), 0 without bulk.
+    pub fn bulk_len(&self) -> u64 {
+        let first = self.bulk.map_or(0, |b| b.len);
+        first.saturating_add(self.bulk_more.total_len().unwrap_or(u64::MAX))
     }
 
     /// Bytes of the header on the wire: 24 plus its extensions.
@@ -320,6 +398,9 @@ impl FrameHeader {
         }
         if self.bulk.is_some() {
             n += BULK_EXT_LEN;
+        }
+        if !self.bulk_more.is_empty() {
+            n += PIECES_EXT_BASE + self.bulk_more.len() * BULK_EXT_LEN;
         }
         if self.landing.is_some() {
             n += BULK_EXT_LEN;
@@ -361,11 +442,24 @@ impl FrameHeader {
         if let Some(t) = self.deadline {
             w.put(&t.to_le_bytes());
         }
-        for d in [self.bulk, self.landing].into_iter().flatten() {
+        let put_desc = |w: &mut Writer<'_>, d: BulkDesc| {
             w.put(&d.addr.to_le_bytes());
             w.put(&d.len.to_le_bytes());
             w.put(&d.rkey.to_le_bytes());
             w.put(&0u32.to_le_bytes());
+        };
+        if let Some(d) = self.bulk {
+            put_desc(&mut w, d);
+        }
+        if !self.bulk_more.is_empty() {
+            w.put(&(self.bulk_more.len() as u32).to_le_bytes());
+            w.put(&0u32.to_le_bytes());
+            for &d in self.bulk_more.as_slice() {
+                put_desc(&mut w, d);
+            }
+        }
+        if let Some(d) = self.landing {
+            put_desc(&mut w, d);
         }
         debug_assert_eq!(w.pos, len);
         Ok(len)
@@ -421,6 +515,35 @@ impl FrameHeader {
             }
             if b.len == 0 {
                 return Err(WireError::Inconsistent("bulk descriptor of length 0"));
+            }
+        }
+        if f.contains(FrameFlags::BULK_PIECES) == self.bulk_more.is_empty() {
+            return Err(WireError::Inconsistent(
+                "BULK_PIECES flag and pieces extension disagree",
+            ));
+        }
+        if !self.bulk_more.is_empty() {
+            if k != K::Request {
+                return Err(WireError::Inconsistent(
+                    "BULK_PIECES on a frame other than Request",
+                ));
+            }
+            if self.bulk.is_none() {
+                return Err(WireError::Inconsistent("BULK_PIECES without HAS_BULK"));
+            }
+            if self.bulk_more.as_slice().iter().any(|d| d.len == 0) {
+                return Err(WireError::Inconsistent("bulk piece of length 0"));
+            }
+            let first = self.bulk.map_or(0, |b| b.len);
+            if self
+                .bulk_more
+                .total_len()
+                .and_then(|t| t.checked_add(first))
+                .is_none()
+            {
+                return Err(WireError::Inconsistent(
+                    "bulk pieces longer than 2^64 bytes in total",
+                ));
             }
         }
         if self.landing.is_some_and(|l| l.len == 0) {
@@ -531,6 +654,11 @@ pub fn decode(buf: &[u8]) -> Result<Frame<'_>, WireError> {
     } else {
         None
     };
+    let bulk_more = if flags.contains(FrameFlags::BULK_PIECES) {
+        r.pieces()?
+    } else {
+        BulkMore::NONE
+    };
     let landing = if flags.contains(FrameFlags::HAS_LANDING) {
         Some(r.bulk()?)
     } else {
@@ -547,6 +675,7 @@ pub fn decode(buf: &[u8]) -> Result<Frame<'_>, WireError> {
         seq,
         deadline,
         bulk,
+        bulk_more,
         landing,
     };
     header.check()?;
@@ -605,6 +734,27 @@ impl<'a> Reader<'a> {
             ));
         }
         Ok(BulkDesc { addr, len, rkey })
+    }
+
+    fn pieces(&mut self) -> Result<BulkMore, WireError> {
+        let count = u32::from_le_bytes(self.array()?);
+        let pad = u32::from_le_bytes(self.array()?);
+        if count == 0 || count as usize > MAX_BULK_PIECES - 1 {
+            return Err(WireError::Inconsistent(
+                "bulk piece count out of range (1 to MAX_BULK_PIECES - 1 further pieces)",
+            ));
+        }
+        if pad != 0 {
+            return Err(WireError::Inconsistent(
+                "nonzero padding in a pieces extension",
+            ));
+        }
+        let mut more = BulkMore::NONE;
+        for d in more.ranges.iter_mut().take(count as usize) {
+            *d = self.bulk()?;
+        }
+        more.n = count as u8;
+        Ok(more)
     }
 }
 
@@ -704,7 +854,7 @@ pub(crate) mod tests {
         let buf = encode_frame(&bulk, &[], &[]);
         let f = decode(&buf).unwrap();
         assert_eq!(f.header, bulk);
-        assert_eq!(bulk.encoded_len(), MAX_HEADER_LEN - 8 - 24);
+        assert_eq!(bulk.encoded_len(), BASE_HEADER_LEN + BULK_EXT_LEN);
     }
 
     #[test]
@@ -844,12 +994,136 @@ pub(crate) mod tests {
         assert!(!bad(FrameHeader::new(K::GoAway, 0)));
     }
 
+    /// A Request whose payload is three remote ranges (the client's staged encoding around a
+    /// large `bytes` field sent from where it lies).
+    fn pieces_request() -> FrameHeader {
+        let d = |addr, len, rkey| BulkDesc { addr, len, rkey };
+        FrameHeader {
+            flags: FrameFlags::HAS_DEADLINE
+                | FrameFlags::HAS_BULK
+                | FrameFlags::BULK_PIECES
+                | FrameFlags::HAS_LANDING
+                | FrameFlags::END_STREAM,
+            aux: 3,
+            metadata_len: 2,
+            deadline: Some(77),
+            bulk: Some(d(0x1000, 6, 11)),
+            bulk_more: BulkMore::from_slice(&[d(0x7f00_0000, 16 << 20, 12), d(0x1006, 9, 11)])
+                .unwrap(),
+            landing: Some(d(0x9000, 1 << 20, 13)),
+            ..FrameHeader::new(FrameKind::Request, 5)
+        }
+    }
+
+    #[test]
+    fn bulk_pieces_round_trip_at_fixed_offsets() {
+        let h = pieces_request();
+        assert_eq!(h.encoded_len(), MAX_HEADER_LEN);
+        assert_eq!(h.bulk_len(), 6 + (16 << 20) + 9);
+        let buf = encode_frame(&h, b"md", &[]);
+        let f = decode(&buf).unwrap();
+        assert_eq!(f.header, h);
+        assert_eq!(f.metadata, b"md");
+        // deadline at 24, bulk at 32, count and pad at 56, pieces at 64 and 88, landing at 112.
+        assert_eq!(&buf[56..64], &[2, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&buf[64..72], &0x7f00_0000u64.to_le_bytes());
+        assert_eq!(&buf[88..96], &0x1006u64.to_le_bytes());
+        assert_eq!(&buf[112..120], &0x9000u64.to_le_bytes());
+        // One further piece, no deadline or landing.
+        let one = FrameHeader {
+            flags: FrameFlags::HAS_BULK | FrameFlags::BULK_PIECES | FrameFlags::END_STREAM,
+            deadline: None,
+            landing: None,
+            bulk_more: BulkMore::from_slice(&h.bulk_more.as_slice()[..1]).unwrap(),
+            ..h
+        };
+        assert_eq!(one.encoded_len(), BASE_HEADER_LEN + 24 + 8 + 24);
+        let buf = encode_frame(&one, b"md", &[]);
+        let f = decode(&buf).unwrap();
+        assert_eq!(f.header, one);
+        assert_eq!(f.header.bulk_more.as_slice(), &h.bulk_more.as_slice()[..1]);
+        assert!(BulkMore::from_slice(&[BulkDesc::default(); MAX_BULK_PIECES]).is_none());
+    }
+
+    #[test]
+    fn malformed_bulk_pieces_are_refused() {
+        let good = encode_frame(&pieces_request(), b"md", &[]);
+        let inconsistent = |b: &[u8], what: &str| match decode(b) {
+            Err(WireError::Inconsistent(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("{what}: {other:?}"),
+        };
+        // Count 0 and count above MAX_BULK_PIECES - 1.
+        for count in [0u32, MAX_BULK_PIECES as u32, u32::MAX] {
+            let mut b = good.clone();
+            b[56..60].copy_from_slice(&count.to_le_bytes());
+            inconsistent(&b, "piece count");
+        }
+        // Nonzero padding after the count, and in a piece.
+        let mut b = good.clone();
+        b[60] = 1;
+        inconsistent(&b, "padding");
+        let mut b = good.clone();
+        b[64 + 20] = 1;
+        inconsistent(&b, "padding");
+        // A piece of length 0.
+        let mut b = good.clone();
+        b[72..80].fill(0);
+        inconsistent(&b, "length 0");
+        // Lengths that overflow u64 together.
+        let mut b = good.clone();
+        b[72..80].copy_from_slice(&u64::MAX.to_le_bytes());
+        inconsistent(&b, "2^64");
+        // The flag without HAS_BULK, and on a Response.
+        let h = FrameHeader {
+            bulk: None,
+            ..pieces_request()
+        };
+        let mut buf = [0u8; MAX_HEADER_LEN];
+        assert!(
+            matches!(h.encode(&mut buf), Err(WireError::Inconsistent(m)) if m.contains("HAS_BULK"))
+        );
+        let mut b = good.clone();
+        b[2] &= !(FrameFlags::HAS_BULK.bits() as u8);
+        assert!(matches!(decode(&b), Err(WireError::Inconsistent(_))));
+        let h = FrameHeader {
+            kind: FrameKind::Response,
+            flags: FrameFlags::HAS_BULK | FrameFlags::BULK_PIECES,
+            aux: 0,
+            deadline: None,
+            landing: None,
+            metadata_len: 0,
+            ..pieces_request()
+        };
+        assert!(
+            matches!(h.encode(&mut buf), Err(WireError::Inconsistent(m)) if m.contains("Request"))
+        );
+        // Flag and extension disagree.
+        let h = FrameHeader {
+            flags: pieces_request().flags.with(FrameFlags::BULK_PIECES, false),
+            ..pieces_request()
+        };
+        assert!(
+            matches!(h.encode(&mut buf), Err(WireError::Inconsistent(m)) if m.contains("disagree"))
+        );
+        // Cut anywhere inside the extension: truncated, never a panic.
+        for cut in 56..112 {
+            assert!(
+                matches!(decode(&good[..cut]), Err(WireError::Truncated { .. })),
+                "{cut}"
+            );
+        }
+    }
+
     #[test]
     fn flags_debug_names_bits() {
         let f = FrameFlags::HAS_BULK | FrameFlags::END_STREAM;
         assert_eq!(format!("{f:?}"), "HAS_BULK | END_STREAM");
         assert_eq!(format!("{:?}", FrameFlags::EMPTY), "(empty)");
-        assert_eq!(FrameFlags::from_bits(0x40), None);
+        assert_eq!(FrameFlags::from_bits(0x80), None);
+        assert_eq!(
+            format!("{:?}", FrameFlags::BULK_PIECES | FrameFlags::HAS_BULK),
+            "HAS_BULK | BULK_PIECES"
+        );
         assert!(
             !f.with(FrameFlags::HAS_BULK, false)
                 .contains(FrameFlags::HAS_BULK)
@@ -878,9 +1152,26 @@ pub(crate) mod tests {
             proptest::option::of(arb_bulk()),
             proptest::option::of(arb_bulk()),
             any::<(bool, bool, bool)>(),
+            proptest::collection::vec(
+                (any::<u64>(), 1..u64::MAX >> 4, any::<u32>()),
+                0..MAX_BULK_PIECES,
+            ),
         )
             .prop_map(
-                |(k, call, aux, credits, md, payload, seq, deadline, bulk, landing, (a, b, c))| {
+                |(
+                    k,
+                    call,
+                    aux,
+                    credits,
+                    md,
+                    payload,
+                    seq,
+                    deadline,
+                    bulk,
+                    landing,
+                    (a, b, c),
+                    more,
+                )| {
                     use FrameKind as K;
                     let kind = FrameKind::from_u8(k).unwrap();
                     let mut h = FrameHeader {
@@ -901,8 +1192,21 @@ pub(crate) mod tests {
                             if a {
                                 h.payload_len = payload;
                                 if h.payload_len == 0 && bulk.is_some() {
-                                    h.bulk = bulk;
-                                    h.flags |= FrameFlags::HAS_BULK;
+                                    h.bulk = bulk
+                                        .map(|b| BulkDesc {
+                                            len: b.len >> 4,
+                                            ..b
+                                        })
+                                        .filter(|b| b.len > 0);
+                                    h.flags = h.flags.with(FrameFlags::HAS_BULK, h.bulk.is_some());
+                                    if h.bulk.is_some() && !more.is_empty() {
+                                        let more: Vec<BulkDesc> = more
+                                            .iter()
+                                            .map(|&(addr, len, rkey)| BulkDesc { addr, len, rkey })
+                                            .collect();
+                                        h.bulk_more = BulkMore::from_slice(&more).unwrap();
+                                        h.flags |= FrameFlags::BULK_PIECES;
+                                    }
                                 }
                             }
                         }

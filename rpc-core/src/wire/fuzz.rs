@@ -3,7 +3,9 @@
 //! same code. They panic only when the code under test breaks a property.
 
 use super::conn::{CallId, Config, Conn, Role};
-use super::frame::{BulkDesc, FrameFlags, FrameHeader, FrameKind, MAX_HEADER_LEN, decode};
+use super::frame::{
+    BulkDesc, BulkMore, FrameFlags, FrameHeader, FrameKind, MAX_BULK_PIECES, MAX_HEADER_LEN, decode,
+};
 use crate::method::CallKind;
 
 /// Decodes arbitrary bytes; when they decode, re-encodes the header and checks it is the same
@@ -150,7 +152,7 @@ pub fn conn_events(data: &[u8]) {
         match op & 0x1f {
             0 => {
                 // Raw bytes, version byte fixed so decode gets past it more often.
-                let mut buf = [0u8; 128];
+                let mut buf = [0u8; 192];
                 let len = usize::from(inp.u8()) % buf.len();
                 for b in buf.iter_mut().take(len) {
                     *b = inp.u8();
@@ -195,6 +197,17 @@ pub fn conn_events(data: &[u8]) {
                     } else {
                         None
                     },
+                    bulk_more: if flags.contains(FrameFlags::BULK_PIECES) {
+                        let n = usize::from(inp.u8()) % MAX_BULK_PIECES;
+                        let more = [BulkDesc {
+                            addr: 0,
+                            len: u64::from(inp.u16()),
+                            rkey: 2,
+                        }; MAX_BULK_PIECES];
+                        BulkMore::from_slice(&more[..n]).unwrap_or(BulkMore::NONE)
+                    } else {
+                        BulkMore::NONE
+                    },
                     landing: flags.contains(FrameFlags::HAS_LANDING).then_some(BulkDesc {
                         addr: 0,
                         len: 600,
@@ -232,8 +245,27 @@ pub fn conn_events(data: &[u8]) {
                     rkey: 1,
                 });
                 let pl = usize::from(inp.u8());
-                if let Ok(h) = client.request(call, pl, usize::from(inp.u8() % 8), b, landing, now)
-                {
+                // Up to MAX_BULK_PIECES + 1 ranges (one too many is refused), lengths may be 0.
+                let mut pieces = [BulkDesc::default(); MAX_BULK_PIECES + 1];
+                let n = if b.is_some() {
+                    usize::from(inp.u8()) % (MAX_BULK_PIECES + 2)
+                } else {
+                    0
+                };
+                for (i, p) in pieces.iter_mut().enumerate().take(n) {
+                    *p = BulkDesc {
+                        addr: u64::from(inp.u32()),
+                        len: u64::from(inp.u16()),
+                        rkey: i as u32,
+                    };
+                }
+                let md = usize::from(inp.u8() % 8);
+                let r = if n == 0 {
+                    client.request(call, pl, md, b, landing, now)
+                } else {
+                    client.request_pieces(call, pl, md, &pieces[..n], landing, now)
+                };
+                if let Ok(h) = r {
                     to_server.push(h);
                 }
             }

@@ -61,7 +61,9 @@
 //! it will never read it ([`Event::Stale`] with `bulk`). In addition, a server's final frame
 //! (Response, Status) gives back everything the client lent for that call: the server finishes
 //! its READs before it answers. [`Event::BulkRelease`] is delivered whatever the call's state:
-//! it is about buffers, not calls. A landing zone is lent with the Request for one response:
+//! it is about buffers, not calls. A Request's rendezvous payload may be made of up to
+//! [`MAX_BULK_PIECES`] ranges ([`FrameFlags::BULK_PIECES`]; the client's staged encoding and
+//! the user's registered `bytes` it references); one BulkRelease gives back all of them. A landing zone is lent with the Request for one response:
 //! the server WRITEs a whole Response frame there with WRITE_WITH_IMM (immediate = call id) and
 //! the client decodes it from the landing zone ([`FrameFlags::WRITTEN`]).
 //!
@@ -84,8 +86,8 @@ pub use conn::{
 };
 pub use error::{ProtocolError, SendError, StartError, WireError};
 pub use frame::{
-    BASE_HEADER_LEN, BulkDesc, Frame, FrameFlags, FrameHeader, FrameKind, MAX_HEADER_LEN,
-    WIRE_VERSION, decode,
+    BASE_HEADER_LEN, BulkDesc, BulkMore, Frame, FrameFlags, FrameHeader, FrameKind,
+    MAX_BULK_PIECES, MAX_HEADER_LEN, WIRE_VERSION, decode,
 };
 
 #[cfg(test)]

@@ -139,6 +139,7 @@ fn unary_round_trip() {
             kind: CallKind::Unary,
             deadline_at: Some(1_150 + 4_900),
             bulk: None,
+            bulk_more: BulkMore::NONE,
             landing: None,
             replaced: None,
         }
@@ -927,6 +928,7 @@ fn a_reused_slot_replaces_an_abandoned_call() {
             kind: CallKind::Unary,
             deadline_at: None,
             bulk: None,
+            bulk_more: BulkMore::NONE,
             landing: None,
             replaced: Some(old),
         }
@@ -1071,6 +1073,76 @@ fn rendezvous_request() {
     assert!(matches!(
         l.deliver_to_server().unwrap_err(),
         ProtocolError::TooLarge { len, .. } if len == 2 << 20
+    ));
+}
+
+/// A rendezvous request made of several remote ranges: the server sees them all, in order;
+/// the limits apply to their total; malformed lists are refused before anything is sent.
+#[test]
+fn rendezvous_request_in_pieces() {
+    let mut l = Link::new(cfg());
+    let d = |addr, len, rkey| BulkDesc { addr, len, rkey };
+    let pieces = [
+        d(0x1000, 40, 1),
+        d(0x7000_0000, 300_000, 2),
+        d(0x1028, 8, 1),
+    ];
+    let call = l.c.start_call(M, CallKind::Unary, None, l.now).unwrap();
+    for bad in [
+        &[pieces[0], pieces[1], pieces[2], pieces[0]][..],
+        &[pieces[0], d(0x2000, 0, 1)][..],
+    ] {
+        assert!(matches!(
+            l.c.request_pieces(call, 0, 0, bad, None, l.now),
+            Err(SendError::Invalid(_))
+        ));
+    }
+    // The total counts against max_message (1 MiB), not each range.
+    let over = [d(1, 600_000, 1), d(2, 600_000, 2)];
+    assert!(matches!(
+        l.c.request_pieces(call, 0, 0, &over, None, l.now),
+        Err(SendError::Invalid(_))
+    ));
+    let h =
+        l.c.request_pieces(call, 0, 3, &pieces, None, l.now)
+            .unwrap();
+    assert!(
+        h.flags
+            .contains(FrameFlags::HAS_BULK | FrameFlags::BULK_PIECES)
+    );
+    assert_eq!(h.bulk_len(), 300_048);
+    l.send_c(h, b"k=v", &[]);
+    let Event::Request {
+        bulk, bulk_more, ..
+    } = l.deliver_to_server().unwrap().ev
+    else {
+        panic!()
+    };
+    assert_eq!(bulk, Some(pieces[0]));
+    assert_eq!(bulk_more.as_slice(), &pieces[1..]);
+    // One BulkRelease gives all of them back.
+    let h = l.s.bulk_release(call).unwrap();
+    l.send_s(h, &[], &[]);
+    assert_eq!(
+        l.deliver_to_client().unwrap().ev,
+        Event::BulkRelease { call }
+    );
+    // A forged request whose ranges are within the limit one by one but not together.
+    let call = l.c.start_call(M, CallKind::Unary, None, l.now).unwrap();
+    l.send_c(
+        FrameHeader {
+            flags: FrameFlags::HAS_BULK | FrameFlags::BULK_PIECES | FrameFlags::END_STREAM,
+            aux: M,
+            bulk: Some(over[0]),
+            bulk_more: BulkMore::from_slice(&over[1..]).unwrap(),
+            ..FrameHeader::new(FrameKind::Request, call.0)
+        },
+        &[],
+        &[],
+    );
+    assert!(matches!(
+        l.deliver_to_server().unwrap_err(),
+        ProtocolError::TooLarge { len, .. } if len == 1_200_000
     ));
 }
 
