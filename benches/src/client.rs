@@ -119,7 +119,9 @@ where
                     return Err(e);
                 }
                 let n = count.fetch_add(1, Ordering::AcqRel) + 1;
-                if stop(start, n) && !stopped.swap(true, Ordering::AcqRel) {
+                // The rule reads the clock: every 8th call is often enough (the phase ends at
+                // most a few calls late) and keeps the harness's own cost per call low.
+                if n % 8 == 0 && stop(start, n) && !stopped.swap(true, Ordering::AcqRel) {
                     stopped_at.store(start.elapsed().as_nanos() as u64, Ordering::Release);
                 }
             }
@@ -161,13 +163,14 @@ mod tests {
             .build()
             .unwrap();
         let (n, _) = rt
-            .block_on(windowed_async(4, Arc::new(|_, n| n >= 100), || async {
+            .block_on(windowed_async(4, Arc::new(|_, n| n >= 97), || async {
                 tokio::task::yield_now().await;
                 Ok(())
             }))
             .unwrap();
-        // Tasks already past the check may finish one more call each, uncounted.
-        assert_eq!(n, 100);
+        // The rule is asked every 8th call (104 is the first such count >= 97); tasks already
+        // past the check may finish one more call each, uncounted.
+        assert_eq!(n, 104);
     }
 
     #[test]

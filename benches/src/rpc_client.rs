@@ -2,9 +2,11 @@
 //!
 //! One outstanding call: blocking calls (`echo_blocking`) on a channel whose calling thread
 //! polls the completion queue itself (`PollerMode::Caller`): the lowest-latency path. Many
-//! outstanding: `k` tasks on one current-thread tokio runtime sharing one channel, still
-//! polled by the calling (only) thread, or, with `AsyncMode::Poller`, tasks on a two-worker
-//! runtime with a dedicated poller thread.
+//! outstanding, by default: one [`rpc_core::Pipeline`] keeping `k` calls in flight from the
+//! calling (only) thread, which also drives the connection (no tasks, no wakers); with
+//! `AsyncMode::Caller`, `k` tasks on one current-thread tokio runtime sharing the channel,
+//! still polled by that one thread; with `AsyncMode::Poller`, tasks on a two-worker runtime
+//! with a dedicated poller thread.
 //!
 //! Streaming calls (issue 7) run on the caller-polled channel and its current-thread runtime:
 //! the consumer of a stream drives the connection while it waits, the request pump is a task
@@ -35,6 +37,9 @@ use crate::stream::{Outbox, Replies, StreamClient, StreamSystem};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum AsyncMode {
+    /// `Channel::pipeline`: one thread submits, drives the connection and collects responses
+    /// (no async tasks).
+    Pipeline,
     /// Tasks on one current-thread runtime; the same thread polls the CQ (one client thread).
     Caller,
     /// Tasks on a two-worker runtime; a dedicated poller thread polls the CQ.
@@ -43,6 +48,7 @@ pub enum AsyncMode {
 
 /// A connected rdma-rpc client.
 struct RpcClient {
+    mode: AsyncMode,
     deadline: Option<Duration>,
     rt: tokio::runtime::Runtime,
     client: Generated,
@@ -78,7 +84,7 @@ pub fn connect(
         .build()?;
     let client = rt.block_on(open(addr, provider, PollerMode::Caller))?;
     let poller = match mode {
-        AsyncMode::Caller => None,
+        AsyncMode::Caller | AsyncMode::Pipeline => None,
         AsyncMode::Poller => {
             let prt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -89,6 +95,7 @@ pub fn connect(
         }
     };
     Ok(Box::new(RpcClient {
+        mode,
         deadline,
         rt,
         client,
@@ -188,6 +195,9 @@ impl RpcClient {
         payload: &Payload,
         stop: StopRule,
     ) -> Result<(u64, std::time::Duration)> {
+        if self.mode == AsyncMode::Pipeline {
+            return self.pipelined(k, payload, &stop);
+        }
         let (rt, client) = match &self.poller {
             None => (&self.rt, self.client.clone()),
             Some((rt, c)) => (rt, c.clone()),
@@ -197,6 +207,38 @@ impl RpcClient {
         rt.block_on(client::windowed_async(k, stop, move || {
             call_once(client.clone(), payload.clone(), deadline)
         }))
+    }
+}
+
+impl RpcClient {
+    /// `k` calls in flight through one pipeline on this thread, counted until `stop` says so
+    /// (asked every 8th call, as `client::windowed_async` does); the calls still in flight
+    /// then finish uncounted.
+    fn pipelined(&self, k: usize, payload: &Payload, stop: &StopRule) -> Result<(u64, Duration)> {
+        let mut p = self
+            .client
+            .channel()
+            .pipeline::<EchoRequest, EchoReply>(&crate::proto::bench_server::ECHO)
+            .map_err(|s| anyhow::anyhow!("rdma-rpc: pipeline: {s}"))?;
+        let size = payload.bytes.len();
+        let start = Instant::now();
+        let (mut count, mut stopped_at) = (0u64, None);
+        loop {
+            while stopped_at.is_none() && p.in_flight() < k {
+                p.submit(0, request(payload, self.deadline))
+                    .map_err(|s| anyhow::anyhow!("rdma-rpc: echo of {size} bytes: {s}"))?;
+            }
+            let Some((_, r)) = p.wait() else { break };
+            let r = r.map_err(|s| anyhow::anyhow!("rdma-rpc: echo of {size} bytes: {s}"))?;
+            check(size, r.get_ref().payload.len())?;
+            if stopped_at.is_none() {
+                count += 1;
+                if count % 8 == 0 && stop(start, count) {
+                    stopped_at = Some(start.elapsed());
+                }
+            }
+        }
+        Ok((count, stopped_at.unwrap_or_else(|| start.elapsed())))
     }
 }
 

@@ -101,7 +101,7 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value = "busy")]
     pub rpc_poll: PollArg,
     /// How rdma-rpc's many-outstanding phases drive calls.
-    #[arg(long, value_enum, default_value = "caller")]
+    #[arg(long, value_enum, default_value = "pipeline")]
     pub rpc_async: AsyncMode,
     /// tonic: initial HTTP/2 stream and connection window, bytes (0: tonic's 64 KiB default).
     #[arg(long, default_value_t = DEFAULT_TONIC_WINDOW)]

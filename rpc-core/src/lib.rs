@@ -30,7 +30,9 @@ pub mod streaming;
 pub mod verbs;
 pub mod wire;
 
-pub use client::{Channel, ChannelBuilder, PollerMode, RegisteredBytes, RegisteredBytesMut};
+pub use client::{
+    Channel, ChannelBuilder, Pipeline, PollerMode, RegisteredBytes, RegisteredBytesMut,
+};
 pub use error::{Error, ErrorKind};
 pub use method::{CallKind, MethodDesc};
 pub use request::{

@@ -225,6 +225,52 @@ fn zero_allocations_per_blocking_call() {
     rt.block_on(srv.settle("live calls back to 0"));
 }
 
+/// Pipelined calls (`Channel::pipeline`, 32 in flight from one thread), with the caller
+/// driving the connection and with the poller thread: after warm-up, no allocation.
+#[test]
+fn zero_allocations_per_pipelined_call() {
+    let _g = serial();
+    let _w = Watchdog::arm(
+        "zero_allocations_per_pipelined_call",
+        Duration::from_secs(600),
+    );
+    let rt = runtime();
+    let n = calls();
+    for mode in [PollerMode::Caller, PollerMode::Thread] {
+        let (srv, ch) = rt.block_on(async {
+            let srv = TestServer::start().await;
+            let ch = srv.channel(mode).await;
+            (srv, ch)
+        });
+        let mut p = ch.pipeline::<Scalars, Scalars>(&lab_server::PING).unwrap();
+        let mut run = |from: u64, n: u64| {
+            let (mut next, mut done) = (from, 0);
+            while done < n {
+                while next < from + n && p.in_flight() < 32 {
+                    p.submit(next, ping_request(next, true)).unwrap();
+                    next += 1;
+                }
+                if let Some((tag, r)) = p.wait() {
+                    check_ping(tag, &r.unwrap());
+                    done += 1;
+                }
+            }
+        };
+        run(0, WARMUP);
+        let ((), allocs, largest) = counted(|| run(WARMUP, n));
+        println!(
+            "pipelined calls ({mode:?}): {allocs} allocations in {n} calls (largest {largest} B)"
+        );
+        assert_eq!(
+            allocs, 0,
+            "pipelined calls ({mode:?}): {allocs} heap allocations in {n} calls \
+             (RPC_ALLOC_TRACE=1 shows where)"
+        );
+        drop(p);
+        rt.block_on(srv.settle("live calls back to 0"));
+    }
+}
+
 /// Async calls from a task, with the poller thread and with the caller polling.
 #[test]
 fn zero_allocations_per_async_call() {

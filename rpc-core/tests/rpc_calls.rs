@@ -1058,6 +1058,150 @@ async fn server_shutdown_then_restart_blocking_calls_caller_poller() {
     restart_case(PollerMode::Caller, true, Api::Blocking).await;
 }
 
+// ----- 12b. pipelined calls (one thread, many in flight, no tasks) -----------------------------
+
+/// `n` calls of mixed sizes (small, around the eager limit, rendezvous) with up to `depth` in
+/// flight through one pipeline; every tag comes back once with its own payload.
+fn pipeline_run(ch: &rpc_core::Channel, n: u64, depth: usize) {
+    let mut p = ch
+        .pipeline::<Blob, Blob>(&lab_server::ECHO)
+        .expect("pipeline");
+    let size = |seq: u64| match seq % 7 {
+        0 => 0,
+        1 => EAGER_MAX - 64,
+        2 => scaled(300 << 10),
+        _ => (seq % 200) as usize,
+    };
+    let mut seen = vec![false; n as usize];
+    let mut next = 0u64;
+    let mut done = 0u64;
+    let started = Instant::now();
+    while done < n {
+        assert!(
+            started.elapsed() < CALL_LIMIT,
+            "pipeline: {done} of {n} done"
+        );
+        while next < n && p.in_flight() < depth {
+            let mut req = Request::new(Blob {
+                seq: next,
+                data: pattern(size(next), next),
+            });
+            req.set_timeout(CALL_LIMIT);
+            p.submit(next, req).expect("submit");
+            next += 1;
+        }
+        if let Some((tag, r)) = p.wait() {
+            let r = r.unwrap_or_else(|e| panic!("pipelined call {tag}: {e:?}"));
+            check_blob(r.get_ref(), tag, size(tag), "pipelined echo");
+            assert!(
+                !std::mem::replace(&mut seen[tag as usize], true),
+                "tag {tag} twice"
+            );
+            done += 1;
+        }
+    }
+    assert_eq!(p.in_flight(), 0);
+    assert!(p.wait().is_none() && p.poll().is_none(), "nothing left");
+}
+
+async fn pipeline_case(mode: PollerMode) {
+    let srv = TestServer::start().await;
+    let ch = srv.channel(mode).await;
+    let n = scaled(3000) as u64;
+    // Deeper than the channel's 64 call cells: submit sets finished calls aside to free
+    // cells instead of waiting forever.
+    for depth in [1, 32, 100] {
+        let ch = ch.clone();
+        blocking(CALL_LIMIT, "pipeline", move || pipeline_run(&ch, n, depth)).await;
+    }
+    srv.settle("pipeline: live calls back to 0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_thread_poller() {
+    pipeline_case(PollerMode::Thread).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_caller_poller() {
+    pipeline_case(PollerMode::Caller).await;
+}
+
+/// Errors, deadlines and a dropped pipeline: statuses arrive with their tags; calls left in
+/// flight are cancelled on the server and the channel goes on working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_statuses_deadlines_and_drop() {
+    let srv = TestServer::start().await;
+    let ch = srv.channel(PollerMode::Caller).await;
+    let state = Arc::clone(&srv.state);
+    let ch2 = ch.clone();
+    blocking(CALL_LIMIT, "pipeline statuses", move || {
+        let mut fail = ch2
+            .pipeline::<FailRequest, Blob>(&lab_server::FAIL)
+            .unwrap();
+        for code in [5u32, 7, 9] {
+            let req = Request::new(FailRequest {
+                code,
+                message: format!("failed {code}"),
+                ..Default::default()
+            });
+            fail.submit(u64::from(code), req).unwrap();
+        }
+        let mut got = Vec::new();
+        while let Some((tag, r)) = fail.wait() {
+            let e = r.expect_err("the handler fails");
+            assert_eq!(e.code() as u64, tag);
+            assert_eq!(e.message(), format!("failed {tag}"));
+            got.push(tag);
+        }
+        got.sort_unstable();
+        assert_eq!(got, [5, 7, 9]);
+        let mut sleepy = ch2
+            .pipeline::<SleepRequest, Blob>(&lab_server::SLEEP)
+            .unwrap();
+        let mut req = Request::new(sleep_req(1, 5_000));
+        req.set_timeout(Duration::from_millis(100));
+        sleepy.submit(1, req).unwrap();
+        let (tag, r) = sleepy.wait().unwrap();
+        assert_eq!(tag, 1);
+        assert_code(
+            &r,
+            Code::DeadlineExceeded,
+            "pipelined call past its deadline",
+        );
+        // Calls left in flight when the pipeline is dropped are cancelled.
+        for seq in 10..14 {
+            sleepy
+                .submit(seq, Request::new(sleep_req(seq, 30_000)))
+                .unwrap();
+        }
+        let t = Instant::now();
+        while state.started.load(Ordering::Acquire) < 5 {
+            assert!(t.elapsed() < CALL_LIMIT, "sleep handlers start");
+            let _ = sleepy.poll();
+        }
+        drop(sleepy);
+    })
+    .await;
+    wait_until(Duration::from_secs(20), "dropped calls cancelled", || {
+        srv.state.dropped.load(Ordering::Acquire) >= 5
+    })
+    .await;
+    srv.settle("live calls back to 0").await;
+    let r: Response<Blob> = call(
+        &ch,
+        Api::Blocking,
+        &lab_server::ECHO,
+        Request::new(Blob {
+            seq: 3,
+            data: pattern(10, 3),
+        }),
+    )
+    .await
+    .unwrap();
+    check_blob(r.get_ref(), 3, 10, "after the pipeline");
+}
+
 // ----- 13. handshake -------------------------------------------------------------------------
 
 /// Sends `bytes` to the server's port and returns what it answered before closing.

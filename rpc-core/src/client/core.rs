@@ -686,6 +686,14 @@ impl<P: Provider> ClientCore<P> {
                 let (idx, generation) = self.acquire().await?;
                 (idx, generation, None)
             }
+            // A free cell at once (the common case): no time was spent waiting, and no clock
+            // is read or timer armed for it.
+            Some(t)
+                if !self.is_dead()
+                    && let Some(idx) = self.free.pop() =>
+            {
+                (idx, self.claim_async(idx), Some(t))
+            }
             Some(t) => {
                 let start = Instant::now();
                 let (idx, generation) = tokio::time::timeout(t, self.acquire())
@@ -717,7 +725,13 @@ impl<P: Provider> ClientCore<P> {
         match self.mode {
             PollerMode::Thread => self.doorbell.ring(),
             PollerMode::Caller => {
-                self.progress();
+                // With other async calls in flight the driver task is turning on this runtime
+                // and posts the submission at its next turn, together with the others of the
+                // round (one CQ poll and one pass over the queues for many calls); alone, the
+                // call goes out at once.
+                if self.async_calls.load(Ordering::Acquire) <= 1 {
+                    self.progress();
+                }
                 self.drive.notify_one();
             }
         }
@@ -1042,6 +1056,91 @@ impl<P: Provider> ClientCore<P> {
         let r = decode_outcome::<P, Resp>(outcome);
         drop(guard);
         r
+    }
+
+    // ----- pipelined calls (one thread, many in flight, no tasks) ----------------------------
+
+    /// Starts a unary call and returns its cell without waiting for the response (see
+    /// [`crate::client::Pipeline`]). Waits, driving the connection, only for a free cell.
+    pub(crate) fn start_unary<Req: Message>(
+        &self,
+        method: &'static MethodDesc,
+        mut request: Request<Req>,
+    ) -> Result<(u32, u32), Status> {
+        let hint = request.response_size_hint();
+        let registered = request.take_registered();
+        let (metadata, msg, timeout) = request.into_parts();
+        let (idx, generation) = match self.free.pop() {
+            // The common case: no wait, no clock read.
+            Some(idx) if !self.is_dead() => (idx, self.claim(idx)),
+            other => {
+                if let Some(idx) = other {
+                    let _ = self.free.push(idx);
+                }
+                let start = Instant::now();
+                self.acquire_blocking(timeout.map(|t| start + t))?
+            }
+        };
+        let mut guard = CellGuard {
+            core: self,
+            idx,
+            generation,
+            submitted: false,
+        };
+        let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
+        if let Err(sub) = self.cells[idx as usize].mb.submit(sub) {
+            self.arena.release_send(sub.staged.slot);
+            return Err(Status::internal("call cell not owned by the caller"));
+        }
+        let _ = self.submitted.push((idx, generation));
+        self.counters.calls.fetch_add(1, Ordering::Relaxed);
+        // No kick: the pipeline's owner drives the connection (or the poller thread does),
+        // so the requests of a burst go out together at the next turn.
+        if self.mode == PollerMode::Thread {
+            self.doorbell.ring();
+        }
+        guard.submitted = true;
+        std::mem::forget(guard);
+        Ok((idx, generation))
+    }
+
+    /// The response of a call started by [`ClientCore::start_unary`], if it has arrived; the
+    /// cell is free again once it is returned.
+    pub(crate) fn try_finish<Resp: Message + Default>(
+        &self,
+        idx: u32,
+        generation: u32,
+    ) -> Option<Result<Response<Resp>, Status>> {
+        let outcome = self.cells[idx as usize].mb.try_done()?;
+        let guard = CellGuard {
+            core: self,
+            idx,
+            generation,
+            submitted: false,
+        };
+        let r = decode_outcome::<P, Resp>(outcome);
+        drop(guard);
+        Some(r)
+    }
+
+    /// Gives up a call started by [`ClientCore::start_unary`] (the server is told).
+    pub(crate) fn abandon(&self, idx: u32, generation: u32) {
+        drop(CellGuard {
+            core: self,
+            idx,
+            generation,
+            submitted: true,
+        });
+    }
+
+    /// Whether a call cell is free now.
+    pub(crate) fn has_free_cell(&self) -> bool {
+        !self.free.is_empty()
+    }
+
+    /// Whether a poller thread drives the connection (else the pipeline's owner does).
+    pub(crate) fn polled_by_thread(&self) -> bool {
+        self.mode == PollerMode::Thread
     }
 
     // ----- driver side ---------------------------------------------------------------------

@@ -140,6 +140,128 @@ impl ChannelBuilder {
     }
 }
 
+/// Unary calls to one method kept in flight by one thread (see [`Channel::pipeline`]).
+/// Each call carries a caller-chosen tag that comes back with its response. Dropping the
+/// pipeline cancels the calls still in flight.
+pub struct Pipeline<Req, Resp> {
+    conn: Arc<Conn>,
+    method: &'static MethodDesc,
+    /// (tag, cell, generation) of the calls in flight, oldest first.
+    in_flight: std::collections::VecDeque<(u64, u32, u32)>,
+    /// Finished calls set aside by `submit` to free their cells, returned first by `poll`.
+    ready: std::collections::VecDeque<(u64, Result<Response<Resp>, Status>)>,
+    _types: std::marker::PhantomData<fn(Req) -> Resp>,
+}
+
+impl<Req, Resp> std::fmt::Debug for Pipeline<Req, Resp> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("method", &self.method.path)
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}
+
+impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
+    /// Starts a call tagged `tag`. Returns at once unless every call cell of the channel is in
+    /// use ([`ChannelBuilder::max_concurrent_calls`]); then it drives the connection until one
+    /// is free (setting finished calls of this pipeline aside for [`Pipeline::poll`]), or the
+    /// request's timeout passes.
+    ///
+    /// # Errors
+    /// The call could not be started: `UNAVAILABLE` (connection lost), `RESOURCE_EXHAUSTED`
+    /// (message over the limit), `DEADLINE_EXCEEDED` (no cell within the timeout).
+    pub fn submit(&mut self, tag: u64, request: Request<Req>) -> Result<(), Status> {
+        let method = self.method;
+        // Our own finished calls may hold every cell: set them aside (their responses stay
+        // ours) until a cell is free; others' calls free theirs as they finish.
+        let mut spins = 0u32;
+        while !self.in_flight.is_empty()
+            && !with_any!(AnyCore, &self.conn.core, c => c.has_free_cell())
+        {
+            match self.poll_in_flight() {
+                Some(done) => self.ready.push_back(done),
+                None => {
+                    spins = spins.saturating_add(1);
+                    if spins < 2_000 {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        }
+        let (idx, generation) =
+            with_any!(AnyCore, &self.conn.core, c => c.start_unary(method, request))?;
+        self.in_flight.push_back((tag, idx, generation));
+        Ok(())
+    }
+
+    /// Drives the connection once (unless a poller thread does) and returns a finished call
+    /// and its tag, if any; `None` when nothing has finished yet (or nothing is in flight).
+    pub fn poll(&mut self) -> Option<(u64, Result<Response<Resp>, Status>)> {
+        if let Some(done) = self.ready.pop_front() {
+            return Some(done);
+        }
+        self.poll_in_flight()
+    }
+
+    fn poll_in_flight(&mut self) -> Option<(u64, Result<Response<Resp>, Status>)> {
+        if self.in_flight.is_empty() {
+            return None;
+        }
+        let by_thread = with_any!(AnyCore, &self.conn.core, c => c.polled_by_thread());
+        if !by_thread {
+            with_any!(AnyCore, &self.conn.core, c => c.progress());
+        }
+        self.take_finished()
+    }
+
+    /// Waits (spinning, then yielding the CPU, driving the connection) for the next call to
+    /// finish; `None` when nothing is in flight. A call's own deadline bounds the wait.
+    pub fn wait(&mut self) -> Option<(u64, Result<Response<Resp>, Status>)> {
+        let mut spins = 0u32;
+        while !self.in_flight.is_empty() || !self.ready.is_empty() {
+            if let Some(r) = self.poll() {
+                return Some(r);
+            }
+            spins = spins.saturating_add(1);
+            if spins < 2_000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        None
+    }
+
+    /// Calls submitted whose responses were not collected yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len() + self.ready.len()
+    }
+
+    fn take_finished(&mut self) -> Option<(u64, Result<Response<Resp>, Status>)> {
+        for i in 0..self.in_flight.len() {
+            let (tag, idx, generation) = self.in_flight[i];
+            let done =
+                with_any!(AnyCore, &self.conn.core, c => c.try_finish::<Resp>(idx, generation));
+            if let Some(r) = done {
+                self.in_flight.remove(i);
+                return Some((tag, r));
+            }
+        }
+        None
+    }
+}
+
+impl<Req, Resp> Drop for Pipeline<Req, Resp> {
+    fn drop(&mut self) {
+        for (_, idx, generation) in self.in_flight.drain(..) {
+            with_any!(AnyCore, &self.conn.core, c => c.abandon(idx, generation));
+        }
+    }
+}
+
 any_provider! {
     /// A client connection of whichever provider was chosen.
     enum AnyCore wraps ClientCore
@@ -404,6 +526,36 @@ impl Channel {
     {
         let conn = self.conn_blocking()?;
         with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
+    }
+
+    /// A pipeline of unary calls to `method` from one thread: many calls in flight without
+    /// async tasks, wakers or a runtime (like eRPC's request queue and event loop). Submit with
+    /// [`Pipeline::submit`], collect responses with [`Pipeline::poll`] or [`Pipeline::wait`];
+    /// with [`PollerMode::Caller`] these calls also drive the connection, so one thread does
+    /// everything. The fastest way to keep many small calls in flight from one thread.
+    ///
+    /// The pipeline keeps the connection it was made on: when that connection is lost its
+    /// calls fail with `UNAVAILABLE`, and a new pipeline reconnects.
+    ///
+    /// # Errors
+    /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+    pub fn pipeline<Req, Resp>(
+        &self,
+        method: &'static MethodDesc,
+    ) -> Result<Pipeline<Req, Resp>, Status>
+    where
+        Req: Message,
+        Resp: Message + Default,
+    {
+        let conn = self.conn_blocking()?;
+        let cap = self.shared.builder.max_calls as usize;
+        Ok(Pipeline {
+            conn,
+            method,
+            in_flight: std::collections::VecDeque::with_capacity(cap),
+            ready: std::collections::VecDeque::with_capacity(cap),
+            _types: std::marker::PhantomData,
+        })
     }
 
     /// A server-streaming call: returns once the request is sent; the server's messages (and
