@@ -187,14 +187,13 @@ pub enum CommitError {
     Link(LinkError),
 }
 
-/// A received frame: the slot holding it, its header, where its metadata and payload are in
-/// the slot, and what the protocol made of it.
+/// A received frame: the slot holding it, where its metadata and payload are in the slot, and
+/// what the protocol made of it (everything the header said that matters; the header itself is
+/// not kept: this is moved on every receive, and small is cheap).
 #[derive(Debug)]
 pub struct Inbound {
     /// The receive slot (dropping it reposts the RECV).
     pub slot: RecvSlot,
-    /// The header.
-    pub header: FrameHeader,
     /// Metadata bytes within the slot.
     pub metadata: std::ops::Range<usize>,
     /// Payload bytes within the slot.
@@ -912,10 +911,9 @@ impl<P: Provider> Link<P> {
                 len: wc.byte_len,
             }));
         }
-        let (header, metadata, payload, event) = self.parse(slot.bytes())?;
+        let (_, metadata, payload, event) = self.parse(slot.bytes())?;
         Ok(Some(Received::Frame(Inbound {
             slot,
-            header,
             metadata,
             payload,
             event,

@@ -160,6 +160,25 @@ fn retire<P: Provider>(live: &AtomicUsize, c: &mut SrvCall<P>) {
 }
 
 impl<P: Provider> SrvCall<P> {
+    /// Back to [`SrvCall::empty`] in place (queues keep their capacity).
+    fn reset(&mut self) {
+        self.id = CallId(0);
+        self.task = None;
+        self.landing = None;
+        self.lent = false;
+        self.reading = None;
+        self.resp_bulk = None;
+        self.req_buf = None;
+        self.drop_after_read = false;
+        self.active = false;
+        self.inbox = None;
+        self.stream_read = None;
+        self.held.clear();
+        self.stream_bulks.clear();
+        self.blocked = false;
+        self.path = "?";
+    }
+
     fn empty() -> SrvCall<P> {
         SrvCall {
             id: CallId(0),
@@ -1385,14 +1404,14 @@ impl<P: Provider> Shard<P> {
                     }));
                     inbox
                 });
-                *sc = SrvCall {
-                    id: call,
-                    landing,
-                    lent: bulk.is_some() || landing.is_some(),
-                    active: true,
-                    inbox,
-                    ..SrvCall::empty()
-                };
+                // In place (a SrvCall is large; building and moving a whole one per call
+                // showed up as memcpy).
+                sc.reset();
+                sc.id = call;
+                sc.landing = landing;
+                sc.lent = bulk.is_some() || landing.is_some();
+                sc.active = true;
+                sc.inbox = inbox;
                 self.live_calls.fetch_add(1, Ordering::AcqRel);
                 if let Some(desc) = bulk {
                     drop(inbound);
