@@ -322,6 +322,19 @@ fn zero_allocations_per_async_call() {
 /// call may add to its payload.
 const PER_CALL_OVERHEAD: u64 = 512;
 
+/// A server and a channel (poller thread) for the tests that read the soft provider's byte
+/// counters; `None` (the test is skipped, saying so) on another provider.
+fn soft_counting_setup() -> Option<(tokio::runtime::Runtime, TestServer, rpc_core::Channel)> {
+    if ProviderKind::from_env().ok() != Some(ProviderKind::Soft) {
+        println!("skipped: byte counters exist on the soft provider only");
+        return None;
+    }
+    let rt = runtime();
+    let srv = rt.block_on(TestServer::start());
+    let ch = rt.block_on(srv.channel(PollerMode::Thread));
+    Some((rt, srv, ch))
+}
+
 /// Echoes of N bytes whose request field lies in memory from `Channel::alloc_bytes`: the
 /// client copies none of it (`zero_copy_request_bytes` grows by N per call), the soft RNICs
 /// copy about 2N (the server's READ of the request and the response), and no heap
@@ -335,13 +348,9 @@ fn registered_requests_are_copied_by_the_nic_only() {
         "registered_requests_are_copied_by_the_nic_only",
         Duration::from_secs(600),
     );
-    if ProviderKind::from_env().ok() != Some(ProviderKind::Soft) {
-        println!("skipped: byte counters exist on the soft provider only");
+    let Some((rt, srv, ch)) = soft_counting_setup() else {
         return;
-    }
-    let rt = runtime();
-    let srv = rt.block_on(TestServer::start());
-    let ch = rt.block_on(srv.channel(PollerMode::Thread));
+    };
     const K: u64 = 20;
     let mut failures = Vec::new();
     for (n, hint) in [
@@ -428,13 +437,9 @@ fn soft_rnic_copies_each_payload_once() {
         "soft_rnic_copies_each_payload_once",
         Duration::from_secs(600),
     );
-    if ProviderKind::from_env().ok() != Some(ProviderKind::Soft) {
-        println!("skipped: byte counters exist on the soft provider only");
+    let Some((rt, srv, ch)) = soft_counting_setup() else {
         return;
-    }
-    let rt = runtime();
-    let srv = rt.block_on(TestServer::start());
-    let ch = rt.block_on(srv.channel(PollerMode::Thread));
+    };
     const K: u64 = 20;
     // Data lengths whose blob (sequence number = length) encodes to exactly the largest
     // eager message and one byte more.

@@ -685,13 +685,19 @@ impl<P: Provider> ClientCore<P> {
     }
 
     fn submit(&self, idx: u32, generation: u32, sub: Submission<P>) -> Result<(), Status> {
+        self.hand_over(idx, generation, sub)?;
+        self.kick();
+        Ok(())
+    }
+
+    /// Puts a prepared request in its cell and queues the cell for the driver.
+    fn hand_over(&self, idx: u32, generation: u32, sub: Submission<P>) -> Result<(), Status> {
         if let Err(sub) = self.cells[idx as usize].mb.submit(sub) {
             self.arena.release_send(sub.staged.slot);
             return Err(Status::internal("call cell not owned by the caller"));
         }
         let _ = self.submitted.push((idx, generation));
         self.counters.calls.fetch_add(1, Ordering::Relaxed);
-        self.kick();
         Ok(())
     }
 
@@ -1116,12 +1122,7 @@ impl<P: Provider> ClientCore<P> {
             submitted: false,
         };
         let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
-        if let Err(sub) = self.cells[idx as usize].mb.submit(sub) {
-            self.arena.release_send(sub.staged.slot);
-            return Err(Status::internal("call cell not owned by the caller"));
-        }
-        let _ = self.submitted.push((idx, generation));
-        self.counters.calls.fetch_add(1, Ordering::Relaxed);
+        self.hand_over(idx, generation, sub)?;
         // No kick: the pipeline's owner drives the connection (or the poller thread does),
         // so the requests of a burst go out together at the next turn.
         if self.mode == PollerMode::Thread {
