@@ -63,8 +63,8 @@ pub enum WrKind {
     Nop = 5,
     /// The last chunk of a handler's one-sided bulk operation `aux`.
     Bulk = 6,
-    /// The last chunk of one span of a transfer striped over several QPs (`aux` from
-    /// [`stripe::stripe_aux`]); hand it to [`Link::on_stripe`].
+    /// The last chunk of one span of a transfer striped over several QPs (`aux` names the
+    /// transfer's slot and the QP); hand it to [`Link::on_stripe`].
     Stripe = 7,
 }
 
