@@ -217,8 +217,7 @@ impl RpcClient {
     fn pipelined(&self, k: usize, payload: &Payload, stop: &StopRule) -> Result<(u64, Duration)> {
         let mut p = self
             .client
-            .channel()
-            .pipeline::<EchoRequest, EchoReply>(&crate::proto::bench_server::ECHO)
+            .echo_pipeline()
             .map_err(|s| anyhow::anyhow!("rdma-rpc: pipeline: {s}"))?;
         let size = payload.bytes.len();
         let start = Instant::now();

@@ -261,6 +261,12 @@ fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
     match m.kind() {
         CallKind::Unary => {
             let blocking = ident(&m.blocking_name());
+            let pipeline = ident(&m.pipeline_name());
+            let pipeline_doc = format!(
+                " Many [`Self::{}`] calls in flight from one thread without async tasks: submit \
+                 with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).",
+                m.plain_name()
+            );
             let blocking_doc = format!(
                 " Blocking variant of [`Self::{}`] for the lowest latency: the calling thread \
                  polls the completion queue itself.",
@@ -288,6 +294,18 @@ fn client_method(service: &ServiceDef, m: &MethodDef) -> TokenStream {
                 ) -> ::core::result::Result<Response<#output>, Status> {
                     const METHOD: MethodDesc = #desc;
                     self.inner.unary_blocking(&METHOD, request.into_request())
+                }
+
+                #[doc = #pipeline_doc]
+                ///
+                /// # Errors
+                /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+                #deprecated
+                pub fn #pipeline(
+                    &self,
+                ) -> ::core::result::Result<Pipeline<#input, #output>, Status> {
+                    const METHOD: MethodDesc = #desc;
+                    self.inner.pipeline(&METHOD)
                 }
             }
         }

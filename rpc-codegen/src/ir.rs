@@ -83,6 +83,7 @@ pub const CODEGEN_NAMES: &[&str] = &[
     "Message",
     "TransportError",
     "Channel",
+    "Pipeline",
     "CallKind",
     "MethodDesc",
     "method_id",
@@ -216,7 +217,10 @@ impl ServiceDef {
             }
             let mut derived = vec![m.const_name()];
             match m.kind() {
-                CallKind::Unary => derived.push(m.blocking_name()),
+                CallKind::Unary => {
+                    derived.push(m.blocking_name());
+                    derived.push(m.pipeline_name());
+                }
                 CallKind::ServerStreaming | CallKind::Streaming => derived.push(m.stream_type()),
                 CallKind::ClientStreaming => {}
             }
@@ -314,16 +318,20 @@ impl ServiceDef {
             if m.kind() != CallKind::Unary || names.get(m.plain_name()) != Some(&i) {
                 continue;
             }
-            let blocking = m.blocking_name();
-            if let Some(&j) = names.get(&blocking) {
-                err(
-                    Some(j),
-                    format!(
-                        "method name `{blocking}` clashes with the blocking variant the client \
-                         generates for the unary method `{}`; rename one of them",
-                        m.name
-                    ),
-                );
+            for (derived, what) in [
+                (m.blocking_name(), "blocking variant"),
+                (m.pipeline_name(), "pipeline constructor"),
+            ] {
+                if let Some(&j) = names.get(&derived) {
+                    err(
+                        Some(j),
+                        format!(
+                            "method name `{derived}` clashes with the {what} the client \
+                             generates for the unary method `{}`; rename one of them",
+                            m.name
+                        ),
+                    );
+                }
             }
         }
 
@@ -364,6 +372,11 @@ impl MethodDef {
     /// The name of the client's blocking variant (`say_hello_blocking`).
     pub fn blocking_name(&self) -> String {
         format!("{}_blocking", self.plain_name().trim_end_matches('_'))
+    }
+
+    /// The name of the client's pipeline constructor (`say_hello_pipeline`).
+    pub fn pipeline_name(&self) -> String {
+        format!("{}_pipeline", self.plain_name().trim_end_matches('_'))
     }
 }
 
@@ -453,17 +466,20 @@ mod tests {
             method("say_hello", "say_hello"),
             method("connect", "Connect"),
             method("say_hello_blocking", "SayHelloBlocking"),
+            method("say_hello_pipeline", "SayHelloPipeline"),
         ]);
         s.name = "Status".into();
         let errors = s.validate().unwrap_err();
         let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
-        assert_eq!(errors.len(), 4, "{text:#?}");
+        assert_eq!(errors.len(), 5, "{text:#?}");
         assert!(text[0].contains("clashes with the runtime name `Status`"));
         assert!(text[1].contains("both map to the Rust name `say_hello`"));
         assert_eq!(errors[1].method, Some(1));
         assert!(text[2].contains("`connect` is reserved"));
         assert!(text[3].contains("blocking variant"));
         assert_eq!(errors[3].method, Some(3));
+        assert!(text[4].contains("pipeline constructor"));
+        assert_eq!(errors[4].method, Some(4));
     }
 
     #[test]

@@ -24,6 +24,8 @@
 //!             -> Result<Response<HelloReply>, Status>;
 //!         pub fn say_hello_blocking(&self, request: impl IntoRequest<HelloRequest>)
 //!             -> Result<Response<HelloReply>, Status>;   // unary methods only
+//!         pub fn say_hello_pipeline(&self)
+//!             -> Result<Pipeline<HelloRequest, HelloReply>, Status>;   // unary methods only
 //!     }
 //! }
 //! pub mod greeter_server {
@@ -49,7 +51,8 @@
 //! constant is `TYPE`, its blocking variant `type_blocking`), and `self`/`super`/`crate`/`Self`
 //! with a `_` suffix. Method ids are FNV-1a of `/package.Service/Method`; two methods of a
 //! service with the same id, the same Rust name, or a name the generated code uses itself
-//! (`new`, `connect`, `channel`, `methods`, `<unary>_blocking`) are refused at generation time.
+//! (`new`, `connect`, `channel`, `methods`, `<unary>_blocking`, `<unary>_pipeline`) are refused
+//! at generation time.
 //! A service named like one of the runtime items generated code imports ([`CODEGEN_NAMES`]) is
 //! refused too.
 //!

@@ -9,7 +9,7 @@ pub use futures_core::Stream;
 pub use prost::Message;
 
 pub use crate::Error as TransportError;
-pub use crate::client::Channel;
+pub use crate::client::{Channel, Pipeline};
 pub use crate::method::{CallKind, MethodDesc, method_id};
 pub use crate::request::{IntoRequest, IntoStreamingRequest, Metadata, Request, Response};
 pub use crate::server::{Dispatched, IncomingCall, Service};

@@ -135,6 +135,9 @@ async fn the_simple_trait_serves_the_generated_one() {
 async fn client_calls(client: kv_client::KvClient) -> Result<(), Status> {
     let _: Response<GetReply> = client.get(GetRequest::default()).await?;
     let _ = client.get_blocking(GetRequest::default())?;
+    let mut p = client.get_pipeline()?;
+    p.submit(1, Request::new(GetRequest::default()))?;
+    let _: Option<(u64, Result<Response<GetReply>, Status>)> = p.wait();
     let _: Streaming<Change> = client.watch(GetRequest::default()).await?.into_inner();
     let _ = client.ping(()).await?;
     Ok(())

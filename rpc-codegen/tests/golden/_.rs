@@ -71,6 +71,16 @@ pub mod bare_client {
             const METHOD: MethodDesc = MethodDesc::new("/Bare/Poke", CallKind::Unary);
             self.inner.unary_blocking(&METHOD, request.into_request())
         }
+        /// Many [`Self::poke`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn poke_pipeline(
+            &self,
+        ) -> ::core::result::Result<Pipeline<super::Poke, super::Poke>, Status> {
+            const METHOD: MethodDesc = MethodDesc::new("/Bare/Poke", CallKind::Unary);
+            self.inner.pipeline(&METHOD)
+        }
     }
 }
 /// Generated server implementations.

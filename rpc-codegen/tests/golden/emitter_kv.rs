@@ -72,6 +72,22 @@ pub(crate) mod kv_client {
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
         }
+        /// Many [`Self::get`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn get_pipeline(
+            &self,
+        ) -> ::core::result::Result<
+            Pipeline<crate::msgs::GetRequest, super::GetReply>,
+            Status,
+        > {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/store.v1.Kv/Get",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
         /// Calls `/store.v1.Kv/Watch`.
         ///
         /// # Errors

@@ -87,6 +87,22 @@ pub mod greeter_client {
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
         }
+        /// Many [`Self::say_hello`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn say_hello_pipeline(
+            &self,
+        ) -> ::core::result::Result<
+            Pipeline<super::HelloRequest, super::HelloReply>,
+            Status,
+        > {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/helloworld.Greeter/SayHello",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
     }
 }
 /// Generated server implementations.

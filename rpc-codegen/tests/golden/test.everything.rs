@@ -91,6 +91,22 @@ pub mod route_guide_client {
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
         }
+        /// Many [`Self::get_feature`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn get_feature_pipeline(
+            &self,
+        ) -> ::core::result::Result<
+            Pipeline<super::super::common::Point, super::super::common::Feature>,
+            Status,
+        > {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/test.everything.RouteGuide/GetFeature",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
         /// Server streaming: the features inside a rectangle.
         ///
         /// # Errors
@@ -391,6 +407,19 @@ pub mod clock_client {
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
         }
+        /// Many [`Self::now`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn now_pipeline(
+            &self,
+        ) -> ::core::result::Result<Pipeline<(), ::prost_types::Timestamp>, Status> {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/test.everything.Clock/Now",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
         /// Does nothing.
         ///
         /// # Errors
@@ -424,6 +453,17 @@ pub mod clock_client {
                 CallKind::Unary,
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
+        }
+        /// Many [`Self::ping`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn ping_pipeline(&self) -> ::core::result::Result<Pipeline<(), ()>, Status> {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/test.everything.Clock/Ping",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
         }
         /// Old name of `Now`.
         ///
@@ -460,6 +500,20 @@ pub mod clock_client {
                 CallKind::Unary,
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
+        }
+        /// Many [`Self::get_time`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        #[deprecated]
+        pub fn get_time_pipeline(
+            &self,
+        ) -> ::core::result::Result<Pipeline<(), ::prost_types::Timestamp>, Status> {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/test.everything.Clock/GetTime",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
         }
     }
 }
@@ -648,6 +702,19 @@ pub mod keywords_client {
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
         }
+        /// Many [`Self::type`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn type_pipeline(
+            &self,
+        ) -> ::core::result::Result<Pipeline<super::Type, super::Type>, Status> {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/test.everything.Keywords/type",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
         /// Calls `/test.everything.Keywords/Match`.
         ///
         /// # Errors
@@ -681,6 +748,19 @@ pub mod keywords_client {
                 CallKind::Unary,
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
+        }
+        /// Many [`Self::match`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn match_pipeline(
+            &self,
+        ) -> ::core::result::Result<Pipeline<super::Type, super::Type>, Status> {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/test.everything.Keywords/Match",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
         }
         /// Calls `/test.everything.Keywords/Async`.
         ///
@@ -753,6 +833,19 @@ pub mod keywords_client {
                 CallKind::Unary,
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
+        }
+        /// Many [`Self::self_`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn self_pipeline(
+            &self,
+        ) -> ::core::result::Result<Pipeline<super::Type, super::Type>, Status> {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/test.everything.Keywords/Self",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
         }
     }
 }

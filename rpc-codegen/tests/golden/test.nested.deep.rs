@@ -88,6 +88,22 @@ pub mod deep_client {
             );
             self.inner.unary_blocking(&METHOD, request.into_request())
         }
+        /// Many [`Self::locate`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn locate_pipeline(
+            &self,
+        ) -> ::core::result::Result<
+            Pipeline<super::super::super::common::Point, super::Located>,
+            Status,
+        > {
+            const METHOD: MethodDesc = MethodDesc::new(
+                "/test.nested.deep.Deep/Locate",
+                CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
     }
 }
 /// Generated server implementations.

@@ -90,6 +90,19 @@ pub mod kv_client {
             const METHOD: MethodDesc = MethodDesc::new("/kv.Kv/Get", CallKind::Unary);
             self.inner.unary_blocking(&METHOD, request.into_request())
         }
+        /// Many [`Self::get`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn get_pipeline(
+            &self,
+        ) -> ::core::result::Result<
+            Pipeline<super::GetRequest, super::GetReply>,
+            Status,
+        > {
+            const METHOD: MethodDesc = MethodDesc::new("/kv.Kv/Get", CallKind::Unary);
+            self.inner.pipeline(&METHOD)
+        }
         /// Stores many keys.
         ///
         /// # Errors
