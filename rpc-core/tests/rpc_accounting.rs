@@ -322,6 +322,22 @@ fn zero_allocations_per_async_call() {
 /// call may add to its payload.
 const PER_CALL_OVERHEAD: u64 = 512;
 
+/// `k` async echoes of `request()`, each checked to come back with `n` data bytes.
+fn echo_calls(
+    rt: &tokio::runtime::Runtime,
+    ch: &rpc_core::Channel,
+    k: u64,
+    n: usize,
+    request: &dyn Fn() -> Request<Blob>,
+) {
+    rt.block_on(async {
+        for _ in 0..k {
+            let r: Response<Blob> = ch.unary(&lab_server::ECHO, request()).await.unwrap();
+            assert_eq!(r.get_ref().data.len(), n);
+        }
+    });
+}
+
 /// A server and a channel (poller thread) for the tests that read the soft provider's byte
 /// counters; `None` (the test is skipped, saying so) on another provider.
 fn soft_counting_setup() -> Option<(tokio::runtime::Runtime, TestServer, rpc_core::Channel)> {
@@ -377,14 +393,7 @@ fn registered_requests_are_copied_by_the_nic_only() {
             }
             req
         };
-        let run = |k: u64| {
-            rt.block_on(async {
-                for _ in 0..k {
-                    let r: Response<Blob> = ch.unary(&lab_server::ECHO, request()).await.unwrap();
-                    assert_eq!(r.get_ref().data.len(), n);
-                }
-            })
-        };
+        let run = |k: u64| echo_calls(&rt, &ch, k, n, &request);
         run(3);
         let zc = ch.zero_copy_request_bytes();
         let before = rpc_core::verbs::soft::process_counters();
@@ -478,14 +487,7 @@ fn soft_rnic_copies_each_payload_once() {
             }
             req
         };
-        let run = |k: u64| {
-            rt.block_on(async {
-                for _ in 0..k {
-                    let r: Response<Blob> = ch.unary(&lab_server::ECHO, request()).await.unwrap();
-                    assert_eq!(r.get_ref().data.len(), n);
-                }
-            })
-        };
+        let run = |k: u64| echo_calls(&rt, &ch, k, n, &request);
         run(3);
         let before = rpc_core::verbs::soft::process_counters();
         let ((), _allocs, largest) = counted(|| run(K));

@@ -1055,28 +1055,15 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) fn unary_blocking<Req, Resp>(
         self: &Arc<Self>,
         method: &'static MethodDesc,
-        mut request: Request<Req>,
+        request: Request<Req>,
     ) -> Result<Response<Resp>, Status>
     where
         Req: Message,
         Resp: Message + Default,
     {
-        let hint = request.response_size_hint();
-        let registered = request.take_registered();
-        let (metadata, msg, timeout) = request.into_parts();
-        // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
-        let start = Instant::now();
-        let (idx, generation) = self.acquire_blocking(timeout.map(|t| start + t))?;
-        let timeout = timeout.map(|t| t.saturating_sub(start.elapsed()));
-        let mut guard = CellGuard {
-            core: self,
-            idx,
-            generation,
-            submitted: false,
-        };
-        let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
-        self.submit(idx, generation, sub)?;
-        guard.submitted = true;
+        let mut guard = self.hand_over_blocking(method, request)?;
+        self.kick();
+        let idx = guard.idx;
         let mut spins = 0;
         let outcome = loop {
             if let Some(o) = self.cells[idx as usize].mb.try_done() {
@@ -1099,20 +1086,41 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) fn start_unary<Req: Message>(
         &self,
         method: &'static MethodDesc,
-        mut request: Request<Req>,
+        request: Request<Req>,
     ) -> Result<(u32, u32), Status> {
+        let guard = self.hand_over_blocking(method, request)?;
+        // No kick: the pipeline's owner drives the connection (or the poller thread does),
+        // so the requests of a burst go out together at the next turn.
+        if self.mode == PollerMode::Thread {
+            self.doorbell.ring();
+        }
+        let cell = (guard.idx, guard.generation);
+        std::mem::forget(guard);
+        Ok(cell)
+    }
+
+    /// For callers that wait by driving the connection (blocking and pipelined calls): takes
+    /// a call cell (the timeout covers that wait, the rest of it goes on the wire; a cell free
+    /// at once costs no clock read), prepares the request and hands it to the driver without
+    /// waking it. The guard cancels the call if the caller gives up.
+    fn hand_over_blocking<Req: Message>(
+        &self,
+        method: &'static MethodDesc,
+        mut request: Request<Req>,
+    ) -> Result<CellGuard<'_, P>, Status> {
         let hint = request.response_size_hint();
         let registered = request.take_registered();
         let (metadata, msg, timeout) = request.into_parts();
-        let (idx, generation) = match self.free.pop() {
-            // The common case: no wait, no clock read.
-            Some(idx) if !self.is_dead() => (idx, self.claim(idx)),
+        let (idx, generation, timeout) = match self.free.pop() {
+            Some(idx) if !self.is_dead() => (idx, self.claim(idx), timeout),
             other => {
                 if let Some(idx) = other {
                     let _ = self.free.push(idx);
                 }
                 let start = Instant::now();
-                self.acquire_blocking(timeout.map(|t| start + t))?
+                let (idx, generation) = self.acquire_blocking(timeout.map(|t| start + t))?;
+                let rest = timeout.map(|t| t.saturating_sub(start.elapsed()));
+                (idx, generation, rest)
             }
         };
         let mut guard = CellGuard {
@@ -1123,14 +1131,8 @@ impl<P: Provider> ClientCore<P> {
         };
         let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
         self.hand_over(idx, generation, sub)?;
-        // No kick: the pipeline's owner drives the connection (or the poller thread does),
-        // so the requests of a burst go out together at the next turn.
-        if self.mode == PollerMode::Thread {
-            self.doorbell.ring();
-        }
         guard.submitted = true;
-        std::mem::forget(guard);
-        Ok((idx, generation))
+        Ok(guard)
     }
 
     /// The response of a call started by [`ClientCore::start_unary`], if it has arrived; the

@@ -15,7 +15,7 @@ use tracing::{info, warn};
 
 use crate::buf::{BulkPool, Geometry, SlotArena};
 use crate::connect::{self, Hello, Message as Handshake};
-use crate::link::{LANE_WRS, Lanes, Link};
+use crate::link::{Lanes, Link, lane_caps};
 use crate::method::MethodDesc;
 use crate::streaming::Streaming;
 use crate::verbs::{
@@ -760,13 +760,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         None => P::qps_per_connection()?,
     };
     // Data QPs (several QPs per connection): chunks of striped transfers only, no receives.
-    let lcaps = QpCaps {
-        max_send_wr: LANE_WRS.min(ctx.caps().max_qp_wr),
-        max_recv_wr: 1,
-        max_send_sge: caps.max_send_sge,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    let lcaps = lane_caps(&caps, ctx.caps());
     let cqe = (caps.max_send_wr + caps.max_recv_wr)
         .saturating_add((qps - 1).saturating_mul(lcaps.max_send_wr + lcaps.max_recv_wr));
     let cq = ctx.create_cq(cqe, Some(&channel))?;

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use stripe::StripeDone;
-pub use stripe::{LANE_WRS, Lanes, STRIPE_MIN};
+pub use stripe::{LANE_WRS, Lanes, STRIPE_MIN, lane_caps};
 
 use crate::buf::encode::MAX_PIECES;
 use crate::buf::{BulkBuf, BulkPool, EncodeMsg, RecvSlot, SlotArena};
@@ -601,28 +601,51 @@ impl<P: Provider> Link<P> {
         local: &BulkBuf<P>,
         remote: BulkDesc,
     ) -> Result<(), LinkError> {
-        let len = remote.len as usize;
-        if len > local.capacity() {
+        // SAFETY: forwarded contract.
+        unsafe { self.post_read_ranges(aux, local, std::slice::from_ref(&remote)) }
+    }
+
+    /// Posts RDMA READs of `ranges`, one after the other, into consecutive bytes of `local`
+    /// (a payload the peer advertised in pieces): one completion per range, each with
+    /// `wr_id(key, Read, aux)` (its last chunk is signaled), whatever QPs the chunks go on.
+    ///
+    /// # Errors
+    /// When `local` is too small for them all or `post_send` fails.
+    ///
+    /// # Safety
+    /// As [`Link::post_read`], until every range's completion is polled or the QP failed.
+    pub unsafe fn post_read_ranges(
+        &mut self,
+        aux: u32,
+        local: &BulkBuf<P>,
+        ranges: &[BulkDesc],
+    ) -> Result<(), LinkError> {
+        let total = ranges
+            .iter()
+            .try_fold(0u64, |t, d| t.checked_add(d.len))
+            .unwrap_or(u64::MAX);
+        if total > local.capacity() as u64 {
             return Err(LinkError::Protocol(
                 "bulk READ larger than the local buffer".into(),
             ));
         }
-        let remote = crate::verbs::RemoteMr {
-            addr: remote.addr,
-            len: remote.len,
-            rkey: remote.rkey,
-        };
-        // SAFETY: forwarded contract.
-        unsafe {
-            self.post_chunked(
-                WrKind::Read,
-                aux,
-                |o, l| local.sge(o, l),
-                remote,
-                len,
-                Chunked::Read,
-            )
+        let mut at = 0usize;
+        for d in ranges {
+            let off = at;
+            at += d.len as usize;
+            // SAFETY: forwarded contract; the range lies in `local` (checked above).
+            unsafe {
+                self.post_chunked(
+                    WrKind::Read,
+                    aux,
+                    |o, l| local.sge(off + o, l),
+                    remote_mr(*d),
+                    d.len as usize,
+                    Chunked::Read,
+                )
+            }?;
         }
+        Ok(())
     }
 
     /// Posts an RDMA WRITE of `local[start..start + len]` to `remote`, in chunks; the last chunk
@@ -650,11 +673,7 @@ impl<P: Provider> Link<P> {
                 "bulk WRITE larger than the landing zone".into(),
             ));
         }
-        let remote = crate::verbs::RemoteMr {
-            addr: remote.addr,
-            len: remote.len,
-            rkey: remote.rkey,
-        };
+        let remote = remote_mr(remote);
         // SAFETY: forwarded contract.
         unsafe {
             self.post_chunked(
@@ -692,11 +711,7 @@ impl<P: Provider> Link<P> {
                 "bulk WRITE larger than the landing zone".into(),
             ));
         }
-        let remote = crate::verbs::RemoteMr {
-            addr: remote.addr,
-            len: remote.len,
-            rkey: remote.rkey,
-        };
+        let remote = remote_mr(remote);
         let sges_of = |off: usize, n: u32, out: &mut [Sge; MAX_PIECES]| {
             let (end, mut k, mut at) = (off + n as usize, 0, 0usize);
             for p in pieces {
@@ -997,6 +1012,15 @@ impl<P: Provider> Link<P> {
     /// The registered memory of the slots (for tests and stats).
     pub fn slot_mr(&self) -> &P::Mr {
         self.arena.mr()
+    }
+}
+
+/// The verbs view of a peer's advertised buffer.
+fn remote_mr(d: BulkDesc) -> crate::verbs::RemoteMr {
+    crate::verbs::RemoteMr {
+        addr: d.addr,
+        len: d.len,
+        rkey: d.rkey,
     }
 }
 

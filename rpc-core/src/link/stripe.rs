@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::buf::encode::MAX_PIECES;
-use crate::verbs::{Provider, Sge, WcStatus};
+use crate::verbs::{Caps, Provider, QpCaps, Sge, WcStatus};
 
 /// Smallest transfer that is striped; smaller ones go over the primary QP.
 pub const STRIPE_MIN: usize = 256 << 10;
@@ -36,6 +36,18 @@ pub const STRIPE_MIN: usize = 256 << 10;
 pub const LANE_WRS: u32 = 64;
 /// Most striped transfers in flight per link.
 const SLOTS: usize = 64;
+/// Queue sizes of a lane (data QP) next to a primary QP of `primary`'s sizes on a device of
+/// `caps`: only chunks of striped transfers are posted on it, and it receives nothing.
+pub fn lane_caps(primary: &QpCaps, caps: &Caps) -> QpCaps {
+    QpCaps {
+        max_send_wr: LANE_WRS.min(caps.max_qp_wr),
+        max_recv_wr: 1,
+        max_send_sge: primary.max_send_sge,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    }
+}
+
 /// Most QPs per connection, the primary included.
 pub const MAX_QPS: usize = crate::verbs::MAX_QPS_PER_CONNECTION as usize;
 
@@ -235,11 +247,6 @@ impl<P: Provider> Lanes<P> {
     /// Whether there are none (one QP per connection).
     pub fn is_empty(&self) -> bool {
         self.qps.is_empty()
-    }
-
-    /// The data QPs.
-    pub fn qps(&self) -> &[P::Qp] {
-        &self.qps
     }
 
     /// The data QPs, mutably.

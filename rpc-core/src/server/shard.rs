@@ -22,8 +22,8 @@ use crate::buf::{
 };
 use crate::connect::{Hello, Welcome};
 use crate::link::{
-    CommitError, Control, FrameError, LANE_WRS, Lanes, Link, LinkError, LinkKey, Received, Staged,
-    WrKind, decode_metadata, split_wr_id,
+    CommitError, Control, FrameError, Lanes, Link, LinkError, LinkKey, Received, Staged, WrKind,
+    decode_metadata, lane_caps, split_wr_id,
 };
 use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks, panicked};
 use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
@@ -301,9 +301,9 @@ pub(crate) fn open<P: Provider>(
         Some(n) => n,
         None => P::qps_per_connection()?,
     };
-    let lane_caps = lane_caps(&per_conn, ctx.caps());
+    let lanes = lane_caps(&per_conn, ctx.caps());
     let cqe = (per_conn.max_send_wr + per_conn.max_recv_wr)
-        .saturating_add((max_qps - 1).saturating_mul(lane_caps.max_send_wr + lane_caps.max_recv_wr))
+        .saturating_add((max_qps - 1).saturating_mul(lanes.max_send_wr + lanes.max_recv_wr))
         .saturating_mul(cfg.max_conns_per_shard)
         .min(ctx.caps().max_cqe);
     let cq = ctx.create_cq(cqe, Some(&channel))?;
@@ -384,18 +384,6 @@ fn qp_caps(
         max_send_sge: (MAX_PIECES as u32).min(caps.max_sge),
         max_recv_sge: 1,
         max_inline_data: caps.max_inline.min(256),
-    }
-}
-
-/// Queue sizes of a data QP (several QPs per connection): only chunks of striped one-sided
-/// transfers are posted on it, and it receives nothing.
-fn lane_caps(primary: &QpCaps, caps: &crate::verbs::Caps) -> QpCaps {
-    QpCaps {
-        max_send_wr: LANE_WRS.min(caps.max_qp_wr),
-        max_recv_wr: 1,
-        max_send_sge: primary.max_send_sge,
-        max_recv_sge: 1,
-        max_inline_data: 0,
     }
 }
 
@@ -1526,37 +1514,13 @@ impl<P: Provider> Shard<P> {
         };
         // `buf` is stored in the call's `reading` until the READs' completions (or the
         // connection's end); nothing reads it meanwhile.
-        let r = if more.is_empty() {
-            // SAFETY: as just said.
-            unsafe { conn.link.post_read(call.slot(), &buf, desc) }
-        } else {
-            // One READ per range, into consecutive offsets. Each READ's last chunk is signaled
-            // and the call waits for all of them (`reads_left`): correct whatever QP or order
-            // the link posts the chunks on, for at most MAX_BULK_PIECES completions.
-            let mut at = 0usize;
-            std::iter::once(&desc)
-                .chain(more.as_slice())
-                .try_for_each(|d| {
-                    let off = at;
-                    at += d.len as usize;
-                    let remote = crate::verbs::RemoteMr {
-                        addr: d.addr,
-                        len: d.len,
-                        rkey: d.rkey,
-                    };
-                    // SAFETY: as above; the range lies in `buf` (its length is the total).
-                    unsafe {
-                        conn.link.post_one_sided(
-                            WrKind::Read,
-                            call.slot(),
-                            |o, l| buf.sge(off + o, l),
-                            remote,
-                            d.len as usize,
-                            false,
-                        )
-                    }
-                })
-        };
+        // One READ per range, into consecutive offsets; each range's completion is counted
+        // (`reads_left`), so it is correct whatever QP or order the link posts the chunks on.
+        let mut ranges = [desc; wire::MAX_BULK_PIECES];
+        let n = 1 + more.len();
+        ranges[1..n].copy_from_slice(more.as_slice());
+        // SAFETY: as just said.
+        let r = unsafe { conn.link.post_read_ranges(call.slot(), &buf, &ranges[..n]) };
         if let Err(e) = r {
             warn!("rendezvous READ failed: {e}");
             let key = conn.link.key();
