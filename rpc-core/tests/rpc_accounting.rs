@@ -225,6 +225,21 @@ fn zero_allocations_per_blocking_call() {
     rt.block_on(srv.settle("live calls back to 0"));
 }
 
+/// Pings `from..from + n` through `p`, `depth` in flight, checking each response.
+fn pipelined_pings(p: &mut rpc_core::Pipeline<Scalars, Scalars>, from: u64, n: u64, depth: usize) {
+    let (mut next, mut done) = (from, 0);
+    while done < n {
+        while next < from + n && p.in_flight() < depth {
+            p.submit(next, ping_request(next, true)).unwrap();
+            next += 1;
+        }
+        if let Some((tag, r)) = p.wait() {
+            check_ping(tag, &r.unwrap());
+            done += 1;
+        }
+    }
+}
+
 /// Pipelined calls (`Channel::pipeline`, 32 in flight from one thread), with the caller
 /// driving the connection and with the poller thread: after warm-up, no allocation.
 #[test]
@@ -243,19 +258,7 @@ fn zero_allocations_per_pipelined_call() {
             (srv, ch)
         });
         let mut p = ch.pipeline::<Scalars, Scalars>(&lab_server::PING).unwrap();
-        let mut run = |from: u64, n: u64| {
-            let (mut next, mut done) = (from, 0);
-            while done < n {
-                while next < from + n && p.in_flight() < 32 {
-                    p.submit(next, ping_request(next, true)).unwrap();
-                    next += 1;
-                }
-                if let Some((tag, r)) = p.wait() {
-                    check_ping(tag, &r.unwrap());
-                    done += 1;
-                }
-            }
-        };
+        let mut run = |from: u64, n: u64| pipelined_pings(&mut p, from, n, 32);
         run(0, WARMUP);
         let ((), allocs, largest) = counted(|| run(WARMUP, n));
         println!(
@@ -538,4 +541,56 @@ fn soft_rnic_copies_each_payload_once() {
     }
     rt.block_on(srv.settle("live calls back to 0"));
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Small pipelined calls (32 in flight, the caller driving the connection): the frames of a
+/// poll-loop turn go to the QP as one list on both sides, so the soft RNIC rings the peer's
+/// CQ fewer times than it executes SENDs, and inline SENDs ask for a completion only every
+/// `SIGNAL_EVERY`-th time.
+#[test]
+fn pipelined_calls_post_in_lists_and_signal_rarely() {
+    let _g = serial();
+    let _w = Watchdog::arm(
+        "pipelined_calls_post_in_lists_and_signal_rarely",
+        Duration::from_secs(600),
+    );
+    if ProviderKind::from_env().ok() != Some(ProviderKind::Soft) {
+        println!("skipped: ring and completion counters exist on the soft provider only");
+        return;
+    }
+    let rt = runtime();
+    let srv = rt.block_on(TestServer::start());
+    let ch = rt.block_on(srv.channel(PollerMode::Caller));
+    let mut p = ch.pipeline::<Scalars, Scalars>(&lab_server::PING).unwrap();
+    let n = calls().max(2_000);
+    pipelined_pings(&mut p, 0, WARMUP, 32);
+    let before = rpc_core::verbs::soft::process_counters();
+    pipelined_pings(&mut p, WARMUP, n, 32);
+    let after = rpc_core::verbs::soft::process_counters();
+    let ops = after.ops - before.ops;
+    let rings = after.rings - before.rings;
+    let cqes = after.send_cqes - before.send_cqes;
+    println!(
+        "{n} pipelined calls: {:.2} work requests, {:.2} rings, {:.3} send completions per call",
+        ops as f64 / n as f64,
+        rings as f64 / n as f64,
+        cqes as f64 / n as f64,
+    );
+    // A request and a response per call, and a few credit updates.
+    assert!(
+        ops >= 2 * n && ops <= 2 * n + n / 4,
+        "{ops} work requests for {n} calls"
+    );
+    // Every frame here is inline: one signaled in SIGNAL_EVERY (16), per side.
+    assert!(
+        cqes <= ops / rpc_core::link::SIGNAL_EVERY as u64 + 4,
+        "{cqes} send completions for {ops} inline SENDs"
+    );
+    // Lists: fewer rings than SENDs (one per list, and a busy pipeline makes lists).
+    assert!(
+        rings < ops,
+        "{rings} rings for {ops} SENDs: nothing was posted as a list"
+    );
+    drop(p);
+    rt.block_on(srv.settle("live calls back to 0"));
 }

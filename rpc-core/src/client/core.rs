@@ -1426,6 +1426,8 @@ impl<P: Provider> Driver<P> {
                 self.link.control(Control::WindowUpdate(call, n))?;
             }
         }
+        // What this turn queued goes out before we look for answers (one post for the lot).
+        self.link.flush_sends()?;
         let n = self
             .cq
             .poll(&mut self.wcs)
@@ -1449,6 +1451,7 @@ impl<P: Provider> Driver<P> {
             self.link.post_recvs(true)?;
         }
         self.link.maybe_credit_update()?;
+        self.link.flush_sends()?;
         Ok(work)
     }
 

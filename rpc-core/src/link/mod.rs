@@ -38,6 +38,34 @@ use crate::{Metadata, Status};
 /// chunks of this size.
 pub const CHUNK: usize = 4 << 20;
 
+/// Most SENDs queued on a link before they go to the QP in one `post_send` (see
+/// [`Link::flush_sends`]).
+pub const SEND_BATCH: usize = 16;
+
+/// An inline SEND asks for a completion at least every this many inline SENDs; the others are
+/// unsignaled (their completions mean nothing, and their send-queue entries are freed by the
+/// next signaled completion, as on every RC QP).
+pub const SIGNAL_EVERY: u32 = 16;
+
+/// A frame waiting in the link's send queue for [`Link::flush_sends`].
+#[derive(Clone, Copy, Debug, Default)]
+struct QueuedSend {
+    sge: Sge,
+    slot: u32,
+    inline: bool,
+}
+
+/// The frames of one turn of the poll loop, posted together: one doorbell on an RNIC, one ring
+/// of the peer's CQ on the soft provider, and the peer finds them side by side. Fixed size, no
+/// allocation.
+#[derive(Debug, Default)]
+struct SendQueue {
+    q: [QueuedSend; SEND_BATCH],
+    n: usize,
+    /// Inline SENDs posted unsignaled since the last signaled one.
+    unsignaled: u32,
+}
+
 /// Which link a work request belongs to: index and generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LinkKey {
@@ -238,6 +266,7 @@ pub struct Link<P: Provider> {
     /// Turns that looked for expired deadlines (see [`Link::expiry_due`]).
     expiry_turns: u32,
     backlog: std::collections::VecDeque<Control>,
+    sends: SendQueue,
 }
 
 impl<P: Provider> std::fmt::Debug for Link<P> {
@@ -281,6 +310,7 @@ impl<P: Provider> Link<P> {
             clock_stale: std::cell::Cell::new(true),
             expiry_turns: 0,
             backlog: std::collections::VecDeque::new(),
+            sends: SendQueue::default(),
         };
         link.tick();
         link.post_recvs(false)?;
@@ -314,6 +344,7 @@ impl<P: Provider> Link<P> {
             StripeDone::Pending => Ok(None),
             StripeDone::Complete(orig) => Ok(Some(Wc { wr_id: orig, ..*wc })),
             StripeDone::PostHeld(orig, h) => {
+                self.flush_sends()?;
                 let wr = SendWr {
                     wr_id: orig,
                     op: WrOp::WriteWithImm {
@@ -456,11 +487,12 @@ impl<P: Provider> Link<P> {
         Some((md_len, n))
     }
 
-    /// Writes `header` right before the body of send slot `slot` and posts the SEND. The slot
-    /// returns to the free queue when the send completes (at once for inline sends).
+    /// Writes `header` right before the body of send slot `slot` and queues the SEND; it goes
+    /// to the QP with the next [`Link::flush_sends`] (or at once when the queue is full). The
+    /// slot returns to the free queue when the send completes (at the flush for inline sends).
     ///
     /// # Errors
-    /// When the header does not fit or `post_send` fails.
+    /// When the header does not fit, or a full queue's `post_send` fails.
     pub fn post_frame(&mut self, slot: u32, header: &FrameHeader) -> Result<(), LinkError> {
         let hlen = header.encoded_len();
         let body = header.metadata_len as usize + header.payload_len as usize;
@@ -483,37 +515,77 @@ impl<P: Provider> Link<P> {
             .send_sge(slot, MAX_HEADER_LEN as u32 + body as u32);
         sge.addr += start as u64;
         sge.length = len;
-        let inline = len <= self.max_inline;
-        let wr = SendWr {
-            wr_id: if inline {
-                wr_id(self.key, WrKind::Nop, slot)
-            } else {
-                wr_id(self.key, WrKind::Send, slot)
-            },
-            op: WrOp::Send,
-            sg_list: std::slice::from_ref(&sge),
-            flags: if inline {
-                SendFlags::SIGNALED | SendFlags::INLINE
-            } else {
-                SendFlags::SIGNALED
-            },
+        if self.sends.n == SEND_BATCH
+            && let Err(e) = self.flush_sends()
+        {
+            self.arena.release_send(slot);
+            return Err(e);
+        }
+        self.sends.q[self.sends.n] = QueuedSend {
+            sge,
+            slot,
+            inline: len <= self.max_inline,
         };
-        // SAFETY: the SGE covers bytes of a send slot we own, inside the arena's MR, valid until
-        // the send completes (the slot is released only by its completion, or right after an
-        // inline post, when the NIC has already copied the bytes).
-        let r = unsafe { self.qp.post_send(std::slice::from_ref(&wr)) };
-        match r {
-            Ok(()) => {
-                if inline {
-                    self.arena.release_send(slot);
-                }
-                Ok(())
-            }
-            Err(e) => {
-                self.arena.release_send(slot);
-                Err(post_err("post_send(SEND)", &e))
+        self.sends.n += 1;
+        Ok(())
+    }
+
+    /// Whether SENDs wait for [`Link::flush_sends`].
+    pub fn has_queued_sends(&self) -> bool {
+        self.sends.n > 0
+    }
+
+    /// Posts the queued SENDs, in order, with one `post_send`. The poll loops call it once per
+    /// turn, after handling what the turn polled; every other post on the QP calls it first,
+    /// so the QP sees frames and one-sided operations in the order they were made.
+    ///
+    /// # Errors
+    /// When `post_send` fails (the slots of the requests it did not take are released).
+    pub fn flush_sends(&mut self) -> Result<(), LinkError> {
+        let n = self.sends.n;
+        if n == 0 {
+            return Ok(());
+        }
+        self.sends.n = 0;
+        let mut ids = [0u64; SEND_BATCH];
+        let mut flags = [SendFlags::NONE; SEND_BATCH];
+        for (i, s) in self.sends.q[..n].iter().enumerate() {
+            if s.inline {
+                ids[i] = wr_id(self.key, WrKind::Nop, s.slot);
+                self.sends.unsignaled += 1;
+                flags[i] = if self.sends.unsignaled >= SIGNAL_EVERY {
+                    self.sends.unsignaled = 0;
+                    SendFlags::SIGNALED | SendFlags::INLINE
+                } else {
+                    SendFlags::INLINE
+                };
+            } else {
+                ids[i] = wr_id(self.key, WrKind::Send, s.slot);
+                flags[i] = SendFlags::SIGNALED;
+                self.sends.unsignaled = 0;
             }
         }
+        let q = &self.sends.q;
+        let wrs: [SendWr<'_>; SEND_BATCH] = std::array::from_fn(|i| SendWr {
+            wr_id: ids[i],
+            op: WrOp::Send,
+            sg_list: std::slice::from_ref(&q[i].sge),
+            flags: flags[i],
+        });
+        // SAFETY: each SGE covers bytes of a send slot we own, inside the arena's MR, valid
+        // until the send completes (the slot is released only by its completion, or right
+        // after an inline post, when the NIC has already copied the bytes).
+        let r = unsafe { self.qp.post_send(&wrs[..n]) };
+        let posted = match &r {
+            Ok(()) => n,
+            Err(e) => e.posted.min(n),
+        };
+        for (i, s) in self.sends.q[..n].iter().enumerate() {
+            if s.inline || i >= posted {
+                self.arena.release_send(s.slot);
+            }
+        }
+        r.map_err(|e| post_err("post_send(SEND)", &e))
     }
 
     /// Takes a send slot and encodes `metadata` and `msg` into it, ready for a header.
@@ -803,6 +875,7 @@ impl<P: Provider> Link<P> {
         len: usize,
         op: Chunked,
     ) -> Result<(), LinkError> {
+        self.flush_sends()?;
         let orig = wr_id(self.key, kind, aux);
         if let Some((span, used)) = self.lanes.plan(len)
             && let Some((slot, generation)) = self.lanes.begin(orig, len, span, used, CHUNK)
@@ -1112,6 +1185,10 @@ impl<P: Provider> Drop for Link<P> {
         let _ = self.qp.modify_to_error();
         for qp in self.lanes.qps_mut() {
             let _ = qp.modify_to_error();
+        }
+        // Frames never posted: their slots were never the NIC's.
+        for s in &self.sends.q[..self.sends.n] {
+            self.arena.release_send(s.slot);
         }
     }
 }

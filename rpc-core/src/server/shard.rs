@@ -933,6 +933,10 @@ impl<P: Provider> Shard<P> {
         loop {
             let mut work = self.poll_cq();
             work += self.run_ready();
+            if work > 0 {
+                // The responses of this turn go out together: one post per connection.
+                self.flush_sends();
+            }
             // Stopping: check every pass, or a sleeping shard notices only every
             // MAINTAIN_EVERY sleeps (up to 64 x MAX_SLEEP) that its last call is gone.
             if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) || self.stop.load(Ordering::Relaxed)
@@ -941,6 +945,7 @@ impl<P: Provider> Shard<P> {
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
                 work += self.maintain(idle_turn);
+                self.flush_sends();
                 if self.stop.load(Ordering::Acquire) {
                     // Draining: stop once every call finished, or when the grace period is up
                     // (the handlers still running are then dropped with their connections).
@@ -987,6 +992,7 @@ impl<P: Provider> Shard<P> {
             || self.poll_cq() > 0
             || self.run_ready() > 0
         {
+            self.flush_sends();
             self.doorbell.awake();
             return;
         }
@@ -1186,6 +1192,24 @@ impl<P: Provider> Shard<P> {
         }
         info!("connection from {} closed: {}", conn.peer, why.message());
         drop(conn);
+    }
+
+    /// Posts the frames each connection queued this turn ([`Link::flush_sends`]).
+    fn flush_sends(&mut self) {
+        let mut failed = None;
+        for &i in &self.live {
+            if let Some(Some(conn)) = self.conns.get_mut(i as usize)
+                && conn.link.has_queued_sends()
+                && let Err(e) = conn.link.flush_sends()
+            {
+                failed = Some((conn.link.key(), e));
+                break;
+            }
+        }
+        if let Some((key, e)) = failed {
+            warn!("connection failed: {e}");
+            self.close(key, &e.status());
+        }
     }
 
     fn poll_cq(&mut self) -> usize {

@@ -6,6 +6,7 @@
 //! rights checked on every access. A peer that wrote garbage gets an error completion, never
 //! undefined behaviour here.
 
+use std::cell::Cell;
 use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -212,6 +213,12 @@ pub(crate) struct Conn {
     cache: [(u32, Option<Arc<Mapping>>); MR_CACHE],
     my_qp_num: u32,
     my_nonce: u64,
+    /// Our device (its counters).
+    dev: Arc<Device>,
+    /// Inside a list of work requests ([`Conn::begin_list`]): rings wait for its end.
+    in_list: Cell<bool>,
+    /// A ring owed at the end of the list: bit 0 owed, bit 1 solicited.
+    owed: Cell<u8>,
 }
 
 fn bad_ep(detail: String) -> VerbsError {
@@ -355,6 +362,9 @@ impl Conn {
             my_qp_num,
             my_nonce: dev.nonce,
             peer,
+            dev: Arc::clone(dev),
+            in_list: Cell::new(false),
+            owed: Cell::new(0),
         })
     }
 
@@ -414,9 +424,33 @@ impl Conn {
         self.ring(true);
     }
 
+    /// Starts executing a list of work requests posted together: the peer's CQ is rung once,
+    /// at [`Conn::end_list`], as an RNIC writes a burst of completions before the consumer
+    /// looks (and the one cross-core write to the peer's ready bitmap is paid once a burst).
+    #[inline]
+    pub(crate) fn begin_list(&self) {
+        self.in_list.set(true);
+    }
+
+    /// Ends a list: rings the peer if anything in it completed there.
+    #[inline]
+    pub(crate) fn end_list(&self) {
+        self.in_list.set(false);
+        let owed = self.owed.replace(0);
+        if owed & 1 != 0 {
+            self.ring(owed & 2 != 0);
+        }
+    }
+
     /// Sets our bit in the peer's receive CQ and signals its channel when armed.
     #[inline]
     fn ring(&self, solicited: bool) {
+        if self.in_list.get() {
+            self.owed
+                .set(self.owed.get() | 1 | u8::from(solicited) << 1);
+            return;
+        }
+        self.dev.counters.add_ring();
         self.i64(self.bm_word)
             .fetch_or(self.bm_bit, Ordering::SeqCst);
         let armed = self.i32(self.armed);

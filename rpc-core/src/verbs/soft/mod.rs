@@ -176,6 +176,8 @@ static PROCESS: Counters = Counters {
     bytes_copied: AtomicU64::new(0),
     ops: AtomicU64::new(0),
     rnr_retries: AtomicU64::new(0),
+    rings: AtomicU64::new(0),
+    send_cqes: AtomicU64::new(0),
 };
 
 /// The counters of every soft RNIC (context) of this process added up: what the RPC layers'
@@ -190,6 +192,8 @@ pub struct Counters {
     bytes_copied: AtomicU64,
     ops: AtomicU64,
     rnr_retries: AtomicU64,
+    rings: AtomicU64,
+    send_cqes: AtomicU64,
 }
 
 /// A snapshot of [`Counters`].
@@ -201,6 +205,11 @@ pub struct CounterSnapshot {
     pub ops: u64,
     /// RNR retries (a SEND or WRITE_WITH_IMM retried because no receive was posted).
     pub rnr_retries: u64,
+    /// Times the RNIC marked a peer's CQ ready after receive completions (once per list of
+    /// work requests posted together, once per request posted alone).
+    pub rings: u64,
+    /// Send completions written (signaled requests, and every failed one).
+    pub send_cqes: u64,
 }
 
 impl Counters {
@@ -210,6 +219,8 @@ impl Counters {
             bytes_copied: self.bytes_copied.load(Ordering::Relaxed),
             ops: self.ops.load(Ordering::Relaxed),
             rnr_retries: self.rnr_retries.load(Ordering::Relaxed),
+            rings: self.rings.load(Ordering::Relaxed),
+            send_cqes: self.send_cqes.load(Ordering::Relaxed),
         }
     }
 
@@ -224,6 +235,16 @@ impl Counters {
 
     pub(crate) fn add_rnr(&self) {
         self.rnr_retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_ring(&self) {
+        self.rings.fetch_add(1, Ordering::Relaxed);
+        PROCESS.rings.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_send_cqe(&self) {
+        self.send_cqes.fetch_add(1, Ordering::Relaxed);
+        PROCESS.send_cqes.fetch_add(1, Ordering::Relaxed);
     }
 }
 

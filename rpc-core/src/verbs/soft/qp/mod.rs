@@ -246,6 +246,7 @@ impl QpShared {
         // progress holder (us, proven by `_p`) writes entries.
         unsafe { *self.scq[i].get() = e };
         self.scq_tail.store(t.wrapping_add(1), Ordering::Release);
+        self.dev.counters.add_send_cqe();
         let solicited = e.wc.status != WcStatus::Success;
         self.send_cq.set_ready(self.send_bit, solicited);
     }
@@ -983,75 +984,86 @@ impl Qp for SoftQp {
             s.run_pending(p, now);
         }
         let delay = s.delay_ns.load(Ordering::Relaxed);
-        for (i, wr) in wrs.iter().enumerate() {
-            if let Err(e) = self.check_wr(wr) {
-                return Err(PostError {
-                    posted: i,
-                    error: e,
-                });
-            }
-            let seq = s.sq_head.load(Ordering::Relaxed);
-            if seq.wrapping_sub(s.sq_freed.load(Ordering::Acquire)) >= s.caps.max_send_wr {
-                return Err(post_err(
-                    verb,
-                    i,
-                    ErrorKind::QueueFull,
-                    format!(
-                        "send queue full ({} outstanding): poll completions (unsignaled requests \
-                         are freed by a later signaled one), then post the rest",
-                        s.caps.max_send_wr
-                    ),
-                ));
-            }
-            let direct = delay == 0 && s.sq_exec.load(Ordering::Relaxed) == seq;
-            match guard.as_mut() {
-                Some(p) if direct => {
-                    if s.raw_state() == QpState::Error {
-                        s.sq_head.store(seq.wrapping_add(1), Ordering::Release);
-                        s.sq_exec.store(seq.wrapping_add(1), Ordering::Release);
-                        s.complete(p, seq, wr.wr_id, &wr.op, WcStatus::WrFlushErr, 0, 0);
-                        continue;
+        // A list rings the peer once, at its end (see `Conn::begin_list`).
+        let list = wrs.len() > 1;
+        if list && let Some(c) = guard.as_mut().and_then(|p| p.exec().conn.as_ref()) {
+            c.begin_list();
+        }
+        let r: std::result::Result<(), PostError> = 'list: {
+            for (i, wr) in wrs.iter().enumerate() {
+                if let Err(e) = self.check_wr(wr) {
+                    break 'list Err(PostError {
+                        posted: i,
+                        error: e,
+                    });
+                }
+                let seq = s.sq_head.load(Ordering::Relaxed);
+                if seq.wrapping_sub(s.sq_freed.load(Ordering::Acquire)) >= s.caps.max_send_wr {
+                    break 'list Err(post_err(
+                        verb,
+                        i,
+                        ErrorKind::QueueFull,
+                        format!(
+                            "send queue full ({} outstanding): poll completions (unsignaled requests \
+                             are freed by a later signaled one), then post the rest",
+                            s.caps.max_send_wr
+                        ),
+                    ));
+                }
+                let direct = delay == 0 && s.sq_exec.load(Ordering::Relaxed) == seq;
+                match guard.as_mut() {
+                    Some(p) if direct => {
+                        if s.raw_state() == QpState::Error {
+                            s.sq_head.store(seq.wrapping_add(1), Ordering::Release);
+                            s.sq_exec.store(seq.wrapping_add(1), Ordering::Release);
+                            s.complete(p, seq, wr.wr_id, &wr.op, WcStatus::WrFlushErr, 0, 0);
+                            continue;
+                        }
+                        let view = WrView {
+                            op: wr.op,
+                            flags: wr.flags,
+                            sges: wr.sg_list,
+                            inline: None,
+                        };
+                        let out = s.run_one(p, &view);
+                        if matches!(out, Outcome::Rnr | Outcome::NotReady) {
+                            // SAFETY: forwarded post_send contract (inline SGEs readable).
+                            unsafe { s.store(seq, wr, 0) };
+                            s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
+                            if now == 0 {
+                                now = shm::now_ns();
+                            }
+                        } else {
+                            s.sq_head.store(seq.wrapping_add(1), Ordering::Release);
+                        }
+                        s.settle(p, seq, wr.wr_id, &wr.op, wr.flags, out, now);
                     }
-                    let view = WrView {
-                        op: wr.op,
-                        flags: wr.flags,
-                        sges: wr.sg_list,
-                        inline: None,
-                    };
-                    let out = s.run_one(p, &view);
-                    if matches!(out, Outcome::Rnr | Outcome::NotReady) {
-                        // SAFETY: forwarded post_send contract (inline SGEs readable).
-                        unsafe { s.store(seq, wr, 0) };
-                        s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
+                    _ => {
                         if now == 0 {
                             now = shm::now_ns();
                         }
-                    } else {
-                        s.sq_head.store(seq.wrapping_add(1), Ordering::Release);
-                    }
-                    s.settle(p, seq, wr.wr_id, &wr.op, wr.flags, out, now);
-                }
-                _ => {
-                    if now == 0 {
-                        now = shm::now_ns();
-                    }
-                    let not_before = if delay == 0 {
-                        0
-                    } else {
-                        now.saturating_add(delay)
-                    };
-                    // SAFETY: forwarded post_send contract (inline SGEs readable).
-                    unsafe { s.store(seq, wr, not_before) };
-                    s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
-                    // Behind a queued head we hold the flag for, the head's retry is already
-                    // scheduled (and the QP marked); otherwise make the next poll run it.
-                    if guard.is_none() || delay != 0 {
-                        s.mark_pending(not_before);
+                        let not_before = if delay == 0 {
+                            0
+                        } else {
+                            now.saturating_add(delay)
+                        };
+                        // SAFETY: forwarded post_send contract (inline SGEs readable).
+                        unsafe { s.store(seq, wr, not_before) };
+                        s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
+                        // Behind a queued head we hold the flag for, the head's retry is already
+                        // scheduled (and the QP marked); otherwise make the next poll run it.
+                        if guard.is_none() || delay != 0 {
+                            s.mark_pending(not_before);
+                        }
                     }
                 }
             }
+            Ok(())
+        };
+        if list && let Some(c) = guard.as_mut().and_then(|p| p.exec().conn.as_ref()) {
+            c.end_list();
         }
-        Ok(())
+        r
     }
 
     unsafe fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> std::result::Result<(), PostError> {
