@@ -1432,6 +1432,14 @@ impl<P: Provider> Driver<P> {
             .cq
             .poll(&mut self.wcs)
             .map_err(|e| LinkError::Verbs(e.to_string()))?;
+        if n > 1 {
+            // Start loading every received frame before handling the first.
+            for wc in &self.wcs[..n] {
+                if let (_, Some(WrKind::Recv), slot) = split_wr_id(wc.wr_id) {
+                    self.link.arena.prefetch_recv(slot, wc.byte_len);
+                }
+            }
+        }
         for i in 0..n {
             let wc = self.wcs[i];
             self.on_completion(core, &wc)?;

@@ -15,6 +15,12 @@
 //! credits with its body already encoded), and the SEND starts at the header. One serialization
 //! into registered memory; the only copy after it is the NIC's.
 //!
+//! Frames are not posted one by one: [`Link::post_frame`] queues the SEND and the owner's poll
+//! loop calls [`Link::flush_sends`] once per turn, so the frames a turn produced (the responses
+//! to a burst of requests, a burst of pipelined requests) reach the QP as one `post_send` list:
+//! one doorbell on an RNIC, one ring of the peer's CQ on the soft provider, and the peer polls
+//! them side by side. Inline SENDs are signaled only every [`SIGNAL_EVERY`]-th time.
+//!
 //! Work-request ids name the link (`key`, with a generation so completions of a closed link are
 //! ignored), the kind of work and a slot or call index.
 

@@ -1220,6 +1220,16 @@ impl<P: Provider> Shard<P> {
                 return 0;
             }
         };
+        if n > 1 {
+            // Start loading every received frame before handling the first.
+            for wc in &self.wcs[..n] {
+                if let (key, Some(WrKind::Recv), slot) = split_wr_id(wc.wr_id)
+                    && let Some(Some(c)) = self.conns.get(key.idx as usize)
+                {
+                    c.link.arena.prefetch_recv(slot, wc.byte_len);
+                }
+            }
+        }
         for i in 0..n {
             let wc = self.wcs[i];
             self.on_completion(&wc);

@@ -12,6 +12,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
+use super::counters::QpCounters;
 use super::layout::{self, mr, qp, qp_in, rcqe};
 use super::mr::LocalMr;
 use super::peer::{MapError, Peer};
@@ -108,18 +109,18 @@ impl Pieces {
     }
 }
 
-/// Resolves the local payload of `wr`: lkey, PD, bounds and (`need_write`) LOCAL_WRITE of
-/// every SGE, in our own MR table (which only we write).
+/// Resolves the local payload of `wr` into `pieces` (empty): lkey, PD, bounds and
+/// (`need_write`) LOCAL_WRITE of every SGE, in our own MR table (which only we write).
 pub(crate) fn local_pieces(
     dev: &Device,
     pd: u32,
     wr: &WrView<'_>,
     need_write: bool,
-) -> std::result::Result<Pieces, (WcStatus, u32)> {
-    let mut pieces = Pieces::new();
+    pieces: &mut Pieces,
+) -> std::result::Result<(), (WcStatus, u32)> {
     if let Some((ptr, len)) = wr.inline {
         pieces.push(ptr.cast_mut(), len);
-        return Ok(pieces);
+        return Ok(());
     }
     let inline = wr.flags.contains(SendFlags::INLINE);
     for sge in wr.sges {
@@ -146,7 +147,7 @@ pub(crate) fn local_pieces(
     if pieces.total > CAPS.max_msg_size {
         return Err((WcStatus::LocLenErr, vendor::MSG_TOO_BIG));
     }
-    Ok(pieces)
+    Ok(())
 }
 
 /// A remote range resolved for access: either a pointer in this process (our mapping of the
@@ -213,8 +214,8 @@ pub(crate) struct Conn {
     cache: [(u32, Option<Arc<Mapping>>); MR_CACHE],
     my_qp_num: u32,
     my_nonce: u64,
-    /// Our device (its counters).
-    dev: Arc<Device>,
+    /// The counters of our QP (written under its progress flag, as everything here).
+    counters: Arc<QpCounters>,
     /// Inside a list of work requests ([`Conn::begin_list`]): rings wait for its end.
     in_list: Cell<bool>,
     /// A ring owed at the end of the list: bit 0 owed, bit 1 solicited.
@@ -245,7 +246,12 @@ pub(crate) fn encode_gid(pid: u32, fd: u32, nonce: u64) -> [u8; 16] {
 
 impl Conn {
     /// Validates `ep` and attaches to the peer QP it names (INIT -> RTR).
-    pub(crate) fn connect(dev: &Arc<Device>, my_qp_num: u32, ep: &Endpoint) -> Result<Conn> {
+    pub(crate) fn connect(
+        dev: &Arc<Device>,
+        my_qp_num: u32,
+        ep: &Endpoint,
+        counters: Arc<QpCounters>,
+    ) -> Result<Conn> {
         if ep.provider != Endpoint::PROVIDER_SOFT {
             return Err(bad_ep(format!(
                 "the endpoint is for provider tag {} (ib), not soft: both ends must use the same \
@@ -362,7 +368,7 @@ impl Conn {
             my_qp_num,
             my_nonce: dev.nonce,
             peer,
-            dev: Arc::clone(dev),
+            counters,
             in_list: Cell::new(false),
             owed: Cell::new(0),
         })
@@ -450,7 +456,7 @@ impl Conn {
                 .set(self.owed.get() | 1 | u8::from(solicited) << 1);
             return;
         }
-        self.dev.counters.add_ring();
+        self.counters.add_ring();
         self.i64(self.bm_word)
             .fetch_or(self.bm_bit, Ordering::SeqCst);
         let armed = self.i32(self.armed);
@@ -627,13 +633,13 @@ impl Conn {
             wr.op,
             WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
         );
-        let local = match local_pieces(dev, pd, wr, need_write) {
-            Ok(p) => p,
-            Err((s, v)) => {
-                dev.counters.add_op(0);
-                return Outcome::err(s, v);
-            }
-        };
+        // Filled in place: returning it by value compiled to a wide copy of just-written
+        // fields, which waits for every earlier store (the cross-core ones included) to drain.
+        let mut local = Pieces::new();
+        if let Err((s, v)) = local_pieces(dev, pd, wr, need_write, &mut local) {
+            self.counters.add_op(0);
+            return Outcome::err(s, v);
+        }
         let solicited = wr.flags.contains(SendFlags::SOLICITED);
         let out = match wr.op {
             WrOp::Send => self.send(&local, None, solicited),
@@ -672,7 +678,7 @@ impl Conn {
                 } else {
                     0
                 };
-                dev.counters.add_op(bytes);
+                self.counters.add_op(bytes);
             }
             Outcome::Rnr | Outcome::NotReady => {}
         }

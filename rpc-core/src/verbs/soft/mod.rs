@@ -85,6 +85,7 @@
 //! [`CompChannel::wait`]: crate::verbs::CompChannel::wait
 
 mod channel;
+mod counters;
 mod cq;
 mod exec;
 pub mod fault;
@@ -100,6 +101,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 pub use channel::SoftCompChannel;
+pub use counters::{CounterSnapshot, process_counters};
 pub use cq::SoftCq;
 pub use mr::SoftMr;
 pub use qp::SoftQp;
@@ -171,83 +173,6 @@ pub mod vendor {
     pub const FAULT: u32 = 0x50_000f;
 }
 
-/// The sum of the counters of every soft RNIC of this process.
-static PROCESS: Counters = Counters {
-    bytes_copied: AtomicU64::new(0),
-    ops: AtomicU64::new(0),
-    rnr_retries: AtomicU64::new(0),
-    rings: AtomicU64::new(0),
-    send_cqes: AtomicU64::new(0),
-};
-
-/// The counters of every soft RNIC (context) of this process added up: what the RPC layers'
-/// tests read to show that the only payload copies are the RNIC's.
-pub fn process_counters() -> CounterSnapshot {
-    PROCESS.snapshot()
-}
-
-/// Counters of one soft RNIC (context), readable at any time.
-#[derive(Debug, Default)]
-pub struct Counters {
-    bytes_copied: AtomicU64,
-    ops: AtomicU64,
-    rnr_retries: AtomicU64,
-    rings: AtomicU64,
-    send_cqes: AtomicU64,
-}
-
-/// A snapshot of [`Counters`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CounterSnapshot {
-    /// Payload bytes the soft RNIC copied as requester (SEND, WRITE, READ, atomics).
-    pub bytes_copied: u64,
-    /// Work requests executed (successfully or not), flushes not counted.
-    pub ops: u64,
-    /// RNR retries (a SEND or WRITE_WITH_IMM retried because no receive was posted).
-    pub rnr_retries: u64,
-    /// Times the RNIC marked a peer's CQ ready after receive completions (once per list of
-    /// work requests posted together, once per request posted alone).
-    pub rings: u64,
-    /// Send completions written (signaled requests, and every failed one).
-    pub send_cqes: u64,
-}
-
-impl Counters {
-    /// The current values.
-    pub fn snapshot(&self) -> CounterSnapshot {
-        CounterSnapshot {
-            bytes_copied: self.bytes_copied.load(Ordering::Relaxed),
-            ops: self.ops.load(Ordering::Relaxed),
-            rnr_retries: self.rnr_retries.load(Ordering::Relaxed),
-            rings: self.rings.load(Ordering::Relaxed),
-            send_cqes: self.send_cqes.load(Ordering::Relaxed),
-        }
-    }
-
-    pub(crate) fn add_op(&self, bytes: u64) {
-        self.ops.fetch_add(1, Ordering::Relaxed);
-        PROCESS.ops.fetch_add(1, Ordering::Relaxed);
-        if bytes != 0 {
-            self.bytes_copied.fetch_add(bytes, Ordering::Relaxed);
-            PROCESS.bytes_copied.fetch_add(bytes, Ordering::Relaxed);
-        }
-    }
-
-    pub(crate) fn add_rnr(&self) {
-        self.rnr_retries.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn add_ring(&self) {
-        self.rings.fetch_add(1, Ordering::Relaxed);
-        PROCESS.rings.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn add_send_cqe(&self) {
-        self.send_cqes.fetch_add(1, Ordering::Relaxed);
-        PROCESS.send_cqes.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
 /// One soft RNIC instance: the shared segments and the tables (shared by every object of the
 /// context through an `Arc`).
 pub(crate) struct Device {
@@ -268,7 +193,13 @@ pub(crate) struct Device {
     next_pd: AtomicU32,
     peers: Mutex<HashMap<u64, Weak<Peer>>>,
     pub(crate) watchdog: Watchdog,
-    pub(crate) counters: Counters,
+    pub(crate) counters: Arc<counters::DeviceCounters>,
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        self.counters.unregister();
+    }
 }
 
 impl std::fmt::Debug for Device {
@@ -363,7 +294,7 @@ impl Device {
             peers: Mutex::new(HashMap::new()),
             watchdog: Watchdog::new()
                 .map_err(|e| os_err(verb, e, "soft RNIC: cannot create the watchdog eventfd"))?,
-            counters: Counters::default(),
+            counters: counters::DeviceCounters::register(),
         }))
     }
 

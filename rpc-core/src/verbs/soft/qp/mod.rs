@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 
 mod rq;
 
+use super::counters::QpCounters;
 use super::cq::{CqShared, SoftCq};
 use super::exec::{self, Conn, Outcome, WrView};
 use super::layout::{self, qp, qp_in, rcqe};
@@ -76,6 +77,8 @@ struct Exec {
 #[derive(Debug)]
 pub(crate) struct QpShared {
     pub(crate) dev: Arc<Device>,
+    /// This QP's counters (written under the progress flag; see `counters`).
+    counters: Arc<QpCounters>,
     slot: u32,
     pub(crate) qp_num: u32,
     pd: u32,
@@ -246,7 +249,7 @@ impl QpShared {
         // progress holder (us, proven by `_p`) writes entries.
         unsafe { *self.scq[i].get() = e };
         self.scq_tail.store(t.wrapping_add(1), Ordering::Release);
-        self.dev.counters.add_send_cqe();
+        self.counters.add_send_cqe();
         let solicited = e.wc.status != WcStatus::Success;
         self.send_cq.set_ready(self.send_bit, solicited);
     }
@@ -468,7 +471,7 @@ impl QpShared {
                 let rnr = out == Outcome::Rnr;
                 let ex = p.exec();
                 let (tries, limit, interval) = if rnr {
-                    self.dev.counters.add_rnr();
+                    self.counters.add_rnr();
                     ex.rnr_tries += 1;
                     let lim = if ex.attr.rnr_retry >= 7 {
                         u32::MAX
@@ -573,6 +576,7 @@ impl QpShared {
 
 impl Drop for QpShared {
     fn drop(&mut self) {
+        self.dev.counters.retire(&self.counters);
         self.dev
             .pub32(self.entry + qp::QP_NUM)
             .store(0, Ordering::SeqCst);
@@ -751,6 +755,7 @@ impl SoftQp {
         let sq_cap = (caps.max_send_wr + 1).next_power_of_two();
         let max_sge = caps.max_send_sge.max(1) as usize;
         let s = Arc::new(QpShared {
+            counters: dev.counters.qp(),
             dev: dev.clone(),
             slot,
             qp_num,
@@ -884,7 +889,7 @@ impl Qp for SoftQp {
     fn modify_to_rtr(&mut self, remote: &Endpoint, attr: &ConnectAttr) -> Result<()> {
         self.check_state(QpState::Init, Verb::ModifyQp, "INIT -> RTR")?;
         let s = &*self.s;
-        let conn = Conn::connect(&s.dev, s.qp_num, remote)?;
+        let conn = Conn::connect(&s.dev, s.qp_num, remote, Arc::clone(&s.counters))?;
         *s.peer_live.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.peer.live.clone());
         s.dev
             .pub32(s.entry + qp::REMOTE_QP)

@@ -231,16 +231,17 @@ impl QpShared {
             let slot = (prod & mask) as usize;
             let base = s.rq_wqe + slot * s.rq_stride;
             let mut total = 0u64;
+            // Written only where they change: a consumer that reposts the same buffers in ring
+            // order (an RPC link does) leaves the line alone, so it stays in the peer's cache
+            // too and its next claim reads it without a cross-core miss.
             for (k, sge) in wr.sg_list.iter().enumerate() {
                 let o = base + layout::WQE_HDR + k * layout::WQE_SGE;
-                s.dev.pub64(o).store(sge.addr, Ordering::Relaxed);
-                s.dev.pub32(o + 8).store(sge.length, Ordering::Relaxed);
-                s.dev.pub32(o + 12).store(sge.lkey, Ordering::Relaxed);
+                set64(s.dev.pub64(o), sge.addr);
+                set32(s.dev.pub32(o + 8), sge.length);
+                set32(s.dev.pub32(o + 12), sge.lkey);
                 total += u64::from(sge.length);
             }
-            s.dev
-                .pub32(base)
-                .store(wr.sg_list.len() as u32, Ordering::Relaxed);
+            set32(s.dev.pub32(base), wr.sg_list.len() as u32);
             s.rq_wr_ids[slot].store(wr.wr_id, Ordering::Relaxed);
             s.rq_lens[slot].store(total, Ordering::Relaxed);
             prod = prod.wrapping_add(1);
@@ -250,5 +251,21 @@ impl QpShared {
             s.flush_rq();
         }
         result
+    }
+}
+
+/// Stores `v` unless the word holds it already (a published WQE word: only its owner writes).
+#[inline]
+fn set32(w: &std::sync::atomic::AtomicU32, v: u32) {
+    if w.load(Ordering::Relaxed) != v {
+        w.store(v, Ordering::Relaxed);
+    }
+}
+
+/// As [`set32`], for a 64-bit word.
+#[inline]
+fn set64(w: &std::sync::atomic::AtomicU64, v: u64) {
+    if w.load(Ordering::Relaxed) != v {
+        w.store(v, Ordering::Relaxed);
     }
 }
