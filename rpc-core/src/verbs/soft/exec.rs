@@ -7,6 +7,7 @@
 //! undefined behaviour here.
 
 use std::cell::Cell;
+use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -74,19 +75,56 @@ pub(crate) struct WrView<'a> {
     pub(crate) inline: Option<(*const u8, usize)>,
 }
 
+/// Up to [`MAX_PIECES`] values on the stack, uninitialized until pushed. The data path builds
+/// several of these per work request; zeroing whole arrays cost hundreds of bytes of stores
+/// each time, and stores leave the store buffer in order, behind the cross-core stores of the
+/// previous request, so a full buffer stalled the next request's first instructions.
+pub(crate) struct Few<T: Copy> {
+    v: [MaybeUninit<T>; MAX_PIECES],
+    n: usize,
+}
+
+impl<T: Copy> Few<T> {
+    fn new() -> Few<T> {
+        Few {
+            v: [const { MaybeUninit::uninit() }; MAX_PIECES],
+            n: 0,
+        }
+    }
+
+    /// Appends `t`; false when full.
+    fn push(&mut self, t: T) -> bool {
+        if self.n == MAX_PIECES {
+            return false;
+        }
+        self.v[self.n].write(t);
+        self.n += 1;
+        true
+    }
+
+    fn as_slice(&self) -> &[T] {
+        // SAFETY: `v[..n]` were written by `push` (and `n <= MAX_PIECES`).
+        unsafe { std::slice::from_raw_parts(self.v.as_ptr().cast::<T>(), self.n) }
+    }
+}
+
+impl<T: Copy + std::fmt::Debug> std::fmt::Debug for Few<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.as_slice()).finish()
+    }
+}
+
 /// Local payload pieces: addresses in this process.
 #[derive(Debug)]
 pub(crate) struct Pieces {
-    p: [(*mut u8, usize); MAX_PIECES],
-    n: usize,
+    p: Few<(*mut u8, usize)>,
     total: u64,
 }
 
 impl Pieces {
     fn new() -> Pieces {
         Pieces {
-            p: [(std::ptr::null_mut(), 0); MAX_PIECES],
-            n: 0,
+            p: Few::new(),
             total: 0,
         }
     }
@@ -95,17 +133,15 @@ impl Pieces {
         if len == 0 {
             return true;
         }
-        if self.n == MAX_PIECES {
+        if !self.p.push((ptr, len)) {
             return false;
         }
-        self.p[self.n] = (ptr, len);
-        self.n += 1;
         self.total += len as u64;
         true
     }
 
     fn as_slice(&self) -> &[(*mut u8, usize)] {
-        &self.p[..self.n]
+        self.p.as_slice()
     }
 }
 
@@ -162,22 +198,18 @@ struct Target {
 
 /// Pin counters raised for user-memory regions, lowered on drop.
 struct Pins {
-    w: [Option<NonNull<AtomicU32>>; MAX_PIECES],
-    n: usize,
+    w: Few<NonNull<AtomicU32>>,
 }
 
 impl Pins {
     fn new() -> Pins {
-        Pins {
-            w: [None; MAX_PIECES],
-            n: 0,
-        }
+        Pins { w: Few::new() }
     }
 }
 
 impl Drop for Pins {
     fn drop(&mut self) {
-        for w in self.w[..self.n].iter().flatten() {
+        for w in self.w.as_slice() {
             // SAFETY: each pointer names a pin word in the peer's inbox mapping, which the
             // connection's `Arc<Peer>` keeps mapped for the whole execution this guard lives
             // in (the guard never outlives `Conn::execute`).
@@ -599,12 +631,11 @@ impl Conn {
                     .inbox
                     .u32_at(layout::pin(slot as usize))
                     .ok_or(vendor::CORRUPT)?;
-                if pins.n == MAX_PIECES {
+                if pins.w.n == MAX_PIECES {
                     return Err(vendor::CORRUPT);
                 }
                 pin.fetch_add(1, Ordering::SeqCst);
-                pins.w[pins.n] = Some(NonNull::from(pin));
-                pins.n += 1;
+                pins.w.push(NonNull::from(pin));
                 if key_word.load(Ordering::SeqCst) != key {
                     return Err(vendor::BAD_KEY);
                 }
@@ -701,12 +732,7 @@ impl Conn {
             self.recv_complete(idx, WcStatus::LocQpOpErr, opcode, 0, None, true, true);
             return Outcome::err(WcStatus::RemOpErr, vendor::BAD_RECV);
         }
-        let mut targets = [Target {
-            ptr: std::ptr::null_mut(),
-            addr: 0,
-            len: 0,
-        }; MAX_PIECES];
-        let mut nt = 0;
+        let mut targets = Few::<Target>::new();
         let mut cap = 0u64;
         let mut pins = Pins::new();
         for i in 0..nsge as usize {
@@ -725,10 +751,12 @@ impl Conn {
                 None,
                 &mut pins,
             ) {
-                Ok(t) => {
-                    targets[nt] = t;
-                    nt += 1;
-                    cap += u64::from(len);
+                // At most `rq_max_sge` (<= MAX_PIECES, checked at connect) targets.
+                Ok(t) if targets.push(t) => cap += u64::from(len),
+                Ok(_) => {
+                    drop(pins);
+                    self.recv_complete(idx, WcStatus::LocQpOpErr, opcode, 0, None, true, true);
+                    return Outcome::err(WcStatus::RemOpErr, vendor::BAD_RECV);
                 }
                 Err(_) => {
                     drop(pins);
@@ -745,7 +773,7 @@ impl Conn {
         // SAFETY: local pieces are caller memory valid for reading (post_send contract) or
         // our own inline buffer; targets were resolved and bounds-checked just above and are
         // kept mapped/pinned by `self`/`pins` until the copy returns.
-        let r = unsafe { copy_out(local, &targets[..nt], self.peer.pid) };
+        let r = unsafe { copy_out(local, targets.as_slice(), self.peer.pid) };
         drop(pins);
         if let Err(v) = r {
             if v == vendor::PEER_DEAD {
