@@ -1435,9 +1435,7 @@ impl<P: Provider> Driver<P> {
         if n > 1 {
             // Start loading every received frame before handling the first.
             for wc in &self.wcs[..n] {
-                if let (_, Some(WrKind::Recv), slot) = split_wr_id(wc.wr_id) {
-                    self.link.arena.prefetch_recv(slot, wc.byte_len);
-                }
+                self.link.prefetch(wc);
             }
         }
         for i in 0..n {

@@ -977,6 +977,18 @@ impl<P: Provider> Link<P> {
         Ok((header, md, pl, event))
     }
 
+    /// When `wc` is a receive completion of this link, asks the CPU to start loading its frame
+    /// (see [`SlotArena::prefetch_recv`]): the poll loops call it for every completion of a
+    /// multi-completion poll before handling the first. A hint only.
+    #[inline]
+    pub fn prefetch(&self, wc: &Wc) {
+        if let (key, Some(WrKind::Recv), slot) = split_wr_id(wc.wr_id)
+            && key == self.key
+        {
+            self.arena.prefetch_recv(slot, wc.byte_len);
+        }
+    }
+
     /// Handles a receive completion of this link.
     ///
     /// # Errors

@@ -1223,10 +1223,8 @@ impl<P: Provider> Shard<P> {
         if n > 1 {
             // Start loading every received frame before handling the first.
             for wc in &self.wcs[..n] {
-                if let (key, Some(WrKind::Recv), slot) = split_wr_id(wc.wr_id)
-                    && let Some(Some(c)) = self.conns.get(key.idx as usize)
-                {
-                    c.link.arena.prefetch_recv(slot, wc.byte_len);
+                if let Some(Some(c)) = self.conns.get(split_wr_id(wc.wr_id).0.idx as usize) {
+                    c.link.prefetch(wc);
                 }
             }
         }
