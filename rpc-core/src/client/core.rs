@@ -227,7 +227,6 @@ pub(crate) struct Driver<P: Provider> {
 /// Counters of one connection.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    pub(crate) calls: AtomicU64,
     pub(crate) bulk_requests: AtomicU64,
     pub(crate) bulk_responses: AtomicU64,
     pub(crate) landing_responses: AtomicU64,
@@ -697,7 +696,6 @@ impl<P: Provider> ClientCore<P> {
             return Err(Status::internal("call cell not owned by the caller"));
         }
         let _ = self.submitted.push((idx, generation));
-        self.counters.calls.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 

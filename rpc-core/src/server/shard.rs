@@ -1220,10 +1220,13 @@ impl<P: Provider> Shard<P> {
                 return 0;
             }
         };
-        if n > 1 {
-            // Start loading every received frame before handling the first.
-            for wc in &self.wcs[..n] {
-                if let Some(Some(c)) = self.conns.get(split_wr_id(wc.wr_id).0.idx as usize) {
+        // One clock read per batch and connection (at its first frame that needs the time),
+        // not one per frame; and with more than one completion, start loading every received
+        // frame before handling the first.
+        for wc in &self.wcs[..n] {
+            if let Some(Some(c)) = self.conns.get_mut(split_wr_id(wc.wr_id).0.idx as usize) {
+                c.link.tick();
+                if n > 1 {
                     c.link.prefetch(wc);
                 }
             }
@@ -1370,7 +1373,6 @@ impl<P: Provider> Shard<P> {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return Ok(());
         };
-        conn.link.tick();
         let inbound = match conn.link.on_recv(wc, slot)? {
             None => return Ok(()),
             Some(Received::Written { .. }) => {
