@@ -883,3 +883,49 @@ fn a_list_meeting_rnr_half_way_rings_and_resumes_in_order() {
     }
     assert!(p.a_ctx.counters().rnr_retries > 0);
 }
+
+/// A list claims the receives of its SENDs with one compare-exchange; when it stops half-way
+/// (a bad local key), the receives it did not fill go back to the receiver's queue: they are
+/// neither filled out of order nor lost (a flush of the receiver completes each of them).
+#[test]
+fn a_list_failing_half_way_gives_back_the_receives_it_claimed() {
+    let mut p = pair();
+    let src = mr_all::<Soft>(&p.a_pd, 4096);
+    let dst = mr_all::<Soft>(&p.b_pd, 4096);
+    write_mr(&src, 0, &[7; 8]);
+    for i in 0..4u64 {
+        post_recv(&mut p.b, 100 + i, &[dst.sge(i as usize * 64, 64).unwrap()]);
+    }
+    let good = src.sge(0, 8).unwrap();
+    let bad = Sge {
+        lkey: good.lkey ^ 0x5a5a_0000,
+        ..good
+    };
+    let sges = [good, bad, good, good];
+    let wrs: Vec<SendWr<'_>> = (0..4)
+        .map(|i| SendWr {
+            wr_id: 10 + i as u64,
+            op: WrOp::Send,
+            sg_list: std::slice::from_ref(&sges[i]),
+            flags: SIG,
+        })
+        .collect();
+    // SAFETY: the SGEs lie in `src` (the bad one names it with a wrong key), alive until the
+    // end of the test.
+    let _ = unsafe { p.a.post_send(&wrs) };
+    let first = poll_n(&mut p.b_cq, 1);
+    assert_ok(&first[0], 100);
+    assert_eq!(harness::read_mr(&dst, 0, 8), vec![7; 8]);
+    // Nothing else arrived: the bad request failed and stopped the list.
+    let mut more = [Wc::default(); 4];
+    assert_eq!(p.b_cq.poll(&mut more).unwrap(), 0);
+    fault::force_error(&p.b);
+    let rest = poll_n(&mut p.b_cq, 3);
+    for (k, wc) in rest.iter().enumerate() {
+        assert_eq!(
+            (wc.wr_id, wc.status),
+            (101 + k as u64, WcStatus::WrFlushErr),
+            "{rest:?}"
+        );
+    }
+}

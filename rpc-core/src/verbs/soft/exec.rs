@@ -257,6 +257,9 @@ pub(crate) struct Conn {
     owed: Cell<u8>,
     /// The CPU has PREFETCHW (see [`Conn::own_ahead`]).
     prefetchw: bool,
+    /// Receives of the peer claimed for the current list, `[next, end)` (see
+    /// [`Conn::begin_list`]).
+    ahead: Cell<(u32, u32)>,
 }
 
 fn bad_ep(detail: String) -> VerbsError {
@@ -438,6 +441,7 @@ impl Conn {
             in_list: Cell::new(false),
             owed: Cell::new(0),
             prefetchw: has_prefetchw(),
+            ahead: Cell::new((0, 0)),
         })
     }
 
@@ -497,17 +501,63 @@ impl Conn {
         self.ring(true);
     }
 
-    /// Starts executing a list of work requests posted together: the peer's CQ is rung once,
-    /// at [`Conn::end_list`], as an RNIC writes a burst of completions before the consumer
-    /// looks (and the one cross-core write to the peer's ready bitmap is paid once a burst).
+    /// Starts executing a list of work requests posted together, `consumers` of which take a
+    /// receive of the peer (SENDs and WRITE_WITH_IMMs): the peer's CQ is rung once, at
+    /// [`Conn::end_list`], as an RNIC writes a burst of completions before the consumer looks
+    /// (and the one cross-core write to the peer's ready bitmap is paid once a burst); and the
+    /// receives they will fill are claimed with one compare-exchange rather than one each (a
+    /// locked instruction waits for every earlier store, the previous SEND's cross-core ones
+    /// included, to drain).
     #[inline]
-    pub(crate) fn begin_list(&self) {
+    pub(crate) fn begin_list(&self, consumers: usize) {
         self.in_list.set(true);
+        if consumers < 2 {
+            return;
+        }
+        let claim = self.i32(self.pin_entry + qp_in::RQ_CLAIM);
+        let c = claim.load(Ordering::Acquire);
+        let prod = self.p32(self.pe + qp::RQ_PROD).load(Ordering::Acquire);
+        let avail = prod.wrapping_sub(c);
+        if avail < 2 || avail > self.rq_mask + 1 {
+            return; // few, none or corrupt: each claims (and reports) on its own
+        }
+        let k = avail.min(u32::try_from(consumers).unwrap_or(u32::MAX));
+        if claim
+            .compare_exchange(c, c.wrapping_add(k), Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.ahead.set((c, c.wrapping_add(k)));
+        }
     }
 
-    /// Ends a list: rings the peer if anything in it completed there.
+    /// Ends a list: gives back the receives claimed for it that it did not fill, and rings the
+    /// peer if anything in it completed there.
     #[inline]
     pub(crate) fn end_list(&self) {
+        let (next, end) = self.ahead.replace((0, 0));
+        if next != end {
+            // Only the owner's flush moves the claim besides us: if it did, the receives we
+            // held are ours to complete, flushed as the owner flushed the rest.
+            let claim = self.i32(self.pin_entry + qp_in::RQ_CLAIM);
+            if claim
+                .compare_exchange(end, next, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+            {
+                let mut i = next;
+                while i != end {
+                    self.recv_complete(
+                        i,
+                        WcStatus::WrFlushErr,
+                        WcOpcode::Recv,
+                        0,
+                        None,
+                        false,
+                        false,
+                    );
+                    i = i.wrapping_add(1);
+                }
+            }
+        }
         self.in_list.set(false);
         let owed = self.owed.replace(0);
         if owed & 1 != 0 {
@@ -541,6 +591,11 @@ impl Conn {
     /// Claims the next receive the peer posted.
     #[inline]
     fn claim(&self) -> Claim {
+        let (next, end) = self.ahead.get();
+        if next != end {
+            self.ahead.set((next.wrapping_add(1), end));
+            return Claim::Got(next);
+        }
         let claim = self.i32(self.pin_entry + qp_in::RQ_CLAIM);
         loop {
             // Claim first, then the producer index: the owner never moves the claim past a

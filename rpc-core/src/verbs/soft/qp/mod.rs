@@ -992,7 +992,24 @@ impl Qp for SoftQp {
         // A list rings the peer once, at its end (see `Conn::begin_list`).
         let list = wrs.len() > 1;
         if list && let Some(c) = guard.as_mut().and_then(|p| p.exec().conn.as_ref()) {
-            c.begin_list();
+            // Only requests executed here, in order, may use receives claimed for the list
+            // (none while earlier ones wait in the queue).
+            let consumers = if s.sq_exec.load(Ordering::Relaxed)
+                == s.sq_head.load(Ordering::Relaxed)
+                && delay == 0
+            {
+                wrs.iter()
+                    .filter(|w| {
+                        matches!(
+                            w.op,
+                            WrOp::Send | WrOp::SendWithImm { .. } | WrOp::WriteWithImm { .. }
+                        )
+                    })
+                    .count()
+            } else {
+                0
+            };
+            c.begin_list(consumers);
         }
         let r: std::result::Result<(), PostError> = 'list: {
             for (i, wr) in wrs.iter().enumerate() {
