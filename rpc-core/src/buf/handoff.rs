@@ -97,6 +97,17 @@ impl<Q, R> Mailbox<Q, R> {
         self.cas(FREE, CLAIMED)
     }
 
+    /// Caller: takes a FREE mailbox that nobody else can be claiming (the caller got it from
+    /// a free list that hands each mailbox to one taker): a store, not a compare-exchange.
+    /// Returns false (and takes nothing) when it is not free.
+    pub fn claim_exclusive(&self) -> bool {
+        if self.state.load(Ordering::Acquire) != FREE {
+            return false;
+        }
+        self.state.store(CLAIMED, Ordering::Release);
+        true
+    }
+
     /// Caller: hands `req` to the driver. Returns it back when the mailbox is not CLAIMED.
     ///
     /// # Errors
@@ -138,6 +149,16 @@ impl<Q, R> Mailbox<Q, R> {
     /// # Errors
     /// The response, when the call was cancelled.
     pub fn complete(&self, resp: R) -> Result<(), R> {
+        self.complete_waking(resp, true)
+    }
+
+    /// Driver: [`Mailbox::complete`], waking the caller only when `wake` (a caller that waits
+    /// by polling [`Mailbox::try_done`] never registers a waker; waking none still costs a
+    /// locked instruction).
+    ///
+    /// # Errors
+    /// The response, when the call was cancelled.
+    pub fn complete_waking(&self, resp: R, wake: bool) -> Result<(), R> {
         if self.state.load(Ordering::Acquire) != RUNNING {
             return Err(resp);
         }
@@ -145,7 +166,9 @@ impl<Q, R> Mailbox<Q, R> {
         // after seeing DONE).
         unsafe { *self.resp.get() = Some(resp) };
         if self.cas(RUNNING, DONE) {
-            self.waker.wake();
+            if wake {
+                self.waker.wake();
+            }
             Ok(())
         } else {
             // The caller moved it to CANCELLED: take the response back (still ours).
@@ -317,6 +340,20 @@ mod tests {
         assert_eq!(m.try_done().as_deref(), Some("ok"));
         m.release();
         assert!(m.claim());
+    }
+
+    #[test]
+    fn an_exclusive_claim_takes_only_a_free_mailbox_and_a_quiet_completion_delivers() {
+        let m: Mailbox<u32, u32> = Mailbox::default();
+        assert!(m.claim_exclusive());
+        assert!(!m.claim_exclusive());
+        assert!(!m.claim());
+        m.submit(3).unwrap();
+        assert!(matches!(m.take(), Taken::Run(3)));
+        m.complete_waking(4, false).unwrap();
+        assert_eq!(m.try_done(), Some(4));
+        m.release();
+        assert!(m.claim_exclusive());
     }
 
     #[test]

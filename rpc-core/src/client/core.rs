@@ -430,12 +430,15 @@ impl<P: Provider> ClientCore<P> {
 
     fn claim(&self, idx: u32) -> u32 {
         let cell = &self.cells[idx as usize];
-        let ok = cell.mb.claim();
+        // Popped from `free`, which hands each cell to one taker.
+        let ok = cell.mb.claim_exclusive();
         debug_assert!(ok, "a free cell must be claimable");
         cell.window.store(self.stream_window, Ordering::Release);
-        cell.generation
-            .fetch_add(1, Ordering::AcqRel)
-            .wrapping_add(1)
+        // Only the cell's claimant writes its generation (a load and a store, not a locked
+        // read-modify-write).
+        let g = cell.generation.load(Ordering::Relaxed).wrapping_add(1);
+        cell.generation.store(g, Ordering::Release);
+        g
     }
 
     /// A free call cell; waits (without spinning) when all are in flight.
@@ -492,10 +495,10 @@ impl<P: Provider> ClientCore<P> {
     }
 
     fn release_cell(&self, idx: u32) {
-        if self.cells[idx as usize]
-            .is_async
-            .swap(false, Ordering::AcqRel)
-        {
+        // Only the cell's owner (who releases it) writes the flag: no swap needed.
+        let is_async = &self.cells[idx as usize].is_async;
+        if is_async.load(Ordering::Acquire) {
+            is_async.store(false, Ordering::Release);
             self.async_calls.fetch_sub(1, Ordering::AcqRel);
         }
         self.cells[idx as usize].mb.release();
@@ -1602,9 +1605,13 @@ impl<P: Provider> Driver<P> {
         if let Some(s) = self.cell_slot.get_mut(idx as usize) {
             *s = None;
         }
-        let r = cell.mb.complete(o);
-        // A client stream waiting for window learns the call is over.
-        cell.send_waker.wake();
+        // Only async callers register wakers (blocking and pipelined ones poll the cell).
+        let is_async = cell.is_async.load(Ordering::Acquire);
+        let r = cell.mb.complete_waking(o, is_async);
+        if is_async {
+            // A client stream waiting for window learns the call is over.
+            cell.send_waker.wake();
+        }
         if let Err(o) = r {
             drop(o);
             core.release_cell(idx);

@@ -151,11 +151,12 @@ enum Held {
     End,
 }
 
-/// Uncounts a call from the shard's live calls (once).
+/// Uncounts a call from the shard's live calls (once). Only the shard's thread writes the
+/// count (others read it), so a load and a store do, without a locked instruction.
 fn retire<P: Provider>(live: &AtomicUsize, c: &mut SrvCall<P>) {
     if c.active {
         c.active = false;
-        live.fetch_sub(1, Ordering::AcqRel);
+        live.store(live.load(Ordering::Relaxed) - 1, Ordering::Release);
     }
 }
 
@@ -1434,7 +1435,11 @@ impl<P: Provider> Shard<P> {
                 sc.lent = bulk.is_some() || landing.is_some();
                 sc.active = true;
                 sc.inbox = inbox;
-                self.live_calls.fetch_add(1, Ordering::AcqRel);
+                // Only this thread writes it (see `retire`).
+                self.live_calls.store(
+                    self.live_calls.load(Ordering::Relaxed) + 1,
+                    Ordering::Release,
+                );
                 if let Some(desc) = bulk {
                     drop(inbound);
                     let head = (method_id, metadata, deadline_at);

@@ -745,17 +745,18 @@ impl Conn {
         let len_us = usize::try_from(len).map_err(|_| vendor::OUT_OF_BOUNDS)?;
         match kind {
             layout::MR_KIND_SHM => {
+                // Borrowed, not cloned: a clone and its drop are two locked instructions on a
+                // shared count per SEND.
                 let c = &mut self.cache[slot as usize % MR_CACHE];
-                let map = match (&c.1, c.0 == key) {
-                    (Some(m), true) => m.clone(),
-                    _ => {
-                        let m = self.peer.map_mr(slot, key, fd, mlen).map_err(|e| match e {
-                            MapError::Stale => vendor::BAD_KEY,
-                            MapError::Failed => vendor::MAP_FAILED,
-                        })?;
-                        *c = (key, Some(m.clone()));
-                        m
-                    }
+                if c.0 != key || c.1.is_none() {
+                    let m = self.peer.map_mr(slot, key, fd, mlen).map_err(|e| match e {
+                        MapError::Stale => vendor::BAD_KEY,
+                        MapError::Failed => vendor::MAP_FAILED,
+                    })?;
+                    *c = (key, Some(m));
+                }
+                let Some(map) = &c.1 else {
+                    return Err(vendor::MAP_FAILED);
                 };
                 let off = usize::try_from(addr - base).map_err(|_| vendor::OUT_OF_BOUNDS)?;
                 if !map.contains(off, len_us) || !map.writable() {
