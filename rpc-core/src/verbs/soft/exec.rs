@@ -620,11 +620,12 @@ impl Conn {
 
     /// Starts taking ownership of the lines a later SEND will write: the start of the buffer
     /// of the peer's receive `idx` (when it is posted and lies in a region already mapped; as
-    /// many bytes as this SEND carries, up to two lines) and its completion entry. Those lines were last read by the peer, on another core: each
-    /// store to one waits for the line to come over, and x86 commits stores in order, so
-    /// without this every SEND of a list waits for its own lines in turn (and its later stores,
-    /// to the stack included, queue behind them). Asked a few receives ahead, the transfers
-    /// overlap. A hint only: nothing is written, and nothing read here is trusted.
+    /// many bytes as this SEND carries, up to two lines) and its completion entry. Those lines
+    /// were last read by the peer, on another core: each store to one waits for the line to
+    /// come over, and x86 commits stores in order, so without this every SEND of a list waits
+    /// for its own lines in turn (and its later stores, to the stack included, queue behind
+    /// them). Asked a few receives ahead, the transfers overlap. A hint only: nothing is
+    /// written, and nothing read here is trusted.
     #[inline]
     fn own_ahead(&self, idx: u32, bytes: u64) {
         if !self.prefetchw {
