@@ -833,6 +833,19 @@ fn a_list_of_sends_rings_the_peer_once() {
 /// A list that runs out of receives half-way: the requests that found one complete at once
 /// (and the peer is rung for them when the list ends), the rest wait for receives (RNR) and go
 /// in order once the peer posts them; nothing is lost or duplicated.
+/// One signaled SEND per SGE, with work-request ids `first`, `first + 1`, ...
+fn signaled_sends(sges: &[Sge], first: u64) -> Vec<SendWr<'_>> {
+    sges.iter()
+        .enumerate()
+        .map(|(i, sge)| SendWr {
+            wr_id: first + i as u64,
+            op: WrOp::Send,
+            sg_list: std::slice::from_ref(sge),
+            flags: SIG,
+        })
+        .collect()
+}
+
 #[test]
 fn a_list_meeting_rnr_half_way_rings_and_resumes_in_order() {
     let attr = ConnectAttr {
@@ -850,14 +863,7 @@ fn a_list_meeting_rnr_half_way_rings_and_resumes_in_order() {
         post_recv(&mut p.b, 100 + i, &[dst.sge(i as usize * 64, 64).unwrap()]);
     }
     let sges: Vec<Sge> = (0..4).map(|i| src.sge(i * 8, 8).unwrap()).collect();
-    let wrs: Vec<SendWr<'_>> = (0..4)
-        .map(|i| SendWr {
-            wr_id: 10 + i as u64,
-            op: WrOp::Send,
-            sg_list: std::slice::from_ref(&sges[i]),
-            flags: SIG,
-        })
-        .collect();
+    let wrs = signaled_sends(&sges, 10);
     // SAFETY: the SGEs lie in `src`, alive until the end of the test.
     unsafe { p.a.post_send(&wrs) }.unwrap();
     let first = poll_n(&mut p.b_cq, 2);
@@ -902,14 +908,7 @@ fn a_list_failing_half_way_gives_back_the_receives_it_claimed() {
         ..good
     };
     let sges = [good, bad, good, good];
-    let wrs: Vec<SendWr<'_>> = (0..4)
-        .map(|i| SendWr {
-            wr_id: 10 + i as u64,
-            op: WrOp::Send,
-            sg_list: std::slice::from_ref(&sges[i]),
-            flags: SIG,
-        })
-        .collect();
+    let wrs = signaled_sends(&sges, 10);
     // SAFETY: the SGEs lie in `src` (the bad one names it with a wrong key), alive until the
     // end of the test.
     let _ = unsafe { p.a.post_send(&wrs) };
