@@ -508,6 +508,15 @@ pub enum WrOp {
 }
 
 impl WrOp {
+    /// Whether the operation consumes a receive the responder posted (SEND, SEND_WITH_IMM,
+    /// and WRITE_WITH_IMM for its immediate).
+    pub const fn consumes_receive(&self) -> bool {
+        matches!(
+            self,
+            WrOp::Send | WrOp::SendWithImm { .. } | WrOp::WriteWithImm { .. }
+        )
+    }
+
     /// The completion opcode reported for this operation on the requester side.
     pub const fn wc_opcode(&self) -> WcOpcode {
         match self {
@@ -825,5 +834,35 @@ impl Wc {
         } else {
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sends_and_writes_with_immediate_consume_a_receive() {
+        let (remote_addr, rkey) = (0, 1);
+        assert!(WrOp::Send.consumes_receive());
+        assert!(WrOp::SendWithImm { imm: 7 }.consumes_receive());
+        assert!(
+            WrOp::WriteWithImm {
+                remote_addr,
+                rkey,
+                imm: 7
+            }
+            .consumes_receive()
+        );
+        assert!(!WrOp::Write { remote_addr, rkey }.consumes_receive());
+        assert!(!WrOp::Read { remote_addr, rkey }.consumes_receive());
+        assert!(
+            !WrOp::FetchAdd {
+                remote_addr,
+                rkey,
+                add: 1
+            }
+            .consumes_receive()
+        );
     }
 }

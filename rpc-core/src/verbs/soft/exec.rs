@@ -514,18 +514,8 @@ impl Conn {
         if consumers < 2 {
             return;
         }
-        let claim = self.i32(self.pin_entry + qp_in::RQ_CLAIM);
-        let c = claim.load(Ordering::Acquire);
-        let prod = self.p32(self.pe + qp::RQ_PROD).load(Ordering::Acquire);
-        let avail = prod.wrapping_sub(c);
-        if avail < 2 || avail > self.rq_mask + 1 {
-            return; // few, none or corrupt: each claims (and reports) on its own
-        }
-        let k = avail.min(u32::try_from(consumers).unwrap_or(u32::MAX));
-        if claim
-            .compare_exchange(c, c.wrapping_add(k), Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
+        // None posted, or a corrupt index: each request claims (and reports) on its own.
+        if let (Claim::Got(c), k) = self.claim_up_to(u32::try_from(consumers).unwrap_or(u32::MAX)) {
             self.ahead.set((c, c.wrapping_add(k)));
         }
     }
@@ -596,6 +586,12 @@ impl Conn {
             self.ahead.set((next.wrapping_add(1), end));
             return Claim::Got(next);
         }
+        self.claim_up_to(1).0
+    }
+
+    /// Claims up to `max` (at least 1) consecutive receives the peer posted, with one
+    /// compare-exchange: the first and how many.
+    fn claim_up_to(&self, max: u32) -> (Claim, u32) {
         let claim = self.i32(self.pin_entry + qp_in::RQ_CLAIM);
         loop {
             // Claim first, then the producer index: the owner never moves the claim past a
@@ -604,18 +600,31 @@ impl Conn {
             let prod = self.p32(self.pe + qp::RQ_PROD).load(Ordering::Acquire);
             let avail = prod.wrapping_sub(c);
             if avail == 0 {
-                return Claim::Empty;
+                return (Claim::Empty, 0);
             }
             if avail > self.rq_mask + 1 {
-                return Claim::Corrupt;
+                return (Claim::Corrupt, 0);
             }
+            let k = avail.min(max.max(1));
             if claim
-                .compare_exchange(c, c.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(c, c.wrapping_add(k), Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
             {
-                return Claim::Got(c);
+                return (Claim::Got(c), k);
             }
         }
+    }
+
+    /// SGE `i` of the peer's receive WQE at `base`: (address, length, key), as the peer wrote
+    /// them (checked by whoever uses them).
+    #[inline]
+    fn peer_sge(&self, base: usize, i: usize) -> (u64, u32, u32) {
+        let s = base + layout::WQE_HDR + i * layout::WQE_SGE;
+        (
+            self.p64(s).load(Ordering::Relaxed),
+            self.p32(s + 8).load(Ordering::Relaxed),
+            self.p32(s + 12).load(Ordering::Relaxed),
+        )
     }
 
     /// Starts taking ownership of the lines a later SEND will write: the start of the buffer
@@ -644,10 +653,8 @@ impl Conn {
         if self.p32(base).load(Ordering::Relaxed) == 0 {
             return;
         }
-        let s = base + layout::WQE_HDR;
-        let addr = self.p64(s).load(Ordering::Relaxed);
-        let len = self.p32(s + 8).load(Ordering::Relaxed) as usize;
-        let lkey = self.p32(s + 12).load(Ordering::Relaxed);
+        let (addr, len, lkey) = self.peer_sge(base, 0);
+        let len = len as usize;
         let slot = (lkey & ((1 << layout::MR_SLOT_BITS) - 1)) as usize;
         let (key, Some(map)) = &self.cache[slot % MR_CACHE] else {
             return;
@@ -884,10 +891,7 @@ impl Conn {
         let mut cap = 0u64;
         let mut pins = Pins::new();
         for i in 0..nsge as usize {
-            let s = base + layout::WQE_HDR + i * layout::WQE_SGE;
-            let addr = self.p64(s).load(Ordering::Relaxed);
-            let len = self.p32(s + 8).load(Ordering::Relaxed);
-            let lkey = self.p32(s + 12).load(Ordering::Relaxed);
+            let (addr, len, lkey) = self.peer_sge(base, i);
             if len == 0 {
                 continue;
             }

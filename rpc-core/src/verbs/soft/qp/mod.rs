@@ -998,14 +998,7 @@ impl Qp for SoftQp {
                 == s.sq_head.load(Ordering::Relaxed)
                 && delay == 0
             {
-                wrs.iter()
-                    .filter(|w| {
-                        matches!(
-                            w.op,
-                            WrOp::Send | WrOp::SendWithImm { .. } | WrOp::WriteWithImm { .. }
-                        )
-                    })
-                    .count()
+                wrs.iter().filter(|w| w.op.consumes_receive()).count()
             } else {
                 0
             };
