@@ -17,17 +17,16 @@ use crossbeam_queue::ArrayQueue;
 use futures_core::Stream;
 use prost::Message;
 
-use crate::buf::{RecvSlot, SlotReader};
+use crate::buf::{Lend, RecvSlot, SlotReader};
 use crate::{Metadata, Status};
 
 /// A received stream message, still in registered memory.
 pub(crate) enum Item {
-    /// Bytes `start..end` of a receive slot, counted against the connection's [`SlotBudget`].
+    /// Bytes `start..end` of a receive slot, counted in its connection's lending budget.
     Slot {
         slot: RecvSlot,
         start: usize,
         end: usize,
-        _charge: SlotCharge,
     },
     /// A whole buffer (a large message READ into a bulk buffer, or a small one copied out of
     /// its slot).
@@ -37,65 +36,21 @@ pub(crate) enum Item {
 impl std::fmt::Debug for Item {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Item::Slot {
-                slot, start, end, ..
-            } => write!(f, "Item::Slot({slot:?}, {start}..{end})"),
+            Item::Slot { slot, start, end } => write!(f, "Item::Slot({slot:?}, {start}..{end})"),
             Item::Owned(b) => write!(f, "Item::Owned({} bytes)", b.as_ref().as_ref().len()),
         }
     }
 }
 
-/// How many of a connection's receive slots unread stream messages may keep.
-///
-/// A message stays in the slot it arrived in (zero copy) until its consumer takes it, and each
-/// stream may have a window of messages unread: a few stalled streams would otherwise hold
-/// every receive slot, and with no slot to repost the connection has no credit left for any
-/// other call. Past the budget a message is copied out of its slot (one allocation, only while
-/// streams are stalled) and the slot goes back to the ring at once; what the copies take is
-/// still bounded by the stream windows.
-#[derive(Debug)]
-pub(crate) struct SlotBudget {
-    held: AtomicU32,
-    max: u32,
-}
-
-/// The slot budget of a connection whose receive ring has `recv_slots` slots: half of it, so
-/// the other half keeps serving every other call whatever the streams hold.
-pub(crate) fn stream_slot_budget(recv_slots: u32) -> u32 {
-    recv_slots / 2
-}
-
-/// One slot counted in a [`SlotBudget`]; uncounted when dropped.
-#[derive(Debug)]
-pub(crate) struct SlotCharge(Arc<SlotBudget>);
-
-impl Drop for SlotCharge {
-    fn drop(&mut self) {
-        self.0.held.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl SlotBudget {
-    /// A budget of `max` slots.
-    pub(crate) fn new(max: u32) -> Arc<SlotBudget> {
-        Arc::new(SlotBudget {
-            held: AtomicU32::new(0),
-            max,
-        })
-    }
-
-    /// The stream message in bytes `start..end` of `slot`: kept in the slot within the budget,
-    /// copied out (and the slot released) past it.
-    pub(crate) fn item(self: &Arc<Self>, slot: RecvSlot, start: usize, end: usize) -> Item {
-        if self.held.fetch_add(1, Ordering::AcqRel) < self.max {
-            return Item::Slot {
-                slot,
-                start,
-                end,
-                _charge: SlotCharge(Arc::clone(self)),
-            };
+impl Item {
+    /// The stream message in bytes `start..end` of `slot`: kept in the slot (zero copy) while
+    /// the connection's lending budget allows ([`RecvSlot::try_lend`]), copied out past it, so
+    /// that stalled streams never hold the receive ring (the slot goes back at once, and what
+    /// the copies take is bounded by the stream windows).
+    pub(crate) fn from_slot(mut slot: RecvSlot, start: usize, end: usize) -> Item {
+        if slot.try_lend() {
+            return Item::Slot { slot, start, end };
         }
-        self.held.fetch_sub(1, Ordering::AcqRel);
         // Clamped as `SlotReader` clamps (the parser checked the range already).
         let b = slot.bytes();
         let end = end.min(b.len());
@@ -112,12 +67,12 @@ impl AsRef<[u8]> for OwnedItem {
     }
 }
 
+impl Lend for OwnedItem {}
+
 impl Item {
     fn decode<T: Message + Default>(self) -> Result<T, Status> {
         let r = match self {
-            Item::Slot {
-                slot, start, end, ..
-            } => T::decode(SlotReader::new(slot, start, end)),
+            Item::Slot { slot, start, end } => T::decode(SlotReader::new(slot, start, end)),
             Item::Owned(b) => {
                 let n = b.as_ref().as_ref().len();
                 T::decode(SlotReader::new(OwnedItem(b), 0, n))

@@ -3,25 +3,53 @@
 //! [`SlotReader`] is a [`bytes::Buf`] over a byte range of an owned buffer (a receive slot or a
 //! bulk buffer). Scalar and string fields are decoded from the registered bytes in place. A
 //! `bytes::Bytes` field of at least [`ZERO_COPY_MIN`] bytes borrows the buffer instead of being
-//! copied: the first such field turns the owner into one `Bytes` (`Bytes::from_owner`, one small
-//! allocation per message) and every such field is a slice of it. The buffer then goes back to
-//! its pool when the last slice is dropped. Messages without such fields allocate nothing here.
+//! copied, when the owner may be lent ([`Lend`]: a receive slot asks its connection's lending
+//! budget): the first such field turns the owner into one `Bytes` (`Bytes::from_owner`, one
+//! small allocation per message) and every such field is a slice of it. The buffer then goes
+//! back to its ring or pool when the last slice is dropped. An owner that may not be lent (a
+//! receive slot past the budget) has its large fields copied, so the slot goes back to the ring
+//! when decoding ends, however long the user keeps the message. Messages without such fields
+//! allocate nothing here.
 
 use bytes::{Buf, Bytes};
+
+use super::RecvSlot;
 
 /// Smallest `bytes` field that borrows the receive buffer instead of being copied.
 pub const ZERO_COPY_MIN: usize = 512;
 
+/// A buffer that decoded `bytes` fields may borrow.
+pub trait Lend: AsRef<[u8]> + Send + 'static {
+    /// Whether the buffer may be kept by the decoded message's `Bytes` for as long as the user
+    /// keeps them (asked once, before the first field borrows it). Buffers of a pool that grows
+    /// on demand may (the default); a receive slot answers from its connection's lending budget.
+    fn try_lend(&mut self) -> bool {
+        true
+    }
+}
+
+impl Lend for RecvSlot {
+    fn try_lend(&mut self) -> bool {
+        RecvSlot::try_lend(self)
+    }
+}
+
+impl Lend for Vec<u8> {}
+
+impl<P: crate::verbs::Provider> Lend for super::BulkBuf<P> {}
+
 /// A [`Buf`] over `owner.as_ref()[start..end]`.
 #[derive(Debug)]
-pub struct SlotReader<O: AsRef<[u8]> + Send + 'static> {
+pub struct SlotReader<O: Lend> {
     owner: Option<O>,
     shared: Option<Bytes>,
     pos: usize,
     end: usize,
+    /// The owner may not be lent: large fields are copied.
+    copy: bool,
 }
 
-impl<O: AsRef<[u8]> + Send + 'static> SlotReader<O> {
+impl<O: Lend> SlotReader<O> {
     /// A reader of `owner.as_ref()[start..end]` (clamped to the owner's length).
     pub fn new(owner: O, start: usize, end: usize) -> SlotReader<O> {
         let len = owner.as_ref().len();
@@ -32,6 +60,7 @@ impl<O: AsRef<[u8]> + Send + 'static> SlotReader<O> {
             shared: None,
             pos,
             end,
+            copy: false,
         }
     }
 
@@ -49,7 +78,7 @@ impl<O: AsRef<[u8]> + Send + 'static> SlotReader<O> {
     }
 }
 
-impl<O: AsRef<[u8]> + Send + 'static> Buf for SlotReader<O> {
+impl<O: Lend> Buf for SlotReader<O> {
     fn remaining(&self) -> usize {
         self.end - self.pos
     }
@@ -68,19 +97,22 @@ impl<O: AsRef<[u8]> + Send + 'static> Buf for SlotReader<O> {
             len <= self.remaining(),
             "copy_to_bytes past the end of the frame"
         );
-        if len < ZERO_COPY_MIN {
-            let b = Bytes::copy_from_slice(&self.chunk()[..len]);
-            self.pos += len;
-            return b;
-        }
         if self.shared.is_none()
-            && let Some(o) = self.owner.take()
+            && !self.copy
+            && len >= ZERO_COPY_MIN
+            && let Some(o) = self.owner.as_mut()
         {
-            self.shared = Some(Bytes::from_owner(o));
+            if o.try_lend() {
+                if let Some(o) = self.owner.take() {
+                    self.shared = Some(Bytes::from_owner(o));
+                }
+            } else {
+                self.copy = true;
+            }
         }
         let b = match &self.shared {
-            Some(s) => s.slice(self.pos..self.pos + len),
-            None => Bytes::new(),
+            Some(s) if len >= ZERO_COPY_MIN => s.slice(self.pos..self.pos + len),
+            _ => Bytes::copy_from_slice(&self.chunk()[..len]),
         };
         self.pos += len;
         b
@@ -131,6 +163,40 @@ mod tests {
         let mut r = SlotReader::new(enc, 0, n);
         assert_eq!(Blob::decode(&mut r).unwrap(), msg);
         assert!(!r.is_shared());
+    }
+
+    /// An owner that may not be lent, as a receive slot past its connection's budget.
+    struct NoLend(Vec<u8>);
+
+    impl AsRef<[u8]> for NoLend {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    impl Lend for NoLend {
+        fn try_lend(&mut self) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn an_owner_past_its_budget_has_large_fields_copied() {
+        let msg = Blob {
+            id: 7,
+            data: Bytes::from(vec![5u8; 4096]),
+        };
+        let enc = msg.encode_to_vec();
+        let n = enc.len();
+        let range = enc.as_ptr_range();
+        let mut r = SlotReader::new(NoLend(enc), 0, n);
+        let back = Blob::decode(&mut r).unwrap();
+        assert_eq!(back, msg);
+        assert!(!r.is_shared());
+        assert!(
+            !range.contains(&back.data.as_ptr()),
+            "the field must be a copy"
+        );
     }
 
     #[test]

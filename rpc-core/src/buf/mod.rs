@@ -15,7 +15,7 @@ pub mod slots;
 pub mod task;
 
 pub use bulk::{BulkBuf, BulkPool};
-pub use decode::{SlotReader, ZERO_COPY_MIN};
+pub use decode::{Lend, SlotReader, ZERO_COPY_MIN};
 pub use encode::{EncodeMsg, Gather, NoMsg, Piece, RawBytes};
 pub use handoff::{CancelOutcome, Exclusive, ExclusiveGuard, Mailbox, Taken};
 pub use slots::{Geometry, RecvSlot, Repost, SlotArena};

@@ -17,6 +17,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use crossbeam_queue::ArrayQueue;
 
@@ -72,6 +73,23 @@ pub struct SlotArena<P: Provider> {
     geometry: Geometry,
     free_send: ArrayQueue<u32>,
     repost: ArrayQueue<u32>,
+    /// Receive slots lent out of the ring (kept by user `Bytes` or unread stream messages).
+    lent: AtomicU32,
+    /// Most receive slots that may be lent at once ([`lending_budget`]).
+    lend_max: u32,
+}
+
+/// How many of a connection's `recv_slots` receive slots received data may keep out of the
+/// ring at once: half of them, so the other half keeps serving every call whatever the user
+/// keeps.
+///
+/// A received frame stays in its slot (zero copy) while a `bytes` field decoded from it, or an
+/// unread stream message, is alive. With no bound, a user that keeps what it receives would
+/// hold every slot, and with no slot to repost the connection has no credit left for any call.
+/// Past the budget the data is copied out of the slot (one allocation) and the slot goes back
+/// to the ring at once.
+pub(crate) fn lending_budget(recv_slots: u32) -> u32 {
+    recv_slots / 2
 }
 
 impl<P: Provider> SlotArena<P> {
@@ -103,6 +121,8 @@ impl<P: Provider> SlotArena<P> {
             geometry,
             free_send,
             repost,
+            lent: AtomicU32::new(0),
+            lend_max: lending_budget(geometry.recv_slots),
         }))
     }
 
@@ -136,6 +156,11 @@ impl<P: Provider> SlotArena<P> {
         debug_assert!(idx < self.geometry.send_slots);
         // Capacity equals the number of send slots and each index is held once: cannot fail.
         let _ = self.free_send.push(idx);
+    }
+
+    /// How many receive slots are lent out of the ring now (see [`lending_budget`]).
+    pub fn lent(&self) -> u32 {
+        self.lent.load(Ordering::Relaxed)
     }
 
     /// How many send slots are free.
@@ -230,6 +255,7 @@ impl<P: Provider> SlotArena<P> {
             ptr,
             idx,
             len,
+            lent: false,
         }
     }
 
@@ -251,27 +277,51 @@ impl<P: Provider> fmt::Debug for SlotArena<P> {
     }
 }
 
-/// What a [`RecvSlot`] needs of its arena: a way back to the repost queue. Object-safe, so a
-/// slot guard does not name the provider.
+/// What a [`RecvSlot`] needs of its arena: a way back to the repost queue and the lending
+/// budget. Object-safe, so a slot guard does not name the provider.
 pub trait Repost: Send + Sync + 'static {
     /// Queues receive slot `idx` for reposting.
     fn repost(&self, idx: u32);
+    /// Counts one more slot lent out of the ring; false (and nothing counted) past the budget.
+    fn try_lend(&self) -> bool;
+    /// Uncounts a slot counted by [`Repost::try_lend`].
+    fn unlend(&self);
 }
 
 impl<P: Provider> Repost for SlotArena<P> {
     fn repost(&self, idx: u32) {
         self.repost_later(idx);
     }
+
+    fn try_lend(&self) -> bool {
+        // A load first: past the budget (a user keeping everything) no write to the shared
+        // counter is made at all.
+        if self.lent.load(Ordering::Relaxed) >= self.lend_max {
+            return false;
+        }
+        if self.lent.fetch_add(1, Ordering::AcqRel) < self.lend_max {
+            return true;
+        }
+        self.lent.fetch_sub(1, Ordering::AcqRel);
+        false
+    }
+
+    fn unlend(&self) {
+        self.lent.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A received frame's slot, owned by the runtime until dropped. Dropping it (on any thread)
 /// queues the slot for reposting. Its bytes can back `bytes::Bytes` without a copy
-/// (`Bytes::from_owner`). The arena stays alive (and registered) while a guard exists.
+/// (`Bytes::from_owner`) once [`RecvSlot::try_lend`] said the connection's lending budget
+/// allows it. The arena stays alive (and registered) while a guard exists.
 pub struct RecvSlot {
     owner: Arc<dyn Repost>,
     ptr: *const u8,
     idx: u32,
     len: u32,
+    /// Counted in the arena's lending budget (uncounted on drop).
+    lent: bool,
 }
 
 // SAFETY: the guard owns its slot's bytes exclusively (the RECV is not reposted while it
@@ -293,6 +343,17 @@ impl RecvSlot {
     pub fn index(&self) -> u32 {
         self.idx
     }
+
+    /// Asks the connection's lending budget whether this slot may stay out of the ring for as
+    /// long as user code keeps it (a `bytes` field borrowing it, an unread stream message):
+    /// true when it may (counted until the guard drops; asking again is free), false past the
+    /// budget, when the caller must copy what it keeps and drop the guard.
+    pub fn try_lend(&mut self) -> bool {
+        if !self.lent {
+            self.lent = self.owner.try_lend();
+        }
+        self.lent
+    }
 }
 
 impl AsRef<[u8]> for RecvSlot {
@@ -303,6 +364,9 @@ impl AsRef<[u8]> for RecvSlot {
 
 impl Drop for RecvSlot {
     fn drop(&mut self) {
+        if self.lent {
+            self.owner.unlend();
+        }
         self.owner.repost(self.idx);
     }
 }
@@ -312,6 +376,7 @@ impl fmt::Debug for RecvSlot {
         f.debug_struct("RecvSlot")
             .field("idx", &self.idx)
             .field("len", &self.len)
+            .field("lent", &self.lent)
             .finish()
     }
 }

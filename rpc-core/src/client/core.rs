@@ -34,7 +34,7 @@ use crate::link::{
 };
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
-use crate::streaming::{Inbox, InboxHost, Item, SlotBudget, Streaming, stream_slot_budget};
+use crate::streaming::{Inbox, InboxHost, Item, Streaming};
 use crate::verbs::{CompChannel, Cq, Provider, Wc, WcStatus};
 use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Request, Response, Status};
@@ -215,8 +215,6 @@ pub(crate) struct Driver<P: Provider> {
     stream_pending: VecDeque<StreamSend<P>>,
     /// Call slots with stream messages waiting in `out`.
     out_calls: Vec<usize>,
-    /// Receive slots unread server-stream messages may keep.
-    budget: Arc<SlotBudget>,
     cq: P::Cq,
     channel: P::CompChannel,
     wcs: [Wc; POLL_BATCH],
@@ -304,7 +302,6 @@ impl<P: Provider> ClientCore<P> {
 
             stream_pending: VecDeque::new(),
             out_calls: Vec::with_capacity(n),
-            budget: SlotBudget::new(stream_slot_budget(parts.link.arena.geometry().recv_slots)),
             link: parts.link,
             cq: parts.cq,
             channel: parts.channel,
@@ -2064,7 +2061,7 @@ impl<P: Provider> Driver<P> {
                 let held = match (bulk, slot) {
                     (Some(d), _) => Held::Bulk(d),
                     (None, Some(slot)) => {
-                        Held::Item(self.budget.item(slot, payload.start, payload.end))
+                        Held::Item(Item::from_slot(slot, payload.start, payload.end))
                     }
                     (None, None) => return Ok(()),
                 };

@@ -180,6 +180,8 @@ impl AsRef<[u8]> for OwnedBytes {
     }
 }
 
+impl crate::buf::Lend for OwnedBytes {}
+
 /// A call that arrived for a service, not yet handed to its handler. Generated `Service::call`
 /// implementations pass it to one of its methods.
 pub struct IncomingCall<'a> {

@@ -30,7 +30,7 @@ use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
 use crate::server::peer::{BulkMem, BulkOp, OpKind, Peer, PeerApi, ShardInbox};
 use crate::server::router::Router;
 use crate::server::{PollMode, ServerConfig};
-use crate::streaming::{Inbox, Item, SlotBudget, stream_slot_budget};
+use crate::streaming::{Inbox, Item};
 use crate::verbs::{
     Access, CompChannel, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Sge, Wc, WcStatus,
 };
@@ -230,8 +230,6 @@ pub(crate) struct ServerConn<P: Provider> {
     link: Link<P>,
     /// Calls whose handler stream waits for credit or a send slot.
     blocked: Vec<CallId>,
-    /// Receive slots unread client-stream messages may keep.
-    budget: Arc<SlotBudget>,
     /// GoAway was sent (the server is draining).
     goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
@@ -1148,7 +1146,6 @@ impl<P: Provider> Shard<P> {
         self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
             blocked: Vec::with_capacity(hello.max_calls as usize),
-            budget: SlotBudget::new(stream_slot_budget(cfg.geometry.recv_slots)),
             link,
             goaway_sent: false,
             calls,
@@ -1479,7 +1476,7 @@ impl<P: Provider> Shard<P> {
                         drop(inbound);
                         Held::Bulk(desc)
                     }
-                    None => Held::Item(conn.budget.item(
+                    None => Held::Item(Item::from_slot(
                         inbound.slot,
                         inbound.payload.start,
                         inbound.payload.end,
