@@ -1,9 +1,15 @@
 //! The bulk pool: registered buffers for payloads above the eager threshold.
 //!
-//! Buffers come in power-of-two size classes and are registered with remote read and write
-//! rights, because a bulk buffer is advertised to the peer as `{addr, len, rkey}`: the peer
-//! RDMA-READs a rendezvous payload out of it, or RDMA-WRITEs a large response into it (a landing
-//! zone). A returned buffer goes back to its class's free queue (lock-free) up to a cap on cached
+//! Buffers come in power-of-two size classes and are registered for local access only: the
+//! region's own key gives a peer nothing. A buffer is lent to a peer by [`BulkBuf::lend`], which
+//! binds a window ([`Pd::bind_window`]) over exactly the bytes in use, with exactly the right
+//! the use needs (remote READ for a rendezvous payload the peer pulls, remote WRITE for a
+//! landing zone the peer fills), for the peer of one connection only, under a fresh key. The
+//! loan ends with [`BulkBuf::revoke`], or when the buffer is dropped: the key is revoked before
+//! the buffer goes back to the pool, so no peer reaches a byte of it once its call is over, and
+//! a reused buffer never answers to an old key.
+//!
+//! A returned buffer goes back to its class's free queue (lock-free) up to a cap on cached
 //! bytes, so a steady stream of large calls registers nothing after warm-up. A miss allocates and
 //! registers (a slow path, as it is on any RDMA stack).
 
@@ -72,15 +78,13 @@ impl<P: Provider> BulkPool<P> {
             }
             None => {
                 self.registrations.fetch_add(1, Ordering::Relaxed);
-                self.pd.alloc_mr(
-                    1 << class,
-                    Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
-                )?
+                self.pd.alloc_mr(1 << class, Access::LOCAL_WRITE)?
             }
         };
         Ok(BulkBuf {
             pool: Arc::clone(self),
             mr: Some(mr),
+            window: None,
             len,
         })
     }
@@ -121,6 +125,9 @@ impl<P: Provider> fmt::Debug for BulkPool<P> {
 pub struct BulkBuf<P: Provider> {
     pool: Arc<BulkPool<P>>,
     mr: Option<P::Mr>,
+    /// The window a peer reaches the bytes through while they are lent ([`BulkBuf::lend`]);
+    /// boxed, so that the buffer stays small in what small calls move around.
+    window: Option<Box<P::Mr>>,
     len: usize,
 }
 
@@ -166,13 +173,59 @@ impl<P: Provider> BulkBuf<P> {
         unsafe { std::slice::from_raw_parts_mut(self.mr().as_ptr(), self.len) }
     }
 
-    /// What a peer needs to READ or WRITE the bytes in use.
-    pub fn remote(&self) -> RemoteMr {
-        RemoteMr {
-            addr: self.mr().addr(),
+    /// Lends the bytes in use to the peer connected to `qp` with `access` (one remote right)
+    /// until [`BulkBuf::revoke`] or the drop of the buffer: what that peer needs to READ or
+    /// WRITE them. A buffer is lent once at a time (lending again revokes the earlier key).
+    ///
+    /// While lent, the peer may read (REMOTE_READ) or write (REMOTE_WRITE) the bytes at any
+    /// time: the holder must not write them (READ) or read them (WRITE) until the peer said it
+    /// is done.
+    ///
+    /// # Errors
+    /// When the window cannot be bound (empty buffer, key table full).
+    pub fn lend(&mut self, access: Access, qp: &P::Qp) -> Result<RemoteMr> {
+        self.revoke();
+        let w = self
+            .pool
+            .pd
+            .bind_window(self.mr(), 0, self.len.max(1), access, qp)?;
+        let r = RemoteMr {
+            addr: w.addr(),
             len: self.len as u64,
-            rkey: self.mr().rkey(),
-        }
+            rkey: w.rkey(),
+        };
+        self.window = Some(Box::new(w));
+        Ok(r)
+    }
+
+    /// A window on `[offset, offset + len)` of the buffer for the peer connected to `qp` with
+    /// `access`, owned by the caller (the buffer itself is not marked lent: for memory several
+    /// requests share read-only, each with a loan of its own). Dropping it revokes the key.
+    ///
+    /// # Errors
+    /// When the window cannot be bound (range outside the buffer, key table full).
+    pub fn window(&self, offset: usize, len: usize, access: Access, qp: &P::Qp) -> Result<P::Mr> {
+        self.pool.pd.bind_window(self.mr(), offset, len, access, qp)
+    }
+
+    /// Ends the loan: the peer's key is revoked (its later accesses fail with
+    /// `REM_ACCESS_ERR`) before this returns. Nothing when the buffer is not lent.
+    pub fn revoke(&mut self) {
+        self.window = None;
+    }
+
+    /// Whether a peer holds a key to the bytes now.
+    pub fn is_lent(&self) -> bool {
+        self.window.is_some()
+    }
+
+    /// What the peer holding the current loan was given, if the bytes are lent.
+    pub fn lent(&self) -> Option<RemoteMr> {
+        self.window.as_ref().map(|w| RemoteMr {
+            addr: w.addr(),
+            len: self.len as u64,
+            rkey: w.rkey(),
+        })
     }
 
     /// The identity of the pool the buffer returns to (its protection domain's): memory is
@@ -195,6 +248,8 @@ impl<P: Provider> AsRef<[u8]> for BulkBuf<P> {
 
 impl<P: Provider> Drop for BulkBuf<P> {
     fn drop(&mut self) {
+        // Revoked before the buffer can be handed to anyone else.
+        self.window = None;
         if let Some(mr) = self.mr.take() {
             self.pool.put(mr);
         }
@@ -205,7 +260,7 @@ impl<P: Provider> fmt::Debug for BulkBuf<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BulkBuf")
             .field("len", &self.len)
-            .field("remote", &self.remote())
+            .field("lent", &self.lent())
             .finish()
     }
 }

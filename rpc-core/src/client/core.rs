@@ -35,7 +35,7 @@ use crate::link::{
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
 use crate::streaming::{Inbox, InboxHost, Item, Streaming};
-use crate::verbs::{CompChannel, Cq, Provider, Wc, WcStatus};
+use crate::verbs::{Access, CompChannel, Cq, Mr, Provider, RemoteMr, Wc, WcStatus};
 use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Request, Response, Status};
 
@@ -68,24 +68,31 @@ pub(crate) struct Submission<P: Provider> {
 struct Large<P: Provider> {
     bulk: Option<BulkBuf<P>>,
     /// The payload is `bulk`'s staged pieces around a field in the user's region.
-    gathered: Option<Gathered>,
+    gathered: Option<Gathered<P>>,
     landing: Option<BulkBuf<P>>,
 }
 
-/// A request payload sent from where it lies: the remote ranges, in order (staged pieces in
-/// the submission's bulk buffer, the referenced field in the user's region), and the region,
-/// kept alive until the server has read it.
-struct Gathered {
+/// A request payload sent from where it lies: its pieces, in order (staged in the
+/// submission's bulk buffer, or the referenced field in the user's region), and the region,
+/// kept alive until the server has read it. The keys are bound when the request is sent
+/// ([`Driver::lend`]).
+struct Gathered<P: Provider> {
     user: RegHandle,
-    ranges: [BulkDesc; MAX_PIECES],
+    pieces: [Piece; MAX_PIECES],
     n: usize,
     referenced: u64,
+    /// The window the server reads the referenced pieces of the user's region through.
+    window: Option<P::Mr>,
 }
 
-/// What a call lends the server until it says it is done (BulkRelease, or its final frame).
+/// A staging buffer and the pieces of a request gathered around a field in the user's region.
+type Staging<P> = (BulkBuf<P>, Gathered<P>);
+
+/// What a call lends the server until it says it is done (BulkRelease, or its final frame):
+/// dropping it revokes the server's keys.
 struct Lent<P: Provider> {
     _buf: BulkBuf<P>,
-    _user: Option<RegHandle>,
+    _user: Option<(RegHandle, Option<P::Mr>)>,
 }
 /// One message (or the end) of a client stream, handed to the driver.
 pub(crate) struct StreamSend<P: Provider> {
@@ -599,7 +606,7 @@ impl<P: Provider> ClientCore<P> {
         msg: &dyn EncodeMsg,
         len: usize,
         user: RegHandle,
-    ) -> Result<Option<(BulkBuf<P>, Gathered)>, Status> {
+    ) -> Result<Option<Staging<P>>, Status> {
         let region = user.0.as_slice();
         let mut want = len.min(STAGE_FIRST);
         for _ in 0..2 {
@@ -620,28 +627,12 @@ impl<P: Provider> ClientCore<P> {
             let (n, referenced) = (g.pieces().len(), g.referenced() as u64);
             let mut pieces = [Piece::Staged { offset: 0, len: 0 }; MAX_PIECES];
             pieces[..n].copy_from_slice(g.pieces());
-            let stage = buf.remote();
-            let (user_addr, user_rkey) = user.0.remote();
-            let mut ranges = [BulkDesc::default(); MAX_PIECES];
-            for (r, p) in ranges.iter_mut().zip(&pieces[..n]) {
-                *r = match *p {
-                    Piece::Staged { offset, len } => BulkDesc {
-                        addr: stage.addr + offset as u64,
-                        len: len as u64,
-                        rkey: stage.rkey,
-                    },
-                    Piece::Region { offset, len } => BulkDesc {
-                        addr: user_addr + offset as u64,
-                        len: len as u64,
-                        rkey: user_rkey,
-                    },
-                };
-            }
             let gathered = Gathered {
                 user,
-                ranges,
+                pieces,
                 n,
                 referenced,
+                window: None,
             };
             return Ok(Some((buf, gathered)));
         }
@@ -1493,6 +1484,77 @@ impl<P: Provider> Driver<P> {
         self.send_request(core, idx, generation, call, sub)
     }
 
+    /// Lends what a large request gives the server, each with the least right and for this
+    /// connection only: its rendezvous payload (remote READ) and the referenced span of the
+    /// user's region (remote READ), whose ranges go to `ranges` (how many is the first value),
+    /// and its landing zone (remote WRITE), whose descriptor is the second.
+    fn lend(
+        &self,
+        l: &mut Large<P>,
+        ranges: &mut [BulkDesc; MAX_PIECES],
+    ) -> Result<(usize, Option<BulkDesc>), Status> {
+        let qp = &self.link.qp;
+        let refused = |e: crate::verbs::VerbsError| {
+            Status::resource_exhausted(format!("cannot lend a bulk buffer to the server: {e}"))
+        };
+        let bulk = match l.bulk.as_mut() {
+            Some(b) => Some(b.lend(Access::REMOTE_READ, qp).map_err(refused)?),
+            None => None,
+        };
+        let n = match (l.gathered.as_mut(), bulk) {
+            (Some(g), Some(stage)) => {
+                let region = |p: &Piece| match *p {
+                    Piece::Region { offset, len } => Some((offset, offset + len)),
+                    Piece::Staged { .. } => None,
+                };
+                let span = g.pieces[..g.n]
+                    .iter()
+                    .filter_map(region)
+                    .reduce(|a, b| (a.0.min(b.0), a.1.max(b.1)));
+                let user = match span {
+                    Some((start, end)) => {
+                        let b = g.user.0.as_any().downcast_ref::<BulkBuf<P>>();
+                        let b = b.ok_or_else(|| {
+                            Status::internal("registered bytes of another provider")
+                        })?;
+                        let w = b
+                            .window(start, end - start, Access::REMOTE_READ, qp)
+                            .map_err(refused)?;
+                        let r = (w.addr() - start as u64, w.rkey());
+                        g.window = Some(w);
+                        r
+                    }
+                    None => (0, 0),
+                };
+                for (r, p) in ranges.iter_mut().zip(&g.pieces[..g.n]) {
+                    *r = match *p {
+                        Piece::Staged { offset, len } => BulkDesc {
+                            addr: stage.addr + offset as u64,
+                            len: len as u64,
+                            rkey: stage.rkey,
+                        },
+                        Piece::Region { offset, len } => BulkDesc {
+                            addr: user.0 + offset as u64,
+                            len: len as u64,
+                            rkey: user.1,
+                        },
+                    };
+                }
+                g.n
+            }
+            (_, Some(stage)) => {
+                ranges[0] = desc(stage);
+                1
+            }
+            (_, None) => 0,
+        };
+        let landing = match l.landing.as_mut() {
+            Some(b) => Some(desc(b.lend(Access::REMOTE_WRITE, qp).map_err(refused)?)),
+            None => None,
+        };
+        Ok((n, landing))
+    }
+
     fn send_request(
         &mut self,
         core: &ClientCore<P>,
@@ -1502,13 +1564,21 @@ impl<P: Provider> Driver<P> {
         sub: Submission<P>,
     ) -> Result<(), LinkError> {
         let now = self.link.now();
-        let large = sub.large.as_deref();
-        let bulk = large.and_then(|l| l.bulk.as_ref()).map(desc);
-        let ranges = match large.and_then(|l| l.gathered.as_ref()) {
-            Some(g) => &g.ranges[..g.n],
-            None => bulk.as_slice(),
+        let mut sub = sub;
+        let mut ranges = [BulkDesc::default(); MAX_PIECES];
+        let (n, landing) = match sub.large.as_deref_mut() {
+            None => (0, None),
+            Some(l) => match self.lend(l, &mut ranges) {
+                Ok(lent) => lent,
+                Err(status) => {
+                    core.arena.release_send(sub.staged.slot);
+                    self.link.wire.finish(call);
+                    self.fail_unsent(core, idx, generation, sub.inbox, status);
+                    return Ok(());
+                }
+            },
         };
-        let landing = large.and_then(|l| l.landing.as_ref()).map(desc);
+        let ranges = &ranges[..n];
         match self.link.commit(sub.staged, |w, pl, ml| {
             w.request_pieces(call, pl, ml, ranges, landing, now)
         }) {
@@ -1525,7 +1595,7 @@ impl<P: Provider> Driver<P> {
                     core.counters
                         .zero_copy_request_bytes
                         .fetch_add(g.referenced, Ordering::Relaxed);
-                    g.user
+                    (g.user, g.window)
                 });
                 // In place: the slot was reset when its last call retired (a DrvCall is large;
                 // building and moving a whole one per call showed up as memcpy).
@@ -1695,8 +1765,14 @@ impl<P: Provider> Driver<P> {
     /// Sends the call's queued stream messages while window and credit last.
     fn flush_out(&mut self, slot: usize) -> Result<(), LinkError> {
         let call = self.calls[slot].id;
-        while let Some(ss) = self.calls[slot].out.pop_front() {
+        while let Some(mut ss) = self.calls[slot].out.pop_front() {
             let (idx, generation) = (ss.idx, ss.generation);
+            // A large message is lent to the server (remote READ, this connection only) when it
+            // goes out; its key is revoked by the server's BulkRelease.
+            let lend_failed = match ss.bulk.as_mut() {
+                Some(b) if !b.is_lent() => b.lend(Access::REMOTE_READ, &self.link.qp).is_err(),
+                _ => false,
+            };
             let r = match ss.staged {
                 None => match self
                     .link
@@ -1707,8 +1783,13 @@ impl<P: Provider> Driver<P> {
                     Err(FrameError::Link(e)) => return Err(e),
                     Err(_) => Err(Some(())),
                 },
+                Some(st) if lend_failed => {
+                    // No key for the server to READ the message with: the message fails.
+                    self.link.discard(st);
+                    Err(Some(()))
+                }
                 Some(st) => {
-                    let desc_of = ss.bulk.as_ref().map(desc);
+                    let desc_of = ss.bulk.as_ref().and_then(BulkBuf::lent).map(desc);
                     match self
                         .link
                         .commit(st, |w, pl, ml| w.stream_message(call, pl, ml, desc_of))
@@ -2128,11 +2209,14 @@ impl<P: Provider> Driver<P> {
                 "landing write for an unknown call".into(),
             ));
         };
-        let Some(buf) = c.landing.take() else {
+        let Some(mut buf) = c.landing.take() else {
             return Err(LinkError::Protocol(
                 "landing write for a call without a landing zone".into(),
             ));
         };
+        // The server's write is complete (its immediate arrived after the data): its key ends
+        // here, before a byte is read.
+        buf.revoke();
         let (_h, md, payload, event) = self.link.parse(buf.as_slice())?;
         match event {
             Event::Response {
@@ -2256,8 +2340,7 @@ impl<P: Provider> Driver<P> {
     }
 }
 
-fn desc<P: Provider>(b: &BulkBuf<P>) -> BulkDesc {
-    let r = b.remote();
+fn desc(r: RemoteMr) -> BulkDesc {
     BulkDesc {
         addr: r.addr,
         len: r.len,

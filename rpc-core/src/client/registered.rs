@@ -16,10 +16,12 @@ pub(crate) trait RegMem: Send + Sync + 'static {
     fn as_slice(&self) -> &[u8];
     /// The bytes, mutably.
     fn as_mut_slice(&mut self) -> &mut [u8];
-    /// The address the peer names the first byte by, and the remote key.
-    fn remote(&self) -> (u64, u32);
+    /// The address of the first byte (what the peer names it by, through a window).
+    fn addr(&self) -> u64;
     /// The pool (protection domain) the memory belongs to.
     fn pool_id(&self) -> usize;
+    /// The memory as what it is (a `BulkBuf` of the client's provider), to lend it.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 impl<P: Provider> RegMem for BulkBuf<P> {
@@ -31,13 +33,16 @@ impl<P: Provider> RegMem for BulkBuf<P> {
         BulkBuf::as_mut_slice(self)
     }
 
-    fn remote(&self) -> (u64, u32) {
-        let r = BulkBuf::remote(self);
-        (r.addr, r.rkey)
+    fn addr(&self) -> u64 {
+        BulkBuf::as_slice(self).as_ptr() as u64
     }
 
     fn pool_id(&self) -> usize {
         BulkBuf::pool_id(self)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -48,11 +53,9 @@ pub(crate) struct RegHandle(pub(crate) Arc<dyn RegMem>);
 
 impl fmt::Debug for RegHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (addr, rkey) = self.0.remote();
         f.debug_struct("RegHandle")
-            .field("addr", &format_args!("{addr:#x}"))
+            .field("addr", &format_args!("{:#x}", self.0.addr()))
             .field("len", &self.0.as_slice().len())
-            .field("rkey", &rkey)
             .finish()
     }
 }

@@ -622,7 +622,16 @@ impl<P: Provider> ServerConn<P> {
         if msg.encode_into(buf.as_mut_slice()).is_none() {
             return self.fail(call, &Status::internal("response encoding failed"));
         }
-        let r = buf.remote();
+        // Lent to this connection's client only, for reading, until its BulkRelease.
+        let r = match buf.lend(Access::REMOTE_READ, &self.link.qp) {
+            Ok(r) => r,
+            Err(e) => {
+                return self.fail(
+                    call,
+                    &Status::resource_exhausted(format!("cannot lend the response: {e}")),
+                );
+            }
+        };
         let desc = BulkDesc {
             addr: r.addr,
             len: r.len,
@@ -675,7 +684,9 @@ impl<P: Provider> ServerConn<P> {
                 if msg.encode_into(buf.as_mut_slice()).is_none() {
                     return Err(Status::internal("stream message encoding failed"));
                 }
-                let r = buf.remote();
+                let r = buf
+                    .lend(Access::REMOTE_READ, &self.link.qp)
+                    .map_err(|e| Status::resource_exhausted(format!("cannot lend: {e}")))?;
                 let desc = BulkDesc {
                     addr: r.addr,
                     len: r.len,

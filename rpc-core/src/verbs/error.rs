@@ -43,6 +43,9 @@ pub enum Verb {
     PostSend,
     /// `ibv_post_recv`
     PostRecv,
+    /// Lending a range of a region to one peer under a fresh key (`ibv_bind_mw`; the ib
+    /// provider registers the range instead, see `Pd::bind_window`).
+    BindMw,
 }
 
 impl Verb {
@@ -66,6 +69,7 @@ impl Verb {
             Verb::Connect => "connect_qp (ibv_modify_qp INIT->RTR->RTS)",
             Verb::PostSend => "ibv_post_send",
             Verb::PostRecv => "ibv_post_recv",
+            Verb::BindMw => "bind_window (ibv_bind_mw)",
         }
     }
 }

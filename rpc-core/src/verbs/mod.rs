@@ -164,6 +164,32 @@ pub trait Pd<P: Provider>: Send + Sync + fmt::Debug {
     /// references to that memory across such writes.
     unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: Access) -> Result<P::Mr>;
 
+    /// Lends `[offset, offset + len)` of `mr` to the peer connected to `qp`: a fresh remote key
+    /// (a memory window) that grants `access` (remote rights only: [`Access::REMOTE_READ`],
+    /// [`Access::REMOTE_WRITE`], [`Access::REMOTE_ATOMIC`]) to that range and nothing else,
+    /// whatever the rights of `mr` itself. Dropping the returned object revokes the key: once
+    /// the drop returns, no operation through it reads or writes a byte (accesses already
+    /// under way finish first), and a later one fails with `REM_ACCESS_ERR` on the peer. Only
+    /// `mr`'s owner may write through its own lkey meanwhile; nothing else changes for `mr`.
+    ///
+    /// soft: the key is a generation of the region table, checked on every remote access, and
+    /// bound to the peer's RNIC: no other peer can use it. ib: a registration of the range
+    /// alone (`ibv_reg_mr`, deregistered on drop), so the key is fresh, least-privilege and
+    /// revoked, but any QP of the protection domain may use it while it lives.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] when the range is empty or outside `mr`, `access` asks
+    /// for a local right, or a remote write or atomic right is asked of a region without
+    /// [`Access::LOCAL_WRITE`]; [`ErrorKind::ExceedsCaps`] when the key table is full.
+    fn bind_window(
+        &self,
+        mr: &P::Mr,
+        offset: usize,
+        len: usize,
+        access: Access,
+        qp: &P::Qp,
+    ) -> Result<P::Mr>;
+
     /// Creates an RC queue pair in RESET, whose completions go to `send_cq` and `recv_cq`.
     ///
     /// # Errors

@@ -391,6 +391,47 @@ impl Pd<Ib> for IbPd {
         self.register(Verb::RegMr, addr, len, access, None)
     }
 
+    fn bind_window(
+        &self,
+        mr: &IbMr,
+        offset: usize,
+        len: usize,
+        access: Access,
+        _qp: &IbQp,
+    ) -> Result<IbMr> {
+        let verb = Verb::BindMw;
+        let bad = |detail: String| Err(VerbsError::new(verb, ErrorKind::InvalidArgument, detail));
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > mr.len) {
+            return bad(format!(
+                "window [{offset}, +{len}) is empty or outside the {}-byte region",
+                mr.len
+            ));
+        }
+        let remote = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+        if access == Access::NONE || !remote.contains(access) {
+            return bad(format!(
+                "a window grants remote rights only, and at least one (asked {access:?})"
+            ));
+        }
+        let writes = Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+        let access = if access.bits() & writes.bits() != 0 {
+            if !mr.access.contains(Access::LOCAL_WRITE) {
+                return bad(
+                    "a remote write or atomic window needs a region with LOCAL_WRITE".into(),
+                );
+            }
+            access | Access::LOCAL_WRITE
+        } else {
+            access
+        };
+        // A registration of the range alone: a fresh rkey covering exactly the range with
+        // exactly the rights asked, deregistered (revoked) when dropped. Type-2 memory windows
+        // bound to the QP would also shut out other QPs of the protection domain; see
+        // `Pd::bind_window`.
+        let addr = (mr.addr + offset as u64) as *mut u8;
+        self.register(verb, addr, len, access, None)
+    }
+
     fn create_qp(&self, send_cq: &IbCq, recv_cq: &IbCq, caps: QpCaps) -> Result<IbQp> {
         IbQp::create(self, send_cq, recv_cq, caps)
     }

@@ -734,6 +734,8 @@ impl Conn {
         let base = self.p64(e + mr::ADDR).load(Ordering::Relaxed);
         let mlen = self.p64(e + mr::LEN).load(Ordering::Relaxed);
         let pd = self.p32(e + mr::PD).load(Ordering::Relaxed);
+        let parent_key = self.p32(e + mr::PARENT_KEY).load(Ordering::Relaxed);
+        let bound = self.p64(e + mr::BOUND).load(Ordering::Relaxed);
         fence(Ordering::Acquire);
         if key_word.load(Ordering::Relaxed) != k1 {
             return Err(vendor::BAD_KEY);
@@ -752,44 +754,42 @@ impl Conn {
         }
         let len_us = usize::try_from(len).map_err(|_| vendor::OUT_OF_BOUNDS)?;
         match kind {
-            layout::MR_KIND_SHM => {
-                // Borrowed, not cloned: a clone and its drop are two locked instructions on a
-                // shared count per SEND.
-                let c = &mut self.cache[slot as usize % MR_CACHE];
-                if c.0 != key || c.1.is_none() {
-                    let m = self.peer.map_mr(slot, key, fd, mlen).map_err(|e| match e {
-                        MapError::Stale => vendor::BAD_KEY,
-                        MapError::Failed => vendor::MAP_FAILED,
-                    })?;
-                    *c = (key, Some(m));
+            layout::MR_KIND_SHM => self.shm_target(slot, key, fd, base, mlen, addr, len_us),
+            layout::MR_KIND_WINDOW => {
+                // Bound to one peer RNIC: ours, or the access is refused.
+                if bound != self.my_nonce {
+                    return Err(vendor::WRONG_PEER);
                 }
-                let Some(map) = &c.1 else {
-                    return Err(vendor::MAP_FAILED);
-                };
-                let off = usize::try_from(addr - base).map_err(|_| vendor::OUT_OF_BOUNDS)?;
-                if !map.contains(off, len_us) || !map.writable() {
-                    return Err(vendor::MAP_FAILED);
+                // Pinned before the key is checked again, so the owner's revocation (which
+                // clears the key, then waits for the pin count to drop) either sees this
+                // access and waits for it, or this access sees the cleared key.
+                self.pin(slot, pins)?;
+                if key_word.load(Ordering::SeqCst) != key {
+                    return Err(vendor::BAD_KEY);
                 }
-                // The mapping stays alive: the cache (and the peer's map table) hold it for at
-                // least as long as this execution.
-                Ok(Target {
-                    // SAFETY: `off + len <= map.len()` was checked just above.
-                    ptr: unsafe { map.ptr().add(off) },
-                    addr,
-                    len: len_us,
-                })
-            }
-            layout::MR_KIND_USER => {
-                let pin = self
-                    .peer
-                    .inbox
-                    .u32_at(layout::pin(slot as usize))
-                    .ok_or(vendor::CORRUPT)?;
-                if pins.w.n == MAX_PIECES {
+                // The region the window lends, still registered under the key it had when the
+                // window was bound.
+                let ps = fd & ((1 << layout::MR_SLOT_BITS) - 1);
+                let pe = layout::mr_entry(ps as usize);
+                let pkey_word = self.p32(pe + mr::KEY);
+                if parent_key == 0 || pkey_word.load(Ordering::Acquire) != parent_key {
+                    return Err(vendor::BAD_KEY);
+                }
+                let pkind = self.p32(pe + mr::KIND).load(Ordering::Relaxed);
+                let pfd = self.p32(pe + mr::FD).load(Ordering::Relaxed);
+                let pbase = self.p64(pe + mr::ADDR).load(Ordering::Relaxed);
+                let plen = self.p64(pe + mr::LEN).load(Ordering::Relaxed);
+                fence(Ordering::Acquire);
+                if pkey_word.load(Ordering::Relaxed) != parent_key {
+                    return Err(vendor::BAD_KEY);
+                }
+                if pkind != layout::MR_KIND_SHM {
                     return Err(vendor::CORRUPT);
                 }
-                pin.fetch_add(1, Ordering::SeqCst);
-                pins.w.push(NonNull::from(pin));
+                self.shm_target(ps, parent_key, pfd, pbase, plen, addr, len_us)
+            }
+            layout::MR_KIND_USER => {
+                self.pin(slot, pins)?;
                 if key_word.load(Ordering::SeqCst) != key {
                     return Err(vendor::BAD_KEY);
                 }
@@ -806,6 +806,66 @@ impl Conn {
             }
             _ => Err(vendor::CORRUPT),
         }
+    }
+
+    /// Raises the pin counter of the peer's region `slot` (in the peer's inbox) for the
+    /// duration of this access: `pins` drops it again when the access is over.
+    fn pin(&self, slot: u32, pins: &mut Pins) -> std::result::Result<(), u32> {
+        let pin = self
+            .peer
+            .inbox
+            .u32_at(layout::pin(slot as usize))
+            .ok_or(vendor::CORRUPT)?;
+        if pins.w.n == MAX_PIECES {
+            return Err(vendor::CORRUPT);
+        }
+        pin.fetch_add(1, Ordering::SeqCst);
+        pins.w.push(NonNull::from(pin));
+        Ok(())
+    }
+
+    /// The target `[addr, addr + len)` inside the peer's shared-memory region in `slot`
+    /// (registered under `key`, descriptor `fd`, `[base, base + mlen)`), through the
+    /// connection's cache of mappings.
+    #[allow(clippy::too_many_arguments)]
+    fn shm_target(
+        &mut self,
+        slot: u32,
+        key: u32,
+        fd: u32,
+        base: u64,
+        mlen: u64,
+        addr: u64,
+        len: usize,
+    ) -> std::result::Result<Target, u32> {
+        // Borrowed, not cloned: a clone and its drop are two locked instructions on a shared
+        // count per SEND.
+        let c = &mut self.cache[slot as usize % MR_CACHE];
+        if c.0 != key || c.1.is_none() {
+            let m = self.peer.map_mr(slot, key, fd, mlen).map_err(|e| match e {
+                MapError::Stale => vendor::BAD_KEY,
+                MapError::Failed => vendor::MAP_FAILED,
+            })?;
+            *c = (key, Some(m));
+        }
+        let Some(map) = &c.1 else {
+            return Err(vendor::MAP_FAILED);
+        };
+        let off = addr
+            .checked_sub(base)
+            .and_then(|o| usize::try_from(o).ok())
+            .ok_or(vendor::OUT_OF_BOUNDS)?;
+        if !map.contains(off, len) || !map.writable() {
+            return Err(vendor::MAP_FAILED);
+        }
+        // The mapping stays alive: the cache (and the peer's map table) hold it for at least
+        // as long as this execution.
+        Ok(Target {
+            // SAFETY: `off + len <= map.len()` was checked just above.
+            ptr: unsafe { map.ptr().add(off) },
+            addr,
+            len,
+        })
     }
 
     /// Executes one work request.

@@ -73,12 +73,19 @@ pub(crate) mod mr {
     pub(crate) const LEN: usize = 24;
     /// u32 protection domain id.
     pub(crate) const PD: usize = 32;
+    /// u32 key of the region a window lends (window kind; its slot is in [`FD`]).
+    pub(crate) const PARENT_KEY: usize = 36;
+    /// u64 nonce of the only peer RNIC that may use a window (window kind).
+    pub(crate) const BOUND: usize = 40;
 }
 
 /// Region memory lives in its own memfd: peers map it and copy directly.
 pub(crate) const MR_KIND_SHM: u32 = 1;
 /// Region memory is ordinary process memory: peers reach it with process_vm_readv/writev.
 pub(crate) const MR_KIND_USER: u32 = 2;
+/// A memory window: `[ADDR, ADDR + LEN)` of the region in slot `FD` (still registered under
+/// `PARENT_KEY`), for the peer RNIC `BOUND` only.
+pub(crate) const MR_KIND_WINDOW: u32 = 3;
 
 /// Slots of the QP table (qp_num = slot | generation << 12, 24 bits).
 pub(crate) const MAX_QP: usize = 1 << 12;

@@ -171,6 +171,8 @@ pub mod vendor {
     pub const RNR: u32 = 0x50_000e;
     /// Forced by a test hook.
     pub const FAULT: u32 = 0x50_000f;
+    /// The key is a memory window lent to another peer.
+    pub const WRONG_PEER: u32 = 0x50_0010;
 }
 
 /// One soft RNIC instance: the shared segments and the tables (shared by every object of the
@@ -454,6 +456,25 @@ impl Pd<Soft> for SoftPd {
         // SAFETY: forwarded contract: the caller keeps the range mapped and valid while the
         // region lives and completions are outstanding.
         unsafe { SoftMr::register(&self.dev, self.id, addr, len, access) }
+    }
+
+    fn bind_window(
+        &self,
+        mr: &SoftMr,
+        offset: usize,
+        len: usize,
+        access: Access,
+        qp: &SoftQp,
+    ) -> Result<SoftMr> {
+        if !Arc::ptr_eq(&qp.s.dev, &self.dev) {
+            return Err(VerbsError::new(
+                Verb::BindMw,
+                ErrorKind::WrongPd,
+                "the QP belongs to another soft context than the protection domain",
+            ));
+        }
+        let peer = qp.peer_nonce();
+        SoftMr::window(&self.dev, self.id, mr, offset, len, access, peer)
     }
 
     fn create_qp(&self, send_cq: &SoftCq, recv_cq: &SoftCq, caps: QpCaps) -> Result<SoftQp> {

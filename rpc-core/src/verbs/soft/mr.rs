@@ -31,6 +31,7 @@ pub struct SoftMr {
     addr: u64,
     len: usize,
     access: Access,
+    pd: u32,
     backing: Backing,
 }
 
@@ -40,6 +41,8 @@ enum Backing {
     Shm { _fd: OwnedFd, _map: Mapping },
     /// Caller's memory.
     User,
+    /// A window on another region (which the window's user keeps registered).
+    Window,
 }
 
 fn check_args(verb: Verb, len: usize, access: Access) -> Result<()> {
@@ -115,8 +118,8 @@ impl SoftMr {
             addr,
             len,
             access,
-            layout::MR_KIND_SHM,
-            fd_num,
+            (layout::MR_KIND_SHM, fd_num),
+            (0, 0),
             Backing::Shm { _fd: fd, _map: map },
         )
     }
@@ -156,9 +159,59 @@ impl SoftMr {
             a as u64,
             len,
             access,
-            layout::MR_KIND_USER,
-            u32::MAX,
+            (layout::MR_KIND_USER, u32::MAX),
+            (0, 0),
             Backing::User,
+        )
+    }
+
+    /// `bind_window`: `[offset, offset + len)` of `parent` for the peer RNIC `peer` only.
+    pub(crate) fn window(
+        dev: &Arc<Device>,
+        pd: u32,
+        parent: &SoftMr,
+        offset: usize,
+        len: usize,
+        access: Access,
+        peer: u64,
+    ) -> Result<SoftMr> {
+        let verb = Verb::BindMw;
+        let bad = |detail: String| Err(VerbsError::new(verb, ErrorKind::InvalidArgument, detail));
+        if !Arc::ptr_eq(dev, &parent.dev) || parent.pd != pd {
+            return bad("the region belongs to another protection domain".into());
+        }
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > parent.len) {
+            return bad(format!(
+                "window [{offset}, +{len}) is empty or outside the {}-byte region",
+                parent.len
+            ));
+        }
+        let remote = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+        if access == Access::NONE || !remote.contains(access) {
+            return bad(format!(
+                "a window grants remote rights only, and at least one (asked {access:?})"
+            ));
+        }
+        let writes = Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+        if access.bits() & writes.bits() != 0 && !parent.access.contains(Access::LOCAL_WRITE) {
+            return bad("a remote write or atomic window needs a region with LOCAL_WRITE".into());
+        }
+        if !matches!(parent.backing, Backing::Shm { .. }) {
+            return bad("windows lend memory from alloc_mr (shared memory) only".into());
+        }
+        if peer == 0 {
+            return bad("the QP is not connected to a peer (windows are bound to one)".into());
+        }
+        Self::publish(
+            dev,
+            verb,
+            pd,
+            parent.addr + offset as u64,
+            len,
+            access,
+            (layout::MR_KIND_WINDOW, parent.slot),
+            (parent.key, peer),
+            Backing::Window,
         )
     }
 
@@ -170,8 +223,8 @@ impl SoftMr {
         addr: u64,
         len: usize,
         access: Access,
-        kind: u32,
-        fd: u32,
+        (kind, fd): (u32, u32),
+        (parent_key, bound): (u32, u64),
         backing: Backing,
     ) -> Result<SoftMr> {
         let (slot, gen_) = dev.mr_slots.alloc().ok_or_else(|| {
@@ -193,6 +246,9 @@ impl SoftMr {
         dev.pub64(e + mr::ADDR).store(addr, Ordering::Relaxed);
         dev.pub64(e + mr::LEN).store(len as u64, Ordering::Relaxed);
         dev.pub32(e + mr::PD).store(pd, Ordering::Relaxed);
+        dev.pub32(e + mr::PARENT_KEY)
+            .store(parent_key, Ordering::Relaxed);
+        dev.pub64(e + mr::BOUND).store(bound, Ordering::Relaxed);
         dev.in32(layout::pin(slot as usize))
             .store(0, Ordering::Relaxed);
         dev.pub32(e + mr::KEY).store(key, Ordering::Release);
@@ -203,6 +259,7 @@ impl SoftMr {
             addr,
             len,
             access,
+            pd,
             backing,
         })
     }
@@ -234,7 +291,7 @@ impl Drop for SoftMr {
     fn drop(&mut self) {
         let e = layout::mr_entry(self.slot as usize);
         self.dev.pub32(e + mr::KEY).store(0, Ordering::SeqCst);
-        if matches!(self.backing, Backing::User) {
+        if matches!(self.backing, Backing::User | Backing::Window) {
             // Wait for accesses that passed the key check before we cleared it.
             let pin = self.dev.in32(layout::pin(self.slot as usize));
             let start = Instant::now();

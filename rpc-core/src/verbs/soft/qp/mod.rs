@@ -609,6 +609,14 @@ fn create_err(kind: ErrorKind, detail: String) -> VerbsError {
 }
 
 impl SoftQp {
+    /// The nonce of the peer RNIC this QP is connected to (0 before RTR).
+    pub(crate) fn peer_nonce(&self) -> u64 {
+        self.s
+            .dev
+            .pub64(self.s.entry + qp::REMOTE_NONCE)
+            .load(Ordering::Relaxed)
+    }
+
     pub(crate) fn create(
         dev: &Arc<Device>,
         pd: u32,
