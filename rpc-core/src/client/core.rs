@@ -40,7 +40,18 @@ use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_BULK_PIECES, MAX
 use crate::{Metadata, Request, Response, Status};
 
 const POLL_BATCH: usize = 32;
+/// Idle turns a poller thread spins before it sleeps.
 const SPIN_ITERS: u32 = 20_000;
+/// Idle turns it spins while the machine is contended (see [`ClientCore::run_poller`]).
+const CONTENDED_SPIN_ITERS: u32 = 2 * CLOCK_EVERY;
+/// A spinning poller reads the clock every this many idle turns, to notice preemption.
+const CLOCK_EVERY: u32 = 16;
+/// A gap this long between two clock reads of a spinning poller (a few idle turns take a
+/// few microseconds, tens in a debug build) means the scheduler took its core.
+const PREEMPTED: Duration = Duration::from_micros(200);
+/// How long a poller that was preempted while spinning spins only briefly.
+const CONTENDED_FOR: Duration = Duration::from_millis(100);
+const _: () = assert!(CONTENDED_SPIN_ITERS > CLOCK_EVERY && CONTENDED_SPIN_ITERS < SPIN_ITERS);
 const MAX_SLEEP: Duration = Duration::from_millis(20);
 /// A request's `bytes` field at least this large that lies in the registered region the
 /// request names is sent from there (the server READs it) instead of being copied.
@@ -1186,9 +1197,21 @@ impl<P: Provider> ClientCore<P> {
         d.progress(self)
     }
 
-    /// The poller thread's loop.
+    /// The poller thread's loop: spins while idle, then sleeps on the doorbell and the
+    /// completion channel ([`Driver::sleep`]).
+    ///
+    /// Spinning pays only while the poller has a core of its own. When the scheduler takes it
+    /// away (several pollers and busy servers on few cores: a client of two servers), a
+    /// spinner keeps a core from the threads that have work (the server, the caller's
+    /// runtime, the poller of the connection in use), and each of them waits a time slice
+    /// for it: milliseconds per call. So a poller that sees it was preempted while spinning
+    /// sleeps at once and spins only briefly for [`CONTENDED_FOR`]: a sleeper woken by an
+    /// event gets a core back at once.
     pub(crate) fn run_poller(self: Arc<Self>) {
         let mut idle = 0u32;
+        let mut budget = SPIN_ITERS;
+        let mut last = None::<Instant>;
+        let mut contended_until = None::<Instant>;
         while !self.stop.load(Ordering::Acquire) {
             if self.progress() > 0 {
                 idle = 0;
@@ -1199,31 +1222,34 @@ impl<P: Provider> ClientCore<P> {
                 wait_readable(&[self.doorbell.fd()], MAX_SLEEP);
                 continue;
             }
+            if idle == 0 {
+                // A new idle phase (not per call: this is the poller's thread).
+                let now = Instant::now();
+                budget = match contended_until {
+                    Some(t) if now < t => CONTENDED_SPIN_ITERS,
+                    _ => SPIN_ITERS,
+                };
+                last = Some(now);
+            }
             idle += 1;
-            if idle < SPIN_ITERS {
+            if idle < budget {
+                if idle.is_multiple_of(CLOCK_EVERY) {
+                    let now = Instant::now();
+                    if last.is_some_and(|l| now.duration_since(l) > PREEMPTED) {
+                        contended_until = Some(now + CONTENDED_FOR);
+                        idle = budget;
+                    }
+                    last = Some(now);
+                }
                 std::hint::spin_loop();
                 continue;
             }
-            let Some(d) = self.driver.try_lock() else {
+            let Some(mut d) = self.driver.try_lock() else {
                 continue;
             };
-            self.doorbell.prepare_sleep();
-            let _ = d.cq.req_notify(false);
-            let fd = d.channel.fd();
-            let deadline = d.link.wire.poll_timeout().map(|t| {
-                Duration::from_nanos(t.saturating_sub(d.link.now())).max(Duration::from_micros(50))
-            });
-            let busy = !self.submitted.is_empty() || !self.cancelled.is_empty();
-            if !busy {
-                wait_readable(
-                    &[self.doorbell.fd(), fd],
-                    deadline.unwrap_or(MAX_SLEEP).min(MAX_SLEEP),
-                );
-            }
-            let _ = d.channel.drain();
-            self.doorbell.awake();
+            d.sleep(&self);
             drop(d);
-            idle = SPIN_ITERS / 2;
+            idle = 0;
         }
     }
 }
@@ -1370,6 +1396,33 @@ fn decode_outcome<P: Provider, Resp: Message + Default>(
 }
 
 impl<P: Provider> Driver<P> {
+    /// The poller thread's sleep, the verbs way: announce it (doorbell flag), arm the CQ, then
+    /// look once more (queues and the CQ) and sleep only if nothing came. A completion that
+    /// landed between the last poll and the arming rang nobody (the soft RNIC and a real one
+    /// alike signal only completions that arrive after `req_notify`): without the second look
+    /// it waits for the next event or the timeout. Returns whether it slept.
+    fn sleep(&mut self, core: &ClientCore<P>) -> bool {
+        core.doorbell.prepare_sleep();
+        let _ = self.cq.req_notify(false);
+        // Anything queued before the doorbell flag was visible, or completed before the CQ was
+        // armed, is seen by this re-check (the flag and the arming are SeqCst stores, the
+        // ringers' and the RNIC's checks SeqCst loads).
+        if !core.submitted.is_empty() || !core.cancelled.is_empty() || self.progress(core) > 0 {
+            core.doorbell.awake();
+            return false;
+        }
+        let deadline = self.link.wire.poll_timeout().map(|t| {
+            Duration::from_nanos(t.saturating_sub(self.link.now())).max(Duration::from_micros(50))
+        });
+        wait_readable(
+            &[core.doorbell.fd(), self.channel.fd()],
+            deadline.unwrap_or(MAX_SLEEP).min(MAX_SLEEP),
+        );
+        let _ = self.channel.drain();
+        core.doorbell.awake();
+        true
+    }
+
     fn progress(&mut self, core: &ClientCore<P>) -> usize {
         if core.is_dead() {
             return self.fail_all(core, core.dead_status());
