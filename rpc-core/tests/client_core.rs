@@ -209,9 +209,10 @@ fn back_pressure_case(mode: PollerMode) {
         let n = ticks.load(Ordering::Acquire);
         eprintln!("{mode:?}: {CALLS} calls in {took:?}; ticker: {n} ticks, longest gap {gap:?}");
         // The handlers sleep 150 ms at a time: a call sleeping the runtime's only thread while
-        // it waits for a send slot stops the ticker for about that long.
+        // it waits for a send slot stops the ticker for tens of milliseconds (measured before
+        // the fix: 31-83 ms with the thread poller; after: 3-11 ms).
         assert!(
-            gap < Duration::from_millis(SLEEP_MS / 2),
+            gap < Duration::from_millis(SLEEP_MS / 5),
             "{mode:?}: the ticker stood still for {gap:?} while calls were back-pressured"
         );
         assert!(

@@ -253,6 +253,9 @@ pub(crate) struct ClientCore<P: Provider> {
     /// Callers waiting for a free cell (slow path only).
     waiters: std::sync::atomic::AtomicUsize,
     cell_freed: tokio::sync::Notify,
+    /// Async callers waiting for a free send slot (slow path only).
+    slot_waiters: std::sync::atomic::AtomicUsize,
+    slot_freed: tokio::sync::Notify,
     /// Wakes the driver task (`PollerMode::Caller`) when work arrives.
     drive: Arc<tokio::sync::Notify>,
     /// Cells held by async calls.
@@ -341,6 +344,8 @@ impl<P: Provider> ClientCore<P> {
             free,
             waiters: std::sync::atomic::AtomicUsize::new(0),
             cell_freed: tokio::sync::Notify::new(),
+            slot_waiters: std::sync::atomic::AtomicUsize::new(0),
+            slot_freed: tokio::sync::Notify::new(),
             drive: Arc::new(tokio::sync::Notify::new()),
             async_calls: std::sync::atomic::AtomicUsize::new(0),
             submitted: ArrayQueue::new(n),
@@ -425,6 +430,7 @@ impl<P: Provider> ClientCore<P> {
         let _ = self.dead_status.set(status);
         self.dead.store(true, Ordering::Release);
         self.cell_freed.notify_waiters();
+        self.slot_freed.notify_waiters();
         self.doorbell.ring_always();
         // Whoever drives next fails the calls; make sure someone does.
         self.progress();
@@ -522,6 +528,7 @@ impl<P: Provider> ClientCore<P> {
     /// Encodes the request: eager into a send slot, or by rendezvous from a bulk buffer.
     fn prepare(
         &self,
+        slot: SlotLoan<'_, P>,
         method: &MethodDesc,
         metadata: &Metadata,
         msg: &dyn EncodeMsg,
@@ -546,7 +553,7 @@ impl<P: Provider> ClientCore<P> {
         let mut bulk = None;
         let mut gathered = None;
         let staged = if eager {
-            self.stage(metadata, msg)?
+            self.stage(slot, metadata, msg)?
         } else {
             // Registered memory of this connection's pool may be referenced; other memory
             // (another connection's, after a reconnect) is copied.
@@ -573,7 +580,7 @@ impl<P: Provider> ClientCore<P> {
                 }
             }
             self.counters.bulk_requests.fetch_add(1, Ordering::Relaxed);
-            self.stage(metadata, &NoMsg)?
+            self.stage(slot, metadata, &NoMsg)?
         };
         let landing = match landing_hint {
             // No zone for a response the caller could not accept anyway.
@@ -662,38 +669,103 @@ impl<P: Provider> ClientCore<P> {
         Ok(None)
     }
 
-    fn stage(&self, metadata: &Metadata, msg: &dyn EncodeMsg) -> Result<Staged, Status> {
+    /// A send slot for an async caller: free at once (the common case: no allocation, no
+    /// lock), or awaited (never slept on: the runtime's thread goes on with other tasks) until
+    /// the driver sees one come back.
+    async fn send_slot(&self) -> Result<SlotLoan<'_, P>, Status> {
+        loop {
+            if self.is_dead() {
+                return Err(self.dead_status());
+            }
+            if let Some(slot) = self.arena.take_send() {
+                return Ok(SlotLoan { core: self, slot });
+            }
+            // Slow path: register as a waiter, then look again before waiting (a slot freed
+            // in between is seen here, or its release sees us and notifies).
+            self.slot_waiters.fetch_add(1, Ordering::SeqCst);
+            let notified = self.slot_freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let again = self.arena.take_send();
+            if again.is_none() && !self.is_dead() {
+                // Slots come back with their SEND completions (or when queued requests get
+                // credit): make sure the driver is turning.
+                match self.mode {
+                    PollerMode::Thread => self.doorbell.ring(),
+                    PollerMode::Caller => {
+                        self.progress();
+                        self.drive.notify_one();
+                    }
+                }
+                notified.await;
+            }
+            self.slot_waiters.fetch_sub(1, Ordering::SeqCst);
+            if let Some(slot) = again {
+                return Ok(SlotLoan { core: self, slot });
+            }
+        }
+    }
+
+    /// A send slot for a blocking caller: drives the connection, spinning, yielding, then
+    /// sleeping a little, until one is free.
+    fn send_slot_blocking(&self) -> Result<SlotLoan<'_, P>, Status> {
         let mut spins = 0;
         loop {
-            let Some(slot) = self.arena.take_send() else {
-                if self.is_dead() {
-                    return Err(self.dead_status());
-                }
-                self.progress();
-                spins = backoff(spins);
-                continue;
-            };
-            // SAFETY: we took `slot` and have not posted it.
-            let buf = unsafe { self.arena.send_buf(slot) };
-            let md_len = metadata.encoded_len();
-            let Some(body) = buf.get_mut(MAX_HEADER_LEN..) else {
-                self.arena.release_send(slot);
-                return Err(Status::internal("slot smaller than a header"));
-            };
-            let Some(md_buf) = body.get_mut(..md_len) else {
-                self.arena.release_send(slot);
-                return Err(Status::resource_exhausted("metadata larger than a slot"));
-            };
-            metadata.encode(md_buf);
-            let Some(n) = body.get_mut(md_len..).and_then(|b| msg.encode_into(b)) else {
-                self.arena.release_send(slot);
-                return Err(Status::resource_exhausted("request larger than a slot"));
-            };
-            return Ok(Staged {
-                slot,
-                md_len,
-                payload_len: n,
-            });
+            if let Some(slot) = self.arena.take_send() {
+                return Ok(SlotLoan { core: self, slot });
+            }
+            if self.is_dead() {
+                return Err(self.dead_status());
+            }
+            self.progress();
+            spins = backoff(spins);
+        }
+    }
+
+    /// Wakes async callers waiting for a send slot if one is free (after a driver turn that
+    /// did work: that is when slots come back).
+    fn wake_slot_waiters(&self) {
+        // Pairs with the waiter's SeqCst increment before its second look: either it sees
+        // the slot released before this, or this sees it waiting.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.slot_waiters.load(Ordering::Relaxed) > 0
+            && (self.arena.free_sends() > 0 || self.is_dead())
+        {
+            self.slot_freed.notify_waiters();
+        }
+    }
+
+    fn stage(
+        &self,
+        slot: SlotLoan<'_, P>,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+    ) -> Result<Staged, Status> {
+        // SAFETY: we took the slot (the loan owns it) and have not posted it.
+        let buf = unsafe { self.arena.send_buf(slot.slot) };
+        let md_len = metadata.encoded_len();
+        let Some(body) = buf.get_mut(MAX_HEADER_LEN..) else {
+            return Err(Status::internal("slot smaller than a header"));
+        };
+        let Some(md_buf) = body.get_mut(..md_len) else {
+            return Err(Status::resource_exhausted("metadata larger than a slot"));
+        };
+        metadata.encode(md_buf);
+        let Some(n) = body.get_mut(md_len..).and_then(|b| msg.encode_into(b)) else {
+            return Err(Status::resource_exhausted("request larger than a slot"));
+        };
+        Ok(Staged {
+            slot: slot.into_slot(),
+            md_len,
+            payload_len: n,
+        })
+    }
+
+    /// Returns a send slot a caller took and will not post.
+    fn release_send_slot(&self, slot: u32) {
+        self.arena.release_send(slot);
+        if self.slot_waiters.load(Ordering::SeqCst) > 0 {
+            self.slot_freed.notify_waiters();
         }
     }
 
@@ -706,7 +778,7 @@ impl<P: Provider> ClientCore<P> {
     /// Puts a prepared request in its cell and queues the cell for the driver.
     fn hand_over(&self, idx: u32, generation: u32, sub: Submission<P>) -> Result<(), Status> {
         if let Err(sub) = self.cells[idx as usize].mb.submit(sub) {
-            self.arena.release_send(sub.staged.slot);
+            self.release_send_slot(sub.staged.slot);
             return Err(Status::internal("call cell not owned by the caller"));
         }
         let _ = self.submitted.push((idx, generation));
@@ -754,7 +826,8 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
+        let slot = self.send_slot().await?;
+        let sub = self.prepare(slot, method, &metadata, &msg, timeout, hint, registered)?;
         drop(msg);
         self.submit(idx, generation, sub)?;
         guard.submitted = true;
@@ -840,7 +913,8 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let mut sub = self.prepare(method, metadata, msg, timeout, None, registered)?;
+        let slot = self.send_slot().await?;
+        let mut sub = self.prepare(slot, method, metadata, msg, timeout, None, registered)?;
         let streaming = if method.kind.server_streams() {
             let inbox = Inbox::new(self.stream_window);
             inbox.set_host(Box::new(CallHost {
@@ -895,8 +969,9 @@ impl<P: Provider> ClientCore<P> {
         }
         let len = msg.encoded_len();
         let md = Metadata::new();
+        let slot = self.send_slot().await?;
         let (staged, bulk) = if MAX_HEADER_LEN + len <= self.eager_limit {
-            (self.stage(&md, msg)?, None)
+            (self.stage(slot, &md, msg)?, None)
         } else {
             if len as u64 > self.max_message {
                 return Err(Status::resource_exhausted(format!(
@@ -911,7 +986,7 @@ impl<P: Provider> ClientCore<P> {
             if msg.encode_into(buf.as_mut_slice()).is_none() {
                 return Err(Status::internal("stream message encoding failed"));
             }
-            (self.stage(&md, &NoMsg)?, Some(buf))
+            (self.stage(slot, &md, &NoMsg)?, Some(buf))
         };
         // Only this call's pump takes window (one message at a time); the driver only gives.
         let _ = cell
@@ -1141,7 +1216,8 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
+        let slot = self.send_slot_blocking()?;
+        let sub = self.prepare(slot, method, &metadata, &msg, timeout, hint, registered)?;
         self.hand_over(idx, generation, sub)?;
         guard.submitted = true;
         Ok(guard)
@@ -1337,6 +1413,28 @@ impl<P: Provider> InboxHost for CallHost<P> {
     }
 }
 
+/// A send slot a caller took and has not staged yet: back to the arena (waking a waiter)
+/// if the request fails before it is staged.
+struct SlotLoan<'a, P: Provider> {
+    core: &'a ClientCore<P>,
+    slot: u32,
+}
+
+impl<P: Provider> SlotLoan<'_, P> {
+    /// The slot, now owned by the staged frame.
+    fn into_slot(self) -> u32 {
+        let slot = self.slot;
+        std::mem::forget(self);
+        slot
+    }
+}
+
+impl<P: Provider> Drop for SlotLoan<'_, P> {
+    fn drop(&mut self) {
+        self.core.release_send_slot(self.slot);
+    }
+}
+
 /// Returns the cell when the call ends early, or cancels it when the caller's future is dropped
 /// while in flight.
 struct CellGuard<'a, P: Provider> {
@@ -1428,12 +1526,18 @@ impl<P: Provider> Driver<P> {
             return self.fail_all(core, core.dead_status());
         }
         match self.step(core) {
-            Ok(work) => work,
+            Ok(work) => {
+                if work > 0 {
+                    core.wake_slot_waiters();
+                }
+                work
+            }
             Err(e) => {
                 warn!("{}: connection failed: {e}", core.describe);
                 let _ = core.dead_status.set(e.status());
                 core.dead.store(true, Ordering::Release);
                 core.cell_freed.notify_waiters();
+                core.slot_freed.notify_waiters();
                 self.fail_all(core, e.status())
             }
         }
