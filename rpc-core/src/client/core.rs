@@ -526,6 +526,7 @@ impl<P: Provider> ClientCore<P> {
     }
 
     /// Encodes the request: eager into a send slot, or by rendezvous from a bulk buffer.
+    #[allow(clippy::too_many_arguments)]
     fn prepare(
         &self,
         slot: SlotLoan<'_, P>,
