@@ -40,7 +40,18 @@ use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_BULK_PIECES, MAX
 use crate::{Metadata, Request, Response, Status};
 
 const POLL_BATCH: usize = 32;
+/// Idle turns a poller thread spins before it sleeps.
 const SPIN_ITERS: u32 = 20_000;
+/// Idle turns it spins while the machine is contended (see [`ClientCore::run_poller`]).
+const CONTENDED_SPIN_ITERS: u32 = 2 * CLOCK_EVERY;
+/// A spinning poller reads the clock every this many idle turns, to notice preemption.
+const CLOCK_EVERY: u32 = 16;
+/// A gap this long between two clock reads of a spinning poller (a few idle turns take a
+/// few microseconds, tens in a debug build) means the scheduler took its core.
+const PREEMPTED: Duration = Duration::from_micros(200);
+/// How long a poller that was preempted while spinning spins only briefly.
+const CONTENDED_FOR: Duration = Duration::from_millis(100);
+const _: () = assert!(CONTENDED_SPIN_ITERS > CLOCK_EVERY && CONTENDED_SPIN_ITERS < SPIN_ITERS);
 const MAX_SLEEP: Duration = Duration::from_millis(20);
 /// A request's `bytes` field at least this large that lies in the registered region the
 /// request names is sent from there (the server READs it) instead of being copied.
@@ -247,6 +258,9 @@ pub(crate) struct ClientCore<P: Provider> {
     /// Callers waiting for a free cell (slow path only).
     waiters: std::sync::atomic::AtomicUsize,
     cell_freed: tokio::sync::Notify,
+    /// Async callers waiting for a free send slot (slow path only).
+    slot_waiters: std::sync::atomic::AtomicUsize,
+    slot_freed: tokio::sync::Notify,
     /// Wakes the driver task (`PollerMode::Caller`) when work arrives.
     drive: Arc<tokio::sync::Notify>,
     /// Cells held by async calls.
@@ -334,6 +348,8 @@ impl<P: Provider> ClientCore<P> {
             free,
             waiters: std::sync::atomic::AtomicUsize::new(0),
             cell_freed: tokio::sync::Notify::new(),
+            slot_waiters: std::sync::atomic::AtomicUsize::new(0),
+            slot_freed: tokio::sync::Notify::new(),
             drive: Arc::new(tokio::sync::Notify::new()),
             async_calls: std::sync::atomic::AtomicUsize::new(0),
             submitted: ArrayQueue::new(n),
@@ -418,6 +434,7 @@ impl<P: Provider> ClientCore<P> {
         let _ = self.dead_status.set(status);
         self.dead.store(true, Ordering::Release);
         self.cell_freed.notify_waiters();
+        self.slot_freed.notify_waiters();
         self.doorbell.ring_always();
         // Whoever drives next fails the calls; make sure someone does.
         self.progress();
@@ -513,8 +530,10 @@ impl<P: Provider> ClientCore<P> {
     }
 
     /// Encodes the request: eager into a send slot, or by rendezvous from a bulk buffer.
+    #[allow(clippy::too_many_arguments)]
     fn prepare(
         &self,
+        slot: SlotLoan<'_, P>,
         method: &MethodDesc,
         metadata: &Metadata,
         msg: &dyn EncodeMsg,
@@ -539,7 +558,7 @@ impl<P: Provider> ClientCore<P> {
         let mut bulk = None;
         let mut gathered = None;
         let staged = if eager {
-            self.stage(metadata, msg)?
+            self.stage(slot, metadata, msg)?
         } else {
             // Registered memory of this connection's pool may be referenced; other memory
             // (another connection's, after a reconnect) is copied.
@@ -566,7 +585,7 @@ impl<P: Provider> ClientCore<P> {
                 }
             }
             self.counters.bulk_requests.fetch_add(1, Ordering::Relaxed);
-            self.stage(metadata, &NoMsg)?
+            self.stage(slot, metadata, &NoMsg)?
         };
         let landing = match landing_hint {
             // No zone for a response the caller could not accept anyway.
@@ -639,38 +658,103 @@ impl<P: Provider> ClientCore<P> {
         Ok(None)
     }
 
-    fn stage(&self, metadata: &Metadata, msg: &dyn EncodeMsg) -> Result<Staged, Status> {
+    /// A send slot for an async caller: free at once (the common case: no allocation, no
+    /// lock), or awaited (never slept on: the runtime's thread goes on with other tasks) until
+    /// the driver sees one come back.
+    async fn send_slot(&self) -> Result<SlotLoan<'_, P>, Status> {
+        loop {
+            if self.is_dead() {
+                return Err(self.dead_status());
+            }
+            if let Some(slot) = self.arena.take_send() {
+                return Ok(SlotLoan { core: self, slot });
+            }
+            // Slow path: register as a waiter, then look again before waiting (a slot freed
+            // in between is seen here, or its release sees us and notifies).
+            self.slot_waiters.fetch_add(1, Ordering::SeqCst);
+            let notified = self.slot_freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let again = self.arena.take_send();
+            if again.is_none() && !self.is_dead() {
+                // Slots come back with their SEND completions (or when queued requests get
+                // credit): make sure the driver is turning.
+                match self.mode {
+                    PollerMode::Thread => self.doorbell.ring(),
+                    PollerMode::Caller => {
+                        self.progress();
+                        self.drive.notify_one();
+                    }
+                }
+                notified.await;
+            }
+            self.slot_waiters.fetch_sub(1, Ordering::SeqCst);
+            if let Some(slot) = again {
+                return Ok(SlotLoan { core: self, slot });
+            }
+        }
+    }
+
+    /// A send slot for a blocking caller: drives the connection, spinning, yielding, then
+    /// sleeping a little, until one is free.
+    fn send_slot_blocking(&self) -> Result<SlotLoan<'_, P>, Status> {
         let mut spins = 0;
         loop {
-            let Some(slot) = self.arena.take_send() else {
-                if self.is_dead() {
-                    return Err(self.dead_status());
-                }
-                self.progress();
-                spins = backoff(spins);
-                continue;
-            };
-            // SAFETY: we took `slot` and have not posted it.
-            let buf = unsafe { self.arena.send_buf(slot) };
-            let md_len = metadata.encoded_len();
-            let Some(body) = buf.get_mut(MAX_HEADER_LEN..) else {
-                self.arena.release_send(slot);
-                return Err(Status::internal("slot smaller than a header"));
-            };
-            let Some(md_buf) = body.get_mut(..md_len) else {
-                self.arena.release_send(slot);
-                return Err(Status::resource_exhausted("metadata larger than a slot"));
-            };
-            metadata.encode(md_buf);
-            let Some(n) = body.get_mut(md_len..).and_then(|b| msg.encode_into(b)) else {
-                self.arena.release_send(slot);
-                return Err(Status::resource_exhausted("request larger than a slot"));
-            };
-            return Ok(Staged {
-                slot,
-                md_len,
-                payload_len: n,
-            });
+            if let Some(slot) = self.arena.take_send() {
+                return Ok(SlotLoan { core: self, slot });
+            }
+            if self.is_dead() {
+                return Err(self.dead_status());
+            }
+            self.progress();
+            spins = backoff(spins);
+        }
+    }
+
+    /// Wakes async callers waiting for a send slot if one is free (after a driver turn that
+    /// did work: that is when slots come back).
+    fn wake_slot_waiters(&self) {
+        // Pairs with the waiter's SeqCst increment before its second look: either it sees
+        // the slot released before this, or this sees it waiting.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.slot_waiters.load(Ordering::Relaxed) > 0
+            && (self.arena.free_sends() > 0 || self.is_dead())
+        {
+            self.slot_freed.notify_waiters();
+        }
+    }
+
+    fn stage(
+        &self,
+        slot: SlotLoan<'_, P>,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+    ) -> Result<Staged, Status> {
+        // SAFETY: we took the slot (the loan owns it) and have not posted it.
+        let buf = unsafe { self.arena.send_buf(slot.slot) };
+        let md_len = metadata.encoded_len();
+        let Some(body) = buf.get_mut(MAX_HEADER_LEN..) else {
+            return Err(Status::internal("slot smaller than a header"));
+        };
+        let Some(md_buf) = body.get_mut(..md_len) else {
+            return Err(Status::resource_exhausted("metadata larger than a slot"));
+        };
+        metadata.encode(md_buf);
+        let Some(n) = body.get_mut(md_len..).and_then(|b| msg.encode_into(b)) else {
+            return Err(Status::resource_exhausted("request larger than a slot"));
+        };
+        Ok(Staged {
+            slot: slot.into_slot(),
+            md_len,
+            payload_len: n,
+        })
+    }
+
+    /// Returns a send slot a caller took and will not post.
+    fn release_send_slot(&self, slot: u32) {
+        self.arena.release_send(slot);
+        if self.slot_waiters.load(Ordering::SeqCst) > 0 {
+            self.slot_freed.notify_waiters();
         }
     }
 
@@ -683,7 +767,7 @@ impl<P: Provider> ClientCore<P> {
     /// Puts a prepared request in its cell and queues the cell for the driver.
     fn hand_over(&self, idx: u32, generation: u32, sub: Submission<P>) -> Result<(), Status> {
         if let Err(sub) = self.cells[idx as usize].mb.submit(sub) {
-            self.arena.release_send(sub.staged.slot);
+            self.release_send_slot(sub.staged.slot);
             return Err(Status::internal("call cell not owned by the caller"));
         }
         let _ = self.submitted.push((idx, generation));
@@ -731,7 +815,8 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
+        let slot = self.send_slot().await?;
+        let sub = self.prepare(slot, method, &metadata, &msg, timeout, hint, registered)?;
         drop(msg);
         self.submit(idx, generation, sub)?;
         guard.submitted = true;
@@ -817,7 +902,8 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let mut sub = self.prepare(method, metadata, msg, timeout, None, registered)?;
+        let slot = self.send_slot().await?;
+        let mut sub = self.prepare(slot, method, metadata, msg, timeout, None, registered)?;
         let streaming = if method.kind.server_streams() {
             let inbox = Inbox::new(self.stream_window);
             inbox.set_host(Box::new(CallHost {
@@ -872,8 +958,9 @@ impl<P: Provider> ClientCore<P> {
         }
         let len = msg.encoded_len();
         let md = Metadata::new();
+        let slot = self.send_slot().await?;
         let (staged, bulk) = if MAX_HEADER_LEN + len <= self.eager_limit {
-            (self.stage(&md, msg)?, None)
+            (self.stage(slot, &md, msg)?, None)
         } else {
             if len as u64 > self.max_message {
                 return Err(Status::resource_exhausted(format!(
@@ -888,7 +975,7 @@ impl<P: Provider> ClientCore<P> {
             if msg.encode_into(buf.as_mut_slice()).is_none() {
                 return Err(Status::internal("stream message encoding failed"));
             }
-            (self.stage(&md, &NoMsg)?, Some(buf))
+            (self.stage(slot, &md, &NoMsg)?, Some(buf))
         };
         // Only this call's pump takes window (one message at a time); the driver only gives.
         let _ = cell
@@ -1118,7 +1205,8 @@ impl<P: Provider> ClientCore<P> {
             generation,
             submitted: false,
         };
-        let sub = self.prepare(method, &metadata, &msg, timeout, hint, registered)?;
+        let slot = self.send_slot_blocking()?;
+        let sub = self.prepare(slot, method, &metadata, &msg, timeout, hint, registered)?;
         self.hand_over(idx, generation, sub)?;
         guard.submitted = true;
         Ok(guard)
@@ -1174,9 +1262,21 @@ impl<P: Provider> ClientCore<P> {
         d.progress(self)
     }
 
-    /// The poller thread's loop.
+    /// The poller thread's loop: spins while idle, then sleeps on the doorbell and the
+    /// completion channel ([`Driver::sleep`]).
+    ///
+    /// Spinning pays only while the poller has a core of its own. When the scheduler takes it
+    /// away (several pollers and busy servers on few cores: a client of two servers), a
+    /// spinner keeps a core from the threads that have work (the server, the caller's
+    /// runtime, the poller of the connection in use), and each of them waits a time slice
+    /// for it: milliseconds per call. So a poller that sees it was preempted while spinning
+    /// sleeps at once and spins only briefly for [`CONTENDED_FOR`]: a sleeper woken by an
+    /// event gets a core back at once.
     pub(crate) fn run_poller(self: Arc<Self>) {
         let mut idle = 0u32;
+        let mut budget = SPIN_ITERS;
+        let mut last = None::<Instant>;
+        let mut contended_until = None::<Instant>;
         while !self.stop.load(Ordering::Acquire) {
             if self.progress() > 0 {
                 idle = 0;
@@ -1187,31 +1287,34 @@ impl<P: Provider> ClientCore<P> {
                 wait_readable(&[self.doorbell.fd()], MAX_SLEEP);
                 continue;
             }
+            if idle == 0 {
+                // A new idle phase (not per call: this is the poller's thread).
+                let now = Instant::now();
+                budget = match contended_until {
+                    Some(t) if now < t => CONTENDED_SPIN_ITERS,
+                    _ => SPIN_ITERS,
+                };
+                last = Some(now);
+            }
             idle += 1;
-            if idle < SPIN_ITERS {
+            if idle < budget {
+                if idle.is_multiple_of(CLOCK_EVERY) {
+                    let now = Instant::now();
+                    if last.is_some_and(|l| now.duration_since(l) > PREEMPTED) {
+                        contended_until = Some(now + CONTENDED_FOR);
+                        idle = budget;
+                    }
+                    last = Some(now);
+                }
                 std::hint::spin_loop();
                 continue;
             }
-            let Some(d) = self.driver.try_lock() else {
+            let Some(mut d) = self.driver.try_lock() else {
                 continue;
             };
-            self.doorbell.prepare_sleep();
-            let _ = d.cq.req_notify(false);
-            let fd = d.channel.fd();
-            let deadline = d.link.wire.poll_timeout().map(|t| {
-                Duration::from_nanos(t.saturating_sub(d.link.now())).max(Duration::from_micros(50))
-            });
-            let busy = !self.submitted.is_empty() || !self.cancelled.is_empty();
-            if !busy {
-                wait_readable(
-                    &[self.doorbell.fd(), fd],
-                    deadline.unwrap_or(MAX_SLEEP).min(MAX_SLEEP),
-                );
-            }
-            let _ = d.channel.drain();
-            self.doorbell.awake();
+            d.sleep(&self);
             drop(d);
-            idle = SPIN_ITERS / 2;
+            idle = 0;
         }
     }
 }
@@ -1299,6 +1402,28 @@ impl<P: Provider> InboxHost for CallHost<P> {
     }
 }
 
+/// A send slot a caller took and has not staged yet: back to the arena (waking a waiter)
+/// if the request fails before it is staged.
+struct SlotLoan<'a, P: Provider> {
+    core: &'a ClientCore<P>,
+    slot: u32,
+}
+
+impl<P: Provider> SlotLoan<'_, P> {
+    /// The slot, now owned by the staged frame.
+    fn into_slot(self) -> u32 {
+        let slot = self.slot;
+        std::mem::forget(self);
+        slot
+    }
+}
+
+impl<P: Provider> Drop for SlotLoan<'_, P> {
+    fn drop(&mut self) {
+        self.core.release_send_slot(self.slot);
+    }
+}
+
 /// Returns the cell when the call ends early, or cancels it when the caller's future is dropped
 /// while in flight.
 struct CellGuard<'a, P: Provider> {
@@ -1358,17 +1483,50 @@ fn decode_outcome<P: Provider, Resp: Message + Default>(
 }
 
 impl<P: Provider> Driver<P> {
+    /// The poller thread's sleep, the verbs way: announce it (doorbell flag), arm the CQ, then
+    /// look once more (queues and the CQ) and sleep only if nothing came. A completion that
+    /// landed between the last poll and the arming rang nobody (the soft RNIC and a real one
+    /// alike signal only completions that arrive after `req_notify`): without the second look
+    /// it waits for the next event or the timeout. Returns whether it slept.
+    fn sleep(&mut self, core: &ClientCore<P>) -> bool {
+        core.doorbell.prepare_sleep();
+        let _ = self.cq.req_notify(false);
+        // Anything queued before the doorbell flag was visible, or completed before the CQ was
+        // armed, is seen by this re-check (the flag and the arming are SeqCst stores, the
+        // ringers' and the RNIC's checks SeqCst loads).
+        if !core.submitted.is_empty() || !core.cancelled.is_empty() || self.progress(core) > 0 {
+            core.doorbell.awake();
+            return false;
+        }
+        let deadline = self.link.wire.poll_timeout().map(|t| {
+            Duration::from_nanos(t.saturating_sub(self.link.now())).max(Duration::from_micros(50))
+        });
+        wait_readable(
+            &[core.doorbell.fd(), self.channel.fd()],
+            deadline.unwrap_or(MAX_SLEEP).min(MAX_SLEEP),
+        );
+        let _ = self.channel.drain();
+        core.doorbell.awake();
+        true
+    }
+
     fn progress(&mut self, core: &ClientCore<P>) -> usize {
         if core.is_dead() {
             return self.fail_all(core, core.dead_status());
         }
         match self.step(core) {
-            Ok(work) => work,
+            Ok(work) => {
+                if work > 0 {
+                    core.wake_slot_waiters();
+                }
+                work
+            }
             Err(e) => {
                 warn!("{}: connection failed: {e}", core.describe);
                 let _ = core.dead_status.set(e.status());
                 core.dead.store(true, Ordering::Release);
                 core.cell_freed.notify_waiters();
+                core.slot_freed.notify_waiters();
                 self.fail_all(core, e.status())
             }
         }
