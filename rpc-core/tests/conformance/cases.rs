@@ -1078,3 +1078,169 @@ pub fn channel_wakes_sleeper<P: Provider>(s: &mut Side<P>) {
         }
     }
 }
+
+/// Memory windows (`Pd::bind_window`): a loan of a range of a local-only region to the peer of
+/// one QP, with one right, under a fresh key, revoked when dropped. Side A plays the rogue
+/// peer: every access outside the loan fails with REM_ACCESS_ERR (its QP goes to ERROR, as RC
+/// does), and B's memory outside the loan is never touched.
+pub fn window_loans<P: Provider>(s: &mut Side<P>) {
+    const LEN: usize = 1 << 16;
+    const OFF: usize = 4096;
+    const WIN: usize = 8192;
+    let names = [
+        "read inside the loan",
+        "read past the loan",
+        "write through a read loan",
+        "the region's own key",
+        "after revocation",
+        "another peer's loan",
+    ];
+    for (k, name) in names.iter().enumerate() {
+        // Soft binds a window to the peer RNIC; ib's windows (registrations of the range)
+        // answer any QP of the protection domain while they live.
+        if k == 5 && P::NAME != "soft" {
+            continue;
+        }
+        let mut c = connect(s, Opts::default());
+        match s.role {
+            Role::A => {
+                let w = s.recv_mr();
+                let own = s.recv_mr();
+                let mr = mr_all::<P>(&c.pd, LEN);
+                // A second device of this side (another peer for B's RNIC), connected to B's
+                // second QP, which tries the key B lent to the first.
+                let mut second = (k == 5).then(|| {
+                    let ctx = P::open(None).expect("a second context");
+                    let pd = ctx.alloc_pd().expect("alloc_pd");
+                    let mut cq = ctx.create_cq(256, None).expect("create_cq");
+                    let mut qp = pd.create_qp(&cq, &cq, Opts::default().caps).unwrap();
+                    qp.modify_to_init(Access::ALL).unwrap();
+                    let remote = s.exchange_endpoint(&qp.endpoint());
+                    qp.connect(&remote, &ConnectAttr::default()).unwrap();
+                    s.barrier();
+                    let _ = poll_for(&mut cq, Duration::from_millis(1));
+                    let mr = mr_all::<P>(&pd, LEN);
+                    (ctx, pd, cq, qp, mr)
+                });
+                let (op, len) = match k {
+                    0 | 4 | 5 => (
+                        WrOp::Read {
+                            remote_addr: w.addr,
+                            rkey: w.rkey,
+                        },
+                        WIN,
+                    ),
+                    1 => (
+                        WrOp::Read {
+                            remote_addr: w.addr + w.len - 32,
+                            rkey: w.rkey,
+                        },
+                        64,
+                    ),
+                    2 => (
+                        WrOp::Write {
+                            remote_addr: w.addr,
+                            rkey: w.rkey,
+                        },
+                        64,
+                    ),
+                    _ => (
+                        WrOp::Read {
+                            remote_addr: own.addr + OFF as u64,
+                            rkey: own.rkey,
+                        },
+                        64,
+                    ),
+                };
+                let sge = [mr.sge(0, len as u32).unwrap()];
+                if k == 4 {
+                    // Inside the loan it works; B then revokes it; the same read fails.
+                    post_send(&mut c.qp, 1, op, &sge, SIG);
+                    assert_ok(&poll_n(&mut c.cq, 1)[0], 1);
+                    assert_eq!(read_mr(&mr, 0, WIN), &pattern(7, LEN)[OFF..OFF + WIN]);
+                    s.barrier();
+                    s.barrier();
+                }
+                let (qp, cq, sge) = match second.as_mut() {
+                    Some((_, _, cq, qp, mr)) => (qp, cq, [mr.sge(0, len as u32).unwrap()]),
+                    None => (&mut c.qp, &mut c.cq, sge),
+                };
+                post_send(qp, 9, op, &sge, SIG);
+                let wc = poll_n(cq, 1)[0];
+                assert_eq!(wc.wr_id, 9);
+                if k == 0 {
+                    assert_ok(&wc, 9);
+                    assert_eq!(read_mr(&mr, 0, WIN), &pattern(7, LEN)[OFF..OFF + WIN]);
+                } else {
+                    assert_eq!(wc.status, WcStatus::RemAccessErr, "{name}: {wc:?}");
+                    assert_eq!(qp.state(), QpState::Error, "{name}: requester QP state");
+                }
+                s.barrier();
+            }
+            Role::B => {
+                let mr = c.pd.alloc_mr(LEN, Access::LOCAL_WRITE).unwrap();
+                write_mr(&mr, 0, &pattern(7, LEN));
+                let access = Access::REMOTE_READ;
+                let mut window = Some(
+                    c.pd.bind_window(&mr, OFF, WIN, access, &c.qp)
+                        .expect("bind_window"),
+                );
+                let w = window.as_ref().map(|w| w.remote()).unwrap();
+                assert_eq!(w.len, WIN as u64);
+                assert_eq!(w.addr, mr.addr() + OFF as u64);
+                assert_ne!(w.rkey, mr.rkey(), "{name}: a fresh key");
+                s.send_mr(&w);
+                s.send_mr(&mr.remote());
+                let _second = (k == 5).then(|| {
+                    let cq = s.ctx.create_cq(256, None).expect("create_cq");
+                    let mut qp = c.pd.create_qp(&cq, &cq, Opts::default().caps).unwrap();
+                    qp.modify_to_init(Access::ALL).unwrap();
+                    let remote = s.exchange_endpoint(&qp.endpoint());
+                    qp.connect(&remote, &ConnectAttr::default()).unwrap();
+                    s.barrier();
+                    (cq, qp)
+                });
+                if k == 4 {
+                    s.barrier();
+                    window = None;
+                    s.barrier();
+                }
+                s.barrier();
+                drop(window);
+                assert_eq!(read_mr(&mr, 0, LEN), pattern(7, LEN), "{name}: B's bytes");
+            }
+        }
+    }
+}
+
+/// Windows refuse what no loan may be: an empty or outside range, local rights, remote write
+/// on a region without LOCAL_WRITE.
+pub fn window_arguments<P: Provider>(s: &mut Side<P>) {
+    let c = connect(s, Opts::default());
+    let ro = c.pd.alloc_mr(4096, Access::NONE).unwrap();
+    let rw = c.pd.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let bad = [
+        (&rw, 0, 0, Access::REMOTE_READ, "empty"),
+        (&rw, 4000, 200, Access::REMOTE_READ, "outside"),
+        (&rw, 0, 100, Access::LOCAL_WRITE, "a local right"),
+        (&rw, 0, 100, Access::NONE, "no right"),
+        (
+            &ro,
+            0,
+            100,
+            Access::REMOTE_WRITE,
+            "write without LOCAL_WRITE",
+        ),
+    ];
+    for (mr, off, len, access, what) in bad {
+        let e =
+            c.pd.bind_window(mr, off, len, access, &c.qp)
+                .expect_err(what);
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{what}: {e}");
+    }
+    assert!(
+        c.pd.bind_window(&ro, 0, 100, Access::REMOTE_READ, &c.qp)
+            .is_ok()
+    );
+    s.barrier();
+}

@@ -37,6 +37,8 @@ macro_rules! conformance_suite {
             atomics,
             atomics_concurrent,
             remote_access_errors,
+            window_loans,
+            window_arguments,
             flush_after_failure,
             rnr_retry_exceeded,
             rnr_retry_forever,
