@@ -13,6 +13,38 @@
 //! - [`wire`]: frames, calls, credits, rendezvous; no I/O, no clock.
 //! - [`buf`]: registered memory carved into send/receive slot rings and a bulk pool.
 //! - [`server`], [`client`]: shards polling CQs, handler dispatch, futures and blocking calls.
+//!
+//! # Registered memory: who may touch which bytes, and when
+//!
+//! Zero copy lends registered memory: to the NIC while a work request is posted, to the user's
+//! `Bytes` after a receive, to the peer through a remote key. Every loan is bounded and ends
+//! at a known point; this is the trust model.
+//!
+//! | memory | who may touch it | what a peer can do | the loan ends |
+//! |---|---|---|---|
+//! | **send slot** (a connection's arena, local access only) | the caller encoding a frame into it, then the NIC from `post_send` | nothing: slots have no remote key | at the send's completion (or at once for an inline send), never earlier |
+//! | **receive slot** (same arena) | the NIC while its RECV is posted, then the decoder; a `bytes` field of 512 B or more may borrow it | send into it only while posted (SEND/RECV); no remote key | when the decoded message and every `Bytes` taken from it are dropped. At most half of a connection's receive slots are lent at once (its *lending budget*); past it, large fields are copied and the slot goes back at once, so keeping received data never stalls a connection |
+//! | **rendezvous source** (a bulk buffer holding a large message) | the sender, until it advertises it; then read-only for everyone | RDMA READ of exactly the advertised bytes, through a key of its own, from this connection's peer only (soft) | at the peer's `BulkRelease`, or when the call ends: the key is revoked before the buffer returns to its pool |
+//! | **landing zone** (a bulk buffer a client lends for a large response) | the server's NIC, then the client once the response arrived | RDMA WRITE of exactly the advertised bytes, from this connection's server only (soft) | when the response's write completes: the key is revoked before the client reads a byte |
+//! | **registered request bytes** ([`Channel::alloc_bytes`]) | the user, until frozen; then read-only, shared by the requests that reference it | RDMA READ of the referenced field's bytes, one key per request | when that request's server is done (`BulkRelease` or the call's end) |
+//! | **explicit region** ([`Channel::alloc_region`]) | the user and the handlers it names the region to | READ and WRITE of the whole region through its own key, while the region lives | when the region is dropped (not when the call ends: see below) |
+//!
+//! Remote keys are windows ([`verbs::Pd::bind_window`]): a fresh key per loan, with the one
+//! right the use needs, covering the advertised range only, revoked when the loan ends. The
+//! bulk pool's regions are registered for local access, so their own keys give a peer nothing.
+//! A stale, forged, out-of-range or wrong-right key fails the peer's operation with
+//! `REM_ACCESS_ERR`, and its connection breaks (as RC does); no other connection is touched.
+//!
+//! Limits, plainly: on the soft provider a window is bound to the peer's RNIC instance (one
+//! per `Channel` today), so a peer cannot use a key lent to another connection. On the ib
+//! provider a window is a registration of the lent range (`ibv_reg_mr`, deregistered on
+//! revocation): fresh, least-privilege and revoked, but usable by any QP of the protection
+//! domain while it lives (type-2 memory windows bound to the QP would close that). Explicit
+//! regions keep one key with read and write rights for their whole life; a handler's access
+//! to them does not end with its call.
+//!
+//! Posted buffers belong to the NIC: nothing named by a posted work request is reused before
+//! its completion is polled or its QP destroyed.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

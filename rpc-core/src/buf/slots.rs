@@ -158,7 +158,7 @@ impl<P: Provider> SlotArena<P> {
         let _ = self.free_send.push(idx);
     }
 
-    /// How many receive slots are lent out of the ring now (see [`lending_budget`]).
+    /// How many receive slots are lent out of the ring now (at most half of them).
     pub fn lent(&self) -> u32 {
         self.lent.load(Ordering::Relaxed)
     }
