@@ -2224,8 +2224,12 @@ impl<P: Provider> Driver<P> {
     /// through our keys (lent payloads, landing zones) is parked in the link's graveyard, freed
     /// only once the QPs are destroyed (the CQ is not polled any more, so no completion would
     /// ever give it back). Send slots of posted SENDs stay taken for the same reason.
+    ///
+    /// The calls end with the connection's first recorded cause when there is one (a flush
+    /// that followed the real failure, or a second error, does not replace it).
     fn fail_all(&mut self, core: &ClientCore<P>, status: Status) -> usize {
         use crate::verbs::{Qp, QpState};
+        let status = core.dead_status.get().cloned().unwrap_or(status);
         if self.link.qp.state() != QpState::Error {
             self.link.fail_qps();
         }
