@@ -1,5 +1,6 @@
 //! Fault injection for tests: test hooks on soft objects. They change nothing unless called,
-//! and cost nothing on the data path (one relaxed load of the delay word in `post_send`).
+//! and cost nothing on the data path (one relaxed load of the delay word in `post_send`, and
+//! one of the armed count per one-sided transfer the RPC layer posts: [`arm_one_sided`]).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -108,7 +109,8 @@ static ARMED_LEFT: AtomicU32 = AtomicU32::new(0);
 static ARMED_FAULT: AtomicU64 = AtomicU64::new(0);
 
 /// Process-wide: the next `count` operations of kind `op` that the RPC layer posts on a soft QP
-/// get `fault` first (a test binary arms one at a time). Replaces what was armed.
+/// get `fault` first (a test binary arms one at a time). Replaces what was armed; a `count` of
+/// 0 disarms.
 pub fn arm_one_sided(op: OneSided, fault: OneSidedFault, count: u32) {
     let f = match fault {
         OneSidedFault::Flush => u64::MAX,
