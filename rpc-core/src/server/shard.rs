@@ -100,6 +100,10 @@ struct SrvCall<P: Provider> {
     /// primary QP). The NIC's, not the call's: kept across calls of the slot, returned one by
     /// one by successful WRITE completions, parked when the connection fails or closes.
     writing: VecDeque<RespHold<P>>,
+    /// READ completions still to come for targets parked when the slot was reused under them
+    /// (`park_reads`): skipped, so they are not taken for the new call's (READs of one slot
+    /// complete in posting order on the primary QP).
+    stale_reads: u16,
     /// The buffer a rendezvous request was READ into, shared with the request's `bytes`
     /// fields: a response may be sent from it (`respond_landing`).
     req_buf: Option<Arc<BulkBuf<P>>>,
@@ -184,7 +188,7 @@ impl<P: Provider> SrvCall<P> {
         self.stream_bulks.clear();
         self.blocked = false;
         self.path = "?";
-        // Not `writing`: those belong to the NIC until their completions.
+        // Not `writing` nor `stale_reads`: those follow the NIC's completions, not calls.
     }
 
     /// Whether a READ posted for this slot is still in flight (its target is the NIC's).
@@ -192,16 +196,25 @@ impl<P: Provider> SrvCall<P> {
         self.reading.is_some() || self.stream_read.is_some()
     }
 
-    /// Moves everything of the slot that the NIC or the client may still touch (READ targets,
-    /// WRITE sources, buffers lent by key) into `link`'s graveyard: freed only after the
-    /// link's QPs are destroyed.
-    fn park(&mut self, link: &mut Link<P>) {
+    /// Moves the targets of the slot's READs in flight into `link`'s graveyard (freed only
+    /// after the link's QPs are destroyed): for a slot reused while they are posted. Their
+    /// completions then find nothing to fill.
+    fn park_reads(&mut self, link: &mut Link<P>) {
         if let Some(p) = self.reading.take() {
+            self.stale_reads = self.stale_reads.saturating_add(u16::from(p.reads_left));
             link.park(p.buf);
         }
         if let Some(b) = self.stream_read.take() {
+            self.stale_reads = self.stale_reads.saturating_add(1);
             link.park(b);
         }
+    }
+
+    /// Moves everything of the slot that the NIC or the client may still touch (READ targets,
+    /// WRITE sources, buffers lent by key) into `link`'s graveyard: for a connection that
+    /// closes (its completions will not be polled any more).
+    fn park(&mut self, link: &mut Link<P>) {
+        self.park_reads(link);
         if let Some(h) = self.resp_bulk.take() {
             link.park(h);
         }
@@ -232,6 +245,7 @@ impl<P: Provider> SrvCall<P> {
             held: VecDeque::new(),
             stream_bulks: VecDeque::new(),
             writing: VecDeque::new(),
+            stale_reads: 0,
             blocked: false,
             path: "?",
         }
@@ -634,12 +648,16 @@ impl<P: Provider> ServerConn<P> {
         };
         match r {
             Ok(()) => {
+                // Into the slot's queue whatever call the slot holds now: its completion pops
+                // that queue, in order.
                 match self.calls.get_mut(call.slot() as usize) {
-                    Some(c) if c.id == call => {
+                    Some(c) => {
                         c.writing.push_back(hold);
-                        c.lent = false;
+                        if c.id == call {
+                            c.lent = false;
+                        }
                     }
-                    _ => self.link.park(hold),
+                    None => self.link.park(hold),
                 }
                 self.link.wire.finish(call);
                 true
@@ -1506,7 +1524,7 @@ impl<P: Provider> Shard<P> {
                                 ));
                             };
                             if sc.reads_in_flight() {
-                                sc.park(&mut conn.link);
+                                sc.park_reads(&mut conn.link);
                             }
                             // In place: the slot's WRITEs in flight stay (see `writing`).
                             sc.reset();
@@ -1532,7 +1550,7 @@ impl<P: Provider> Shard<P> {
                 if sc.reads_in_flight() {
                     // A new call in a slot whose old call still READs (only a broken client
                     // does that): the old target stays the NIC's.
-                    sc.park(&mut conn.link);
+                    sc.park_reads(&mut conn.link);
                 }
                 // In place (a SrvCall is large; building and moving a whole one per call
                 // showed up as memcpy).
@@ -1696,6 +1714,11 @@ impl<P: Provider> Shard<P> {
         let Some(c) = conn.calls.get_mut(slot as usize) else {
             return Ok(());
         };
+        if c.stale_reads > 0 {
+            // The READ of a call this slot held before (its target is parked).
+            c.stale_reads -= 1;
+            return Ok(());
+        }
         if c.stream_read.is_some() {
             let call = c.id;
             return conn.stream_read_done(call);
