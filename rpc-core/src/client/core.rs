@@ -35,7 +35,7 @@ use crate::link::{
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
 use crate::streaming::{Inbox, InboxHost, Item, Streaming};
-use crate::verbs::{Access, CompChannel, Cq, Mr, Provider, RemoteMr, Wc, WcStatus};
+use crate::verbs::{Access, CompChannel, Cq, Mr, Provider, RemoteMr, Wc};
 use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Request, Response, Status};
 
@@ -2161,8 +2161,13 @@ impl<P: Provider> Driver<P> {
         if key != self.link.key() {
             return Ok(());
         }
+        // Every completion goes through `check` (a flush fails everything but RECV): a failed
+        // one fails the link, and the buffers its work request named go to the link's
+        // graveyard in `fail_all`, never back to a pool here.
         match kind {
             Some(WrKind::Send) => {
+                // The SEND's completion was polled: the NIC is done with the slot, whatever
+                // the status.
                 core.arena.release_send(aux);
                 check(wc)
             }
@@ -2175,6 +2180,7 @@ impl<P: Provider> Driver<P> {
                 Some(Received::Written { imm, .. }) => self.on_written(core, CallId(imm)),
             },
             Some(WrKind::Read) => {
+                // A flushed READ filled nothing: never decode its buffer.
                 check(wc)?;
                 self.on_read_done(core, aux as usize)
             }
@@ -2408,6 +2414,8 @@ impl<P: Provider> Driver<P> {
         Ok(())
     }
 
+    /// The READ of the call in slot `s` completed successfully (`check` passed: a failed or
+    /// flushed READ never comes here, it fails the link).
     fn on_read_done(&mut self, core: &ClientCore<P>, s: usize) -> Result<(), LinkError> {
         let Some(c) = self.calls.get_mut(s) else {
             return Ok(());
@@ -2450,7 +2458,20 @@ impl<P: Provider> Driver<P> {
         self.link.control(Control::BulkRelease(call))
     }
 
+    /// Fails every call of a dead connection with `status`. The QPs go to ERROR; what the
+    /// calls' posted work requests name (READ targets) and what the server may still reach
+    /// through our keys (lent payloads, landing zones) is parked in the link's graveyard, freed
+    /// only once the QPs are destroyed (the CQ is not polled any more, so no completion would
+    /// ever give it back). Send slots of posted SENDs stay taken for the same reason.
+    ///
+    /// The calls end with the connection's first recorded cause when there is one (a flush
+    /// that followed the real failure, or a second error, does not replace it).
     fn fail_all(&mut self, core: &ClientCore<P>, status: Status) -> usize {
+        use crate::verbs::{Qp, QpState};
+        let status = core.dead_status.get().cloned().unwrap_or(status);
+        if self.link.qp.state() != QpState::Error {
+            self.link.fail_qps();
+        }
         let mut n = 0;
         for s in 0..self.calls.len() {
             if self.calls[s].id.0 != 0 {
@@ -2458,10 +2479,11 @@ impl<P: Provider> Driver<P> {
                     inbox.finish(Some(status.clone()));
                 }
                 self.deliver(core, s, Outcome::Failed(status.clone()));
-                let c = std::mem::replace(&mut self.calls[s], DrvCall::empty());
-                for ss in c.out {
+                let mut c = std::mem::replace(&mut self.calls[s], DrvCall::empty());
+                for ss in std::mem::take(&mut c.out) {
                     self.discard(ss);
                 }
+                park_call(&mut self.link, &mut c);
                 n += 1;
             }
         }
@@ -2506,10 +2528,40 @@ fn desc(r: RemoteMr) -> BulkDesc {
     }
 }
 
+/// The completion check shared with the server ([`crate::link::completion`]): a flush is a
+/// failure for everything but RECV.
 fn check(wc: &Wc) -> Result<(), LinkError> {
-    match wc.status {
-        WcStatus::Success | WcStatus::WrFlushErr => Ok(()),
-        _ => Err(LinkError::Completion(crate::verbs::WcError { wc: *wc })),
+    crate::link::completion(wc)
+}
+
+/// Moves the buffers of a call that the NIC may still touch (a READ target, buffers lent to
+/// the server) into the link's graveyard: freed after the link's QPs are destroyed.
+fn park_call<P: Provider>(link: &mut Link<P>, c: &mut DrvCall<P>) {
+    if let Some(l) = c.lent_bulk.take() {
+        link.park(l);
+    }
+    if let Some(b) = c.landing.take() {
+        link.park(b);
+    }
+    if let Some((b, _)) = c.reading.take() {
+        link.park(b);
+    }
+    if let Some(b) = c.stream_read.take() {
+        link.park(b);
+    }
+    if !c.stream_lent.is_empty() {
+        link.park(std::mem::take(&mut c.stream_lent));
+    }
+}
+
+impl<P: Provider> Drop for Driver<P> {
+    fn drop(&mut self) {
+        // Teardown with calls in flight (the last handle dropped them): what they lent or
+        // posted goes to the graveyard, which `link` frees after destroying its QPs (its
+        // fields drop after this), whatever the order of this struct's fields.
+        for c in self.calls.iter_mut() {
+            park_call(&mut self.link, c);
+        }
     }
 }
 

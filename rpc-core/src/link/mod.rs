@@ -23,12 +23,19 @@
 //!
 //! Work-request ids name the link (`key`, with a generation so completions of a closed link are
 //! ignored), the kind of work and a slot or call index.
+//!
+//! Posting hands the buffers a work request names to the NIC until its completion is polled or
+//! the QP is destroyed; a flushed completion is a failure for everything but RECV
+//! ([`completion`]); buffers of a failed or closed link wait in its [`Graveyard`] until its QPs
+//! are gone (see [`owned`]).
 
+pub mod owned;
 mod stripe;
 
 use std::sync::Arc;
 use std::time::Instant;
 
+pub use owned::{Graveyard, ParkedStats, completion, parked_stats};
 use stripe::StripeDone;
 pub use stripe::{LANE_WRS, Lanes, STRIPE_MIN, lane_caps};
 
@@ -141,7 +148,18 @@ impl std::fmt::Display for LinkError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             LinkError::Verbs(s) => write!(f, "verbs: {s}"),
-            LinkError::Completion(e) => write!(f, "{e}"),
+            LinkError::Completion(e) => {
+                let what = owned::what(&e.wc);
+                if e.wc.status == WcStatus::WrFlushErr {
+                    write!(
+                        f,
+                        "{what} flushed (the queue pair had already failed; the operation did \
+                         not happen): {e}"
+                    )
+                } else {
+                    write!(f, "{what} failed: {e}")
+                }
+            }
             LinkError::Protocol(s) => write!(f, "protocol violation by peer: {s}"),
         }
     }
@@ -273,6 +291,10 @@ pub struct Link<P: Provider> {
     expiry_turns: u32,
     backlog: std::collections::VecDeque<Control>,
     sends: SendQueue,
+    /// Buffers of posted work requests (and lent to the peer) of a failed or closed link.
+    /// Declared after `qp` and `lanes` on purpose: fields drop in declaration order, so
+    /// these are freed only after every QP of the link is destroyed (see [`owned`]).
+    graveyard: Graveyard,
 }
 
 impl<P: Provider> std::fmt::Debug for Link<P> {
@@ -317,6 +339,7 @@ impl<P: Provider> Link<P> {
             expiry_turns: 0,
             backlog: std::collections::VecDeque::new(),
             sends: SendQueue::default(),
+            graveyard: Graveyard::default(),
         };
         link.tick();
         link.post_recvs(false)?;
@@ -326,6 +349,28 @@ impl<P: Provider> Link<P> {
     /// The link's key.
     pub fn key(&self) -> LinkKey {
         self.key
+    }
+
+    /// Keeps `t` (a buffer a posted work request names, or one lent to the peer) until the
+    /// link's QPs are destroyed: for failure and close paths, where the completions that
+    /// would have returned it will never be polled. Allocates.
+    pub fn park<T: Send + 'static>(&mut self, t: T) {
+        self.graveyard.park(t);
+    }
+
+    /// Buffers parked until the QPs are destroyed ([`Link::park`]).
+    pub fn parked(&self) -> usize {
+        self.graveyard.len()
+    }
+
+    /// Moves the link's QPs to ERROR (a failed link: the NIC stops working on its requests,
+    /// the peer's accesses through it fail). Buffers stay the NIC's until the QPs are
+    /// destroyed.
+    pub fn fail_qps(&mut self) {
+        let _ = self.qp.modify_to_error();
+        for qp in self.lanes.qps_mut() {
+            let _ = qp.modify_to_error();
+        }
     }
 
     /// Stripes large one-sided transfers over `lanes` too (data QPs connected to the peer's;
@@ -362,8 +407,8 @@ impl<P: Provider> Link<P> {
                     flags: SendFlags::SIGNALED,
                 };
                 // SAFETY: the SGEs name the transfer's local memory, which its poster keeps
-                // alive and unmodified until this work request's completion (the contract of
-                // the `post_*` call that striped it).
+                // alive and unmodified until this work request's completion is polled or the QP
+                // is destroyed (the contract of the `post_*` call that striped it).
                 unsafe { self.qp.post_send(std::slice::from_ref(&wr)) }
                     .map_err(|e| post_err("post_send(RDMA WRITE_WITH_IMM)", &e))?;
                 Ok(None)
@@ -672,7 +717,10 @@ impl<P: Provider> Link<P> {
     ///
     /// # Safety
     /// `local` must stay alive, and not be read by Rust code, until the last chunk's completion
-    /// is polled or the QP failed.
+    /// is polled (and [`completion`] said it succeeded: a flushed READ filled nothing) or the
+    /// QP is destroyed. A failed or flushed completion fails the link: the buffer then goes to
+    /// the [`Graveyard`] ([`Link::park`]), not back to its pool. On an error return some
+    /// chunks may already be posted: the QPs are then in ERROR and the same holds.
     pub unsafe fn post_read(
         &mut self,
         aux: u32,
@@ -691,7 +739,8 @@ impl<P: Provider> Link<P> {
     /// When `local` is too small for them all or `post_send` fails.
     ///
     /// # Safety
-    /// As [`Link::post_read`], until every range's completion is polled or the QP failed.
+    /// As [`Link::post_read`], until every range's completion is polled or the QP is
+    /// destroyed.
     pub unsafe fn post_read_ranges(
         &mut self,
         aux: u32,
@@ -735,8 +784,9 @@ impl<P: Provider> Link<P> {
     /// When `post_send` fails.
     ///
     /// # Safety
-    /// `local` must stay alive and unmodified until the last chunk's completion is polled or
-    /// the QP failed.
+    /// `local` must stay alive and unmodified until the last chunk's completion is polled
+    /// (successfully: a failed one fails the link, see [`Link::post_read`]) or the QP is
+    /// destroyed.
     pub unsafe fn post_write_imm(
         &mut self,
         aux: u32,
@@ -775,7 +825,7 @@ impl<P: Provider> Link<P> {
     ///
     /// # Safety
     /// Every piece's memory must stay alive and unmodified until the last chunk's completion is
-    /// polled or the QP failed.
+    /// polled (successfully, see [`Link::post_read`]) or the QP is destroyed.
     pub unsafe fn post_write_imm_gather(
         &mut self,
         aux: u32,
@@ -829,7 +879,8 @@ impl<P: Provider> Link<P> {
     ///
     /// # Safety
     /// The local memory must stay alive (and untouched by Rust code for a READ) until the last
-    /// chunk's completion is polled or the QP failed.
+    /// chunk's completion is polled (successfully, see [`Link::post_read`]) or the QP is
+    /// destroyed.
     pub unsafe fn post_one_sided(
         &mut self,
         kind: WrKind,
@@ -882,6 +933,52 @@ impl<P: Provider> Link<P> {
         op: Chunked,
     ) -> Result<(), LinkError> {
         self.flush_sends()?;
+        if crate::verbs::soft::fault::one_sided_armed() {
+            self.inject_fault(kind);
+        }
+        let mut posted = false;
+        // SAFETY: forwarded contract.
+        let r = unsafe { self.post_transfer(kind, aux, sges_of, remote, len, op, &mut posted) };
+        if r.is_err() && posted {
+            // Part of the transfer is posted and its signaled last chunk is not: nothing would
+            // ever complete it. Fail the QPs (the link fails; the caller's buffer stays the
+            // NIC's until the QPs are destroyed, or until the flushes on soft, which happen
+            // inside `modify_to_error`).
+            self.fail_qps();
+        }
+        r
+    }
+
+    /// The test hook of [`crate::verbs::soft::fault::arm_one_sided`] (soft QPs only).
+    #[cold]
+    fn inject_fault(&mut self, kind: WrKind) {
+        use crate::verbs::soft::fault::{OneSided, before_one_sided};
+        let op = match (kind, self.wire.role()) {
+            (WrKind::Read, wire::Role::Client) => OneSided::ClientRead,
+            (WrKind::Read, wire::Role::Server) => OneSided::ServerRead,
+            (WrKind::Write, _) => OneSided::ServerWrite,
+            (WrKind::Bulk, _) => OneSided::HandlerBulk,
+            _ => return,
+        };
+        before_one_sided(&mut self.qp, op);
+    }
+
+    /// The body of [`Link::post_chunked_sg`]; `posted` says whether any work request was
+    /// posted (also on an error return).
+    ///
+    /// # Safety
+    /// As [`Link::post_one_sided`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn post_transfer(
+        &mut self,
+        kind: WrKind,
+        aux: u32,
+        sges_of: impl Fn(usize, u32, &mut [Sge; MAX_PIECES]) -> Option<usize>,
+        remote: crate::verbs::RemoteMr,
+        len: usize,
+        op: Chunked,
+        posted: &mut bool,
+    ) -> Result<(), LinkError> {
         let orig = wr_id(self.key, kind, aux);
         if let Some((span, used)) = self.lanes.plan(len)
             && let Some((slot, generation)) = self.lanes.begin(orig, len, span, used, CHUNK)
@@ -909,6 +1006,7 @@ impl<P: Provider> Link<P> {
                         plain,
                         id,
                         false,
+                        posted,
                     )
                 }?;
             }
@@ -936,13 +1034,26 @@ impl<P: Provider> Link<P> {
                     op,
                     last_id,
                     hold,
+                    posted,
                 )
             }?;
             self.lanes.armed(slot, remaining as u8, held);
             return Ok(());
         }
         // SAFETY: forwarded contract.
-        unsafe { post_span::<P>(&mut self.qp, 0, len, &sges_of, remote, op, orig, false) }?;
+        unsafe {
+            post_span::<P>(
+                &mut self.qp,
+                0,
+                len,
+                &sges_of,
+                remote,
+                op,
+                orig,
+                false,
+                posted,
+            )
+        }?;
         Ok(())
     }
 
@@ -1000,11 +1111,10 @@ impl<P: Provider> Link<P> {
     #[inline(always)]
     pub fn on_recv(&mut self, wc: &Wc, slot_idx: u32) -> Result<Option<Received>, LinkError> {
         if wc.status != WcStatus::Success {
+            // The NIC gave the slot back (its completion is polled), unfilled.
             self.arena.repost_later(slot_idx);
-            if wc.status == WcStatus::WrFlushErr {
-                return Ok(None);
-            }
-            return Err(LinkError::Completion(crate::verbs::WcError { wc: *wc }));
+            completion(wc)?;
+            return Ok(None);
         }
         if slot_idx >= self.arena.geometry().recv_slots {
             return Err(LinkError::Protocol(
@@ -1122,7 +1232,7 @@ fn remote_mr(d: BulkDesc) -> crate::verbs::RemoteMr {
 /// Posts bytes `[start, start + len)` of a one-sided transfer on `qp` in chunks of at most
 /// [`CHUNK`], all unsignaled but the last (signaled with `last_id`). `WriteImm` makes the last
 /// chunk a WRITE_WITH_IMM; with `hold` that chunk is not posted but returned, to be posted
-/// later (see [`Link::on_stripe`]).
+/// later (see [`Link::on_stripe`]). Sets `posted` when it posts anything.
 ///
 /// # Safety
 /// As [`Link::post_one_sided`].
@@ -1136,6 +1246,7 @@ unsafe fn post_span<P: Provider>(
     op: Chunked,
     last_id: u64,
     hold: bool,
+    posted: &mut bool,
 ) -> Result<Option<stripe::Held>, LinkError> {
     let end = start + len;
     let mut off = start;
@@ -1185,9 +1296,11 @@ unsafe fn post_span<P: Provider>(
             },
         };
         // SAFETY: the SGEs are inside the caller's local memory, kept alive (and untouched
-        // for a READ) until the completion (this function's contract).
+        // for a READ) until the completion is polled or the QP destroyed (this function's
+        // contract).
         unsafe { qp.post_send(std::slice::from_ref(&wr)) }
             .map_err(|e| post_err("post_send(RDMA READ/WRITE)", &e))?;
+        *posted = true;
         off += n;
         if last {
             return Ok(None);
@@ -1202,12 +1315,10 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, Status> {
 
 impl<P: Provider> Drop for Link<P> {
     fn drop(&mut self) {
-        // Move the QP to ERROR so the NIC stops touching our buffers before they are freed;
-        // the QP itself is destroyed when `qp` drops.
-        let _ = self.qp.modify_to_error();
-        for qp in self.lanes.qps_mut() {
-            let _ = qp.modify_to_error();
-        }
+        // Move the QPs to ERROR so the NIC stops working on our requests; they are destroyed
+        // when `qp` and `lanes` drop, right after this, and only then the graveyard (declared
+        // after them) frees what it kept.
+        self.fail_qps();
         // Frames never posted: their slots were never the NIC's.
         for s in &self.sends.q[..self.sends.n] {
             self.arena.release_send(s.slot);

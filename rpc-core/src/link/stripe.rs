@@ -20,6 +20,10 @@
 //!                      receive completion still means "every byte landed"
 //! ```
 //!
+//! A transfer's local memory belongs to the NIC until every span completed, or the QPs are
+//! destroyed: a failed span ends the transfer early (with its error) but not the other spans,
+//! so a failed transfer's buffers wait for the QPs' destruction (see `owned`).
+//!
 //! No allocation or lock on this path: the slot table and the lanes are sized when the link
 //! is built. A transfer that finds no free slot or not enough room on a lane's send queue
 //! goes over the primary QP alone, as with one QP.
@@ -286,8 +290,10 @@ impl<P: Provider> Lanes<P> {
     }
 
     /// A STRIPE completion: `aux` from [`stripe_aux`], `status` its outcome. A failed span
-    /// completes the transfer at once with its error (the caller fails it and the link); the
-    /// other spans' completions are then ignored.
+    /// (flushed included) completes the transfer at once with its error: the caller fails the
+    /// link ([`super::completion`] refuses the status) and must keep the transfer's buffers
+    /// until the QPs are destroyed ([`super::Link::park`]), since the other spans may still be
+    /// in flight on other QPs; their completions are then ignored.
     pub(super) fn done(&mut self, aux: u32, status: WcStatus) -> StripeDone {
         match self.table.as_mut() {
             Some(t) => t.done(aux, status),

@@ -23,7 +23,7 @@ use crate::buf::{
 use crate::connect::{Hello, Welcome};
 use crate::link::{
     CommitError, Control, FrameError, Lanes, Link, LinkError, LinkKey, Received, Staged, WrKind,
-    decode_metadata, lane_caps, split_wr_id,
+    completion, decode_metadata, lane_caps, split_wr_id,
 };
 use crate::server::call::{CallCtx, IncomingCall, Payload, Tasks, panicked};
 use crate::server::notify::{Doorbell, ShardNotify, wait_readable};
@@ -92,8 +92,18 @@ struct SrvCall<P: Provider> {
     lent: bool,
     /// A rendezvous request payload being READ: the buffer and what to dispatch it with.
     reading: Option<PendingDispatch<P>>,
-    /// Our buffer lent to the client (rendezvous response) or being WRITTEN (landing).
+    /// Our buffer lent to the client (rendezvous response).
     resp_bulk: Option<RespHold<P>>,
+    /// Sources of landing-zone WRITEs posted for this slot whose completions are not polled
+    /// yet, oldest first (completions of one slot come in posting order: a slot's next call
+    /// starts only after the client saw the previous WRITE_WITH_IMM, posted last on the
+    /// primary QP). The NIC's, not the call's: kept across calls of the slot, returned one by
+    /// one by successful WRITE completions, parked when the connection fails or closes.
+    writing: VecDeque<RespHold<P>>,
+    /// READ completions still to come for targets parked when the slot was reused under them
+    /// (`park_reads`): skipped, so they are not taken for the new call's (READs of one slot
+    /// complete in posting order on the primary QP).
+    stale_reads: u16,
     /// The buffer a rendezvous request was READ into, shared with the request's `bytes`
     /// fields: a response may be sent from it (`respond_landing`).
     req_buf: Option<Arc<BulkBuf<P>>>,
@@ -178,6 +188,45 @@ impl<P: Provider> SrvCall<P> {
         self.stream_bulks.clear();
         self.blocked = false;
         self.path = "?";
+        // Not `writing` nor `stale_reads`: those follow the NIC's completions, not calls.
+    }
+
+    /// Whether a READ posted for this slot is still in flight (its target is the NIC's).
+    fn reads_in_flight(&self) -> bool {
+        self.reading.is_some() || self.stream_read.is_some()
+    }
+
+    /// Moves the targets of the slot's READs in flight into `link`'s graveyard (freed only
+    /// after the link's QPs are destroyed): for a slot reused while they are posted. Their
+    /// completions then find nothing to fill.
+    fn park_reads(&mut self, link: &mut Link<P>) {
+        if let Some(p) = self.reading.take() {
+            self.stale_reads = self.stale_reads.saturating_add(u16::from(p.reads_left));
+            link.park(p.buf);
+        }
+        if let Some(b) = self.stream_read.take() {
+            self.stale_reads = self.stale_reads.saturating_add(1);
+            link.park(b);
+        }
+    }
+
+    /// Moves everything of the slot that the NIC or the client may still touch (READ targets,
+    /// WRITE sources, buffers lent by key) into `link`'s graveyard: for a connection that
+    /// closes (its completions will not be polled any more).
+    fn park(&mut self, link: &mut Link<P>) {
+        self.park_reads(link);
+        if let Some(h) = self.resp_bulk.take() {
+            link.park(h);
+        }
+        if let Some(b) = self.req_buf.take() {
+            link.park(b);
+        }
+        if !self.stream_bulks.is_empty() {
+            link.park(std::mem::take(&mut self.stream_bulks));
+        }
+        if !self.writing.is_empty() {
+            link.park(std::mem::take(&mut self.writing));
+        }
     }
 
     fn empty() -> SrvCall<P> {
@@ -195,6 +244,8 @@ impl<P: Provider> SrvCall<P> {
             stream_read: None,
             held: VecDeque::new(),
             stream_bulks: VecDeque::new(),
+            writing: VecDeque::new(),
+            stale_reads: 0,
             blocked: false,
             path: "?",
         }
@@ -581,27 +632,38 @@ impl<P: Provider> ServerConn<P> {
             self.zero_copy_bytes
                 .fetch_add(referenced as u64, Ordering::Relaxed);
         }
-        // SAFETY: `buf` and `source` are kept in the call's `resp_bulk` until the WRITE's
-        // completion (or the connection's end), and nothing writes them meanwhile (`source`
+        // SAFETY: `buf` and `source` are kept in the slot's `writing` until the WRITE's
+        // successful completion is polled (or, the connection failed or closed, in the link's
+        // graveyard until the QPs are destroyed), and nothing writes them meanwhile (`source`
         // is shared only with the request's immutable `bytes`).
         let r = unsafe {
             self.link
                 .post_write_imm_gather(call.slot(), &sges[..n], zone, call.0)
         };
+        let hold = RespHold {
+            _buf: buf,
+            _source: source.filter(|_| referenced > 0),
+        };
         match r {
             Ok(()) => {
-                if let Some(c) = self.slot(call) {
-                    c.resp_bulk = Some(RespHold {
-                        _buf: buf,
-                        _source: source.filter(|_| referenced > 0),
-                    });
-                    c.lent = false;
+                // Into the slot's queue whatever call the slot holds now: its completion pops
+                // that queue, in order.
+                match self.calls.get_mut(call.slot() as usize) {
+                    Some(c) => {
+                        c.writing.push_back(hold);
+                        if c.id == call {
+                            c.lent = false;
+                        }
+                    }
+                    None => self.link.park(hold),
                 }
                 self.link.wire.finish(call);
                 true
             }
             Err(e) => {
+                // Part of the WRITE may be posted (the link then failed its QPs).
                 warn!("landing write failed: {e}");
+                self.link.park(hold);
                 true
             }
         }
@@ -752,11 +814,16 @@ impl<P: Provider> ServerConn<P> {
                     LinkError::Protocol(format!("no buffer for a {}-byte message: {e}", desc.len))
                 })?;
                 buf.set_len(desc.len as usize);
-                // SAFETY: `buf` stays in the call's `stream_read` until the READ completes (or
-                // the connection closes) and nothing touches it meanwhile.
-                unsafe { self.link.post_read(call.slot(), &buf, desc)? };
-                if let Some(c) = self.slot(call) {
-                    c.stream_read = Some(buf);
+                // SAFETY: `buf` stays in the call's `stream_read` until the READ's successful
+                // completion is polled (or in the link's graveyard until the QPs are destroyed)
+                // and nothing touches it meanwhile.
+                if let Err(e) = unsafe { self.link.post_read(call.slot(), &buf, desc) } {
+                    self.link.park(buf);
+                    return Err(e);
+                }
+                match self.calls.get_mut(call.slot() as usize) {
+                    Some(c) if c.id == call => c.stream_read = Some(buf),
+                    _ => self.link.park(buf),
                 }
             }
         }
@@ -986,6 +1053,16 @@ impl<P: Provider> Shard<P> {
                 _ => self.sleep(),
             }
         }
+        // Close what is left (calls past the grace period, bulk operations and READs in
+        // flight): each connection's QPs are destroyed before anything they may touch is
+        // released (see `close`).
+        let why = Status::unavailable("the server shut down");
+        for idx in std::mem::take(&mut self.live) {
+            if let Some(Some(conn)) = self.conns.get(idx as usize) {
+                let key = conn.link.key();
+                self.close(key, &why);
+            }
+        }
         info!(
             shard = self.id,
             "shard {}/{} stopped", self.id, self.nshards
@@ -1172,6 +1249,12 @@ impl<P: Provider> Shard<P> {
 
     /// Closes a connection: drops its handlers and QP; its TCP connection is closed by the
     /// acceptor when it sees the `closed` sender dropped.
+    ///
+    /// Nothing the NIC may still touch is released before the QPs are destroyed: the buffers
+    /// of posted work requests (READ targets, WRITE sources, handlers' bulk operations) and
+    /// those lent to the client go to the link's graveyard, which the link frees after its
+    /// QPs (when `conn` drops); handlers whose bulk operations were in flight learn the
+    /// outcome only then.
     fn close(&mut self, key: LinkKey, why: &Status) {
         let idx = key.idx as usize;
         let Some(Some(conn)) = self.conns.get(idx) else {
@@ -1183,11 +1266,13 @@ impl<P: Provider> Shard<P> {
         let Some(mut conn) = self.conns[idx].take() else {
             return;
         };
+        self.live.retain(|&i| i as usize != idx);
         for c in conn.calls.iter_mut() {
             if let Some(t) = c.task.take() {
                 self.tasks.cancel(t);
             }
             retire(&self.live_calls, c);
+            c.park(&mut conn.link);
         }
         let ops: Vec<usize> = self
             .bulk_ops
@@ -1195,12 +1280,23 @@ impl<P: Provider> Shard<P> {
             .filter(|(_, op)| op.key == key)
             .map(|(i, _)| i)
             .collect();
+        let mut answers = Vec::with_capacity(ops.len());
         for i in ops {
-            let op = self.bulk_ops.remove(i);
-            let _ = op.done.send(Err(why.clone()));
+            let InflightOp { local, done, .. } = self.bulk_ops.remove(i);
+            conn.link.park(local);
+            answers.push(done);
         }
-        info!("connection from {} closed: {}", conn.peer, why.message());
+        info!(
+            "connection from {} closed: {} ({} buffer(s) kept until its QPs are destroyed)",
+            conn.peer,
+            why.message(),
+            conn.link.parked()
+        );
+        // The QPs are destroyed here, then the graveyard is freed.
         drop(conn);
+        for done in answers {
+            let _ = done.send(Err(why.clone()));
+        }
     }
 
     /// Posts the frames each connection queued this turn ([`Link::flush_sends`]).
@@ -1257,21 +1353,25 @@ impl<P: Provider> Shard<P> {
         let result = match kind {
             Some(WrKind::Recv) => self.on_recv(idx, wc, aux),
             Some(WrKind::Send) => {
+                // The SEND's completion was polled: the NIC is done with the slot, whatever
+                // the status.
                 if let Some(Some(c)) = self.conns.get(idx) {
                     c.link.arena.release_send(aux);
                 }
-                check(wc)
+                completion(wc)
             }
             Some(WrKind::Read) => self.on_read_done(idx, wc, aux),
-            Some(WrKind::Write) => {
+            Some(WrKind::Write) => completion(wc).map(|()| {
+                // Only a WRITE that succeeded gives its source back (a failed one fails the
+                // connection, whose close parks it until the QPs are destroyed: a striped
+                // WRITE may still be in flight on another QP).
                 if let Some(Some(c)) = self.conns.get_mut(idx)
                     && let Some(call) = c.calls.get_mut(aux as usize)
                 {
-                    call.resp_bulk = None;
+                    call.writing.pop_front();
                 }
-                check(wc)
-            }
-            Some(WrKind::Nop) => check(wc),
+            }),
+            Some(WrKind::Nop) => completion(wc),
             Some(WrKind::Bulk) => self.on_bulk_done(wc, aux as usize),
             Some(WrKind::Stripe) => match self.conns.get_mut(idx) {
                 Some(Some(c)) => match c.link.on_stripe(wc, aux) {
@@ -1298,31 +1398,41 @@ impl<P: Provider> Shard<P> {
         let Some(op) = self.bulk_ops.try_remove(op) else {
             return Ok(());
         };
-        match wc.status {
-            WcStatus::Success => {
-                let _ = op.done.send(Ok(op.local));
-                Ok(())
-            }
-            status => {
-                let e = crate::verbs::WcError { wc: *wc };
-                let what = if op.kind == OpKind::Read {
-                    "READ"
-                } else {
-                    "WRITE"
-                };
-                let code = if status == WcStatus::RemAccessErr {
-                    Status::permission_denied(format!("bulk {what} of the client's memory: {e}"))
-                } else {
-                    Status::unavailable(format!("bulk {what} failed: {e}"))
-                };
-                let _ = op.done.send(Err(code));
-                if status == WcStatus::WrFlushErr {
-                    Ok(())
-                } else {
-                    Err(LinkError::Completion(e))
-                }
-            }
+        let Err(failed) = completion(wc) else {
+            let _ = op.done.send(Ok(op.local));
+            return Ok(());
+        };
+        // Failed or flushed: the operation did not happen, and the connection fails. The
+        // buffer is not the handler's again: a striped operation may still be in flight on
+        // another QP, so it waits in the graveyard until the QPs are destroyed.
+        let InflightOp {
+            key,
+            local,
+            kind,
+            done,
+        } = op;
+        match self.conns.get_mut(key.idx as usize) {
+            Some(Some(conn)) if conn.link.key() == key => conn.link.park(local),
+            // The connection is gone, and with it its QPs: nothing can touch the buffer.
+            _ => drop(local),
         }
+        let e = crate::verbs::WcError { wc: *wc };
+        let what = if kind == OpKind::Read {
+            "READ"
+        } else {
+            "WRITE"
+        };
+        let code = match wc.status {
+            WcStatus::RemAccessErr => {
+                Status::permission_denied(format!("bulk {what} of the client's memory: {e}"))
+            }
+            WcStatus::WrFlushErr => Status::unavailable(format!(
+                "bulk {what} not done: the connection had already failed ({e})"
+            )),
+            _ => Status::unavailable(format!("bulk {what} failed: {e}")),
+        };
+        let _ = done.send(Err(code));
+        Err(failed)
     }
 
     /// Posts the bulk operations handlers queued.
@@ -1349,8 +1459,9 @@ impl<P: Provider> Shard<P> {
             }
             let entry = self.bulk_ops.vacant_entry();
             let aux = entry.key() as u32;
-            // SAFETY: `local` is kept in `bulk_ops` until the operation's completion (or the
-            // connection's close, after which the QP is in ERROR), untouched meanwhile.
+            // SAFETY: `local` is kept in `bulk_ops` until the operation's successful completion
+            // is polled (a failed one, a failed post, or the connection's close park it in the
+            // link's graveyard until the QPs are destroyed), untouched meanwhile.
             let r = unsafe {
                 conn.link.post_one_sided(
                     WrKind::Bulk,
@@ -1371,6 +1482,8 @@ impl<P: Provider> Shard<P> {
                     });
                 }
                 Err(e) => {
+                    // Some chunks may be posted (the link then failed its QPs).
+                    conn.link.park(local);
                     let _ = done.send(Err(Status::unavailable(format!("bulk operation: {e}"))));
                 }
             }
@@ -1413,10 +1526,17 @@ impl<P: Provider> Shard<P> {
                     match decode_metadata(&inbound.slot.bytes()[inbound.metadata.clone()]) {
                         Ok(m) => m,
                         Err(st) => {
-                            conn.calls[call.slot() as usize] = SrvCall {
-                                id: call,
-                                ..SrvCall::empty()
+                            let Some(sc) = conn.calls.get_mut(call.slot() as usize) else {
+                                return Err(LinkError::Protocol(
+                                    "call slot beyond the call table".into(),
+                                ));
                             };
+                            if sc.reads_in_flight() {
+                                sc.park_reads(&mut conn.link);
+                            }
+                            // In place: the slot's WRITEs in flight stay (see `writing`).
+                            sc.reset();
+                            sc.id = call;
                             conn.fail(call, &st);
                             return Ok(());
                         }
@@ -1435,6 +1555,11 @@ impl<P: Provider> Shard<P> {
                     }));
                     inbox
                 });
+                if sc.reads_in_flight() {
+                    // A new call in a slot whose old call still READs (only a broken client
+                    // does that): the old target stays the NIC's.
+                    sc.park_reads(&mut conn.link);
+                }
                 // In place (a SrvCall is large; building and moving a whole one per call
                 // showed up as memcpy).
                 sc.reset();
@@ -1570,6 +1695,8 @@ impl<P: Provider> Shard<P> {
         let r = unsafe { conn.link.post_read_ranges(call.slot(), &buf, &ranges[..n]) };
         if let Err(e) = r {
             warn!("rendezvous READ failed: {e}");
+            // Some chunks may be posted: the buffer waits for the QPs' destruction.
+            conn.link.park(buf);
             let key = conn.link.key();
             self.close(key, &e.status());
             return;
@@ -1586,15 +1713,20 @@ impl<P: Provider> Shard<P> {
     }
 
     fn on_read_done(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
-        if wc.status != WcStatus::Success {
-            return Err(LinkError::Completion(crate::verbs::WcError { wc: *wc }));
-        }
+        // A failed or flushed READ filled nothing: the connection fails (its close parks the
+        // target until the QPs are destroyed); nothing is dispatched.
+        completion(wc)?;
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return Ok(());
         };
         let Some(c) = conn.calls.get_mut(slot as usize) else {
             return Ok(());
         };
+        if c.stale_reads > 0 {
+            // The READ of a call this slot held before (its target is parked).
+            c.stale_reads -= 1;
+            return Ok(());
+        }
         if c.stream_read.is_some() {
             let call = c.id;
             return conn.stream_read_done(call);
@@ -1830,13 +1962,6 @@ impl<P: Provider> Shard<P> {
             self.drop_call(idx, call);
         }
         work + n_expired
-    }
-}
-
-fn check(wc: &Wc) -> Result<(), LinkError> {
-    match wc.status {
-        WcStatus::Success | WcStatus::WrFlushErr => Ok(()),
-        _ => Err(LinkError::Completion(crate::verbs::WcError { wc: *wc })),
     }
 }
 

@@ -1,7 +1,8 @@
 //! Fault injection for tests: test hooks on soft objects. They change nothing unless called,
-//! and cost nothing on the data path (one relaxed load of the delay word in `post_send`).
+//! and cost nothing on the data path (one relaxed load of the delay word in `post_send`, and
+//! one of the armed count per one-sided transfer the RPC layer posts: [`arm_one_sided`]).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::layout::{self, qp_in, rcqe};
@@ -76,6 +77,82 @@ pub fn corrupt_posted_recv(qp: &SoftQp) -> bool {
 /// bits no QP owns.
 pub fn corrupt_ready_bitmap(cq: &SoftCq) {
     cq.shared.corrupt_bitmap_for_fault();
+}
+
+/// One-sided operations of the RPC layer that [`arm_one_sided`] can fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum OneSided {
+    /// A client's RDMA READ of a rendezvous response or stream message.
+    ClientRead = 1,
+    /// A server's RDMA READ of a rendezvous request or stream message.
+    ServerRead = 2,
+    /// A server's RDMA WRITE of a response into a landing zone.
+    ServerWrite = 3,
+    /// A handler's one-sided bulk operation (`Peer::read` / `Peer::write`).
+    HandlerBulk = 4,
+}
+
+/// What an armed [`OneSided`] fault does to its QP right before the operation is posted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OneSidedFault {
+    /// [`force_error`]: the operation (and everything after it) completes with `WR_FLUSH_ERR`.
+    Flush,
+    /// [`delay_completions`] by this much, from this operation on: it stays posted, in the
+    /// NIC's hands, until then.
+    Delay(Duration),
+}
+
+static ARMED_OP: AtomicU32 = AtomicU32::new(0);
+static ARMED_LEFT: AtomicU32 = AtomicU32::new(0);
+/// `u64::MAX`: flush; otherwise a delay in nanoseconds.
+static ARMED_FAULT: AtomicU64 = AtomicU64::new(0);
+
+/// Process-wide: the next `count` operations of kind `op` that the RPC layer posts on a soft QP
+/// get `fault` first (a test binary arms one at a time). Replaces what was armed; a `count` of
+/// 0 disarms.
+pub fn arm_one_sided(op: OneSided, fault: OneSidedFault, count: u32) {
+    let f = match fault {
+        OneSidedFault::Flush => u64::MAX,
+        OneSidedFault::Delay(d) => u64::try_from(d.as_nanos()).unwrap_or(u64::MAX - 1),
+    };
+    ARMED_LEFT.store(0, Ordering::SeqCst);
+    ARMED_FAULT.store(f, Ordering::SeqCst);
+    ARMED_OP.store(op as u32, Ordering::SeqCst);
+    ARMED_LEFT.store(count, Ordering::SeqCst);
+}
+
+/// How many armed operations are still to come (0: none armed, or all were posted).
+pub fn one_sided_left() -> u32 {
+    ARMED_LEFT.load(Ordering::SeqCst)
+}
+
+/// Whether a one-sided fault is armed: the one load the RPC layer's post path pays.
+#[doc(hidden)]
+#[inline]
+pub fn one_sided_armed() -> bool {
+    ARMED_LEFT.load(Ordering::Relaxed) != 0
+}
+
+/// Called by the RPC layer right before it posts an `op` on `qp` (when [`one_sided_armed`]):
+/// applies the armed fault if it is for `op` and `qp` is a soft QP.
+#[doc(hidden)]
+#[cold]
+pub fn before_one_sided(qp: &mut dyn std::any::Any, op: OneSided) {
+    let Some(qp) = qp.downcast_mut::<SoftQp>() else {
+        return;
+    };
+    if ARMED_OP.load(Ordering::SeqCst) != op as u32 {
+        return;
+    }
+    let took = ARMED_LEFT.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    if took.is_err() {
+        return;
+    }
+    match ARMED_FAULT.load(Ordering::SeqCst) {
+        u64::MAX => force_error(qp),
+        ns => delay_completions(qp, Duration::from_nanos(ns)),
+    }
 }
 
 fn slot_of(qp: &SoftQp) -> usize {
