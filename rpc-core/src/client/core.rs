@@ -2346,7 +2346,14 @@ impl<P: Provider> Driver<P> {
                 let s = call.slot() as usize;
                 let terminal = matches!(kind, FrameKind::Response | FrameKind::Status);
                 if terminal && self.calls[s].id == call && self.calls[s].finishing {
-                    self.retire(s);
+                    // The server's terminal frame returns the request's payload and landing
+                    // zone; stream messages it may still READ stay lent until their
+                    // BulkReleases (a revoked key under a READ would break the connection).
+                    self.calls[s].lent_bulk = None;
+                    self.calls[s].landing = None;
+                    if !self.calls[s].lends() {
+                        self.retire(s);
+                    }
                 }
             }
             Event::GoAway => {

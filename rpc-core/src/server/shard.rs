@@ -158,6 +158,9 @@ const ZERO_COPY_MIN: usize = 16 << 10;
 enum Held {
     Item(Item),
     Bulk(BulkDesc),
+    /// A large message of a call that ended: returned unread, in its turn (the client pairs
+    /// releases with what it lent in order).
+    Release,
     End,
 }
 
@@ -793,7 +796,7 @@ impl<P: Provider> ServerConn<P> {
             // The wire checked the call has a client stream: no inbox means the call was given
             // up here (cancelled, expired) while frames were held behind a READ. Drop them; a
             // large message's buffer goes back to the client unread.
-            if let Held::Bulk(_) = held {
+            if let Held::Bulk(_) | Held::Release = held {
                 let _ = self
                     .link
                     .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
@@ -801,6 +804,9 @@ impl<P: Provider> ServerConn<P> {
             return Ok(());
         };
         match held {
+            Held::Release => {
+                self.link.control(Control::BulkRelease(call))?;
+            }
             Held::Item(item) => {
                 if inbox.push(item).is_err() {
                     return Err(LinkError::Protocol(
@@ -855,6 +861,11 @@ impl<P: Provider> ServerConn<P> {
                 return Ok(());
             }
             let Some(h) = c.held.pop_front() else {
+                // Every READ of the call done: an end that waited for it is finished now.
+                if c.drop_after_read && c.reading.is_none() {
+                    c.drop_after_read = false;
+                    self.end_call(call);
+                }
                 return Ok(());
             };
             self.deliver_held(call, h)?;
@@ -982,7 +993,11 @@ impl<P: Provider> ServerConn<P> {
             if let Some(inbox) = c.inbox.take() {
                 inbox.finish(Some(Status::cancelled("the call was cancelled")));
             }
-            if c.reading.is_some() {
+            // The client's memory of a READ in flight stays lent until the READ completed:
+            // a BulkRelease now would let the client revoke it under the READ (and the
+            // client pairs releases with its lent buffers in order). The end is finished when
+            // the READ completes.
+            if c.reading.is_some() || c.stream_read.is_some() {
                 c.drop_after_read = true;
                 return;
             }
@@ -1603,9 +1618,11 @@ impl<P: Provider> Shard<P> {
                 call,
                 bulk: Some(_),
                 ..
-            } => {
-                conn.link.control(Control::BulkRelease(call))?;
-            }
+            } => match conn.slot(call) {
+                // Behind a READ of the same call in flight: released after it, in order.
+                Some(c) if c.stream_read.is_some() => c.held.push_back(Held::Release),
+                _ => conn.link.control(Control::BulkRelease(call))?,
+            },
             Event::StreamMessage { call, bulk, .. } => {
                 let held = match bulk {
                     Some(desc) => {
