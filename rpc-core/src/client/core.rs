@@ -2059,9 +2059,14 @@ impl<P: Provider> Driver<P> {
                     LinkError::Protocol(format!("no buffer for a {}-byte message: {e}", d.len))
                 })?;
                 buf.set_len(d.len as usize);
-                // SAFETY: `buf` stays in the call's `stream_read` until the READ completes (or
-                // the connection ends) and nothing touches it meanwhile.
-                unsafe { self.link.post_read(s as u32, &buf, d)? };
+                // SAFETY: `buf` stays in the call's `stream_read` until the READ's completion is
+                // polled, or in the link's graveyard (which `fail_all` and the driver's drop
+                // move it to) until the QPs are destroyed; nothing touches it meanwhile.
+                if let Err(e) = unsafe { self.link.post_read(s as u32, &buf, d) } {
+                    // Part of it may be posted: the NIC's until the QPs are gone.
+                    self.link.park(buf);
+                    return Err(e);
+                }
                 self.calls[s].stream_read = Some(buf);
             }
         }
@@ -2244,9 +2249,13 @@ impl<P: Provider> Driver<P> {
                     }
                 };
                 buf.set_len(desc.len as usize);
-                // SAFETY: `buf` is kept in the call's `reading` until the READ completes (or the
-                // connection ends) and nothing touches it meanwhile.
-                unsafe { self.link.post_read(call.slot(), &buf, desc)? };
+                // SAFETY: `buf` is kept in the call's `reading` until the READ's completion is
+                // polled, or in the link's graveyard until the QPs are destroyed; nothing
+                // touches it meanwhile.
+                if let Err(e) = unsafe { self.link.post_read(call.slot(), &buf, desc) } {
+                    self.link.park(buf);
+                    return Err(e);
+                }
                 core.counters.bulk_responses.fetch_add(1, Ordering::Relaxed);
                 self.calls[s].reading = Some((buf, metadata));
             }
