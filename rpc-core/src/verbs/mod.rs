@@ -199,6 +199,41 @@ pub trait Pd<P: Provider>: Send + Sync + fmt::Debug {
     fn create_qp(&self, send_cq: &P::Cq, recv_cq: &P::Cq, caps: QpCaps) -> Result<P::Qp>;
 }
 
+/// Checks the arguments of [`Pd::bind_window`] against the region's length and rights (the
+/// same rules on every provider): a non-empty range inside the region, remote rights only and
+/// at least one, remote write or atomic only on a region with [`Access::LOCAL_WRITE`].
+pub(crate) fn check_window(
+    region_len: usize,
+    region_access: Access,
+    offset: usize,
+    len: usize,
+    access: Access,
+) -> Result<()> {
+    let bad = |detail: String| {
+        Err(VerbsError::new(
+            Verb::BindMw,
+            ErrorKind::InvalidArgument,
+            detail,
+        ))
+    };
+    if len == 0 || offset.checked_add(len).is_none_or(|end| end > region_len) {
+        return bad(format!(
+            "window [{offset}, +{len}) is empty or outside the {region_len}-byte region"
+        ));
+    }
+    let remote = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+    if access == Access::NONE || !remote.contains(access) {
+        return bad(format!(
+            "a window grants remote rights only, and at least one (asked {access:?})"
+        ));
+    }
+    let writes = Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+    if access.bits() & writes.bits() != 0 && !region_access.contains(Access::LOCAL_WRITE) {
+        return bad("a remote write or atomic window needs a region with LOCAL_WRITE".into());
+    }
+    Ok(())
+}
+
 /// A registered memory region (`ibv_mr`). Dropping it deregisters it (and frees the memory of a
 /// region made by [`Pd::alloc_mr`]).
 pub trait Mr: Send + Sync + fmt::Debug {

@@ -579,3 +579,47 @@ where
         }
     }
 }
+
+/// `n` calls of mixed sizes (small, around the eager limit, rendezvous) with up to `depth` in
+/// flight through one pipeline; every tag comes back once with its own payload.
+pub fn pipeline_run(ch: &rpc_core::Channel, n: u64, depth: usize) {
+    let mut p = ch
+        .pipeline::<Blob, Blob>(&lab_server::ECHO)
+        .expect("pipeline");
+    let size = |seq: u64| match seq % 7 {
+        0 => 0,
+        1 => EAGER_MAX - 64,
+        2 => scaled(300 << 10),
+        _ => (seq % 200) as usize,
+    };
+    let mut seen = vec![false; n as usize];
+    let mut next = 0u64;
+    let mut done = 0u64;
+    let started = Instant::now();
+    while done < n {
+        assert!(
+            started.elapsed() < CALL_LIMIT,
+            "pipeline: {done} of {n} done"
+        );
+        while next < n && p.in_flight() < depth {
+            let mut req = Request::new(Blob {
+                seq: next,
+                data: pattern(size(next), next),
+            });
+            req.set_timeout(CALL_LIMIT);
+            p.submit(next, req).expect("submit");
+            next += 1;
+        }
+        if let Some((tag, r)) = p.wait() {
+            let r = r.unwrap_or_else(|e| panic!("pipelined call {tag}: {e:?}"));
+            check_blob(r.get_ref(), tag, size(tag), "pipelined echo");
+            assert!(
+                !std::mem::replace(&mut seen[tag as usize], true),
+                "tag {tag} twice"
+            );
+            done += 1;
+        }
+    }
+    assert_eq!(p.in_flight(), 0);
+    assert!(p.wait().is_none() && p.poll().is_none(), "nothing left");
+}

@@ -399,27 +399,10 @@ impl Pd<Ib> for IbPd {
         access: Access,
         _qp: &IbQp,
     ) -> Result<IbMr> {
-        let verb = Verb::BindMw;
-        let bad = |detail: String| Err(VerbsError::new(verb, ErrorKind::InvalidArgument, detail));
-        if len == 0 || offset.checked_add(len).is_none_or(|end| end > mr.len) {
-            return bad(format!(
-                "window [{offset}, +{len}) is empty or outside the {}-byte region",
-                mr.len
-            ));
-        }
-        let remote = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
-        if access == Access::NONE || !remote.contains(access) {
-            return bad(format!(
-                "a window grants remote rights only, and at least one (asked {access:?})"
-            ));
-        }
+        crate::verbs::check_window(mr.len, mr.access, offset, len, access)?;
+        // Remote write needs local write on the registration itself (libibverbs' rule).
         let writes = Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
         let access = if access.bits() & writes.bits() != 0 {
-            if !mr.access.contains(Access::LOCAL_WRITE) {
-                return bad(
-                    "a remote write or atomic window needs a region with LOCAL_WRITE".into(),
-                );
-            }
             access | Access::LOCAL_WRITE
         } else {
             access
@@ -429,7 +412,7 @@ impl Pd<Ib> for IbPd {
         // bound to the QP would also shut out other QPs of the protection domain; see
         // `Pd::bind_window`.
         let addr = (mr.addr + offset as u64) as *mut u8;
-        self.register(verb, addr, len, access, None)
+        self.register(Verb::BindMw, addr, len, access, None)
     }
 
     fn create_qp(&self, send_cq: &IbCq, recv_cq: &IbCq, caps: QpCaps) -> Result<IbQp> {

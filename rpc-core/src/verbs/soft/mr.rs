@@ -180,22 +180,7 @@ impl SoftMr {
         if !Arc::ptr_eq(dev, &parent.dev) || parent.pd != pd {
             return bad("the region belongs to another protection domain".into());
         }
-        if len == 0 || offset.checked_add(len).is_none_or(|end| end > parent.len) {
-            return bad(format!(
-                "window [{offset}, +{len}) is empty or outside the {}-byte region",
-                parent.len
-            ));
-        }
-        let remote = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
-        if access == Access::NONE || !remote.contains(access) {
-            return bad(format!(
-                "a window grants remote rights only, and at least one (asked {access:?})"
-            ));
-        }
-        let writes = Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
-        if access.bits() & writes.bits() != 0 && !parent.access.contains(Access::LOCAL_WRITE) {
-            return bad("a remote write or atomic window needs a region with LOCAL_WRITE".into());
-        }
+        crate::verbs::check_window(parent.len, parent.access, offset, len, access)?;
         if !matches!(parent.backing, Backing::Shm { .. }) {
             return bad("windows lend memory from alloc_mr (shared memory) only".into());
         }
