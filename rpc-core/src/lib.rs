@@ -10,8 +10,8 @@
 //!
 //! - [`verbs`]: one provider-neutral verbs API; [`verbs::soft`] (software RNIC, default) and
 //!   `verbs::ib` (real RNICs, feature `ibverbs`).
-//! - [`wire`]: frames, calls, credits, rendezvous; no I/O, no clock.
-//! - [`buf`]: registered memory carved into send/receive slot rings and a bulk pool.
+//! - `wire` (internal, public for fuzzing): frames, calls, credits, rendezvous; no I/O, no clock.
+//! - `buf` (internal): registered memory carved into send/receive slot rings and a bulk pool.
 //! - [`server`], [`client`]: shards polling CQs, handler dispatch, futures and blocking calls.
 //!
 //! # Registered memory: who may touch which bytes, and when
@@ -48,20 +48,31 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-pub mod buf;
+mod buf;
 pub mod client;
 pub mod codegen;
-pub mod connect;
+mod connect;
 mod error;
-pub mod link;
+mod link;
 pub mod method;
 mod request;
 pub mod server;
 mod status;
 pub mod streaming;
 pub mod verbs;
+// The sans-IO protocol core: public for the fuzz targets and the protocol's own tests only.
+#[doc(hidden)]
 pub mod wire;
 
+pub use buf::Geometry;
+
+/// Hooks for this crate's own integration tests (counters of internals, the handshake's
+/// messages); not part of the API, and may change without notice.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::connect::Message as Handshake;
+    pub use crate::link::{ParkedStats, SIGNAL_EVERY, parked_stats};
+}
 pub use client::{
     Channel, ChannelBuilder, Pipeline, PollerMode, RegisteredBytes, RegisteredBytesMut,
 };

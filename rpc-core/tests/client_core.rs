@@ -187,7 +187,7 @@ async fn two_channels_alternating_as_fast_as_one() {
 /// runtime keeps ticking meanwhile (a call that slept its thread would stop it).
 fn back_pressure_case(mode: PollerMode) {
     let _turn = serial();
-    let g = rpc_core::buf::Geometry {
+    let g = rpc_core::Geometry {
         slot_size: 1024,
         send_slots: 2,
         recv_slots: 4,

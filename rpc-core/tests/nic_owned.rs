@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Blob, GenRequest, TestServer, lab_server, pattern, wait_until, within};
-use rpc_core::link::{ParkedStats, parked_stats};
 use rpc_core::server::{Dispatched, IncomingCall, Server, Service};
+use rpc_core::testing::{ParkedStats, parked_stats};
 use rpc_core::verbs::soft::fault::{OneSided, OneSidedFault, arm_one_sided, one_sided_left};
 use rpc_core::{CallKind, Channel, Code, MethodDesc, PollerMode, Request, Response, Status};
 

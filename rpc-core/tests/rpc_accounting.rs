@@ -583,7 +583,7 @@ fn pipelined_calls_post_in_lists_and_signal_rarely() {
     );
     // Every frame here is inline: one signaled in SIGNAL_EVERY (16), per side.
     assert!(
-        cqes <= ops / rpc_core::link::SIGNAL_EVERY as u64 + 4,
+        cqes <= ops / rpc_core::testing::SIGNAL_EVERY as u64 + 4,
         "{cqes} send completions for {ops} inline SENDs"
     );
     // Lists: fewer rings than SENDs (one per list, and a busy pipeline makes lists).

@@ -1177,7 +1177,7 @@ async fn raw_exchange(addr: &str, bytes: &[u8]) -> Vec<u8> {
 }
 
 fn refusal_reason(answer: &[u8]) -> String {
-    use rpc_core::connect::Message as Hs;
+    use rpc_core::testing::Handshake as Hs;
     assert!(answer.len() >= 4, "a refusal, got {answer:?}");
     let len = u32::from_le_bytes(answer[..4].try_into().unwrap()) as usize;
     assert_eq!(answer.len(), 4 + len, "one framed message");
@@ -1458,7 +1458,7 @@ async fn mixed_load(ch: &Channel, tasks: u64, per_task: u64, base: u64) {
 /// out all the time and must always come back (no deadlock, nothing lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smallest_rings_under_load() {
-    let g = rpc_core::buf::Geometry {
+    let g = rpc_core::Geometry {
         slot_size: 1024,
         send_slots: 4,
         recv_slots: 4,
@@ -1762,7 +1762,7 @@ async fn many_concurrent_rendezvous_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancellations_on_the_smallest_rings() {
     const CELLS: u32 = 4;
-    let g = rpc_core::buf::Geometry {
+    let g = rpc_core::Geometry {
         slot_size: 1024,
         send_slots: 4,
         recv_slots: 4,
@@ -1843,9 +1843,9 @@ async fn cancellations_on_the_smallest_rings() {
 /// with a status at once (not at its deadline).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metadata_larger_than_a_slot_still_ends_the_call() {
-    let g = rpc_core::buf::Geometry {
+    let g = rpc_core::Geometry {
         slot_size: 1024,
-        ..rpc_core::buf::Geometry::default()
+        ..rpc_core::Geometry::default()
     };
     let srv = TestServer::start_with(|b| b.geometry(g)).await;
     let ch = within(

@@ -12,7 +12,7 @@ use common::*;
 use prost::Message;
 use rpc_core::{PollerMode, Request, Response};
 
-/// Transfers of at least this many bytes are striped (`rpc_core::link::STRIPE_MIN`).
+/// Transfers of at least this many bytes are striped (the link's `STRIPE_MIN`).
 const STRIPE_MIN: usize = 256 << 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crossbeam_queue::ArrayQueue;
 
@@ -33,13 +33,9 @@ pub struct BulkPool<P: Provider> {
     classes: Vec<ArrayQueue<P::Mr>>,
     cached_bytes: AtomicUsize,
     max_cached: usize,
-    registrations: AtomicU64,
 }
 
 impl<P: Provider> BulkPool<P> {
-    /// Largest bulk buffer.
-    pub const MAX_LEN: usize = 1 << MAX_CLASS;
-
     /// A pool caching at most `max_cached` bytes of idle buffers.
     pub fn new(pd: Arc<P::Pd>, max_cached: usize) -> Arc<BulkPool<P>> {
         let classes = (0..CLASSES).map(|_| ArrayQueue::new(PER_CLASS)).collect();
@@ -48,7 +44,6 @@ impl<P: Provider> BulkPool<P> {
             classes,
             cached_bytes: AtomicUsize::new(0),
             max_cached,
-            registrations: AtomicU64::new(0),
         })
     }
 
@@ -61,7 +56,7 @@ impl<P: Provider> BulkPool<P> {
     /// A buffer of at least `len` bytes (its `len()` is `len`).
     ///
     /// # Errors
-    /// When `len` is over [`BulkPool::MAX_LEN`] or registration fails.
+    /// When `len` is over 1 GiB (the largest size class) or registration fails.
     pub fn get(self: &Arc<Self>, len: usize) -> Result<BulkBuf<P>> {
         let Some(class) = Self::class_of(len) else {
             return Err(crate::verbs::VerbsError::new(
@@ -76,10 +71,7 @@ impl<P: Provider> BulkPool<P> {
                 self.cached_bytes.fetch_sub(1 << class, Ordering::Relaxed);
                 mr
             }
-            None => {
-                self.registrations.fetch_add(1, Ordering::Relaxed);
-                self.pd.alloc_mr(1 << class, Access::LOCAL_WRITE)?
-            }
+            None => self.pd.alloc_mr(1 << class, Access::LOCAL_WRITE)?,
         };
         Ok(BulkBuf {
             pool: Arc::clone(self),
@@ -87,11 +79,6 @@ impl<P: Provider> BulkPool<P> {
             window: None,
             len,
         })
-    }
-
-    /// How many registrations the pool has made (misses).
-    pub fn registrations(&self) -> u64 {
-        self.registrations.load(Ordering::Relaxed)
     }
 
     fn put(&self, mr: P::Mr) {
@@ -112,7 +99,6 @@ impl<P: Provider> fmt::Debug for BulkPool<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BulkPool")
             .field("cached_bytes", &self.cached_bytes.load(Ordering::Relaxed))
-            .field("registrations", &self.registrations.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -142,11 +128,6 @@ impl<P: Provider> BulkBuf<P> {
     /// Length in use.
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// Whether the length in use is zero.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Sets the length in use (at most the buffer's capacity).

@@ -73,6 +73,7 @@ impl<O: Lend> SlotReader<O> {
     }
 
     /// Whether the owner was turned into shared `Bytes` (some field borrows it).
+    #[cfg(test)]
     pub fn is_shared(&self) -> bool {
         self.shared.is_some()
     }

@@ -93,6 +93,7 @@ impl<Q, R> Mailbox<Q, R> {
     }
 
     /// Caller: takes a FREE mailbox. Returns false when it is not free.
+    #[cfg(test)]
     pub fn claim(&self) -> bool {
         self.cas(FREE, CLAIMED)
     }
@@ -148,6 +149,7 @@ impl<Q, R> Mailbox<Q, R> {
     ///
     /// # Errors
     /// The response, when the call was cancelled.
+    #[cfg(test)]
     pub fn complete(&self, resp: R) -> Result<(), R> {
         self.complete_waking(resp, true)
     }
@@ -273,11 +275,6 @@ impl<T> Exclusive<T> {
     /// Whether someone holds it now.
     pub fn is_held(&self) -> bool {
         self.busy.load(Ordering::Relaxed)
-    }
-
-    /// The value, by exclusive borrow.
-    pub fn get_mut(&mut self) -> &mut T {
-        self.value.get_mut()
     }
 }
 

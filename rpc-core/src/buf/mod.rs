@@ -15,8 +15,8 @@ pub mod slots;
 pub mod task;
 
 pub use bulk::{BulkBuf, BulkPool};
-pub use decode::{Lend, SlotReader, ZERO_COPY_MIN};
+pub use decode::{Lend, SlotReader};
 pub use encode::{EncodeMsg, Gather, NoMsg, Piece, RawBytes};
-pub use handoff::{CancelOutcome, Exclusive, ExclusiveGuard, Mailbox, Taken};
-pub use slots::{Geometry, RecvSlot, Repost, SlotArena};
+pub use handoff::{CancelOutcome, Exclusive, Mailbox, Taken};
+pub use slots::{Geometry, RecvSlot, SlotArena};
 pub use task::{CtxFamily, FutureTask, Notify, Polled, SlabTask, Spawned, TaskId, TaskSlab};

@@ -131,11 +131,6 @@ impl<P: Provider> SlotArena<P> {
         self.geometry
     }
 
-    /// The memory region.
-    pub fn mr(&self) -> &P::Mr {
-        &self.mr
-    }
-
     fn offset_send(&self, idx: u32) -> usize {
         debug_assert!(idx < self.geometry.send_slots);
         idx as usize * self.geometry.slot_size as usize
@@ -156,11 +151,6 @@ impl<P: Provider> SlotArena<P> {
         debug_assert!(idx < self.geometry.send_slots);
         // Capacity equals the number of send slots and each index is held once: cannot fail.
         let _ = self.free_send.push(idx);
-    }
-
-    /// How many receive slots are lent out of the ring now (at most half of them).
-    pub fn lent(&self) -> u32 {
-        self.lent.load(Ordering::Relaxed)
     }
 
     /// How many send slots are free.
@@ -337,11 +327,6 @@ impl RecvSlot {
         // (`SlotArena::recv_slot`'s contract), so neither the NIC nor a peer writes it; the
         // range is inside the arena's MR (`len <= slot_size`), which `owner` keeps alive.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len as usize) }
-    }
-
-    /// The slot index.
-    pub fn index(&self) -> u32 {
-        self.idx
     }
 
     /// Asks the connection's lending budget whether this slot may stay out of the ring for as

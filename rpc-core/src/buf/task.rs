@@ -90,11 +90,6 @@ impl<N: Notify> WakeShared<N> {
             self.notify.notify();
         }
     }
-
-    /// The notifier.
-    pub fn notifier(&self) -> &N {
-        &self.notify
-    }
 }
 
 impl<N: Notify> std::fmt::Debug for WakeShared<N> {
@@ -252,17 +247,14 @@ impl<C: CtxFamily, N: Notify> TaskSlab<C, N> {
         }
     }
 
-    /// The shared wake state (its notifier).
-    pub fn wake_shared(&self) -> &Arc<WakeShared<N>> {
-        &self.wake
-    }
-
     /// Free slots.
+    #[cfg(test)]
     pub fn available(&self) -> usize {
         self.free.len()
     }
 
     /// Tasks that did not fit inline and were boxed, since creation.
+    #[cfg(test)]
     pub fn boxed(&self) -> u64 {
         self.boxed
     }

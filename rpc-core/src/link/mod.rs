@@ -37,7 +37,7 @@ use std::time::Instant;
 
 pub use owned::{Graveyard, ParkedStats, completion, parked_stats};
 use stripe::StripeDone;
-pub use stripe::{LANE_WRS, Lanes, STRIPE_MIN, lane_caps};
+pub use stripe::{Lanes, lane_caps};
 
 use crate::buf::encode::MAX_PIECES;
 use crate::buf::{BulkBuf, BulkPool, EncodeMsg, RecvSlot, SlotArena};
@@ -180,8 +180,9 @@ impl LinkError {
 pub enum FrameError {
     /// Back-pressure: no send slot or no credit. Try again after completions arrive.
     Busy,
-    /// The protocol refused the frame (the call is gone, or a caller bug).
-    Refused(SendError),
+    /// The protocol refused the frame (the call is gone, or a caller bug); the reason is for
+    /// `Debug` output.
+    Refused(#[allow(dead_code)] SendError),
     /// The message does not fit (caller should have planned a bulk transfer).
     TooLarge,
     /// The link failed.
@@ -265,7 +266,8 @@ pub enum Received {
     Written {
         /// The immediate (a call id).
         imm: u32,
-        /// Bytes written.
+        /// Bytes written (for `Debug` output).
+        #[allow(dead_code)]
         len: u32,
     },
 }
@@ -775,46 +777,6 @@ impl<P: Provider> Link<P> {
         Ok(())
     }
 
-    /// Posts an RDMA WRITE of `local[start..start + len]` to `remote`, in chunks; the last chunk
-    /// is a WRITE_WITH_IMM carrying `imm` (so the peer gets one receive completion once every
-    /// byte landed) and is signaled with `wr_id(key, Write, aux)`. Consumes one send credit (the
-    /// peer's receive slot): the caller must have built the frame with the protocol first.
-    ///
-    /// # Errors
-    /// When `post_send` fails.
-    ///
-    /// # Safety
-    /// `local` must stay alive and unmodified until the last chunk's completion is polled
-    /// (successfully: a failed one fails the link, see [`Link::post_read`]) or the QP is
-    /// destroyed.
-    pub unsafe fn post_write_imm(
-        &mut self,
-        aux: u32,
-        local: &BulkBuf<P>,
-        start: usize,
-        len: usize,
-        remote: BulkDesc,
-        imm: u32,
-    ) -> Result<(), LinkError> {
-        if len as u64 > remote.len {
-            return Err(LinkError::Protocol(
-                "bulk WRITE larger than the landing zone".into(),
-            ));
-        }
-        let remote = remote_mr(remote);
-        // SAFETY: forwarded contract.
-        unsafe {
-            self.post_chunked(
-                WrKind::Write,
-                aux,
-                |o, l| local.sge(start + o, l),
-                remote,
-                len,
-                Chunked::WriteImm(imm),
-            )
-        }
-    }
-
     /// Like [`Link::post_write_imm`], but the bytes are a gather list: `pieces[i]` (in order)
     /// are `(sge_of_piece, len)` where each piece's SGE covers its whole length; chunks that
     /// span pieces carry several SGEs (at most [`MAX_PIECES`], within the QP's
@@ -1170,11 +1132,6 @@ impl<P: Provider> Link<P> {
         Ok(())
     }
 
-    /// Whether control frames wait for credit.
-    pub fn has_backlog(&self) -> bool {
-        !self.backlog.is_empty()
-    }
-
     /// Tries once: `Ok(false)` when there is no credit or slot now.
     fn try_control(&mut self, c: Control) -> Result<bool, LinkError> {
         let md = Metadata::new();
@@ -1212,11 +1169,6 @@ impl<P: Provider> Link<P> {
             }
         }
         Ok(())
-    }
-
-    /// The registered memory of the slots (for tests and stats).
-    pub fn slot_mr(&self) -> &P::Mr {
-        self.arena.mr()
     }
 }
 

@@ -81,11 +81,6 @@ impl Graveyard {
     pub fn len(&self) -> usize {
         self.parked.len()
     }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.parked.is_empty()
-    }
 }
 
 impl Drop for Graveyard {
