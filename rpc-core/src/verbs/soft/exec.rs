@@ -810,6 +810,7 @@ impl Conn {
 
     /// Raises the pin counter of the peer's region `slot` (in the peer's inbox) for the
     /// duration of this access: `pins` drops it again when the access is over.
+    #[inline]
     fn pin(&self, slot: u32, pins: &mut Pins) -> std::result::Result<(), u32> {
         let pin = self
             .peer
@@ -828,6 +829,7 @@ impl Conn {
     /// (registered under `key`, descriptor `fd`, `[base, base + mlen)`), through the
     /// connection's cache of mappings.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn shm_target(
         &mut self,
         slot: u32,
