@@ -224,7 +224,7 @@ impl<P: Provider> DrvCall<P> {
 
 /// State only the driver touches.
 pub(crate) struct Driver<P: Provider> {
-    link: Link<P>,
+    pub(crate) link: Link<P>,
     calls: Box<[DrvCall<P>]>,
     /// Per cell: the wire call slot it runs as.
     cell_slot: Box<[Option<u32>]>,
@@ -233,8 +233,11 @@ pub(crate) struct Driver<P: Provider> {
     stream_pending: VecDeque<StreamSend<P>>,
     /// Call slots with stream messages waiting in `out`.
     out_calls: Vec<usize>,
-    cq: P::Cq,
+    pub(crate) cq: P::Cq,
     channel: P::CompChannel,
+    /// The rendezvous descriptors the server sent (the rogue-peer tests replay them).
+    #[cfg(test)]
+    pub(crate) seen_bulk: Vec<BulkDesc>,
     wcs: [Wc; POLL_BATCH],
     _pd: Arc<P::Pd>,
     _ctx: P::Context,
@@ -252,7 +255,7 @@ pub(crate) struct Counters {
 
 /// One client connection.
 pub(crate) struct ClientCore<P: Provider> {
-    driver: Exclusive<Driver<P>>,
+    pub(crate) driver: Exclusive<Driver<P>>,
     cells: Box<[Cell<P>]>,
     free: ArrayQueue<u32>,
     /// Callers waiting for a free cell (slow path only).
@@ -271,7 +274,7 @@ pub(crate) struct ClientCore<P: Provider> {
     grants: SegQueue<(u32, u32, u32)>,
     stream_window: u32,
     arena: Arc<SlotArena<P>>,
-    bulk: Arc<BulkPool<P>>,
+    pub(crate) bulk: Arc<BulkPool<P>>,
     doorbell: Arc<Doorbell>,
     dead: AtomicBool,
     /// The server sent GoAway: calls in flight finish here, new calls go to a new connection.
@@ -317,6 +320,8 @@ impl<P: Provider> ClientCore<P> {
         let bulk = Arc::clone(&parts.link.bulk);
         let pd = Arc::clone(&parts.pd);
         let driver = Driver {
+            #[cfg(test)]
+            seen_bulk: Vec::new(),
             calls: (0..n).map(|_| DrvCall::empty()).collect(),
             cell_slot: vec![None; n].into_boxed_slice(),
             pending: VecDeque::with_capacity(n),
@@ -2217,6 +2222,8 @@ impl<P: Provider> Driver<P> {
                 bulk: Some(desc),
                 ..
             } => {
+                #[cfg(test)]
+                self.seen_bulk.push(desc);
                 let s = call.slot() as usize;
                 let metadata = match slot.as_ref().map(|sl| decode_metadata(&sl.bytes()[md])) {
                     Some(Ok(m)) => m,

@@ -3,6 +3,8 @@
 
 mod core;
 mod registered;
+#[cfg(test)]
+mod rogue_tests;
 
 use std::sync::Arc;
 use std::time::Duration;
