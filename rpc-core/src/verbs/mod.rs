@@ -188,6 +188,22 @@ pub trait Pd<P: Provider>: Send + Sync + fmt::Debug {
         len: usize,
         access: Access,
         qp: &P::Qp,
+    ) -> Result<P::Mr> {
+        self.bind_window_to(mr, offset, len, access, qp.window_target())
+    }
+
+    /// [`Pd::bind_window`] for the peer `to` names ([`Qp::window_target`] of a connected QP
+    /// of this protection domain), from any thread: the QP itself need not be at hand.
+    ///
+    /// # Errors
+    /// As [`Pd::bind_window`]; [`ErrorKind::WrongPd`] when `to` names a QP of another device.
+    fn bind_window_to(
+        &self,
+        mr: &P::Mr,
+        offset: usize,
+        len: usize,
+        access: Access,
+        to: WindowTarget,
     ) -> Result<P::Mr>;
 
     /// Creates an RC queue pair in RESET, whose completions go to `send_cq` and `recv_cq`.
@@ -232,6 +248,17 @@ pub(crate) fn check_window(
         return bad("a remote write or atomic window needs a region with LOCAL_WRITE".into());
     }
     Ok(())
+}
+
+/// Whom a memory window is for: the peer of a connected queue pair, as
+/// [`Qp::window_target`] names it. A plain value, so that code without the QP at hand (the
+/// owner of an explicit region, on any thread) can lend memory to that peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowTarget {
+    /// The device the QP belongs to (soft: its RNIC's nonce; ib: 0).
+    pub(crate) device: u64,
+    /// The peer's RNIC (soft: its nonce, 0 before RTR; ib: 0, windows are PD-wide).
+    pub(crate) peer: u64,
 }
 
 /// A registered memory region (`ibv_mr`). Dropping it deregisters it (and frees the memory of a
@@ -345,6 +372,9 @@ pub trait Qp: Send + Sync + fmt::Debug {
 
     /// What the peer needs to connect to this QP (send it out of band).
     fn endpoint(&self) -> Endpoint;
+
+    /// The peer windows are bound to ([`Pd::bind_window_to`]); meaningful once connected.
+    fn window_target(&self) -> WindowTarget;
 
     /// RESET -> INIT, granting `access` to the peer (`qp_access_flags`).
     ///

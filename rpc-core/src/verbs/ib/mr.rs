@@ -391,13 +391,13 @@ impl Pd<Ib> for IbPd {
         self.register(Verb::RegMr, addr, len, access, None)
     }
 
-    fn bind_window(
+    fn bind_window_to(
         &self,
         mr: &IbMr,
         offset: usize,
         len: usize,
         access: Access,
-        _qp: &IbQp,
+        _to: crate::verbs::WindowTarget,
     ) -> Result<IbMr> {
         crate::verbs::check_window(mr.len, mr.access, offset, len, access)?;
         // Remote write needs local write on the registration itself (libibverbs' rule).

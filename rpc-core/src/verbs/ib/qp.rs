@@ -690,6 +690,11 @@ impl Qp for IbQp {
         self.qp_num
     }
 
+    /// Windows are registrations of the protection domain on ib: any of its QPs may use them.
+    fn window_target(&self) -> crate::verbs::WindowTarget {
+        crate::verbs::WindowTarget { device: 0, peer: 0 }
+    }
+
     /// Asks the device (`ibv_query_qp`, one system call): a QP can move to ERROR on its own.
     /// Falls back to the last state we set when the query fails.
     fn state(&self) -> QpState {

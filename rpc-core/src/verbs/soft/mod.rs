@@ -458,23 +458,22 @@ impl Pd<Soft> for SoftPd {
         unsafe { SoftMr::register(&self.dev, self.id, addr, len, access) }
     }
 
-    fn bind_window(
+    fn bind_window_to(
         &self,
         mr: &SoftMr,
         offset: usize,
         len: usize,
         access: Access,
-        qp: &SoftQp,
+        to: crate::verbs::WindowTarget,
     ) -> Result<SoftMr> {
-        if !Arc::ptr_eq(&qp.s.dev, &self.dev) {
+        if to.device != self.dev.nonce {
             return Err(VerbsError::new(
                 Verb::BindMw,
                 ErrorKind::WrongPd,
                 "the QP belongs to another soft context than the protection domain",
             ));
         }
-        let peer = qp.peer_nonce();
-        SoftMr::window(&self.dev, self.id, mr, offset, len, access, peer)
+        SoftMr::window(&self.dev, self.id, mr, offset, len, access, to.peer)
     }
 
     fn create_qp(&self, send_cq: &SoftCq, recv_cq: &SoftCq, caps: QpCaps) -> Result<SoftQp> {

@@ -855,6 +855,13 @@ impl Qp for SoftQp {
         self.s.qp_num
     }
 
+    fn window_target(&self) -> crate::verbs::WindowTarget {
+        crate::verbs::WindowTarget {
+            device: self.s.dev.nonce,
+            peer: self.peer_nonce(),
+        }
+    }
+
     fn state(&self) -> QpState {
         self.s.state()
     }
