@@ -1073,8 +1073,9 @@ impl<P: Provider> Link<P> {
     #[inline(always)]
     pub fn on_recv(&mut self, wc: &Wc, slot_idx: u32) -> Result<Option<Received>, LinkError> {
         if wc.status != WcStatus::Success {
-            // The NIC gave the slot back (its completion is polled), unfilled.
-            self.arena.repost_later(slot_idx);
+            // The NIC gave the slot back (its completion is polled), unfilled, because the QP
+            // is in ERROR: it stays unposted (a receive posted now would only be flushed
+            // again, and reporting it as a credit would count a frame that never came).
             completion(wc)?;
             return Ok(None);
         }
