@@ -27,7 +27,7 @@
 //! | **rendezvous source** (a bulk buffer holding a large message) | the sender, until it advertises it; then read-only for everyone | RDMA READ of exactly the advertised bytes, through a key of its own, from this connection's peer only (soft) | at the peer's `BulkRelease`, or when the call ends: the key is revoked before the buffer returns to its pool |
 //! | **landing zone** (a bulk buffer a client lends for a large response) | the server's NIC, then the client once the response arrived | RDMA WRITE of exactly the advertised bytes, from this connection's server only (soft) | when the response's write completes: the key is revoked before the client reads a byte |
 //! | **registered request bytes** ([`Channel::alloc_bytes`]) | the user, until frozen; then read-only, shared by the requests that reference it | RDMA READ of the referenced field's bytes, one key per request | when that request's server is done (`BulkRelease` or the call's end) |
-//! | **explicit region** ([`Channel::alloc_region`]) | the user and the handlers it names the region to | READ and WRITE of the whole region through its own key, while the region lives | when the region is dropped (not when the call ends: see below) |
+//! | **explicit region** ([`Channel::alloc_region`], a [`Region`]) | the user, whenever no [`Lease`] of it lives; the server's handlers through a lease | what the lease grants: READ and/or WRITE of the lent range, by this connection's server, from a handler whose call still runs | when the lease is dropped (its key is revoked; a leaked lease is revoked before the region's bytes are touched again), or for a handler, when its call ends (`FAILED_PRECONDITION` after) |
 //!
 //! Remote keys are windows ([`verbs::Pd::bind_window`]): a fresh key per loan, with the one
 //! right the use needs, covering the advertised range only, revoked when the loan ends. The
@@ -39,9 +39,8 @@
 //! per `Channel` today), so a peer cannot use a key lent to another connection. On the ib
 //! provider a window is a registration of the lent range (`ibv_reg_mr`, deregistered on
 //! revocation): fresh, least-privilege and revoked, but usable by any QP of the protection
-//! domain while it lives (type-2 memory windows bound to the QP would close that). Explicit
-//! regions keep one key with read and write rights for their whole life; a handler's access
-//! to them does not end with its call.
+//! domain while it lives (type-2 memory windows bound to the QP would close that). A lease
+//! borrows its region mutably, so safe code cannot read bytes the server may be writing.
 //!
 //! Posted buffers belong to the NIC: nothing named by a posted work request is reused before
 //! its completion is polled or its QP destroyed.
@@ -74,7 +73,8 @@ pub mod testing {
     pub use crate::link::{ParkedStats, SIGNAL_EVERY, parked_stats};
 }
 pub use client::{
-    Channel, ChannelBuilder, Pipeline, PollerMode, RegisteredBytes, RegisteredBytesMut,
+    Channel, ChannelBuilder, Lease, Pipeline, PollerMode, Region, RegisteredBytes,
+    RegisteredBytesMut,
 };
 pub use error::{Error, ErrorKind};
 pub use method::{CallKind, MethodDesc};

@@ -17,6 +17,7 @@ use common::{Blob, GenRequest, TestServer, lab_server, pattern, wait_until, with
 use rpc_core::server::{Dispatched, IncomingCall, Server, Service};
 use rpc_core::testing::{ParkedStats, parked_stats};
 use rpc_core::verbs::soft::fault::{OneSided, OneSidedFault, arm_one_sided, one_sided_left};
+use rpc_core::verbs::{Access, RemoteMr};
 use rpc_core::{CallKind, Channel, Code, MethodDesc, PollerMode, Request, Response, Status};
 
 /// One test at a time: the fault hook and the counters are process-wide.
@@ -230,10 +231,9 @@ async fn owned_server() -> rpc_core::RunningServer {
 /// Starts a BULK call on `ch` over `region` whose one-sided operation the server holds posted.
 async fn held_bulk_call(
     ch: &Channel,
-    region: &rpc_core::client::Region,
+    r: RemoteMr,
     write: bool,
 ) -> tokio::task::JoinHandle<Result<Response<Echo>, Status>> {
-    let r = region.remote();
     let h = Handle {
         addr: r.addr,
         len: r.len,
@@ -257,11 +257,13 @@ async fn closing_a_connection_with_a_bulk_operation_in_flight_frees_nothing_befo
     let ch = within(LIMIT, "connect", Channel::connect(addr.clone()))
         .await
         .unwrap();
-    let region = ch.alloc_region(1 << 20).await.unwrap();
+    let mut region = ch.alloc_region(1 << 20).await.unwrap();
+    let lease = region.lend(Access::REMOTE_READ).unwrap();
     let before = quiet().await;
-    let call = held_bulk_call(&ch, &region, false).await;
+    let call = held_bulk_call(&ch, lease.remote(), false).await;
     // The handler's READ of the region is posted and held. The client goes away.
     call.abort();
+    drop(lease);
     drop(region);
     drop(ch);
     // The server's close parks the operation's buffer, destroys the QP, then frees it.
@@ -275,24 +277,26 @@ async fn closing_a_connection_with_a_bulk_operation_in_flight_frees_nothing_befo
     let ch = within(LIMIT, "reconnect", Channel::connect(addr))
         .await
         .unwrap();
-    let region = ch.alloc_region(64 << 10).await.unwrap();
-    let r = region.remote();
-    let h = Handle {
-        addr: r.addr,
-        len: r.len,
-        rkey: r.rkey,
-        write: true,
-        fill: 5,
-    };
-    within(
-        LIMIT,
-        "bulk call",
-        ch.unary::<_, Echo>(&BULK, Request::new(h)),
-    )
-    .await
-    .unwrap();
-    // SAFETY: the call is over.
-    assert!(unsafe { region.as_slice() }.iter().all(|&b| b == 5));
+    let mut region = ch.alloc_region(64 << 10).await.unwrap();
+    {
+        let lease = region.lend(Access::REMOTE_WRITE).unwrap();
+        let r = lease.remote();
+        let h = Handle {
+            addr: r.addr,
+            len: r.len,
+            rkey: r.rkey,
+            write: true,
+            fill: 5,
+        };
+        within(
+            LIMIT,
+            "bulk call",
+            ch.unary::<_, Echo>(&BULK, Request::new(h)),
+        )
+        .await
+        .unwrap();
+    }
+    assert!(region.iter().all(|&b| b == 5));
     within(LIMIT, "shutdown", server.shutdown()).await;
 }
 
@@ -304,11 +308,11 @@ async fn shutting_down_with_bulk_operations_and_reads_in_flight_frees_nothing_be
     let connect = || within(LIMIT, "connect", Channel::connect(addr.clone()));
     let (a, b) = (connect().await.unwrap(), connect().await.unwrap());
     let mut region = a.alloc_region(1 << 20).await.unwrap();
-    // SAFETY: no request advertises the region yet.
-    unsafe { region.as_mut_slice() }.fill(7);
+    region.fill(7);
+    let lease = region.lend(Access::REMOTE_WRITE).unwrap();
     let before = quiet().await;
     // A handler's WRITE into the region, held posted on connection `a`...
-    let write = held_bulk_call(&a, &region, true).await;
+    let write = held_bulk_call(&a, lease.remote(), true).await;
     // ...and a rendezvous request whose READ the server holds posted on connection `b`.
     arm_one_sided(OneSided::ServerRead, OneSidedFault::Delay(HOLD), 1);
     let echo = {
@@ -341,8 +345,9 @@ async fn shutting_down_with_bulk_operations_and_reads_in_flight_frees_nothing_be
         assert_eq!(st.code(), Code::Unavailable, "{what}: {st:?}");
     }
     // The held WRITE never ran: its QP was destroyed first.
-    // SAFETY: no call on the region is in flight any more (the server is gone).
-    assert!(unsafe { region.as_slice() }.iter().all(|&b| b == 7));
+    // The server is gone; the lease ends and the bytes are ours again, unwritten.
+    drop(lease);
+    assert!(region.iter().all(|&b| b == 7));
     drop((region, a, b));
     wait_until(LIMIT, "clients free what they parked", || {
         let (p, freed) = delta(before);

@@ -2,6 +2,7 @@
 
 use bytes::Bytes;
 use rpc_core::server::{Dispatched, IncomingCall, Server, Service};
+use rpc_core::verbs::Access;
 use rpc_core::{CallKind, Channel, MethodDesc, Request, Response, Status};
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -112,18 +113,22 @@ async fn echo_round_trips() {
     // Explicit bulk handle: the handler reads the region, then overwrites it.
     let n = 3 << 20;
     let mut region = ch.alloc_region(n).await.unwrap();
-    // SAFETY: no request advertises the region yet.
-    unsafe { region.as_mut_slice() }.fill(3);
-    let r = region.remote();
-    let h = Handle {
-        addr: r.addr,
-        len: r.len,
-        rkey: r.rkey,
-    };
-    let sum: Response<Echo> = ch.unary(&SUM, Request::new(h)).await.unwrap();
-    assert_eq!(sum.into_inner().seq, 3 * n as u64);
-    // SAFETY: the call is over.
-    let bytes = unsafe { region.as_slice() };
+    region.fill(3);
+    {
+        let lease = region
+            .lend(Access::REMOTE_READ | Access::REMOTE_WRITE)
+            .unwrap();
+        let r = lease.remote();
+        let h = Handle {
+            addr: r.addr,
+            len: r.len,
+            rkey: r.rkey,
+        };
+        let sum: Response<Echo> = ch.unary(&SUM, Request::new(h)).await.unwrap();
+        assert_eq!(sum.into_inner().seq, 3 * n as u64);
+    }
+    // The lease is over: the bytes are ours again.
+    let bytes = &region[..];
     assert!(bytes.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
     server.shutdown().await;
 }

@@ -7,14 +7,16 @@
 //! cargo run --release -p rpc-examples --bin bulk -- --size 1GiB
 //! ```
 //!
-//! The client registers its buffer with `Channel::alloc_region`; the handler reaches it through
-//! `Request::peer()` (`Peer::read`, `Peer::buffer` + `Peer::write`).
+//! The client registers its buffer with `Channel::alloc_region` and lends it per call
+//! (`Region::lend`: a key for exactly the right the handler needs, revoked when the lease is
+//! dropped); the handler reaches it through `Request::peer()` (`Peer::read`, `Peer::buffer` +
+//! `Peer::write`) while its call runs. No `unsafe` anywhere.
 
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use rpc_core::server::Server;
-use rpc_core::verbs::RemoteMr;
+use rpc_core::verbs::{Access, RemoteMr};
 use rpc_core::{Request, Response, Status};
 use rpc_examples::bulk::bulk_client::BulkClient;
 use rpc_examples::bulk::bulk_server::{self, BulkServer};
@@ -92,6 +94,15 @@ impl bulk_server::Bulk for BulkService {
     }
 }
 
+/// The handle a request carries for a lent range.
+fn handle_of(r: RemoteMr) -> BulkHandle {
+    BulkHandle {
+        addr: r.addr,
+        len: r.len,
+        rkey: r.rkey,
+    }
+}
+
 /// Runs the bulk service in-process and moves a large buffer one-sided.
 #[derive(Debug, Parser)]
 struct Args {
@@ -112,26 +123,23 @@ async fn main() -> anyhow::Result<()> {
     println!("bulk: server on {addr}");
     let client = BulkClient::connect(addr.to_string()).await?;
 
-    // Registered memory the server may read and write one-sided.
+    // Registered memory the server may read or write one-sided, while we lend it.
     let mut region = client.channel().alloc_region(args.size).await?;
-    // SAFETY: no request advertises the region yet.
-    let buf = unsafe { region.as_mut_slice() };
-    fill_pattern(buf, 7);
-    let expected = checksum(buf);
+    fill_pattern(&mut region, 7);
+    let expected = checksum(&region);
     println!(
         "bulk: client region {} registered and filled, local checksum {expected:016x}",
-        human(buf.len() as u64)
+        human(region.len() as u64)
     );
-    let r = region.remote();
-    let handle = BulkHandle {
-        addr: r.addr,
-        len: r.len,
-        rkey: r.rkey,
-    };
 
-    let d = client.checksum(handle).await?.into_inner();
+    // Lend it for reading: a key for this connection's server, revoked when the lease drops.
+    let (d, handle) = {
+        let lease = region.lend(Access::REMOTE_READ)?;
+        let handle = handle_of(lease.remote());
+        (client.checksum(handle).await?.into_inner(), handle)
+    };
     anyhow::ensure!(
-        d.checksum == expected && d.len == r.len,
+        d.checksum == expected && d.len == handle.len,
         "the server read different bytes: {:016x} over {} bytes",
         d.checksum,
         d.len
@@ -142,21 +150,19 @@ async fn main() -> anyhow::Result<()> {
         Duration::from_nanos(d.read_ns),
         d.len as f64 / d.read_ns.max(1) as f64
     );
-    let fill = client
-        .fill(FillRequest {
-            handle: Some(handle),
+
+    // The read lease is over: the server can no longer touch the region with that key.
+    let fill = {
+        let lease = region.lend(Access::REMOTE_WRITE)?;
+        let request = FillRequest {
+            handle: Some(handle_of(lease.remote())),
             seed: 99,
-        })
-        .await?
-        .into_inner();
+        };
+        client.fill(request).await?.into_inner()
+    };
     let mut want = vec![0u8; args.size];
     fill_pattern(&mut want, 99);
-    // SAFETY: the Fill call is over: the server no longer writes the region.
-    let written = unsafe { region.as_slice() };
-    anyhow::ensure!(
-        written == want.as_slice(),
-        "the server wrote different bytes"
-    );
+    anyhow::ensure!(region[..] == want[..], "the server wrote different bytes");
     println!(
         "bulk: server wrote {} one-sided in {:?} ({:.1} GB/s); contents verified",
         human(fill.len),

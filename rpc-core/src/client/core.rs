@@ -287,6 +287,8 @@ pub(crate) struct ClientCore<P: Provider> {
     pub(crate) counters: Counters,
     pub(crate) describe: String,
     pd: Arc<P::Pd>,
+    /// The peer explicit regions are lent to (`Region::lend`).
+    window_target: crate::verbs::WindowTarget,
 }
 
 impl<P: Provider> std::fmt::Debug for ClientCore<P> {
@@ -319,6 +321,7 @@ impl<P: Provider> ClientCore<P> {
         let arena = Arc::clone(&parts.link.arena);
         let bulk = Arc::clone(&parts.link.bulk);
         let pd = Arc::clone(&parts.pd);
+        let window_target = crate::verbs::Qp::window_target(&parts.link.qp);
         let driver = Driver {
             #[cfg(test)]
             seen_bulk: Vec::new(),
@@ -375,18 +378,17 @@ impl<P: Provider> ClientCore<P> {
             counters: Counters::default(),
             describe: parts.describe,
             pd,
+            window_target,
         }))
     }
 
-    /// Allocates registered memory peers may read and write through its rkey.
-    pub(crate) fn alloc_region(&self, len: usize) -> Result<Box<dyn crate::verbs::Mr>, Status> {
-        use crate::verbs::{Access, Pd};
-        let access = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-        let mr = self
-            .pd
-            .alloc_mr(len, access)
-            .map_err(|e| Status::resource_exhausted(format!("register {len} bytes: {e}")))?;
-        Ok(Box::new(mr))
+    /// Allocates registered memory for an explicit region, lent to this connection's peer
+    /// only by its leases.
+    pub(crate) fn alloc_region(
+        &self,
+        len: usize,
+    ) -> Result<Box<dyn super::region::RegionMem>, Status> {
+        super::region::alloc::<P>(&self.pd, self.window_target, len)
     }
 
     /// Registered memory for request payloads, from the bulk pool (`Channel::alloc_bytes`).
@@ -398,23 +400,6 @@ impl<P: Provider> ClientCore<P> {
         // A buffer from the pool holds what its last user left: start from zeros.
         buf.as_mut_slice().fill(0);
         Ok(RegisteredBytesMut::new(Box::new(buf)))
-    }
-
-    /// Registers caller memory for remote read and write.
-    ///
-    /// # Safety
-    /// As [`crate::verbs::Pd::reg_mr`].
-    pub(crate) unsafe fn register(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-    ) -> Result<Box<dyn crate::verbs::Mr>, Status> {
-        use crate::verbs::{Access, Pd};
-        let access = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-        // SAFETY: forwarded contract.
-        let mr = unsafe { self.pd.reg_mr(ptr, len, access) }
-            .map_err(|e| Status::resource_exhausted(format!("register {len} bytes: {e}")))?;
-        Ok(Box::new(mr))
     }
 
     /// Whether the connection is gone.

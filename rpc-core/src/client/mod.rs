@@ -2,6 +2,7 @@
 //! with a completion poller, futures and blocking calls.
 
 mod core;
+mod region;
 mod registered;
 #[cfg(test)]
 mod rogue_tests;
@@ -27,6 +28,7 @@ use crate::verbs::{
 use crate::wire::{self, Role};
 use crate::{Error, ErrorKind, Request, Response, Status};
 use core::{CLIENT_LINK, ClientCore, Parts, epoch};
+pub use region::{Lease, Region};
 pub(crate) use registered::RegHandle;
 pub use registered::{RegisteredBytes, RegisteredBytesMut};
 
@@ -420,19 +422,35 @@ impl Channel {
         }
     }
 
-    /// Allocates `len` bytes of registered memory that the server may read and write through
-    /// its handle ([`Region::remote`]): the client side of explicit bulk handles. Fill it, pass
-    /// `region.remote()` (`{addr, len, rkey}`) in a request, and the handler moves the bytes
-    /// with one-sided RDMA READ or WRITE ([`crate::server::Peer`]). The region belongs to the
-    /// current connection: after a reconnect, allocate it again.
+    /// Allocates `len` bytes of registered memory (zeroed) to lend to the server's handlers:
+    /// the client side of explicit bulk handles. Fill it (a [`Region`] derefs to `[u8]`),
+    /// [`Region::lend`] it with the right the handler needs, pass [`Lease::remote`]
+    /// (`{addr, len, rkey}`) in a request, and the handler moves the bytes with one-sided RDMA
+    /// READ or WRITE ([`crate::server::Peer`]); drop the lease when the call returns and the
+    /// server's access ends. The region belongs to the current connection: after a reconnect,
+    /// allocate it again.
+    ///
+    /// ```no_run
+    /// # async fn f(channel: rpc_core::Channel) -> Result<(), rpc_core::Status> {
+    /// use rpc_core::verbs::Access;
+    /// let mut region = channel.alloc_region(1 << 20).await?;
+    /// region.fill(7); // the bytes are ours: no key of them is out
+    /// {
+    ///     let lease = region.lend(Access::REMOTE_READ)?;
+    ///     let handle = lease.remote(); // send it in a request; the handler READs the bytes
+    ///     # let _ = handle;
+    /// } // lease dropped: the key is revoked, the server can no longer read the region
+    /// assert_eq!(region[0], 7);
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// `RESOURCE_EXHAUSTED` when the memory cannot be allocated or registered (RLIMIT_MEMLOCK
     /// on real RNICs); `UNAVAILABLE` when the connection is gone and cannot be re-established.
     pub async fn alloc_region(&self, len: usize) -> Result<Region, Status> {
         let conn = self.conn().await?;
-        let mr = with_any!(AnyCore, &conn.core, c => c.alloc_region(len))?;
-        Ok(Region { mr, _conn: conn })
+        let mem = with_any!(AnyCore, &conn.core, c => c.alloc_region(len))?;
+        Ok(Region::new(mem, conn))
     }
 
     /// Allocates `len` bytes of registered memory for request payloads (from the connection's
@@ -458,23 +476,6 @@ impl Channel {
     pub fn zero_copy_request_bytes(&self) -> u64 {
         let c = self.shared.conn.load();
         with_any!(AnyCore, &c.core, c => c.counters.zero_copy_request_bytes.load(std::sync::atomic::Ordering::Relaxed))
-    }
-
-    /// Registers existing memory `[ptr, ptr + len)` for remote read and write, as
-    /// [`Channel::alloc_region`] does for memory it allocates.
-    ///
-    /// # Errors
-    /// As [`Channel::alloc_region`].
-    ///
-    /// # Safety
-    /// The memory must stay allocated and must not be moved until the region is dropped; while
-    /// a request that advertises it is in flight the server may write it at any time, so Rust
-    /// code must not hold references into it then.
-    pub async unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Region, Status> {
-        let conn = self.conn().await?;
-        // SAFETY: forwarded contract.
-        let mr = with_any!(AnyCore, &conn.core, c => unsafe { c.register(ptr, len) })?;
-        Ok(Region { mr, _conn: conn })
     }
 
     /// RC queue pairs the current connection uses (see
@@ -643,58 +644,6 @@ impl Channel {
         let conn = self.conn().await?;
         let r = with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)?;
         Ok(r.map(|s| s.keep_alive(conn)))
-    }
-}
-
-/// Client memory registered for the server's one-sided access (see
-/// [`Channel::alloc_region`]). Deregistered when dropped.
-pub struct Region {
-    mr: Box<dyn crate::verbs::Mr>,
-    _conn: Arc<Conn>,
-}
-
-impl Region {
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.mr.len()
-    }
-
-    /// Whether the region is empty (never: zero-length registrations are refused).
-    pub fn is_empty(&self) -> bool {
-        self.mr.len() == 0
-    }
-
-    /// What the server needs: `{addr, len, rkey}`.
-    pub fn remote(&self) -> crate::verbs::RemoteMr {
-        self.mr.remote()
-    }
-
-    /// The bytes.
-    ///
-    /// # Safety
-    /// No request that advertises this region may be in flight (the server could write it
-    /// meanwhile: a data race).
-    pub unsafe fn as_slice(&self) -> &[u8] {
-        // SAFETY: the MR's memory is mapped for `len` bytes while `mr` lives; the caller
-        // guarantees no remote writer.
-        unsafe { std::slice::from_raw_parts(self.mr.as_ptr(), self.mr.len()) }
-    }
-
-    /// The bytes, mutably.
-    ///
-    /// # Safety
-    /// As [`Region::as_slice`].
-    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes this the only local reference.
-        unsafe { std::slice::from_raw_parts_mut(self.mr.as_ptr(), self.mr.len()) }
-    }
-}
-
-impl std::fmt::Debug for Region {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Region")
-            .field("remote", &self.remote())
-            .finish()
     }
 }
 
@@ -922,14 +871,17 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     let watch = Arc::clone(&core);
     let addr = b.addr.clone();
     tokio::spawn(async move {
-        use tokio::io::AsyncReadExt;
-        let mut byte = [0u8; 1];
         tokio::select! {
-            r = stream.read(&mut byte) => {
+            r = connect::recv_closing(&mut stream) => {
+                // The server says why it closes the connection (a remote access error, its
+                // shutdown, ...), or just closes it.
                 let why = match r {
-                    Ok(0) => "server closed the connection".to_string(),
+                    Ok(Handshake::Refusal(r)) => format!("server closed the connection: {}", r.reason),
                     Ok(_) => "server sent unexpected bytes on the control connection".to_string(),
-                    Err(e) => format!("control connection failed: {e}"),
+                    Err(e) if e.kind() == ErrorKind::Handshake => {
+                        "server sent unexpected bytes on the control connection".to_string()
+                    }
+                    Err(_) => "server closed the connection".to_string(),
                 };
                 warn!("{addr}: {why}");
                 watch.kill(Status::unavailable(format!("{addr}: {why}")));

@@ -321,29 +321,37 @@ pub async fn send<S: AsyncWriteExt + Unpin>(stream: &mut S, msg: &Message) -> Re
 /// # Errors
 /// On timeout, I/O failure, an oversized length or an invalid message.
 pub async fn recv<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Message, Error> {
-    let read = async {
-        let mut len = [0u8; 4];
-        stream.read_exact(&mut len).await?;
-        let len = u32::from_le_bytes(len) as usize;
-        if len > MAX_MESSAGE {
-            return Ok(Err(handshake_err(format!(
-                "handshake message of {len} bytes is over the {MAX_MESSAGE}-byte limit: peer is \
-                 not an rdma-rpc endpoint"
-            ))));
-        }
-        let mut body = vec![0u8; len];
-        stream.read_exact(&mut body).await?;
-        Ok::<_, std::io::Error>(Message::decode(&body))
-    };
-    match tokio::time::timeout(HANDSHAKE_TIMEOUT, read).await {
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, read_message(stream)).await {
         Err(_) => Err(handshake_err("peer sent no handshake within 5 s")),
-        Ok(Err(e)) => Err(Error::with_source(
-            ErrorKind::Handshake,
-            "reading handshake",
-            e,
-        )),
-        Ok(Ok(r)) => r,
+        Ok(r) => r,
     }
+}
+
+/// Waits for the one message the server may send after [`Welcome`]: why it closes the
+/// connection (a [`Refusal`]).
+///
+/// # Errors
+/// [`ErrorKind::Io`] when the connection ends or fails without one; [`ErrorKind::Handshake`]
+/// for anything else the server sent.
+pub async fn recv_closing<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Message, Error> {
+    read_message(stream).await
+}
+
+/// One length-prefixed message.
+async fn read_message<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Message, Error> {
+    let io = |e: std::io::Error| Error::with_source(ErrorKind::Io, "reading handshake", e);
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await.map_err(io)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE {
+        return Err(handshake_err(format!(
+            "handshake message of {len} bytes is over the {MAX_MESSAGE}-byte limit: peer is not \
+             an rdma-rpc endpoint"
+        )));
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).await.map_err(io)?;
+    Message::decode(&body)
 }
 
 /// Constant-time comparison of tokens (no early exit on the first differing byte).

@@ -451,7 +451,14 @@ async fn serve_connection(
         _ = stream.read(&mut byte) => {
             handle.send(ShardMsg::Disconnect(key));
         }
-        _ = &mut closed_rx => {}
+        why = &mut closed_rx => {
+            // Tells the client why (its QPs may only see flushes), within a second.
+            if let Ok(reason) = why {
+                let msg = Message::Refusal(Refusal { reason });
+                let send = connect::send(&mut stream, &msg);
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(1), send).await;
+            }
+        }
         _ = stop.changed() => {}
     }
 }

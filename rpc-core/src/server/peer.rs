@@ -4,7 +4,8 @@
 //!
 //! A bulk operation is queued to the shard that owns the connection (from any thread: handlers
 //! may hand the `Peer` to spawned tasks), posted there, and its completion resolves the future.
-//! An access error (wrong rkey, range outside the client's region, missing right) fails the
+//! The handler reaches the client's memory only while its call runs (a `Peer` kept past it gets
+//! `FAILED_PRECONDITION`). An access error (wrong rkey, range outside the lease, missing right) fails the
 //! operation with `PERMISSION_DENIED` and, as on any RC queue pair, breaks the connection: the
 //! client's calls on it fail with `UNAVAILABLE`.
 
@@ -116,6 +117,8 @@ pub(crate) enum OpKind {
 /// A bulk operation queued to a shard.
 pub(crate) struct BulkOp {
     pub(crate) key: LinkKey,
+    /// The call whose handler asked: refused once that call has ended.
+    pub(crate) call: crate::wire::CallId,
     pub(crate) kind: OpKind,
     pub(crate) remote: RemoteMr,
     pub(crate) local: Box<dyn BulkMem>,
@@ -170,19 +173,21 @@ impl PeerApi {
 pub struct Peer {
     api: Arc<PeerApi>,
     key: LinkKey,
+    call: crate::wire::CallId,
 }
 
 impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Peer")
             .field("connection", &self.key)
+            .field("call", &self.call)
             .finish()
     }
 }
 
 impl Peer {
-    pub(crate) fn new(api: Arc<PeerApi>, key: LinkKey) -> Peer {
-        Peer { api, key }
+    pub(crate) fn new(api: Arc<PeerApi>, key: LinkKey, call: crate::wire::CallId) -> Peer {
+        Peer { api, key, call }
     }
 
     /// A registered buffer of `len` bytes, to fill and [`Peer::write`].
@@ -203,6 +208,7 @@ impl Peer {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.api.ops.push(BulkOp {
             key: self.key,
+            call: self.call,
             kind,
             remote,
             local,
@@ -225,7 +231,8 @@ impl Peer {
     /// # Errors
     /// `PERMISSION_DENIED` on a remote access error (bad rkey, out of bounds, no read right:
     /// the connection is then closed), `RESOURCE_EXHAUSTED` when no buffer can be had,
-    /// `UNAVAILABLE` when the connection is gone.
+    /// `UNAVAILABLE` when the connection is gone, `FAILED_PRECONDITION` when the call this
+    /// `Peer` came with has ended.
     ///
     /// # Cancel safety
     /// Dropping the future does not stop the READ; the buffer is freed when it completes.

@@ -57,7 +57,7 @@ pub(crate) enum ShardMsg {
         peer: std::net::SocketAddr,
         reply: tokio::sync::oneshot::Sender<Result<(Welcome, LinkKey), String>>,
         /// Dropped by the shard when it closes the connection: the acceptor then closes TCP.
-        closed: tokio::sync::oneshot::Sender<()>,
+        closed: tokio::sync::oneshot::Sender<String>,
     },
     /// The client's TCP connection ended: drop its calls and QP.
     Disconnect(LinkKey),
@@ -288,7 +288,8 @@ pub(crate) struct ServerConn<P: Provider> {
     goaway_sent: bool,
     calls: Box<[SrvCall<P>]>,
     deferred: VecDeque<Deferred>,
-    _closed: tokio::sync::oneshot::Sender<()>,
+    /// Tells the connection's bootstrap task why we close it (it tells the client).
+    closed: Option<tokio::sync::oneshot::Sender<String>>,
     peer: std::net::SocketAddr,
     /// The largest request accepted and response sent (the server's `max_message`).
     max_message: u64,
@@ -457,7 +458,11 @@ impl<P: Provider> CallCtx for Reply<'_, P> {
     }
 
     fn peer(&self) -> Option<Peer> {
-        Some(Peer::new(Arc::clone(self.api), self.conn.link.key()))
+        Some(Peer::new(
+            Arc::clone(self.api),
+            self.conn.link.key(),
+            self.call,
+        ))
     }
 
     fn stream_ready(&mut self) -> bool {
@@ -1140,7 +1145,7 @@ impl<P: Provider> Shard<P> {
         &mut self,
         hello: Hello,
         peer: std::net::SocketAddr,
-        closed: tokio::sync::oneshot::Sender<()>,
+        closed: tokio::sync::oneshot::Sender<String>,
     ) -> Result<(Welcome, LinkKey), String> {
         let Some(idx) = self.conns.iter().position(Option::is_none) else {
             return Err(format!(
@@ -1253,7 +1258,7 @@ impl<P: Provider> Shard<P> {
             goaway_sent: false,
             calls,
             deferred: VecDeque::with_capacity(geometry.send_slots as usize),
-            _closed: closed,
+            closed: Some(closed),
             peer,
             max_message: cfg.max_message,
             gather: link_gather,
@@ -1307,6 +1312,9 @@ impl<P: Provider> Shard<P> {
             why.message(),
             conn.link.parked()
         );
+        if let Some(tx) = conn.closed.take() {
+            let _ = tx.send(why.message().to_owned());
+        }
         // The QPs are destroyed here, then the graveyard is freed.
         drop(conn);
         for done in answers {
@@ -1457,6 +1465,7 @@ impl<P: Provider> Shard<P> {
             n += 1;
             let BulkOp {
                 key,
+                call,
                 kind,
                 remote,
                 local,
@@ -1470,6 +1479,13 @@ impl<P: Provider> Shard<P> {
             };
             if conn.link.key() != key {
                 let _ = done.send(Err(Status::unavailable("the connection is closed")));
+                continue;
+            }
+            if !conn.slot(call).is_some_and(|c| c.active) {
+                let _ = done.send(Err(Status::failed_precondition(
+                    "the call has ended: a handler reaches the client's memory only while its \
+                     call runs",
+                )));
                 continue;
             }
             let entry = self.bulk_ops.vacant_entry();
