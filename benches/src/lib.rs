@@ -30,6 +30,7 @@ pub mod stream;
 pub mod stream_report;
 pub mod sys;
 pub mod tonic_client;
+pub mod windows;
 
 /// Messages, rdma-rpc client and server, tonic client and server, generated from
 /// `proto/bench.proto` by `build.rs`.
@@ -64,6 +65,8 @@ enum Cmd {
     /// One benchmark server process (started by `serve`).
     #[command(hide = true)]
     Server(server::ServerArgs),
+    /// What revocable remote access costs per large call (bind + revoke against the READ).
+    Windows(windows::WindowArgs),
 }
 
 /// Arguments of `rpc-bench serve`.
@@ -109,6 +112,7 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
             die_with_parent: s.die_with_parent,
         }),
         Some(Cmd::Server(s)) => server::run(&s),
+        Some(Cmd::Windows(w)) => windows::run(&w),
         Some(Cmd::Run(r)) => run_and_print(&r, command),
         None => match Cli::try_parse_from(["rpc-bench", "run"]) {
             Ok(Cli {

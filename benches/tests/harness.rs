@@ -323,3 +323,32 @@ fn bad_arguments_are_refused_with_a_reason() {
     assert!(!ok);
     assert!(out.contains("connect to `rpc-bench serve`"), "{out}");
 }
+
+#[test]
+fn windows_times_bind_and_revoke_against_the_read_and_writes_json() {
+    let dir = scratch("windows");
+    let path = dir.join("windows.json");
+    let (ok, out) = run(
+        &[
+            "windows",
+            "--sizes",
+            "64KiB,1MiB",
+            "--iters",
+            "20",
+            "--json",
+            path.to_str().unwrap(),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("| 1 MiB |"), "{out}");
+    let doc = json(&path);
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        // A READ of 64 KiB or more always takes time; a window is bound and revoked.
+        assert!(r["read_ns"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["bind_ns"].as_u64().is_some() && r["revoke_ns"].as_u64().is_some());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
