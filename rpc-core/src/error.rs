@@ -29,6 +29,8 @@ pub enum ErrorKind {
 #[derive(Debug)]
 pub struct Error {
     kind: ErrorKind,
+    /// The status a call failing with this error ends with, when the peer said (a refusal).
+    code: Option<crate::Code>,
     context: String,
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
 }
@@ -38,9 +40,26 @@ impl Error {
     pub fn new(kind: ErrorKind, context: impl Into<String>) -> Error {
         Error {
             kind,
+            code: None,
             context: context.into(),
             source: None,
         }
+    }
+
+    /// This error, ending a call with `code` (what the server's refusal said).
+    pub(crate) fn with_code(mut self, code: crate::Code) -> Error {
+        self.code = Some(code);
+        self
+    }
+
+    /// The status code a call failing with this error ends with: what the server's refusal
+    /// said, else one that follows from the kind (`INVALID_ARGUMENT` for a bad address or
+    /// configuration, `UNAVAILABLE` otherwise).
+    pub fn code(&self) -> crate::Code {
+        self.code.unwrap_or(match self.kind {
+            ErrorKind::InvalidAddress | ErrorKind::Config => crate::Code::InvalidArgument,
+            _ => crate::Code::Unavailable,
+        })
     }
 
     /// An error of `kind` caused by `source`.
@@ -51,6 +70,7 @@ impl Error {
     ) -> Error {
         Error {
             kind,
+            code: None,
             context: context.into(),
             source: Some(Box::new(source)),
         }
@@ -94,11 +114,6 @@ impl From<std::io::Error> for Error {
 
 impl From<Error> for crate::Status {
     fn from(e: Error) -> crate::Status {
-        let code = match e.kind {
-            ErrorKind::InvalidAddress | ErrorKind::Config => crate::Code::InvalidArgument,
-            ErrorKind::Handshake => crate::Code::Unauthenticated,
-            _ => crate::Code::Unavailable,
-        };
-        crate::Status::new(code, e.to_string())
+        crate::Status::new(e.code(), e.to_string())
     }
 }

@@ -1258,6 +1258,8 @@ async fn auth_token_is_required_and_refusals_take_no_slot() {
                 e.to_string().contains("authentication failed"),
                 "round {round}, {token:?}: {e}"
             );
+            assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+            assert_eq!(Status::from(e).code(), Code::Unauthenticated);
         }
     }
     assert_eq!(srv.server.live_calls(), 0);
@@ -1289,6 +1291,34 @@ async fn auth_token_is_required_and_refusals_take_no_slot() {
     .await
     .expect_err("the shard holds one connection");
     assert!(e.to_string().contains("full"), "{e}");
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+    // A client whose call table is over the server's limit: a configuration mismatch.
+    let e = within(
+        Duration::from_secs(20),
+        "connect",
+        srv.builder()
+            .auth_token("open sesame")
+            .max_concurrent_calls(1 << 14)
+            .connect(),
+    )
+    .await
+    .expect_err("an oversized call table is refused");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    // Neither a TLS URI nor a port-less address is dialled.
+    for addr in ["https://127.0.0.1:1", "127.0.0.1"] {
+        let e = rpc_core::Channel::connect(addr).await.expect_err(addr);
+        assert_eq!(e.kind(), rpc_core::ErrorKind::InvalidAddress, "{e}");
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    }
+    let http = format!("http://{}/", srv.addr());
+    let e = within(
+        Duration::from_secs(20),
+        "connect",
+        rpc_core::Channel::builder(http).connect(),
+    )
+    .await
+    .expect_err("no token, but the http:// form is dialled");
+    assert_eq!(e.code(), Code::Unauthenticated, "{e}");
     // The slot comes back when the first client leaves.
     drop(good);
     let start = Instant::now();
@@ -1394,8 +1424,12 @@ async fn handler_panic_fails_only_its_call() {
             call(&ch, Api::Async, &lab_server::EXPLODE, req).await;
         let st = r.expect_err(&what);
         assert!(
-            matches!(st.code(), Code::Internal | Code::Unknown) && st.message().contains("panic"),
+            st.code() == Code::Internal && st.message() == "handler panicked",
             "{what}: {st:?}"
+        );
+        assert!(
+            !st.message().contains("on purpose"),
+            "{what}: the panic text stays on the server: {st:?}"
         );
         assert!(
             t0.elapsed() < Duration::from_secs(5),

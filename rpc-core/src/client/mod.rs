@@ -128,10 +128,11 @@ impl ChannelBuilder {
     ///
     /// # Cancel safety
     /// Dropping the future abandons the attempt and frees what it set up.
-    pub async fn connect(self) -> Result<Channel, Error> {
+    pub async fn connect(mut self) -> Result<Channel, Error> {
         if let Some(e) = &self.provider_error {
             return Err(Error::new(ErrorKind::Config, e.clone()));
         }
+        self.addr = server_addr(&self.addr)?;
         let conn = open(&self).await?;
         Ok(Channel {
             shared: Arc::new(Shared {
@@ -142,6 +143,41 @@ impl ChannelBuilder {
             }),
         })
     }
+}
+
+/// The `host:port` to dial for what a user passed: `host:port`, or a URI as tonic users write
+/// it (`http://host:port`, an optional trailing `/`). The server's address is its bootstrap
+/// TCP port; there is no TLS, so `https://` is refused rather than silently sent in clear.
+fn server_addr(addr: &str) -> Result<String, Error> {
+    let bad = |why: &str| {
+        Error::new(
+            ErrorKind::InvalidAddress,
+            format!(
+                "server address {addr:?} {why}: write host:port or http://host:port \
+                 (e.g. 127.0.0.1:50051, [::1]:50051, http://node7:50051)"
+            ),
+        )
+    };
+    let rest = match addr.split_once("://") {
+        None => addr,
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("http") => rest,
+        Some((scheme, _)) if scheme.eq_ignore_ascii_case("https") => {
+            return Err(bad("asks for TLS, which rdma-rpc does not provide"));
+        }
+        Some(_) => return Err(bad("has an unknown scheme")),
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('/') || rest.contains('?') || rest.contains('#') {
+        return Err(bad("has a path, which a channel cannot use"));
+    }
+    let port = match rest.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && !host.ends_with(':') => port,
+        _ => return Err(bad("has no port")),
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(bad("has no valid port"));
+    }
+    Ok(rest.to_owned())
 }
 
 /// Unary calls to one method kept in flight by one thread (see [`Channel::pipeline`]).
@@ -336,7 +372,8 @@ impl std::fmt::Debug for Channel {
 }
 
 impl Channel {
-    /// Options for a connection to `addr` (`host:port`).
+    /// Options for a connection to `addr`: `host:port` or `http://host:port` (as tonic's
+    /// `Endpoint` takes it).
     pub fn builder(addr: impl Into<String>) -> ChannelBuilder {
         let provider = ProviderKind::from_env();
         ChannelBuilder {
@@ -354,8 +391,8 @@ impl Channel {
         }
     }
 
-    /// Connects to the server at `addr` (`host:port`) with the default options and the
-    /// provider named by `RPC_PROVIDER` (soft when unset).
+    /// Connects to the server at `addr` (`host:port` or `http://host:port`) with the default
+    /// options and the provider named by `RPC_PROVIDER` (soft when unset).
     ///
     /// # Errors
     /// When the address does not resolve, TCP connect fails or the handshake is refused.
@@ -757,7 +794,8 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
             return Err(Error::new(
                 ErrorKind::Handshake,
                 format!("server {} refused the connection: {}", b.addr, r.reason),
-            ));
+            )
+            .with_code(r.code));
         }
         Handshake::Hello(_) => {
             return Err(Error::new(
@@ -895,4 +933,36 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         striped,
         qps: nqps,
     })
+}
+
+#[cfg(test)]
+mod addr_tests {
+    use super::server_addr;
+
+    #[test]
+    fn server_addresses_take_what_tonic_users_paste() {
+        for (given, dial) in [
+            ("127.0.0.1:50051", "127.0.0.1:50051"),
+            ("http://127.0.0.1:50051", "127.0.0.1:50051"),
+            ("HTTP://node7:50051/", "node7:50051"),
+            ("[::1]:7", "[::1]:7"),
+            ("http://[::1]:7", "[::1]:7"),
+            ("localhost:1", "localhost:1"),
+        ] {
+            assert_eq!(server_addr(given).unwrap(), dial, "{given}");
+        }
+        for (given, why) in [
+            ("https://h:1", "TLS"),
+            ("grpc://h:1", "unknown scheme"),
+            ("http://h:1/svc", "path"),
+            ("h", "no port"),
+            ("http://h", "no port"),
+            (":1", "no port"),
+            ("h:99999", "no valid port"),
+            ("h:x", "no valid port"),
+        ] {
+            let e = server_addr(given).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("host:port"), "{given}: {e}");
+        }
+    }
 }

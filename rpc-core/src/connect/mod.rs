@@ -77,6 +77,11 @@ pub struct Welcome {
 pub struct Refusal {
     /// Reason, for the client's error message.
     pub reason: String,
+    /// The status the client's attempt ends with (`UNAUTHENTICATED` for a bad token,
+    /// `FAILED_PRECONDITION` for a configuration mismatch, `RESOURCE_EXHAUSTED` for a full
+    /// shard, `UNAVAILABLE` for a server going away). Carried in the header's reserved byte,
+    /// so a refusal without one (0) reads as `UNAVAILABLE`.
+    pub code: crate::Code,
 }
 
 /// A decoded handshake message.
@@ -209,7 +214,12 @@ impl Message {
             }
             Message::Refusal(r) => {
                 let mut w = W::header(KIND_REFUSAL);
-                let reason = &r.reason.as_bytes()[..r.reason.len().min(MAX_MESSAGE - 16)];
+                w.0[7] = r.code as u8;
+                let mut cut = r.reason.len().min(MAX_MESSAGE - 16);
+                while !r.reason.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                let reason = &r.reason.as_bytes()[..cut];
                 w.u16(reason.len() as u16);
                 w.bytes(reason);
                 w.0
@@ -233,10 +243,11 @@ impl Message {
         if version != VERSION {
             return Err(handshake_err(format!(
                 "handshake version {version} not supported (this side speaks {VERSION})"
-            )));
+            ))
+            .with_code(crate::Code::FailedPrecondition));
         }
         let kind = r.u8()?;
-        let _reserved = r.u8()?;
+        let reserved = r.u8()?;
         let msg = match kind {
             KIND_HELLO => {
                 let provider = r.u8()?;
@@ -286,7 +297,11 @@ impl Message {
             KIND_REFUSAL => {
                 let n = r.u16()? as usize;
                 let reason = String::from_utf8_lossy(r.take(n)?).into_owned();
-                Message::Refusal(Refusal { reason })
+                let code = match crate::Code::from_u8(reserved) {
+                    crate::Code::Ok => crate::Code::Unavailable,
+                    c => c,
+                };
+                Message::Refusal(Refusal { reason, code })
             }
             k => return Err(handshake_err(format!("unknown handshake message kind {k}"))),
         };
@@ -405,10 +420,32 @@ mod tests {
             }),
             Message::Refusal(Refusal {
                 reason: "bad token".into(),
+                code: crate::Code::Unauthenticated,
             }),
         ] {
             assert_eq!(Message::decode(&m.encode()).unwrap(), m);
         }
+    }
+
+    #[test]
+    fn long_refusal_reasons_are_cut_at_a_character() {
+        let long = "shard full ✓".repeat(3000);
+        let m = Message::Refusal(Refusal {
+            reason: long.clone(),
+            code: crate::Code::ResourceExhausted,
+        });
+        let Message::Refusal(r) = Message::decode(&m.encode()).unwrap() else {
+            panic!("not a refusal");
+        };
+        assert!(r.reason.len() < long.len() && long.starts_with(&r.reason));
+        assert_eq!(r.code, crate::Code::ResourceExhausted);
+        // A refusal of a server that sets no code reads as UNAVAILABLE.
+        let mut old = m.encode();
+        old[7] = 0;
+        let Message::Refusal(r) = Message::decode(&old).unwrap() else {
+            panic!("not a refusal");
+        };
+        assert_eq!(r.code, crate::Code::Unavailable);
     }
 
     #[test]
@@ -417,6 +454,7 @@ mod tests {
         assert!(e.to_string().contains("not an rdma-rpc endpoint"), "{e}");
         let mut m = Message::Refusal(Refusal {
             reason: String::new(),
+            code: crate::Code::Unavailable,
         })
         .encode();
         m[4] = 9;

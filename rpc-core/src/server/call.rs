@@ -273,7 +273,9 @@ pub(crate) fn panicked(path: &str, payload: &(dyn std::any::Any + Send)) -> Stat
         .copied()
         .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("(no message)");
-    Status::internal(format!("the handler of {path} panicked: {why}"))
+    // The panic text may hold anything of the server's: it is logged here, never sent.
+    tracing::error!("the handler of {path} panicked: {why}");
+    Status::internal("handler panicked")
 }
 
 impl IncomingCall<'_> {

@@ -26,6 +26,7 @@ use tracing::{info, warn};
 pub use call::{CallCtx, CallFamily, Dispatched, IncomingCall};
 pub use peer::{BulkBuffer, BulkMem, Peer};
 
+use crate::Code;
 use crate::buf::Geometry;
 use crate::connect::{self, Hello, Message, Refusal};
 use crate::method::MethodDesc;
@@ -407,16 +408,16 @@ async fn serve_connection(
     let hello = match connect::recv(&mut stream).await {
         Ok(Message::Hello(h)) => h,
         Ok(_) => {
-            refuse(&mut stream, peer, "expected a Hello").await;
+            refuse(&mut stream, peer, Code::InvalidArgument, "expected a Hello").await;
             return;
         }
         Err(e) => {
-            refuse(&mut stream, peer, &e.to_string()).await;
+            refuse(&mut stream, peer, Code::InvalidArgument, &e.to_string()).await;
             return;
         }
     };
-    if let Err(why) = check_hello(&hello, &cfg) {
-        refuse(&mut stream, peer, &why).await;
+    if let Err((code, why)) = check_hello(&hello, &cfg) {
+        refuse(&mut stream, peer, code, &why).await;
         return;
     }
     let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
@@ -431,11 +432,12 @@ async fn serve_connection(
     let (welcome, key) = match reply_rx.await {
         Ok(Ok(x)) => x,
         Ok(Err(why)) => {
-            refuse(&mut stream, peer, &why).await;
+            // The shard cannot take it (full, or out of queue pairs or memory).
+            refuse(&mut stream, peer, Code::ResourceExhausted, &why).await;
             return;
         }
         Err(_) => {
-            refuse(&mut stream, peer, "server shutting down").await;
+            refuse(&mut stream, peer, Code::Unavailable, "server shutting down").await;
             return;
         }
     };
@@ -454,7 +456,8 @@ async fn serve_connection(
         why = &mut closed_rx => {
             // Tells the client why (its QPs may only see flushes), within a second.
             if let Ok(reason) = why {
-                let msg = Message::Refusal(Refusal { reason });
+                let code = Code::Unavailable;
+                let msg = Message::Refusal(Refusal { reason, code });
                 let send = connect::send(&mut stream, &msg);
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(1), send).await;
             }
@@ -463,37 +466,49 @@ async fn serve_connection(
     }
 }
 
-fn check_hello(h: &Hello, cfg: &ServerConfig) -> Result<(), String> {
+/// Whether a client's hello fits this server; else the status its attempt ends with.
+fn check_hello(h: &Hello, cfg: &ServerConfig) -> Result<(), (Code, String)> {
     let expected = match cfg.provider {
         ProviderKind::Soft => Endpoint::PROVIDER_SOFT,
         ProviderKind::Ib => Endpoint::PROVIDER_IB,
     };
     if h.provider != expected || h.endpoint.provider != expected {
-        return Err(format!(
-            "provider mismatch: this server uses {}; set RPC_PROVIDER={} on the client",
-            cfg.provider, cfg.provider
+        return Err((
+            Code::FailedPrecondition,
+            format!(
+                "provider mismatch: this server uses {}; set RPC_PROVIDER={} on the client",
+                cfg.provider, cfg.provider
+            ),
         ));
     }
     if let Some(token) = &cfg.token
         && !connect::token_matches(token, &h.token)
     {
-        return Err("authentication failed: missing or wrong token".into());
+        return Err((
+            Code::Unauthenticated,
+            "authentication failed: missing or wrong token".into(),
+        ));
     }
     if h.max_calls > cfg.max_calls_per_conn {
-        return Err(format!(
-            "client call table of {} exceeds this server's limit of {}",
-            h.max_calls, cfg.max_calls_per_conn
+        return Err((
+            Code::FailedPrecondition,
+            format!(
+                "client call table of {} exceeds this server's limit of {}",
+                h.max_calls, cfg.max_calls_per_conn
+            ),
         ));
     }
     Ok(())
 }
 
-async fn refuse(stream: &mut TcpStream, peer: SocketAddr, why: &str) {
+/// Refuses a connection: the client's attempt ends with `code` and `why`.
+async fn refuse(stream: &mut TcpStream, peer: SocketAddr, code: Code, why: &str) {
     warn!("refused connection from {peer}: {why}");
     let _ = connect::send(
         stream,
         &Message::Refusal(Refusal {
             reason: why.to_owned(),
+            code,
         }),
     )
     .await;
