@@ -83,5 +83,5 @@ pub use request::{
     Response,
 };
 pub use server::{PollMode, RunningServer, Server, ServerBuilder};
-pub use status::{Code, Status};
+pub use status::{Code, STATUS_DETAILS_KEY, Status};
 pub use streaming::Streaming;

@@ -8,8 +8,11 @@ use std::time::Duration;
 /// Largest encoded metadata block a frame may carry, in bytes.
 pub const MAX_METADATA_LEN: usize = 4096;
 
-/// Per-call metadata: an ordered list of ASCII keys with binary-safe values. Empty metadata
-/// allocates nothing.
+/// Per-call metadata: an ordered list of keys and values, as gRPC defines them. Keys are
+/// lower-case ASCII; a key ending in `-bin` carries any bytes (gRPC's binary headers, e.g.
+/// `grpc-status-details-bin`), every other key a printable ASCII value (`0x20..=0x7e`), so
+/// metadata ports to and from tonic's `MetadataMap` unchanged. Empty metadata allocates
+/// nothing.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Metadata {
     entries: Vec<(String, Vec<u8>)>,
@@ -46,7 +49,9 @@ impl Metadata {
     }
 
     /// Sets `key` to `value`, replacing an existing entry. Keys are lower-case ASCII letters,
-    /// digits, `-`, `_` and `.`, 1 to 255 bytes (as gRPC's); values at most 65535 bytes.
+    /// digits, `-`, `_` and `.`, 1 to 255 bytes (as gRPC's); values at most 65535 bytes, of
+    /// printable ASCII unless the key ends in `-bin` (then any bytes: see
+    /// [`Metadata::insert_bin`]).
     ///
     /// # Errors
     /// When the key or the value is invalid, or the encoded metadata would exceed
@@ -59,6 +64,7 @@ impl Metadata {
         let key = key.into();
         let value = value.into();
         validate_key(&key)?;
+        validate_value(&key, &value)?;
         if value.len() > u16::MAX as usize {
             return Err(InvalidMetadata("value longer than 65535 bytes"));
         }
@@ -72,6 +78,25 @@ impl Metadata {
             None => self.entries.push((key, value)),
         }
         Ok(())
+    }
+
+    /// Sets the binary `key` (it must end in `-bin`) to `value`: gRPC's binary metadata, as
+    /// tonic's `MetadataMap::insert_bin`.
+    ///
+    /// # Errors
+    /// As [`Metadata::insert`]; when `key` does not end in `-bin`.
+    pub fn insert_bin(
+        &mut self,
+        key: impl Into<String>,
+        value: impl Into<Vec<u8>>,
+    ) -> Result<(), InvalidMetadata> {
+        let key = key.into();
+        if !is_binary_key(&key) {
+            return Err(InvalidMetadata(
+                "a binary metadata key must end in \"-bin\"",
+            ));
+        }
+        self.insert(key, value)
     }
 
     /// The value of `key`.
@@ -161,6 +186,7 @@ impl Metadata {
             o += 2;
             let value = bytes.get(o..o + vlen).ok_or(truncated.clone())?;
             o += vlen;
+            validate_value(key, value)?;
             if md.get(key).is_some() {
                 return Err(InvalidMetadata("duplicate key"));
             }
@@ -175,6 +201,23 @@ impl Metadata {
 
 fn entry_len(k: &str, v: &[u8]) -> usize {
     1 + k.len() + 2 + v.len()
+}
+
+/// Whether `key` names binary metadata (gRPC's `-bin` suffix).
+fn is_binary_key(key: &str) -> bool {
+    key.ends_with("-bin")
+}
+
+/// Values of keys without `-bin` are printable ASCII, as gRPC's (and tonic's) ASCII values.
+fn validate_value(key: &str, value: &[u8]) -> Result<(), InvalidMetadata> {
+    if is_binary_key(key) || value.iter().all(|b| (0x20..=0x7e).contains(b)) {
+        Ok(())
+    } else {
+        Err(InvalidMetadata(
+            "the value of a key without \"-bin\" must be printable ASCII (0x20-0x7e); name \
+             binary metadata with a key ending in \"-bin\"",
+        ))
+    }
 }
 
 fn validate_key(key: &str) -> Result<(), InvalidMetadata> {
@@ -451,7 +494,7 @@ mod tests {
     fn metadata_round_trips() {
         let mut md = Metadata::new();
         md.insert("x-user", "alice").unwrap();
-        md.insert("trace.id", vec![0u8, 255, 3]).unwrap();
+        md.insert("trace.id-bin", vec![0u8, 255, 3]).unwrap();
         md.insert("x-user", "bob").unwrap();
         let mut buf = vec![0u8; md.encoded_len()];
         assert_eq!(md.encode(&mut buf), buf.len());
@@ -472,7 +515,18 @@ mod tests {
         let mut md = Metadata::new();
         assert!(md.insert("Upper", "v").is_err());
         assert!(md.insert("", "v").is_err());
-        assert!(md.insert("k", vec![0u8; 70_000]).is_err());
+        assert!(md.insert("k-bin", vec![0u8; 70_000]).is_err());
+        // Binary values only under -bin keys, as in gRPC.
+        assert!(md.insert("k", vec![0u8, 1]).is_err());
+        assert!(md.insert("k", "tab\there").is_err());
+        assert!(md.insert("k", "caf\u{e9}").is_err());
+        assert!(md.insert("k", "all printable ~ !").is_ok());
+        assert!(md.insert("k-bin", vec![0u8, 1]).is_ok());
+        assert!(md.insert_bin("k-bin", vec![0u8, 255]).is_ok());
+        assert!(md.insert_bin("k", "v").is_err());
+        // A peer's binary value under an ASCII key is refused on decode too.
+        assert!(Metadata::decode(&[1, 0, 1, b'a', 1, 0, 0]).is_err());
+        assert!(Metadata::decode(&[1, 0, 1, b'a', 1, 0, b'v']).is_ok());
         assert!(Metadata::decode(&[1, 0, 3, b'a']).is_err());
         assert!(Metadata::decode(&[1, 0, 1, b'a', 0, 0, 9]).is_err());
         assert!(Metadata::decode(&[2, 0, 1, b'a', 0, 0, 1, b'a', 0, 0]).is_err());

@@ -99,14 +99,28 @@ impl fmt::Display for Code {
     }
 }
 
+/// The metadata key of a status's details (gRPC's rich error model, `google.rpc.Status`).
+pub const STATUS_DETAILS_KEY: &str = "grpc-status-details-bin";
+
 /// A call's outcome other than success: a [`Code`] and a message, plus optional metadata sent
-/// back with it.
-#[derive(Clone, PartialEq, Eq)]
+/// back with it (trailers), binary details ([`Status::with_details`]) and, on the side that
+/// made it, the error that caused it ([`Status::from_error`], not sent).
+#[derive(Clone)]
 pub struct Status {
     code: Code,
     message: String,
     metadata: crate::Metadata,
+    source: Option<std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>>,
 }
+
+/// Code, message and metadata (details included); the local `source` is not compared.
+impl PartialEq for Status {
+    fn eq(&self, other: &Status) -> bool {
+        self.code == other.code && self.message == other.message && self.metadata == other.metadata
+    }
+}
+
+impl Eq for Status {}
 
 impl Status {
     /// A status with `code` and `message`.
@@ -115,7 +129,57 @@ impl Status {
             code,
             message: message.into(),
             metadata: crate::Metadata::new(),
+            source: None,
         }
+    }
+
+    /// A status with binary `details` (an encoded `google.rpc.Status` in gRPC's rich error
+    /// model), sent in the trailer [`STATUS_DETAILS_KEY`] as gRPC does. Details and the rest of
+    /// the status's metadata share [`crate::MAX_METADATA_LEN`]: details that do not
+    /// fit are left out, and the message says so.
+    pub fn with_details(
+        code: Code,
+        message: impl Into<String>,
+        details: impl Into<Vec<u8>>,
+    ) -> Status {
+        let mut st = Status::new(code, message);
+        let details = details.into();
+        let n = details.len();
+        if st.metadata.insert_bin(STATUS_DETAILS_KEY, details).is_err() {
+            st.message.push_str(&format!(
+                " ({n} bytes of details left out: over the {}-byte metadata limit)",
+                crate::MAX_METADATA_LEN
+            ));
+        }
+        st
+    }
+
+    /// The status's binary details (empty when it has none).
+    pub fn details(&self) -> &[u8] {
+        self.metadata.get(STATUS_DETAILS_KEY).unwrap_or(&[])
+    }
+
+    /// A status for an error of the handler's own: the error itself when it is a `Status`,
+    /// else `UNKNOWN` with the error's text, keeping the error as [`std::error::Error::source`]
+    /// (on this side only), as tonic's `Status::from_error`.
+    pub fn from_error(err: Box<dyn std::error::Error + Send + Sync + 'static>) -> Status {
+        match err.downcast::<Status>() {
+            Ok(st) => *st,
+            Err(err) => {
+                let mut st = Status::new(Code::Unknown, err.to_string());
+                st.source = Some(std::sync::Arc::from(err));
+                st
+            }
+        }
+    }
+
+    /// Sets the error that caused this status (kept on this side, not sent).
+    pub fn set_source(
+        &mut self,
+        source: std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>,
+    ) -> &mut Status {
+        self.source = Some(source);
+        self
     }
 
     /// The code.
@@ -221,7 +285,13 @@ impl fmt::Display for Status {
     }
 }
 
-impl std::error::Error for Status {}
+impl std::error::Error for Status {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
 
 impl From<std::io::Error> for Status {
     fn from(e: std::io::Error) -> Status {
@@ -254,6 +324,32 @@ mod tests {
             assert_eq!(Code::from_u8(v) as u8, v);
         }
         assert_eq!(Code::from_u8(200), Code::Unknown);
+    }
+
+    #[test]
+    fn details_travel_as_binary_metadata_and_sources_stay_local() {
+        let st = Status::with_details(Code::InvalidArgument, "bad field", vec![0u8, 1, 255]);
+        assert_eq!(st.details(), &[0u8, 1, 255][..]);
+        assert_eq!(
+            st.metadata().get(STATUS_DETAILS_KEY),
+            Some(&[0u8, 1, 255][..])
+        );
+        assert!(Status::new(Code::Internal, "x").details().is_empty());
+        let big = Status::with_details(Code::Internal, "x", vec![7u8; 10_000]);
+        assert!(
+            big.details().is_empty() && big.message().contains("left out"),
+            "{big:?}"
+        );
+
+        let io = std::io::Error::other("disk on fire");
+        let st = Status::from_error(Box::new(io));
+        assert_eq!(st.code(), Code::Unknown);
+        assert_eq!(st.message(), "disk on fire");
+        let src = std::error::Error::source(&st).expect("the source is kept");
+        assert_eq!(src.to_string(), "disk on fire");
+        // A Status passes through unchanged; sources are not part of equality.
+        let inner = Status::not_found("gone");
+        assert_eq!(Status::from_error(Box::new(inner.clone())), inner);
     }
 
     #[test]

@@ -748,7 +748,7 @@ async fn handler_errors_arrive_with_code_message_and_trailers() {
             let req = Request::new(FailRequest {
                 code: u32::from(code),
                 message: format!("failure number {code}: ünïcødé"),
-                trailer_key: "x-failure".into(),
+                trailer_key: "x-failure-bin".into(),
                 trailer_value: value.clone(),
             });
             let r: Result<Response<Blob>, Status> = call(&ch, api, &lab_server::FAIL, req).await;
@@ -759,7 +759,7 @@ async fn handler_errors_arrive_with_code_message_and_trailers() {
                 format!("failure number {code}: ünïcødé"),
                 "{what}"
             );
-            assert_eq!(st.metadata().get("x-failure"), Some(&value[..]), "{what}");
+            assert_eq!(st.metadata().get("x-failure-bin"), Some(&value[..]), "{what}");
             assert_eq!(st.metadata().len(), 1, "{what}");
         }
     }
@@ -800,7 +800,7 @@ async fn metadata_round_trips_on_every_path() {
             });
             let md = req.metadata_mut();
             md.insert("user", "alice").unwrap();
-            md.insert("bin", binary.clone()).unwrap();
+            md.insert("blob-bin", binary.clone()).unwrap();
             md.insert("long.value_1", long.clone()).unwrap();
             req.set_timeout(Duration::from_secs(30));
             if hint {
@@ -811,7 +811,7 @@ async fn metadata_round_trips_on_every_path() {
                 .unwrap_or_else(|e| panic!("{what}: {e:?}"));
             let md = r.metadata();
             assert_eq!(md.get_str("echo-user"), Some("alice"), "{what}");
-            assert_eq!(md.get("echo-bin"), Some(&binary[..]), "{what}");
+            assert_eq!(md.get("echo-blob-bin"), Some(&binary[..]), "{what}");
             assert_eq!(md.get("echo-long.value_1"), Some(&long[..]), "{what}");
             let ms: u64 = md
                 .get_str("seen-timeout-ms")
@@ -1893,7 +1893,7 @@ async fn metadata_larger_than_a_slot_still_ends_the_call() {
     let mut req = Request::new(FailRequest {
         code: Code::NotFound as u32,
         message: "big trailers".into(),
-        trailer_key: "x-big".into(),
+        trailer_key: "x-big-bin".into(),
         trailer_value: vec![7u8; 2000],
     });
     req.set_timeout(Duration::from_secs(20));
@@ -2061,7 +2061,7 @@ async fn eager_threshold_with_metadata() {
     let ch = srv.channel(PollerMode::Thread).await;
     let mut md = rpc_core::Metadata::new();
     md.insert("tenant", "blue").unwrap();
-    md.insert("trace", vec![9u8; 1000]).unwrap();
+    md.insert("trace-bin", vec![9u8; 1000]).unwrap();
     let room = EAGER_MAX - md.encoded_len();
     for enc in room - 40..room + 40 {
         let b = blob_of_encoded_len(enc as u64, enc);
@@ -2073,7 +2073,7 @@ async fn eager_threshold_with_metadata() {
             .unwrap_or_else(|e| panic!("{enc} encoded bytes: {e:?}"));
         check_blob(r.get_ref(), enc as u64, n, &format!("{enc} encoded bytes"));
         assert_eq!(r.metadata().get_str("echo-tenant"), Some("blue"));
-        assert_eq!(r.metadata().get("echo-trace"), Some(&[9u8; 1000][..]));
+        assert_eq!(r.metadata().get("echo-trace-bin"), Some(&[9u8; 1000][..]));
     }
     srv.settle("live calls back to 0").await;
 }
