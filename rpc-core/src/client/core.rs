@@ -27,15 +27,16 @@ use crate::buf::{
     BulkBuf, BulkPool, EncodeMsg, Exclusive, Gather, Mailbox, NoMsg, Piece, RecvSlot, SlotArena,
     SlotReader, Taken, encode::MAX_PIECES,
 };
+use crate::call::{self, Calls, Held, Ledger, Record, StreamIn, desc, lend_read};
 use crate::client::{PollerMode, RegHandle, RegisteredBytesMut};
 use crate::link::{
     CommitError, Control, FrameError, Link, LinkError, LinkKey, Received, Staged, WrKind,
-    decode_metadata, split_wr_id,
+    completion, decode_metadata, split_wr_id,
 };
 use crate::method::{CallKind, MethodDesc};
 use crate::server::notify::{Doorbell, wait_readable};
 use crate::streaming::{Inbox, InboxHost, Item, Streaming};
-use crate::verbs::{Access, CompChannel, Cq, Mr, Provider, RemoteMr, Wc};
+use crate::verbs::{Access, CompChannel, Cq, Mr, Provider, Wc};
 use crate::wire::{self, BulkDesc, CallId, Event, FrameKind, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Request, Response, Status};
 
@@ -160,25 +161,18 @@ struct DrvCall<P: Provider> {
     finishing: bool,
     /// The server's stream (server-streaming and bidi).
     inbox: Option<Arc<Inbox>>,
-    /// A large stream message being READ; later frames wait in `held`.
-    stream_read: Option<BulkBuf<P>>,
-    held: VecDeque<Held>,
+    /// The server's stream coming in: a large message being READ, later frames held.
+    stream: StreamIn<P>,
     /// Our stream messages waiting for window or credit, in order.
     out: VecDeque<StreamSend<P>>,
     /// Our large stream messages lent to the server (released by BulkRelease, in order).
-    stream_lent: VecDeque<BulkBuf<P>>,
+    stream_lent: Ledger<P>,
     /// The server's final status arrived while stream messages were still being READ: the
     /// stream ends (with this status, `None` for OK) once they are delivered.
     end: Option<Option<Status>>,
 }
 
-/// A server stream frame that arrived while an earlier one was still being READ.
-enum Held {
-    Item(Item),
-    Bulk(BulkDesc),
-}
-
-impl<P: Provider> DrvCall<P> {
+impl<P: Provider> Record<P> for DrvCall<P> {
     fn empty() -> DrvCall<P> {
         DrvCall {
             id: CallId(0),
@@ -188,16 +182,17 @@ impl<P: Provider> DrvCall<P> {
             reading: None,
             finishing: false,
             inbox: None,
-            stream_read: None,
-            held: VecDeque::new(),
+            stream: StreamIn::new(),
             out: VecDeque::new(),
-            stream_lent: VecDeque::new(),
+            stream_lent: Ledger::new(),
             end: None,
         }
     }
 
-    /// Back to [`DrvCall::empty`] in place: buffers and streams dropped, queues emptied
-    /// (keeping their capacity).
+    fn id(&self) -> CallId {
+        self.id
+    }
+
     fn reset(&mut self) {
         self.id = CallId(0);
         self.cell = None;
@@ -206,18 +201,34 @@ impl<P: Provider> DrvCall<P> {
         self.reading = None;
         self.finishing = false;
         self.inbox = None;
-        self.stream_read = None;
-        self.held.clear();
+        self.stream.clear();
         self.out.clear();
         self.stream_lent.clear();
         self.end = None;
     }
 
+    /// The buffers the NIC may still touch are a READ target and those lent to the server.
+    fn park(&mut self, link: &mut Link<P>) {
+        if let Some(l) = self.lent_bulk.take() {
+            link.park(l);
+        }
+        if let Some(b) = self.landing.take() {
+            link.park(b);
+        }
+        if let Some((b, _)) = self.reading.take() {
+            link.park(b);
+        }
+        self.stream.park(link);
+        self.stream_lent.park(link);
+    }
+}
+
+impl<P: Provider> DrvCall<P> {
     fn lends(&self) -> bool {
         self.lent_bulk.is_some()
             || self.landing.is_some()
             || self.reading.is_some()
-            || self.stream_read.is_some()
+            || self.stream.reading()
             || !self.stream_lent.is_empty()
     }
 }
@@ -225,7 +236,7 @@ impl<P: Provider> DrvCall<P> {
 /// State only the driver touches.
 pub(crate) struct Driver<P: Provider> {
     pub(crate) link: Link<P>,
-    calls: Box<[DrvCall<P>]>,
+    calls: Calls<DrvCall<P>>,
     /// Per cell: the wire call slot it runs as.
     cell_slot: Box<[Option<u32>]>,
     pending: VecDeque<(u32, u32, CallId, Submission<P>)>,
@@ -322,7 +333,7 @@ impl<P: Provider> ClientCore<P> {
         let driver = Driver {
             #[cfg(test)]
             seen_bulk: Vec::new(),
-            calls: (0..n).map(|_| DrvCall::empty()).collect(),
+            calls: Calls::new(n),
             cell_slot: vec![None; n].into_boxed_slice(),
             pending: VecDeque::with_capacity(n),
 
@@ -1935,7 +1946,7 @@ impl<P: Provider> Driver<P> {
             // A large message is lent to the server (remote READ, this connection only) when it
             // goes out; its key is revoked by the server's BulkRelease.
             let lend_failed = match ss.bulk.as_mut() {
-                Some(b) if !b.is_lent() => b.lend(Access::REMOTE_READ, &self.link.qp).is_err(),
+                Some(b) if !b.is_lent() => lend_read(b, &self.link.qp).is_err(),
                 _ => false,
             };
             let r = match ss.staged {
@@ -1961,7 +1972,7 @@ impl<P: Provider> Driver<P> {
                     {
                         Ok(()) => {
                             if let Some(b) = ss.bulk {
-                                self.calls[slot].stream_lent.push_back(b);
+                                self.calls[slot].stream_lent.lend(b);
                             }
                             Ok(())
                         }
@@ -2029,53 +2040,6 @@ impl<P: Provider> Driver<P> {
         } else {
             self.retire(s);
         }
-    }
-
-    /// A server stream frame in order behind a READ in flight.
-    fn stream_in(&mut self, s: usize, held: Held) -> Result<(), LinkError> {
-        if self.calls[s].stream_read.is_some() {
-            self.calls[s].held.push_back(held);
-            return Ok(());
-        }
-        self.deliver_held(s, held)
-    }
-
-    fn deliver_held(&mut self, s: usize, held: Held) -> Result<(), LinkError> {
-        let Some(inbox) = self.calls[s].inbox.clone() else {
-            // The wire checked the call has a server stream: no inbox means the call was given
-            // up here (cancelled, expired) while frames were held behind a READ. Drop them; a
-            // large message's buffer goes back to the server unread.
-            if let Held::Bulk(_) = held {
-                let call = self.calls[s].id;
-                self.release_peer(call)?;
-            }
-            return Ok(());
-        };
-        match held {
-            Held::Item(item) => {
-                if inbox.push(item).is_err() {
-                    return Err(LinkError::Protocol(
-                        "server exceeded its stream window".into(),
-                    ));
-                }
-            }
-            Held::Bulk(d) => {
-                let mut buf = self.link.bulk.get(d.len as usize).map_err(|e| {
-                    LinkError::Protocol(format!("no buffer for a {}-byte message: {e}", d.len))
-                })?;
-                buf.set_len(d.len as usize);
-                // SAFETY: `buf` stays in the call's `stream_read` until the READ's completion is
-                // polled, or in the link's graveyard (which `fail_all` and the driver's drop
-                // move it to) until the QPs are destroyed; nothing touches it meanwhile.
-                if let Err(e) = unsafe { self.link.post_read(s as u32, &buf, d) } {
-                    // Part of it may be posted: the NIC's until the QPs are gone.
-                    self.link.park(buf);
-                    return Err(e);
-                }
-                self.calls[s].stream_read = Some(buf);
-            }
-        }
-        Ok(())
     }
 
     fn cancel_cell(
@@ -2177,13 +2141,8 @@ impl<P: Provider> Driver<P> {
         // one fails the link, and the buffers its work request named go to the link's
         // graveyard in `fail_all`, never back to a pool here.
         match kind {
-            Some(WrKind::Send) => {
-                // The SEND's completion was polled: the NIC is done with the slot, whatever
-                // the status.
-                core.arena.release_send(aux);
-                check(wc)
-            }
-            Some(WrKind::Nop) => check(wc),
+            Some(WrKind::Send) => call::send_done(&self.link, wc, aux),
+            Some(WrKind::Nop) => completion(wc),
             Some(WrKind::Recv) => match self.link.on_recv(wc, aux)? {
                 None => Ok(()),
                 Some(Received::Frame(f)) => {
@@ -2193,10 +2152,10 @@ impl<P: Provider> Driver<P> {
             },
             Some(WrKind::Read) => {
                 // A flushed READ filled nothing: never decode its buffer.
-                check(wc)?;
+                completion(wc)?;
                 self.on_read_done(core, aux as usize)
             }
-            Some(WrKind::Write) => check(wc),
+            Some(WrKind::Write) => completion(wc),
             Some(WrKind::Bulk) => Err(LinkError::Protocol("bulk completion on a client".into())),
             Some(WrKind::Stripe) => match self.link.on_stripe(wc, aux)? {
                 Some(whole) => self.on_completion(core, &whole),
@@ -2301,9 +2260,7 @@ impl<P: Provider> Driver<P> {
                 };
                 drop(slot);
                 let end = if code == 0 { None } else { Some(status) };
-                if self.calls[s].inbox.is_some()
-                    && (self.calls[s].stream_read.is_some() || !self.calls[s].held.is_empty())
-                {
+                if self.calls[s].inbox.is_some() && self.calls[s].stream.busy() {
                     // Earlier stream messages are still being READ: end after them.
                     self.calls[s].end = Some(end);
                 } else {
@@ -2328,7 +2285,9 @@ impl<P: Provider> Driver<P> {
                     }
                     (None, None) => return Ok(()),
                 };
-                self.stream_in(s, held)?;
+                let c = &mut self.calls[s];
+                c.stream
+                    .stream_in(&mut self.link, c.inbox.as_deref(), call, held, "server")?;
             }
             Event::WindowUpdate { call, grant } => {
                 let s = call.slot() as usize;
@@ -2345,7 +2304,7 @@ impl<P: Provider> Driver<P> {
             }
             Event::BulkRelease { call } => {
                 let s = call.slot() as usize;
-                if self.calls[s].id == call && self.calls[s].stream_lent.pop_front().is_some() {
+                if self.calls[s].id == call && self.calls[s].stream_lent.release() {
                     if self.calls[s].finishing && !self.calls[s].lends() {
                         self.retire(s);
                     }
@@ -2445,24 +2404,12 @@ impl<P: Provider> Driver<P> {
         let Some(c) = self.calls.get_mut(s) else {
             return Ok(());
         };
-        if let Some(buf) = c.stream_read.take() {
+        if c.stream.reading() {
             let call = c.id;
-            if let Some(inbox) = c.inbox.clone()
-                && inbox.push(Item::Owned(Box::new(buf))).is_err()
-            {
-                return Err(LinkError::Protocol(
-                    "server exceeded its stream window".into(),
-                ));
-            }
-            self.release_peer(call)?;
-            while self.calls[s].stream_read.is_none()
-                && let Some(h) = self.calls[s].held.pop_front()
-            {
-                self.deliver_held(s, h)?;
-            }
-            if self.calls[s].stream_read.is_none()
-                && let Some(end) = self.calls[s].end.take()
-            {
+            let idle = c
+                .stream
+                .read_done(&mut self.link, c.inbox.as_deref(), call, "server")?;
+            if idle && let Some(end) = self.calls[s].end.take() {
                 self.end_call(core, s, end);
             } else if self.calls[s].finishing && !self.calls[s].lends() {
                 self.retire(s);
@@ -2508,7 +2455,7 @@ impl<P: Provider> Driver<P> {
                 for ss in std::mem::take(&mut c.out) {
                     self.discard(ss);
                 }
-                park_call(&mut self.link, &mut c);
+                c.park(&mut self.link);
                 n += 1;
             }
         }
@@ -2545,48 +2492,12 @@ impl<P: Provider> Driver<P> {
     }
 }
 
-fn desc(r: RemoteMr) -> BulkDesc {
-    BulkDesc {
-        addr: r.addr,
-        len: r.len,
-        rkey: r.rkey,
-    }
-}
-
-/// The completion check shared with the server ([`crate::link::completion`]): a flush is a
-/// failure for everything but RECV.
-fn check(wc: &Wc) -> Result<(), LinkError> {
-    crate::link::completion(wc)
-}
-
-/// Moves the buffers of a call that the NIC may still touch (a READ target, buffers lent to
-/// the server) into the link's graveyard: freed after the link's QPs are destroyed.
-fn park_call<P: Provider>(link: &mut Link<P>, c: &mut DrvCall<P>) {
-    if let Some(l) = c.lent_bulk.take() {
-        link.park(l);
-    }
-    if let Some(b) = c.landing.take() {
-        link.park(b);
-    }
-    if let Some((b, _)) = c.reading.take() {
-        link.park(b);
-    }
-    if let Some(b) = c.stream_read.take() {
-        link.park(b);
-    }
-    if !c.stream_lent.is_empty() {
-        link.park(std::mem::take(&mut c.stream_lent));
-    }
-}
-
 impl<P: Provider> Drop for Driver<P> {
     fn drop(&mut self) {
         // Teardown with calls in flight (the last handle dropped them): what they lent or
         // posted goes to the graveyard, which `link` frees after destroying its QPs (its
         // fields drop after this), whatever the order of this struct's fields.
-        for c in self.calls.iter_mut() {
-            park_call(&mut self.link, c);
-        }
+        self.calls.park_all(&mut self.link);
     }
 }
 

@@ -20,6 +20,7 @@ use crate::buf::encode::MAX_PIECES;
 use crate::buf::{
     BulkBuf, BulkPool, EncodeMsg, Gather, Geometry, NoMsg, Piece, RawBytes, SlotArena, TaskId,
 };
+use crate::call::{self, Calls, Held, Ledger, Record, StreamIn, lend_read};
 use crate::connect::{Hello, Welcome};
 use crate::link::{
     CommitError, Control, FrameError, Lanes, Link, LinkError, LinkKey, Received, Staged, WrKind,
@@ -113,11 +114,10 @@ struct SrvCall<P: Provider> {
     active: bool,
     /// The client's stream (client-streaming and bidi calls).
     inbox: Option<Arc<Inbox>>,
-    /// A large client stream message being READ; later ones wait in `held`.
-    stream_read: Option<BulkBuf<P>>,
-    held: VecDeque<Held>,
+    /// The client's stream coming in: a large message being READ, later frames held.
+    stream: StreamIn<P>,
     /// Our large stream messages lent to the client, released by its BulkReleases in order.
-    stream_bulks: VecDeque<BulkBuf<P>>,
+    stream_bulks: Ledger<P>,
     /// The handler's stream waits for window, credit or a send slot.
     blocked: bool,
     /// The method's path (for messages).
@@ -154,16 +154,6 @@ impl<P: Provider> RespHold<P> {
 /// there instead of being copied (an echo, a slice of the request).
 const ZERO_COPY_MIN: usize = 16 << 10;
 
-/// A client stream frame that arrived while an earlier one was still being READ.
-enum Held {
-    Item(Item),
-    Bulk(BulkDesc),
-    /// A large message of a call that ended: returned unread, in its turn (the client pairs
-    /// releases with what it lent in order).
-    Release,
-    End,
-}
-
 /// Uncounts a call from the shard's live calls (once). Only the shard's thread writes the
 /// count (others read it), so a load and a store do, without a locked instruction.
 fn retire<P: Provider>(live: &AtomicUsize, c: &mut SrvCall<P>) {
@@ -173,8 +163,11 @@ fn retire<P: Provider>(live: &AtomicUsize, c: &mut SrvCall<P>) {
     }
 }
 
-impl<P: Provider> SrvCall<P> {
-    /// Back to [`SrvCall::empty`] in place (queues keep their capacity).
+impl<P: Provider> Record<P> for SrvCall<P> {
+    fn id(&self) -> CallId {
+        self.id
+    }
+
     fn reset(&mut self) {
         self.id = CallId(0);
         self.task = None;
@@ -186,36 +179,15 @@ impl<P: Provider> SrvCall<P> {
         self.drop_after_read = false;
         self.active = false;
         self.inbox = None;
-        self.stream_read = None;
-        self.held.clear();
+        self.stream.clear();
         self.stream_bulks.clear();
         self.blocked = false;
         self.path = "?";
         // Not `writing` nor `stale_reads`: those follow the NIC's completions, not calls.
     }
 
-    /// Whether a READ posted for this slot is still in flight (its target is the NIC's).
-    fn reads_in_flight(&self) -> bool {
-        self.reading.is_some() || self.stream_read.is_some()
-    }
-
-    /// Moves the targets of the slot's READs in flight into `link`'s graveyard (freed only
-    /// after the link's QPs are destroyed): for a slot reused while they are posted. Their
-    /// completions then find nothing to fill.
-    fn park_reads(&mut self, link: &mut Link<P>) {
-        if let Some(p) = self.reading.take() {
-            self.stale_reads = self.stale_reads.saturating_add(u16::from(p.reads_left));
-            link.park(p.buf);
-        }
-        if let Some(b) = self.stream_read.take() {
-            self.stale_reads = self.stale_reads.saturating_add(1);
-            link.park(b);
-        }
-    }
-
-    /// Moves everything of the slot that the NIC or the client may still touch (READ targets,
-    /// WRITE sources, buffers lent by key) into `link`'s graveyard: for a connection that
-    /// closes (its completions will not be polled any more).
+    /// Besides the slot's READ targets, WRITE sources and response buffers, the request's
+    /// buffer (a WRITE may send from it).
     fn park(&mut self, link: &mut Link<P>) {
         self.park_reads(link);
         if let Some(h) = self.resp_bulk.take() {
@@ -224,9 +196,7 @@ impl<P: Provider> SrvCall<P> {
         if let Some(b) = self.req_buf.take() {
             link.park(b);
         }
-        if !self.stream_bulks.is_empty() {
-            link.park(std::mem::take(&mut self.stream_bulks));
-        }
+        self.stream_bulks.park(link);
         if !self.writing.is_empty() {
             link.park(std::mem::take(&mut self.writing));
         }
@@ -244,13 +214,32 @@ impl<P: Provider> SrvCall<P> {
             drop_after_read: false,
             active: false,
             inbox: None,
-            stream_read: None,
-            held: VecDeque::new(),
-            stream_bulks: VecDeque::new(),
+            stream: StreamIn::new(),
+            stream_bulks: Ledger::new(),
             writing: VecDeque::new(),
             stale_reads: 0,
             blocked: false,
             path: "?",
+        }
+    }
+}
+
+impl<P: Provider> SrvCall<P> {
+    /// Whether a READ posted for this slot is still in flight (its target is the NIC's).
+    fn reads_in_flight(&self) -> bool {
+        self.reading.is_some() || self.stream.reading()
+    }
+
+    /// Moves the targets of the slot's READs in flight into `link`'s graveyard (freed only
+    /// after the link's QPs are destroyed): for a slot reused while they are posted. Their
+    /// completions then find nothing to fill.
+    fn park_reads(&mut self, link: &mut Link<P>) {
+        if let Some(p) = self.reading.take() {
+            self.stale_reads = self.stale_reads.saturating_add(u16::from(p.reads_left));
+            link.park(p.buf);
+        }
+        if self.stream.park(link) {
+            self.stale_reads = self.stale_reads.saturating_add(1);
         }
     }
 }
@@ -286,7 +275,7 @@ pub(crate) struct ServerConn<P: Provider> {
     blocked: Vec<CallId>,
     /// GoAway was sent (the server is draining).
     goaway_sent: bool,
-    calls: Box<[SrvCall<P>]>,
+    calls: Calls<SrvCall<P>>,
     deferred: VecDeque<Deferred>,
     _closed: tokio::sync::oneshot::Sender<()>,
     peer: std::net::SocketAddr,
@@ -499,9 +488,7 @@ struct InflightOp {
 
 impl<P: Provider> ServerConn<P> {
     fn slot(&mut self, call: CallId) -> Option<&mut SrvCall<P>> {
-        self.calls
-            .get_mut(call.slot() as usize)
-            .filter(|c| c.id == call)
+        self.calls.live(call)
     }
 
     /// Sends the unary response of `call` by the cheapest path that fits.
@@ -688,19 +675,14 @@ impl<P: Provider> ServerConn<P> {
             return self.fail(call, &Status::internal("response encoding failed"));
         }
         // Lent to this connection's client only, for reading, until its BulkRelease.
-        let r = match buf.lend(Access::REMOTE_READ, &self.link.qp) {
-            Ok(r) => r,
+        let desc = match lend_read(&mut buf, &self.link.qp) {
+            Ok(d) => d,
             Err(e) => {
                 return self.fail(
                     call,
                     &Status::resource_exhausted(format!("cannot lend the response: {e}")),
                 );
             }
-        };
-        let desc = BulkDesc {
-            addr: r.addr,
-            len: r.len,
-            rkey: r.rkey,
         };
         match self.link.stage(metadata, &NoMsg) {
             Ok(st) => {
@@ -749,14 +731,8 @@ impl<P: Provider> ServerConn<P> {
                 if msg.encode_into(buf.as_mut_slice()).is_none() {
                     return Err(Status::internal("stream message encoding failed"));
                 }
-                let r = buf
-                    .lend(Access::REMOTE_READ, &self.link.qp)
+                let desc = lend_read(&mut buf, &self.link.qp)
                     .map_err(|e| Status::resource_exhausted(format!("cannot lend: {e}")))?;
-                let desc = BulkDesc {
-                    addr: r.addr,
-                    len: r.len,
-                    rkey: r.rkey,
-                };
                 let st = self
                     .link
                     .stage(metadata, &NoMsg)
@@ -765,7 +741,7 @@ impl<P: Provider> ServerConn<P> {
                     .commit(st, |w, _, ml| w.stream_message(call, 0, ml, Some(desc)))
                     .map_err(refused)?;
                 if let Some(c) = self.slot(call) {
-                    c.stream_bulks.push_back(buf);
+                    c.stream_bulks.lend(buf);
                 }
                 Ok(())
             }
@@ -778,98 +754,28 @@ impl<P: Provider> ServerConn<P> {
 
     /// Delivers a client stream frame to the call's inbox, in order behind a READ in flight.
     fn stream_in(&mut self, call: CallId, held: Held) -> Result<(), LinkError> {
-        let Some(c) = self.slot(call) else {
+        let Some(c) = self.calls.live(call) else {
             return Ok(());
         };
-        if c.stream_read.is_some() {
-            c.held.push_back(held);
-            return Ok(());
-        }
-        self.deliver_held(call, held)
-    }
-
-    fn deliver_held(&mut self, call: CallId, held: Held) -> Result<(), LinkError> {
-        let Some(c) = self.slot(call) else {
-            return Ok(());
-        };
-        let Some(inbox) = c.inbox.clone() else {
-            // The wire checked the call has a client stream: no inbox means the call was given
-            // up here (cancelled, expired) while frames were held behind a READ. Drop them; a
-            // large message's buffer goes back to the client unread.
-            if let Held::Bulk(_) | Held::Release = held {
-                let _ = self
-                    .link
-                    .send_frame(&Metadata::new(), &NoMsg, |w, _, _| w.bulk_release(call));
-            }
-            return Ok(());
-        };
-        match held {
-            Held::Release => {
-                self.link.control(Control::BulkRelease(call))?;
-            }
-            Held::Item(item) => {
-                if inbox.push(item).is_err() {
-                    return Err(LinkError::Protocol(
-                        "client exceeded its stream window".into(),
-                    ));
-                }
-            }
-            Held::End => inbox.finish(None),
-            Held::Bulk(desc) => {
-                let mut buf = self.link.bulk.get(desc.len as usize).map_err(|e| {
-                    LinkError::Protocol(format!("no buffer for a {}-byte message: {e}", desc.len))
-                })?;
-                buf.set_len(desc.len as usize);
-                // SAFETY: `buf` stays in the call's `stream_read` until the READ's successful
-                // completion is polled (or in the link's graveyard until the QPs are destroyed)
-                // and nothing touches it meanwhile.
-                if let Err(e) = unsafe { self.link.post_read(call.slot(), &buf, desc) } {
-                    self.link.park(buf);
-                    return Err(e);
-                }
-                match self.calls.get_mut(call.slot() as usize) {
-                    Some(c) if c.id == call => c.stream_read = Some(buf),
-                    _ => self.link.park(buf),
-                }
-            }
-        }
-        Ok(())
+        c.stream
+            .stream_in(&mut self.link, c.inbox.as_deref(), call, held, "client")
     }
 
     /// A client stream message finished its READ: deliver it, release the client's buffer, and
     /// deliver what waited behind it.
     fn stream_read_done(&mut self, call: CallId) -> Result<(), LinkError> {
-        let Some(c) = self.slot(call) else {
+        let Some(c) = self.calls.live(call) else {
             return Ok(());
         };
-        let Some(buf) = c.stream_read.take() else {
-            return Ok(());
-        };
-        if let Some(inbox) = c.inbox.clone()
-            && inbox.push(Item::Owned(Box::new(buf))).is_err()
-        {
-            return Err(LinkError::Protocol(
-                "client exceeded its stream window".into(),
-            ));
+        let idle = c
+            .stream
+            .read_done(&mut self.link, c.inbox.as_deref(), call, "client")?;
+        // Every READ of the call done: an end that waited for it is finished now.
+        if idle && c.drop_after_read && c.reading.is_none() {
+            c.drop_after_read = false;
+            self.end_call(call);
         }
-        self.link.control(Control::BulkRelease(call))?;
-        loop {
-            let Some(c) = self.slot(call) else {
-                return Ok(());
-            };
-            if c.stream_read.is_some() {
-                return Ok(());
-            }
-            let Some(h) = c.held.pop_front() else {
-                // Every READ of the call done: an end that waited for it is finished now.
-                if c.drop_after_read && c.reading.is_none() {
-                    c.drop_after_read = false;
-                    self.end_call(call);
-                }
-                return Ok(());
-            };
-            self.deliver_held(call, h)?;
-        }
+        Ok(())
     }
 
     fn fail(&mut self, call: CallId, status: &Status) {
@@ -997,7 +903,7 @@ impl<P: Provider> ServerConn<P> {
             // a BulkRelease now would let the client revoke it under the READ (and the
             // client pairs releases with its lent buffers in order). The end is finished when
             // the READ completes.
-            if c.reading.is_some() || c.stream_read.is_some() {
+            if c.reads_in_flight() {
                 c.drop_after_read = true;
                 return;
             }
@@ -1244,7 +1150,7 @@ impl<P: Provider> Shard<P> {
                 format!(", {} QPs per connection", link.lanes().len() + 1)
             }
         );
-        let calls = (0..hello.max_calls).map(|_| SrvCall::empty()).collect();
+        let calls = Calls::new(hello.max_calls as usize);
         let link_gather = link.qp.caps().max_send_sge as usize >= MAX_PIECES;
         self.live.push(idx as u16);
         self.conns[idx] = Some(ServerConn {
@@ -1367,14 +1273,10 @@ impl<P: Provider> Shard<P> {
         }
         let result = match kind {
             Some(WrKind::Recv) => self.on_recv(idx, wc, aux),
-            Some(WrKind::Send) => {
-                // The SEND's completion was polled: the NIC is done with the slot, whatever
-                // the status.
-                if let Some(Some(c)) = self.conns.get(idx) {
-                    c.link.arena.release_send(aux);
-                }
-                completion(wc)
-            }
+            Some(WrKind::Send) => match self.conns.get(idx) {
+                Some(Some(c)) => call::send_done(&c.link, wc, aux),
+                _ => completion(wc),
+            },
             Some(WrKind::Read) => self.on_read_done(idx, wc, aux),
             Some(WrKind::Write) => completion(wc).map(|()| {
                 // Only a WRITE that succeeded gives its source back (a failed one fails the
@@ -1609,7 +1511,7 @@ impl<P: Provider> Shard<P> {
                 // Only for this very call: a late release of an earlier call in the same slot
                 // must not free the buffer the current call lent.
                 if let Some(c) = conn.slot(call)
-                    && c.stream_bulks.pop_front().is_none()
+                    && !c.stream_bulks.release()
                 {
                     c.resp_bulk = None;
                 }
@@ -1618,11 +1520,15 @@ impl<P: Provider> Shard<P> {
                 call,
                 bulk: Some(_),
                 ..
-            } => match conn.slot(call) {
+            } => {
                 // Behind a READ of the same call in flight: released after it, in order.
-                Some(c) if c.stream_read.is_some() => c.held.push_back(Held::Release),
-                _ => conn.link.control(Control::BulkRelease(call))?,
-            },
+                let held = conn
+                    .slot(call)
+                    .is_some_and(|c| c.stream.hold(Held::Release).is_ok());
+                if !held {
+                    conn.link.control(Control::BulkRelease(call))?;
+                }
+            }
             Event::StreamMessage { call, bulk, .. } => {
                 let held = match bulk {
                     Some(desc) => {
@@ -1744,7 +1650,7 @@ impl<P: Provider> Shard<P> {
             c.stale_reads -= 1;
             return Ok(());
         }
-        if c.stream_read.is_some() {
+        if c.stream.reading() {
             let call = c.id;
             return conn.stream_read_done(call);
         }
