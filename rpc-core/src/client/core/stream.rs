@@ -34,12 +34,7 @@ impl<P: Provider> ClientCore<P> {
         registered: Option<RegHandle>,
     ) -> Result<(u32, u32, Option<Streaming<Resp>>), Status> {
         let (idx, generation) = self.acquire().await?;
-        let mut guard = CellGuard {
-            core: self,
-            idx,
-            generation,
-            submitted: false,
-        };
+        let mut guard = CellGuard::new(self, idx, generation, false);
         let slot = self.send_slot().await?;
         let mut sub = self.prepare(slot, method, metadata, msg, timeout, None, registered)?;
         let streaming = if method.kind.server_streams() {
@@ -223,12 +218,7 @@ impl<P: Provider> ClientCore<P> {
         let (idx, generation, _) = self
             .start_stream::<Resp>(method, &metadata, &NoMsg, timeout, None)
             .await?;
-        let guard = CellGuard {
-            core: self,
-            idx,
-            generation,
-            submitted: true,
-        };
+        let guard = CellGuard::new(self, idx, generation, true);
         self.pump(idx, generation, stream).await;
         let outcome = self.outcome(idx).await;
         let mut guard = guard;

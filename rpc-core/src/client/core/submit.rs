@@ -234,12 +234,7 @@ impl<P: Provider> ClientCore<P> {
                 (idx, generation, Some(t.saturating_sub(start.elapsed())))
             }
         };
-        let mut guard = CellGuard {
-            core: self,
-            idx,
-            generation,
-            submitted: false,
-        };
+        let mut guard = CellGuard::new(self, idx, generation, false);
         let slot = self.send_slot().await?;
         let sub = self.prepare(slot, method, &metadata, &msg, timeout, hint, registered)?;
         drop(msg);
@@ -329,12 +324,7 @@ impl<P: Provider> ClientCore<P> {
                 (idx, generation, rest)
             }
         };
-        let mut guard = CellGuard {
-            core: self,
-            idx,
-            generation,
-            submitted: false,
-        };
+        let mut guard = CellGuard::new(self, idx, generation, false);
         let slot = self.send_slot_blocking()?;
         let sub = self.prepare(slot, method, &metadata, &msg, timeout, hint, registered)?;
         self.hand_over(idx, generation, sub)?;
@@ -350,12 +340,7 @@ impl<P: Provider> ClientCore<P> {
         generation: u32,
     ) -> Option<Result<Response<Resp>, Status>> {
         let outcome = self.cells[idx as usize].mb.try_done()?;
-        let guard = CellGuard {
-            core: self,
-            idx,
-            generation,
-            submitted: false,
-        };
+        let guard = CellGuard::new(self, idx, generation, false);
         let r = decode_outcome::<P, Resp>(outcome);
         drop(guard);
         Some(r)
@@ -363,12 +348,7 @@ impl<P: Provider> ClientCore<P> {
 
     /// Gives up a call started by [`ClientCore::start_unary`] (the server is told).
     pub(crate) fn abandon(&self, idx: u32, generation: u32) {
-        drop(CellGuard {
-            core: self,
-            idx,
-            generation,
-            submitted: true,
-        });
+        drop(CellGuard::new(self, idx, generation, true));
     }
 
     /// Whether a call cell is free now.
@@ -439,6 +419,19 @@ pub(super) struct CellGuard<'a, P: Provider> {
     pub(super) idx: u32,
     pub(super) generation: u32,
     pub(super) submitted: bool,
+}
+
+impl<'a, P: Provider> CellGuard<'a, P> {
+    /// The guard of the call in cell `idx` of `generation`; `submitted` once the driver has
+    /// the request.
+    pub(super) fn new(core: &'a ClientCore<P>, idx: u32, generation: u32, submitted: bool) -> Self {
+        CellGuard {
+            core,
+            idx,
+            generation,
+            submitted,
+        }
+    }
 }
 
 impl<P: Provider> Drop for CellGuard<'_, P> {
