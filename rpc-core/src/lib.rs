@@ -48,6 +48,7 @@
 #![warn(missing_docs)]
 
 mod buf;
+mod call;
 pub mod client;
 pub mod codegen;
 mod connect;

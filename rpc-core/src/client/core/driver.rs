@@ -1,0 +1,464 @@
+//! The driver's turn: queued submissions, cancellations and grants go to the wire, completions
+//! are polled, deadlines expire; calls are started, delivered to their cells and retired once
+//! the server has our buffers back; a dead connection fails them all.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tracing::debug;
+
+use crate::Status;
+use crate::buf::{Taken, encode::MAX_PIECES};
+use crate::call::Record;
+use crate::link::{CommitError, Control, LinkError};
+use crate::streaming::Inbox;
+use crate::verbs::{Cq, Provider};
+use crate::wire::{self, BulkDesc, CallId};
+
+use super::{ClientCore, Driver, DrvCall, Lent, Outcome, Submission};
+
+impl<P: Provider> Driver<P> {
+    pub(super) fn step(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
+        self.link.tick();
+        let mut work = self.link.repost_batched(false)? as usize;
+        while let Some((idx, generation)) = core.cancelled.pop() {
+            work += 1;
+            self.cancel_cell(core, idx, generation)?;
+        }
+        self.link.flush_control()?;
+        work += self.start_pending(core)?;
+        while self.pending.is_empty()
+            && let Some((idx, generation)) = core.submitted.pop()
+        {
+            work += 1;
+            match core.cells[idx as usize].mb.take() {
+                Taken::Run(sub) => self.start(core, idx, generation, sub)?,
+                Taken::Cancelled(sub) => {
+                    core.arena.release_send(sub.staged.slot);
+                    drop(sub);
+                    core.release_cell(idx);
+                }
+                Taken::Empty => {}
+            }
+        }
+        if !self.stream_pending.is_empty() {
+            for ss in std::mem::take(&mut self.stream_pending) {
+                self.route_stream_send(core, ss)?;
+            }
+        }
+        while let Some(ss) = core.stream_sends.pop() {
+            work += 1;
+            self.route_stream_send(core, ss)?;
+        }
+        while let Some((idx, generation, n)) = core.grants.pop() {
+            work += 1;
+            if core.cells[idx as usize].generation.load(Ordering::Acquire) == generation
+                && let Some(slot) = self.cell_slot[idx as usize]
+            {
+                let call = self.calls[slot as usize].id;
+                self.link.control(Control::WindowUpdate(call, n))?;
+            }
+        }
+        // What this turn queued goes out before we look for answers (one post for the lot).
+        self.link.flush_sends()?;
+        let n = self
+            .cq
+            .poll(&mut self.wcs)
+            .map_err(|e| LinkError::Verbs(e.to_string()))?;
+        if n > 1 {
+            // Start loading every received frame before handling the first.
+            for wc in &self.wcs[..n] {
+                self.link.prefetch(wc);
+            }
+        }
+        for i in 0..n {
+            let wc = self.wcs[i];
+            self.on_completion(core, &wc)?;
+        }
+        work += n;
+        if n > 0 {
+            work += self.start_pending(core)?;
+            if !self.out_calls.is_empty() {
+                for slot in std::mem::take(&mut self.out_calls) {
+                    self.flush_out(slot)?;
+                }
+            }
+        }
+        work += self.expire(core)?;
+        if work == 0 {
+            // Idle turn: repost whatever waits (a busy turn waits for a batch).
+            self.link.post_recvs(true)?;
+        }
+        self.link.maybe_credit_update()?;
+        self.link.flush_sends()?;
+        Ok(work)
+    }
+
+    pub(super) fn start(
+        &mut self,
+        core: &ClientCore<P>,
+        idx: u32,
+        generation: u32,
+        sub: Submission<P>,
+    ) -> Result<(), LinkError> {
+        let now = self.link.now();
+        let call = match self
+            .link
+            .wire
+            .start_call(sub.method, sub.kind, sub.timeout_ns, now)
+        {
+            Ok(c) => c,
+            Err(wire::StartError::TooManyCalls) => {
+                // Calls still finishing hold wire slots: wait for them.
+                self.pending.push_back((idx, generation, CallId(0), sub));
+                return Ok(());
+            }
+            Err(e) => {
+                core.arena.release_send(sub.staged.slot);
+                let status = match e {
+                    wire::StartError::GoingAway => {
+                        Status::unavailable("server is shutting down (GoAway)")
+                    }
+                    e => Status::internal(format!("cannot start call: {e}")),
+                };
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
+                return Ok(());
+            }
+        };
+        self.send_request(core, idx, generation, call, sub)
+    }
+
+    pub(super) fn send_request(
+        &mut self,
+        core: &ClientCore<P>,
+        idx: u32,
+        generation: u32,
+        call: CallId,
+        sub: Submission<P>,
+    ) -> Result<(), LinkError> {
+        let now = self.link.now();
+        let mut sub = sub;
+        let mut ranges = [BulkDesc::default(); MAX_PIECES];
+        let (n, landing) = match sub.large.as_deref_mut() {
+            None => (0, None),
+            Some(l) => match self.lend(l, &mut ranges) {
+                Ok(lent) => lent,
+                Err(status) => {
+                    core.arena.release_send(sub.staged.slot);
+                    self.link.wire.finish(call);
+                    self.fail_unsent(core, idx, generation, sub.inbox, status);
+                    return Ok(());
+                }
+            },
+        };
+        let ranges = &ranges[..n];
+        match self.link.commit(sub.staged, |w, pl, ml| {
+            w.request_pieces(call, pl, ml, ranges, landing, now)
+        }) {
+            Ok(()) => {
+                let slot = call.slot() as usize;
+                let (bulk, gathered, landing) = match sub.large {
+                    Some(l) => {
+                        let l = *l;
+                        (l.bulk, l.gathered, l.landing)
+                    }
+                    None => (None, None, None),
+                };
+                let user = gathered.map(|g| {
+                    core.counters
+                        .zero_copy_request_bytes
+                        .fetch_add(g.referenced, Ordering::Relaxed);
+                    (g.user, g.window)
+                });
+                // In place: the slot was reset when its last call retired (a DrvCall is large;
+                // building and moving a whole one per call showed up as memcpy).
+                let c = &mut self.calls[slot];
+                c.reset();
+                c.id = call;
+                c.cell = Some((idx, generation));
+                c.lent_bulk = bulk.map(|b| Lent {
+                    _buf: b,
+                    _user: user,
+                });
+                c.landing = landing;
+                c.inbox = sub.inbox;
+                self.cell_slot[idx as usize] = Some(call.slot());
+                Ok(())
+            }
+            Err(CommitError::NoCredit(staged)) => {
+                self.pending
+                    .push_back((idx, generation, call, Submission { staged, ..sub }));
+                Ok(())
+            }
+            Err(CommitError::Refused(e)) => {
+                self.link.wire.finish(call);
+                let status = match e {
+                    wire::SendError::Expired => {
+                        Status::deadline_exceeded("deadline passed before the request was sent")
+                    }
+                    e => Status::internal(format!("request refused: {e}")),
+                };
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
+                Ok(())
+            }
+            Err(CommitError::Link(e)) => Err(e),
+        }
+    }
+
+    pub(super) fn start_pending(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
+        let mut n = 0;
+        while let Some((idx, generation, call, sub)) = self.pending.pop_front() {
+            if core.cells[idx as usize].mb.is_cancelled() {
+                core.arena.release_send(sub.staged.slot);
+                if call.0 != 0 {
+                    self.link.wire.cancel_local(call);
+                    self.link.wire.finish(call);
+                }
+                core.release_cell(idx);
+                n += 1;
+                continue;
+            }
+            let before = self.pending.len();
+            if call.0 == 0 {
+                self.start(core, idx, generation, sub)?;
+            } else {
+                self.send_request(core, idx, generation, call, sub)?;
+            }
+            if self.pending.len() > before {
+                // Put back at the front (still no credit or call slot): keep the order.
+                if let Some(last) = self.pending.pop_back() {
+                    self.pending.push_front(last);
+                }
+                break;
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Delivers an outcome to a caller's cell, or releases the cell if the caller gave up.
+    pub(super) fn deliver_cell(
+        &mut self,
+        core: &ClientCore<P>,
+        idx: u32,
+        generation: u32,
+        o: Outcome<P>,
+    ) {
+        let cell = &core.cells[idx as usize];
+        if cell.generation.load(Ordering::Acquire) != generation {
+            return;
+        }
+        if let Some(s) = self.cell_slot.get_mut(idx as usize) {
+            *s = None;
+        }
+        // Only async callers register wakers (blocking and pipelined ones poll the cell).
+        let is_async = cell.is_async.load(Ordering::Acquire);
+        let r = cell.mb.complete_waking(o, is_async);
+        if is_async {
+            // A client stream waiting for window learns the call is over.
+            cell.send_waker.wake();
+        }
+        if let Err(o) = r {
+            drop(o);
+            core.release_cell(idx);
+        }
+    }
+
+    /// Fails a call whose request never left; its stream, if it has one, ends with `status`
+    /// (the caller of a streaming call waits on the stream, not on the cell).
+    pub(super) fn fail_unsent(
+        &mut self,
+        core: &ClientCore<P>,
+        idx: u32,
+        generation: u32,
+        inbox: Option<Arc<Inbox>>,
+        status: Status,
+    ) {
+        if let Some(inbox) = inbox {
+            inbox.finish(Some(status.clone()));
+        }
+        self.deliver_cell(core, idx, generation, Outcome::Failed(status));
+    }
+
+    /// Delivers the outcome of the call in wire slot `slot` (if its caller still waits).
+    pub(super) fn deliver(&mut self, core: &ClientCore<P>, slot: usize, o: Outcome<P>) {
+        if let Some((idx, generation)) = self.calls[slot].cell.take() {
+            self.deliver_cell(core, idx, generation, o);
+        }
+    }
+
+    /// Frees the call's wire slot and every buffer it lent (the server is done with them).
+    pub(super) fn retire(&mut self, slot: usize) {
+        let c = &mut self.calls[slot];
+        while let Some(ss) = c.out.pop_front() {
+            if let Some(st) = ss.staged {
+                self.link.arena.release_send(st.slot);
+            }
+        }
+        let id = c.id;
+        c.reset();
+        if id.0 != 0 {
+            self.link.wire.finish(id);
+        }
+    }
+
+    pub(super) fn cancel_cell(
+        &mut self,
+        core: &ClientCore<P>,
+        idx: u32,
+        generation: u32,
+    ) -> Result<(), LinkError> {
+        if core.cells[idx as usize].generation.load(Ordering::Acquire) != generation {
+            return Ok(());
+        }
+        let Some(slot) = self.cell_slot[idx as usize].take() else {
+            // Not started yet (still queued): `take` or `start_pending` will see the cancel.
+            return Ok(());
+        };
+        let slot = slot as usize;
+        if self.calls[slot].cell != Some((idx, generation)) {
+            return Ok(());
+        }
+        self.calls[slot].cell = None;
+        core.release_cell(idx);
+        let call = self.calls[slot].id;
+        let tell = self.link.wire.cancel_local(call);
+        self.give_up(
+            core,
+            slot,
+            Status::cancelled("the call was cancelled"),
+            tell,
+        )
+    }
+
+    /// Ends the call in `slot` for the caller with `status` (its stream too), tells the server
+    /// with a Cancel when `tell`, and frees the call once the server has our buffers back.
+    pub(super) fn give_up(
+        &mut self,
+        core: &ClientCore<P>,
+        slot: usize,
+        status: Status,
+        tell: bool,
+    ) -> Result<(), LinkError> {
+        let call = self.calls[slot].id;
+        if let Some(inbox) = self.calls[slot].inbox.take() {
+            inbox.finish(Some(status.clone()));
+        }
+        for ss in std::mem::take(&mut self.calls[slot].out) {
+            self.discard(ss);
+        }
+        self.deliver(core, slot, Outcome::Failed(status));
+        if tell {
+            self.link.control(Control::Cancel(call))?;
+        }
+        if self.calls[slot].lends() {
+            self.calls[slot].finishing = true;
+        } else {
+            self.retire(slot);
+        }
+        Ok(())
+    }
+
+    pub(super) fn expire(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
+        let mut n = 0;
+        let Some(now) = self.link.expiry_due() else {
+            return Ok(0);
+        };
+        while let Some(call) = self.link.wire.expire(now) {
+            n += 1;
+            let slot = call.slot() as usize;
+            if self.calls[slot].id != call {
+                // Expired while waiting for a credit: the pending entry fails when retried.
+                self.expire_pending(core, call);
+                continue;
+            }
+            debug!(%call, "deadline exceeded");
+            let status = Status::deadline_exceeded("deadline exceeded");
+            self.give_up(core, slot, status, true)?;
+        }
+        Ok(n)
+    }
+
+    pub(super) fn expire_pending(&mut self, core: &ClientCore<P>, call: CallId) {
+        if let Some(pos) = self.pending.iter().position(|p| p.2 == call)
+            && let Some((idx, generation, call, sub)) = self.pending.remove(pos)
+        {
+            {
+                core.arena.release_send(sub.staged.slot);
+                self.link.wire.finish(call);
+                let status = Status::deadline_exceeded("deadline exceeded waiting for credit");
+                self.fail_unsent(core, idx, generation, sub.inbox, status);
+            }
+        }
+    }
+
+    /// Fails every call of a dead connection with `status`. The QPs go to ERROR; what the
+    /// calls' posted work requests name (READ targets) and what the server may still reach
+    /// through our keys (lent payloads, landing zones) is parked in the link's graveyard, freed
+    /// only once the QPs are destroyed (the CQ is not polled any more, so no completion would
+    /// ever give it back). Send slots of posted SENDs stay taken for the same reason.
+    ///
+    /// The calls end with the connection's first recorded cause when there is one (a flush
+    /// that followed the real failure, or a second error, does not replace it).
+    pub(super) fn fail_all(&mut self, core: &ClientCore<P>, status: Status) -> usize {
+        use crate::verbs::{Qp, QpState};
+        let status = core.dead_status.get().cloned().unwrap_or(status);
+        if self.link.qp.state() != QpState::Error {
+            self.link.fail_qps();
+        }
+        let mut n = 0;
+        for s in 0..self.calls.len() {
+            if self.calls[s].id.0 != 0 {
+                if let Some(inbox) = self.calls[s].inbox.take() {
+                    inbox.finish(Some(status.clone()));
+                }
+                self.deliver(core, s, Outcome::Failed(status.clone()));
+                let mut c = std::mem::replace(&mut self.calls[s], DrvCall::empty());
+                for ss in std::mem::take(&mut c.out) {
+                    self.discard(ss);
+                }
+                c.park(&mut self.link);
+                n += 1;
+            }
+        }
+        for ss in std::mem::take(&mut self.stream_pending) {
+            self.discard(ss);
+        }
+        while let Some(ss) = core.stream_sends.pop() {
+            self.discard(ss);
+        }
+        while let Some((idx, generation, _call, sub)) = self.pending.pop_front() {
+            core.arena.release_send(sub.staged.slot);
+            self.fail_unsent(core, idx, generation, sub.inbox, status.clone());
+            n += 1;
+        }
+        while let Some((idx, generation)) = core.submitted.pop() {
+            n += 1;
+            match core.cells[idx as usize].mb.take() {
+                Taken::Run(sub) => {
+                    core.arena.release_send(sub.staged.slot);
+                    self.fail_unsent(core, idx, generation, sub.inbox, status.clone());
+                }
+                Taken::Cancelled(sub) => {
+                    core.arena.release_send(sub.staged.slot);
+                    core.release_cell(idx);
+                }
+                Taken::Empty => {}
+            }
+        }
+        while let Some((idx, generation)) = core.cancelled.pop() {
+            n += 1;
+            let _ = self.cancel_cell(core, idx, generation);
+        }
+        n
+    }
+}
+
+impl<P: Provider> Drop for Driver<P> {
+    fn drop(&mut self) {
+        // Teardown with calls in flight (the last handle dropped them): what they lent or
+        // posted goes to the graveyard, which `link` frees after destroying its QPs (its
+        // fields drop after this), whatever the order of this struct's fields.
+        self.calls.park_all(&mut self.link);
+    }
+}

@@ -1,0 +1,226 @@
+//! Who drives the connection and how it waits: the poller thread (spin, then sleep on the
+//! doorbell and the completion channel), the driver task of `PollerMode::Caller`, and callers
+//! that drive it themselves.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use tracing::warn;
+
+use crate::client::PollerMode;
+use crate::server::notify::wait_readable;
+use crate::verbs::{CompChannel, Cq, Provider};
+
+use super::{ClientCore, Driver};
+
+/// Idle turns a poller thread spins before it sleeps.
+const SPIN_ITERS: u32 = 20_000;
+
+/// Idle turns it spins while the machine is contended (see [`ClientCore::run_poller`]).
+const CONTENDED_SPIN_ITERS: u32 = 2 * CLOCK_EVERY;
+
+/// A spinning poller reads the clock every this many idle turns, to notice preemption.
+const CLOCK_EVERY: u32 = 16;
+
+/// A gap this long between two clock reads of a spinning poller (a few idle turns take a
+/// few microseconds, tens in a debug build) means the scheduler took its core.
+const PREEMPTED: Duration = Duration::from_micros(200);
+
+/// How long a poller that was preempted while spinning spins only briefly.
+const CONTENDED_FOR: Duration = Duration::from_millis(100);
+
+const _: () = assert!(CONTENDED_SPIN_ITERS > CLOCK_EVERY && CONTENDED_SPIN_ITERS < SPIN_ITERS);
+
+const MAX_SLEEP: Duration = Duration::from_millis(20);
+
+impl<P: Provider> ClientCore<P> {
+    pub(super) fn kick(&self) {
+        match self.mode {
+            PollerMode::Thread => self.doorbell.ring(),
+            PollerMode::Caller => {
+                // With other async calls in flight the driver task is turning on this runtime
+                // and posts the submission at its next turn, together with the others of the
+                // round (one CQ poll and one pass over the queues for many calls); alone, the
+                // call goes out at once.
+                if self.async_calls.load(Ordering::Acquire) <= 1 {
+                    self.progress();
+                }
+                self.drive.notify_one();
+            }
+        }
+    }
+
+    /// Whether async calls are in flight or work is queued (something for the driver task:
+    /// blocking calls drive themselves).
+    pub(super) fn busy(&self) -> bool {
+        self.async_calls.load(Ordering::Acquire) > 0
+            || !self.stream_sends.is_empty()
+            || !self.cancelled.is_empty()
+    }
+
+    /// `PollerMode::Caller` from async code: a task on the caller's runtime that drives the
+    /// connection while calls are in flight, yielding to the runtime between turns, and sleeps
+    /// when none is. The futures themselves sleep on their wakers instead of spinning. It ends
+    /// when the connection is dropped or stopped.
+    pub(crate) async fn drive_task(weak: std::sync::Weak<Self>) {
+        let drive = match weak.upgrade() {
+            Some(core) => Arc::clone(&core.drive),
+            None => return,
+        };
+        loop {
+            let Some(core) = weak.upgrade() else { return };
+            if core.stop.load(Ordering::Acquire) {
+                return;
+            }
+            core.progress();
+            if core.busy() {
+                drop(core);
+                yield_once().await;
+                continue;
+            }
+            let notified = drive.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if core.busy() || core.stop.load(Ordering::Acquire) {
+                continue;
+            }
+            drop(core);
+            notified.await;
+        }
+    }
+
+    /// Drives the connection once if no one else is: returns the work done (0 when idle or
+    /// when another thread holds the driver token).
+    pub(crate) fn progress(&self) -> usize {
+        let Some(mut d) = self.driver.try_lock() else {
+            return 0;
+        };
+        d.progress(self)
+    }
+
+    /// The poller thread's loop: spins while idle, then sleeps on the doorbell and the
+    /// completion channel ([`Driver::sleep`]).
+    ///
+    /// Spinning pays only while the poller has a core of its own. When the scheduler takes it
+    /// away (several pollers and busy servers on few cores: a client of two servers), a
+    /// spinner keeps a core from the threads that have work (the server, the caller's
+    /// runtime, the poller of the connection in use), and each of them waits a time slice
+    /// for it: milliseconds per call. So a poller that sees it was preempted while spinning
+    /// sleeps at once and spins only briefly for [`CONTENDED_FOR`]: a sleeper woken by an
+    /// event gets a core back at once.
+    pub(crate) fn run_poller(self: Arc<Self>) {
+        let mut idle = 0u32;
+        let mut budget = SPIN_ITERS;
+        let mut last = None::<Instant>;
+        let mut contended_until = None::<Instant>;
+        while !self.stop.load(Ordering::Acquire) {
+            if self.progress() > 0 {
+                idle = 0;
+                continue;
+            }
+            if self.is_dead() && self.free.len() == self.cells.len() {
+                // Nothing in flight on a dead connection: sleep until stopped.
+                wait_readable(&[self.doorbell.fd()], MAX_SLEEP);
+                continue;
+            }
+            if idle == 0 {
+                // A new idle phase (not per call: this is the poller's thread).
+                let now = Instant::now();
+                budget = match contended_until {
+                    Some(t) if now < t => CONTENDED_SPIN_ITERS,
+                    _ => SPIN_ITERS,
+                };
+                last = Some(now);
+            }
+            idle += 1;
+            if idle < budget {
+                if idle.is_multiple_of(CLOCK_EVERY) {
+                    let now = Instant::now();
+                    if last.is_some_and(|l| now.duration_since(l) > PREEMPTED) {
+                        contended_until = Some(now + CONTENDED_FOR);
+                        idle = budget;
+                    }
+                    last = Some(now);
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            let Some(mut d) = self.driver.try_lock() else {
+                continue;
+            };
+            d.sleep(&self);
+            drop(d);
+            idle = 0;
+        }
+    }
+}
+
+/// Gives the runtime a turn: wakes itself and returns `Pending` once. (`tokio::task::yield_now`
+/// would do, but on the multi-thread scheduler it queues the waker in a list that may grow: an
+/// allocation on the per-call path.)
+pub(super) async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await;
+}
+
+impl<P: Provider> Driver<P> {
+    /// The poller thread's sleep, the verbs way: announce it (doorbell flag), arm the CQ, then
+    /// look once more (queues and the CQ) and sleep only if nothing came. A completion that
+    /// landed between the last poll and the arming rang nobody (the soft RNIC and a real one
+    /// alike signal only completions that arrive after `req_notify`): without the second look
+    /// it waits for the next event or the timeout. Returns whether it slept.
+    pub(super) fn sleep(&mut self, core: &ClientCore<P>) -> bool {
+        core.doorbell.prepare_sleep();
+        let _ = self.cq.req_notify(false);
+        // Anything queued before the doorbell flag was visible, or completed before the CQ was
+        // armed, is seen by this re-check (the flag and the arming are SeqCst stores, the
+        // ringers' and the RNIC's checks SeqCst loads).
+        if !core.submitted.is_empty() || !core.cancelled.is_empty() || self.progress(core) > 0 {
+            core.doorbell.awake();
+            return false;
+        }
+        let deadline = self.link.wire.poll_timeout().map(|t| {
+            Duration::from_nanos(t.saturating_sub(self.link.now())).max(Duration::from_micros(50))
+        });
+        wait_readable(
+            &[core.doorbell.fd(), self.channel.fd()],
+            deadline.unwrap_or(MAX_SLEEP).min(MAX_SLEEP),
+        );
+        let _ = self.channel.drain();
+        core.doorbell.awake();
+        true
+    }
+
+    pub(super) fn progress(&mut self, core: &ClientCore<P>) -> usize {
+        if core.is_dead() {
+            return self.fail_all(core, core.dead_status());
+        }
+        match self.step(core) {
+            Ok(work) => {
+                if work > 0 {
+                    core.wake_slot_waiters();
+                }
+                work
+            }
+            Err(e) => {
+                warn!("{}: connection failed: {e}", core.describe);
+                let _ = core.dead_status.set(e.status());
+                core.dead.store(true, Ordering::Release);
+                core.cell_freed.notify_waiters();
+                core.slot_freed.notify_waiters();
+                self.fail_all(core, e.status())
+            }
+        }
+    }
+}

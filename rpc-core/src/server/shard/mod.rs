@@ -1,0 +1,319 @@
+//! A server shard: one thread (pinned to a core when asked), one CQ, the QPs of the connections
+//! assigned to it, their slots, and a task slab of in-flight handler futures.
+//!
+//! The poll loop: take new connections and disconnects from the inbox (lock-free), poll the CQ in
+//! batches and handle each completion (dispatching requests to handlers, which run inline until
+//! they wait), poll woken handler tasks, repost receive slots and return credits, expire
+//! deadlines; when idle, spin, then yield, then sleep on the completion channel and the shard's
+//! doorbell. Per call: no lock, no allocation, no system call.
+//!
+//! This file holds the shard's and its connections' types; the rest is by concern: [`conn`]
+//! (opening the shard, accepting and closing connections), [`poll`] (the poll loop), [`recv`]
+//! (what clients send, dispatch), [`respond`] (responses, streams, statuses) and [`bulk`]
+//! (handlers' one-sided operations). The per-call machinery shared with the client is in
+//! [`crate::call`].
+
+mod bulk;
+mod conn;
+mod poll;
+mod recv;
+mod respond;
+
+use bulk::InflightOp;
+pub(crate) use conn::open;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use crossbeam_queue::SegQueue;
+
+use crate::Metadata;
+use crate::buf::{BulkBuf, BulkPool, TaskId};
+use crate::call::{Calls, Ledger, Record, StreamIn};
+use crate::connect::{Hello, Welcome};
+use crate::link::{Link, LinkKey, Staged};
+use crate::server::ServerConfig;
+use crate::server::call::Tasks;
+use crate::server::notify::Doorbell;
+use crate::server::peer::PeerApi;
+use crate::server::router::Router;
+use crate::streaming::Inbox;
+use crate::verbs::{Provider, Wc};
+use crate::wire::{BulkDesc, CallId};
+
+/// Completions taken per `poll`.
+const POLL_BATCH: usize = 32;
+
+/// A message to a shard from the acceptor.
+pub(crate) enum ShardMsg {
+    /// A client that passed the handshake checks: create its QP and answer.
+    Connect {
+        hello: Hello,
+        peer: std::net::SocketAddr,
+        reply: tokio::sync::oneshot::Sender<Result<(Welcome, LinkKey), String>>,
+        /// Dropped by the shard when it closes the connection: the acceptor then closes TCP.
+        closed: tokio::sync::oneshot::Sender<String>,
+    },
+    /// The client's TCP connection ended: drop its calls and QP.
+    Disconnect(LinkKey),
+}
+
+/// What the acceptor and the server handle see of a shard.
+pub(crate) struct ShardHandle {
+    pub(crate) inbox: Arc<SegQueue<ShardMsg>>,
+    pub(crate) doorbell: Arc<Doorbell>,
+    pub(crate) stop: Arc<AtomicBool>,
+    pub(crate) live_calls: Arc<AtomicUsize>,
+    /// Response bytes sent straight from the request's buffer (see `respond_landing`).
+    pub(crate) zero_copy_bytes: Arc<AtomicU64>,
+    /// Bytes of one-sided transfers striped over several QPs (see `link::Lanes`).
+    pub(crate) striped_bytes: Arc<AtomicU64>,
+    pub(crate) thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl ShardHandle {
+    pub(crate) fn send(&self, msg: ShardMsg) {
+        self.inbox.push(msg);
+        self.doorbell.ring();
+    }
+}
+
+/// A call of the server, indexed by the client's call slot.
+struct SrvCall<P: Provider> {
+    id: CallId,
+    task: Option<TaskId>,
+    landing: Option<BulkDesc>,
+    /// The client lent a buffer (rendezvous payload or landing zone) for this call.
+    lent: bool,
+    /// A rendezvous request payload being READ: the buffer and what to dispatch it with.
+    reading: Option<PendingDispatch<P>>,
+    /// Our buffer lent to the client (rendezvous response).
+    resp_bulk: Option<RespHold<P>>,
+    /// Sources of landing-zone WRITEs posted for this slot whose completions are not polled
+    /// yet, oldest first (completions of one slot come in posting order: a slot's next call
+    /// starts only after the client saw the previous WRITE_WITH_IMM, posted last on the
+    /// primary QP). The NIC's, not the call's: kept across calls of the slot, returned one by
+    /// one by successful WRITE completions, parked when the connection fails or closes.
+    writing: VecDeque<RespHold<P>>,
+    /// READ completions still to come for targets parked when the slot was reused under them
+    /// (`park_reads`): skipped, so they are not taken for the new call's (READs of one slot
+    /// complete in posting order on the primary QP).
+    stale_reads: u16,
+    /// The buffer a rendezvous request was READ into, shared with the request's `bytes`
+    /// fields: a response may be sent from it (`respond_landing`).
+    req_buf: Option<Arc<BulkBuf<P>>>,
+    /// The call was dropped while its READ was in flight: release after the READ completes.
+    drop_after_read: bool,
+    /// Counted in the shard's live calls (accepted, not finished).
+    active: bool,
+    /// The client's stream (client-streaming and bidi calls).
+    inbox: Option<Arc<Inbox>>,
+    /// The client's stream coming in: a large message being READ, later frames held.
+    stream: StreamIn<P>,
+    /// Our large stream messages lent to the client, released by its BulkReleases in order.
+    stream_bulks: Ledger<P>,
+    /// The handler's stream waits for window, credit or a send slot.
+    blocked: bool,
+    /// The method's path (for messages).
+    path: &'static str,
+}
+
+/// A request buffer shared by the request's `bytes` fields and the call.
+struct SharedBuf<P: Provider>(Arc<BulkBuf<P>>);
+
+impl<P: Provider> AsRef<[u8]> for SharedBuf<P> {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+/// What a response sent from our memory keeps alive until the peer is done with it.
+struct RespHold<P: Provider> {
+    /// The buffer the frame (or its staged part) is in.
+    _buf: BulkBuf<P>,
+    /// The request's buffer, when the frame references bytes in it.
+    _source: Option<Arc<BulkBuf<P>>>,
+}
+
+impl<P: Provider> RespHold<P> {
+    fn new(buf: BulkBuf<P>) -> Self {
+        RespHold {
+            _buf: buf,
+            _source: None,
+        }
+    }
+}
+
+/// Uncounts a call from the shard's live calls (once). Only the shard's thread writes the
+/// count (others read it), so a load and a store do, without a locked instruction.
+fn retire<P: Provider>(live: &AtomicUsize, c: &mut SrvCall<P>) {
+    if c.active {
+        c.active = false;
+        live.store(live.load(Ordering::Relaxed) - 1, Ordering::Release);
+    }
+}
+
+impl<P: Provider> Record<P> for SrvCall<P> {
+    fn id(&self) -> CallId {
+        self.id
+    }
+
+    fn reset(&mut self) {
+        self.id = CallId(0);
+        self.task = None;
+        self.landing = None;
+        self.lent = false;
+        self.reading = None;
+        self.resp_bulk = None;
+        self.req_buf = None;
+        self.drop_after_read = false;
+        self.active = false;
+        self.inbox = None;
+        self.stream.clear();
+        self.stream_bulks.clear();
+        self.blocked = false;
+        self.path = "?";
+        // Not `writing` nor `stale_reads`: those follow the NIC's completions, not calls.
+    }
+
+    /// Besides the slot's READ targets, WRITE sources and response buffers, the request's
+    /// buffer (a WRITE may send from it).
+    fn park(&mut self, link: &mut Link<P>) {
+        self.park_reads(link);
+        if let Some(h) = self.resp_bulk.take() {
+            link.park(h);
+        }
+        if let Some(b) = self.req_buf.take() {
+            link.park(b);
+        }
+        self.stream_bulks.park(link);
+        if !self.writing.is_empty() {
+            link.park(std::mem::take(&mut self.writing));
+        }
+    }
+
+    fn empty() -> SrvCall<P> {
+        SrvCall {
+            id: CallId(0),
+            task: None,
+            landing: None,
+            lent: false,
+            reading: None,
+            resp_bulk: None,
+            req_buf: None,
+            drop_after_read: false,
+            active: false,
+            inbox: None,
+            stream: StreamIn::new(),
+            stream_bulks: Ledger::new(),
+            writing: VecDeque::new(),
+            stale_reads: 0,
+            blocked: false,
+            path: "?",
+        }
+    }
+}
+
+impl<P: Provider> SrvCall<P> {
+    /// Whether a READ posted for this slot is still in flight (its target is the NIC's).
+    fn reads_in_flight(&self) -> bool {
+        self.reading.is_some() || self.stream.reading()
+    }
+
+    /// Moves the targets of the slot's READs in flight into `link`'s graveyard (freed only
+    /// after the link's QPs are destroyed): for a slot reused while they are posted. Their
+    /// completions then find nothing to fill.
+    fn park_reads(&mut self, link: &mut Link<P>) {
+        if let Some(p) = self.reading.take() {
+            self.stale_reads = self.stale_reads.saturating_add(u16::from(p.reads_left));
+            link.park(p.buf);
+        }
+        if self.stream.park(link) {
+            self.stale_reads = self.stale_reads.saturating_add(1);
+        }
+    }
+}
+
+struct PendingDispatch<P: Provider> {
+    buf: BulkBuf<P>,
+    /// READs (one per remote range of the payload) whose completion is still to come.
+    reads_left: u8,
+    method: u32,
+    metadata: Metadata,
+    deadline_at: Option<u64>,
+}
+
+/// A staged terminal frame waiting for a credit.
+#[derive(Clone, Copy, Debug)]
+enum Deferred {
+    Response {
+        call: CallId,
+        staged: Staged,
+        bulk: Option<BulkDesc>,
+    },
+    Status {
+        call: CallId,
+        staged: Staged,
+        code: u8,
+    },
+}
+
+/// One connection of the shard.
+pub(crate) struct ServerConn<P: Provider> {
+    link: Link<P>,
+    /// Calls whose handler stream waits for credit or a send slot.
+    blocked: Vec<CallId>,
+    /// GoAway was sent (the server is draining).
+    goaway_sent: bool,
+    calls: Calls<SrvCall<P>>,
+    deferred: VecDeque<Deferred>,
+    /// Tells the connection's bootstrap task why we close it (it tells the client).
+    pub(super) closed: Option<tokio::sync::oneshot::Sender<String>>,
+    peer: std::net::SocketAddr,
+    /// The largest request accepted and response sent (the server's `max_message`).
+    max_message: u64,
+    /// The QP takes gather lists long enough for a zero-copy response.
+    gather: bool,
+    zero_copy_bytes: Arc<AtomicU64>,
+}
+
+/// The shard.
+pub(crate) struct Shard<P: Provider> {
+    // Field order is drop order: connections (QPs, arenas) before the CQ, PD and device.
+    conns: Vec<Option<ServerConn<P>>>,
+    /// Indices of the live connections (what `maintain` walks).
+    live: Vec<u16>,
+    generations: Vec<u8>,
+    tasks: Tasks,
+    task_owner: Vec<(u16, CallId)>,
+    cq: P::Cq,
+    channel: P::CompChannel,
+    bulk: Arc<BulkPool<P>>,
+    pd: Arc<P::Pd>,
+    ctx: P::Context,
+    id: u16,
+    nshards: u16,
+    cfg: Arc<ServerConfig>,
+    router: Arc<Router>,
+    inbox: Arc<SegQueue<ShardMsg>>,
+    doorbell: Arc<Doorbell>,
+    stop: Arc<AtomicBool>,
+    live_calls: Arc<AtomicUsize>,
+    zero_copy_bytes: Arc<AtomicU64>,
+    striped_bytes: Arc<AtomicU64>,
+    /// QPs per connection at most.
+    max_qps: u32,
+    epoch: Instant,
+    max_inline: u32,
+    wcs: [Wc; POLL_BATCH],
+    peer_api: Arc<PeerApi>,
+    bulk_ops: slab::Slab<InflightOp>,
+}
+
+impl<P: Provider> ServerConn<P> {
+    fn slot(&mut self, call: CallId) -> Option<&mut SrvCall<P>> {
+        self.calls.live(call)
+    }
+}

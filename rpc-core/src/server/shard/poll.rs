@@ -1,0 +1,348 @@
+//! The shard's poll loop: completions in batches, ready handler tasks, sends posted per turn,
+//! upkeep of every connection (reposts, credits, deferred frames, deadlines), and the idle
+//! spin, yield and sleep.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::Status;
+use crate::buf::Polled;
+use crate::call;
+use crate::link::{Control, LinkError, WrKind, completion, split_wr_id};
+use crate::server::PollMode;
+use crate::server::call::{CallCtx, panicked};
+use crate::server::notify::wait_readable;
+use crate::verbs::{CompChannel, Cq, Provider, Wc};
+use crate::wire::CallId;
+
+use super::respond::Reply;
+use super::{Shard, retire};
+
+/// Empty loop iterations spent spinning before yielding (adaptive mode).
+const SPIN_ITERS: u32 = 20_000;
+/// Empty loop iterations spent yielding before sleeping (adaptive mode).
+const YIELD_ITERS: u32 = 200;
+/// Idle iterations between two passes over the connections (reposts, credits, deadlines,
+/// inbox) when nothing happens; after any work the pass runs at once.
+const MAINTAIN_EVERY: u32 = 64;
+/// Longest sleep, so shutdown and deadlines are noticed.
+const MAX_SLEEP: Duration = Duration::from_millis(50);
+
+impl<P: Provider> Shard<P> {
+    /// Runs the poll loop until the server stops and every call has finished.
+    pub(crate) fn run(mut self, rt: tokio::runtime::Handle) {
+        let _enter = rt.enter();
+        if let Some(core) = self.cfg.core_of(self.id) {
+            pin_to_core(core);
+        }
+        let mut idle: u32 = 0;
+        let mut stop_at: Option<Instant> = None;
+        loop {
+            let mut work = self.poll_cq();
+            work += self.run_ready();
+            if work > 0 {
+                // The responses of this turn go out together: one post per connection.
+                self.flush_sends();
+            }
+            // Stopping: check every pass, or a sleeping shard notices only every
+            // MAINTAIN_EVERY sleeps (up to 64 x MAX_SLEEP) that its last call is gone.
+            if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) || self.stop.load(Ordering::Relaxed)
+            {
+                let idle_turn = work == 0;
+                work += self.drain_inbox();
+                work += self.start_bulk_ops();
+                work += self.maintain(idle_turn);
+                self.flush_sends();
+                if self.stop.load(Ordering::Acquire) {
+                    // Draining: stop once every call finished, or when the grace period is up
+                    // (the handlers still running are then dropped with their connections).
+                    let deadline =
+                        *stop_at.get_or_insert_with(|| Instant::now() + self.cfg.shutdown_grace);
+                    let live = self.live_calls.load(Ordering::Acquire);
+                    if live == 0 {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        warn!(
+                            shard = self.id,
+                            "shutdown grace period over: dropping {live} call(s) still running"
+                        );
+                        break;
+                    }
+                }
+            }
+            if work > 0 {
+                idle = 0;
+                continue;
+            }
+            idle = idle.saturating_add(1);
+            match self.cfg.poll_mode {
+                PollMode::Busy => std::hint::spin_loop(),
+                PollMode::Adaptive if idle < SPIN_ITERS => std::hint::spin_loop(),
+                PollMode::Adaptive if idle < SPIN_ITERS + YIELD_ITERS => std::thread::yield_now(),
+                _ => self.sleep(),
+            }
+        }
+        // Close what is left (calls past the grace period, bulk operations and READs in
+        // flight): each connection's QPs are destroyed before anything they may touch is
+        // released (see `close`).
+        let why = Status::unavailable("the server shut down");
+        for idx in std::mem::take(&mut self.live) {
+            if let Some(Some(conn)) = self.conns.get(idx as usize) {
+                let key = conn.link.key();
+                self.close(key, &why);
+            }
+        }
+        info!(
+            shard = self.id,
+            "shard {}/{} stopped", self.id, self.nshards
+        );
+    }
+
+    pub(super) fn sleep(&mut self) {
+        self.doorbell.prepare_sleep();
+        let _ = self.cq.req_notify(false);
+        // Anything that arrived before the doorbell flag was visible is seen by this re-check.
+        if !self.inbox.is_empty()
+            || !self.peer_api.ops.is_empty()
+            || !self.peer_api.grants.is_empty()
+            || self.poll_cq() > 0
+            || self.run_ready() > 0
+        {
+            self.flush_sends();
+            self.doorbell.awake();
+            return;
+        }
+        let timeout = self.next_deadline().map_or(MAX_SLEEP, |d| d.min(MAX_SLEEP));
+        wait_readable(&[self.doorbell.fd(), self.channel.fd()], timeout);
+        let _ = self.channel.drain();
+        self.doorbell.awake();
+    }
+
+    pub(super) fn next_deadline(&self) -> Option<Duration> {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        self.conns
+            .iter()
+            .flatten()
+            .filter_map(|c| c.link.wire.poll_timeout())
+            .min()
+            .map(|d| Duration::from_nanos(d.saturating_sub(now)))
+    }
+
+    /// Posts the frames each connection queued this turn ([`Link::flush_sends`]).
+    pub(super) fn flush_sends(&mut self) {
+        let mut failed = None;
+        for &i in &self.live {
+            if let Some(Some(conn)) = self.conns.get_mut(i as usize)
+                && conn.link.has_queued_sends()
+                && let Err(e) = conn.link.flush_sends()
+            {
+                failed = Some((conn.link.key(), e));
+                break;
+            }
+        }
+        if let Some((key, e)) = failed {
+            warn!("connection failed: {e}");
+            self.close(key, &e.status());
+        }
+    }
+
+    pub(super) fn poll_cq(&mut self) -> usize {
+        let n = match self.cq.poll(&mut self.wcs) {
+            Ok(n) => n,
+            Err(e) => {
+                warn!("poll_cq failed: {e}");
+                return 0;
+            }
+        };
+        // One clock read per batch and connection (at its first frame that needs the time),
+        // not one per frame; and with more than one completion, start loading every received
+        // frame before handling the first.
+        for wc in &self.wcs[..n] {
+            if let Some(Some(c)) = self.conns.get_mut(split_wr_id(wc.wr_id).0.idx as usize) {
+                c.link.tick();
+                if n > 1 {
+                    c.link.prefetch(wc);
+                }
+            }
+        }
+        for i in 0..n {
+            let wc = self.wcs[i];
+            self.on_completion(&wc);
+        }
+        n
+    }
+
+    pub(super) fn on_completion(&mut self, wc: &Wc) {
+        let (key, kind, aux) = split_wr_id(wc.wr_id);
+        let idx = key.idx as usize;
+        let live = matches!(self.conns.get(idx), Some(Some(c)) if c.link.key() == key);
+        if !live {
+            return; // a completion of a connection already closed
+        }
+        let result = match kind {
+            Some(WrKind::Recv) => self.on_recv(idx, wc, aux),
+            Some(WrKind::Send) => match self.conns.get(idx) {
+                Some(Some(c)) => call::send_done(&c.link, wc, aux),
+                _ => completion(wc),
+            },
+            Some(WrKind::Read) => self.on_read_done(idx, wc, aux),
+            Some(WrKind::Write) => completion(wc).map(|()| {
+                // Only a WRITE that succeeded gives its source back (a failed one fails the
+                // connection, whose close parks it until the QPs are destroyed: a striped
+                // WRITE may still be in flight on another QP).
+                if let Some(Some(c)) = self.conns.get_mut(idx)
+                    && let Some(call) = c.calls.get_mut(aux as usize)
+                {
+                    call.writing.pop_front();
+                }
+            }),
+            Some(WrKind::Nop) => completion(wc),
+            Some(WrKind::Bulk) => self.on_bulk_done(wc, aux as usize),
+            Some(WrKind::Stripe) => match self.conns.get_mut(idx) {
+                Some(Some(c)) => match c.link.on_stripe(wc, aux) {
+                    Ok(Some(whole)) => {
+                        self.on_completion(&whole);
+                        Ok(())
+                    }
+                    Ok(None) => Ok(()),
+                    Err(e) => Err(e),
+                },
+                _ => Ok(()),
+            },
+            None => Err(LinkError::Protocol(
+                "completion with an unknown work-request id".into(),
+            )),
+        };
+        if let Err(e) = result {
+            warn!("connection failed: {e}");
+            self.close(key, &e.status());
+        }
+    }
+
+    pub(super) fn run_ready(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(task) = self.tasks.next_ready() {
+            n += 1;
+            let (idx, call) = self.task_owner[task.idx as usize];
+            let Some(Some(conn)) = self.conns.get_mut(idx as usize) else {
+                self.tasks.cancel(task);
+                continue;
+            };
+            let mut reply = Reply {
+                conn,
+                call,
+                api: &self.peer_api,
+            };
+            let done = match self.tasks.poll(task, &mut reply) {
+                Polled::Pending => false,
+                Polled::Done => true,
+                Polled::Panicked(payload) => {
+                    let path = reply.conn.slot(call).map_or("?", |c| c.path);
+                    reply.fail(&panicked(path, payload.as_ref()));
+                    true
+                }
+            };
+            if done
+                && let Some(c) = reply.conn.calls.get_mut(call.slot() as usize)
+                && c.id == call
+            {
+                if c.task == Some(task) {
+                    c.task = None;
+                }
+                retire(&self.live_calls, c);
+            }
+        }
+        n
+    }
+
+    /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines.
+    pub(super) fn maintain(&mut self, idle: bool) -> usize {
+        while let Some((key, call, n)) = self.peer_api.grants.pop() {
+            if let Some(Some(conn)) = self.conns.get_mut(key.idx as usize)
+                && conn.link.key() == key
+                && let Err(e) = conn.link.control(Control::WindowUpdate(call, n))
+            {
+                warn!(%call, "window update: {e}");
+            }
+        }
+        let stopping = self.stop.load(Ordering::Acquire);
+        let mut failed = None;
+        let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
+        let mut n_expired = 0;
+        let mut work = 0;
+        for &i in &self.live {
+            let idx = i as usize;
+            let Some(Some(conn)) = self.conns.get_mut(idx) else {
+                continue;
+            };
+            if stopping && !conn.goaway_sent {
+                // Draining: tell the client to start no new call here.
+                conn.goaway_sent = true;
+                if let Err(e) = conn.link.control(Control::GoAway) {
+                    failed = Some((conn.link.key(), e));
+                    break;
+                }
+            }
+            match conn.link.repost_batched(idle) {
+                Ok(k) => work += k as usize,
+                Err(e) => {
+                    failed = Some((conn.link.key(), e));
+                    break;
+                }
+            }
+            conn.flush_deferred();
+            if let Err(e) = conn.link.flush_control() {
+                failed = Some((conn.link.key(), e));
+                break;
+            }
+            if !conn.blocked.is_empty()
+                && conn.link.wire.data_credits() > 0
+                && conn.link.arena.free_sends() > 0
+            {
+                for call in std::mem::take(&mut conn.blocked) {
+                    if let Some(c) = conn.slot(call)
+                        && std::mem::take(&mut c.blocked)
+                        && let Some(t) = c.task
+                    {
+                        self.tasks.wake(t);
+                        work += 1;
+                    }
+                }
+            }
+            if let Err(e) = conn.link.maybe_credit_update() {
+                failed = Some((conn.link.key(), e));
+                break;
+            }
+            conn.link.tick();
+            if let Some(now) = conn.link.expiry_due() {
+                while n_expired < expired.len() {
+                    let Some(call) = conn.link.wire.expire(now) else {
+                        break;
+                    };
+                    expired[n_expired] = (idx, call);
+                    n_expired += 1;
+                }
+            }
+        }
+        if let Some((key, e)) = failed {
+            warn!("connection failed: {e}");
+            self.close(key, &e.status());
+        }
+        for &(idx, call) in &expired[..n_expired] {
+            debug!(%call, "deadline exceeded on the server: handler dropped");
+            self.drop_call(idx, call);
+        }
+        work + n_expired
+    }
+}
+
+pub(super) fn pin_to_core(core: usize) {
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(core);
+    if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
+        warn!("could not pin shard to core {core}: {e}");
+    }
+}

@@ -1,0 +1,413 @@
+//! What a client sends: requests (eager, or READ by rendezvous before dispatch), cancels,
+//! releases and stream frames; dispatch to the handler; dropping a call.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tracing::warn;
+
+use crate::call::{Held, Record};
+use crate::link::{Control, LinkError, Received, completion, decode_metadata};
+use crate::server::call::{CallCtx, IncomingCall, Payload};
+use crate::server::peer::ShardInbox;
+use crate::streaming::{Inbox, Item};
+use crate::verbs::{Provider, Wc};
+use crate::wire::{self, BulkDesc, BulkMore, CallId, Event};
+use crate::{Metadata, Status};
+
+use super::respond::Reply;
+use super::{PendingDispatch, ServerConn, Shard, SharedBuf, retire};
+
+impl<P: Provider> Shard<P> {
+    pub(super) fn on_recv(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return Ok(());
+        };
+        let inbound = match conn.link.on_recv(wc, slot)? {
+            None => return Ok(()),
+            Some(Received::Written { .. }) => {
+                return Err(LinkError::Protocol(
+                    "a client wrote into a server's slot".into(),
+                ));
+            }
+            Some(Received::Frame(f)) => f,
+        };
+        conn.flush_deferred();
+        match inbound.event {
+            Event::Request {
+                call,
+                method_id,
+                kind,
+                deadline_at,
+                bulk,
+                bulk_more,
+                landing,
+                replaced,
+            } => {
+                if let Some(old) = replaced {
+                    self.drop_call(idx, old);
+                }
+                let Some(Some(conn)) = self.conns.get_mut(idx) else {
+                    return Ok(());
+                };
+                let metadata =
+                    match decode_metadata(&inbound.slot.bytes()[inbound.metadata.clone()]) {
+                        Ok(m) => m,
+                        Err(st) => {
+                            let Some(sc) = conn.calls.get_mut(call.slot() as usize) else {
+                                return Err(LinkError::Protocol(
+                                    "call slot beyond the call table".into(),
+                                ));
+                            };
+                            if sc.reads_in_flight() {
+                                sc.park_reads(&mut conn.link);
+                            }
+                            // In place: the slot's WRITEs in flight stay (see `writing`).
+                            sc.reset();
+                            sc.id = call;
+                            conn.fail(call, &st);
+                            return Ok(());
+                        }
+                    };
+                let Some(sc) = conn.calls.get_mut(call.slot() as usize) else {
+                    return Err(LinkError::Protocol(
+                        "call slot beyond the call table".into(),
+                    ));
+                };
+                let inbox = kind.client_streams().then(|| {
+                    let inbox = Inbox::new(conn.link.wire.config().stream_window);
+                    inbox.set_host(Box::new(ShardInbox {
+                        api: Arc::clone(&self.peer_api),
+                        key: conn.link.key(),
+                        call,
+                    }));
+                    inbox
+                });
+                if sc.reads_in_flight() {
+                    // A new call in a slot whose old call still READs (only a broken client
+                    // does that): the old target stays the NIC's.
+                    sc.park_reads(&mut conn.link);
+                }
+                // In place (a SrvCall is large; building and moving a whole one per call
+                // showed up as memcpy).
+                sc.reset();
+                sc.id = call;
+                sc.landing = landing;
+                sc.lent = bulk.is_some() || landing.is_some();
+                sc.active = true;
+                sc.inbox = inbox;
+                // Only this thread writes it (see `retire`).
+                self.live_calls.store(
+                    self.live_calls.load(Ordering::Relaxed) + 1,
+                    Ordering::Release,
+                );
+                if let Some(desc) = bulk {
+                    drop(inbound);
+                    let head = (method_id, metadata, deadline_at);
+                    self.start_read(idx, call, head, desc, bulk_more);
+                } else {
+                    let payload = Payload::Slot {
+                        start: inbound.payload.start,
+                        end: inbound.payload.end,
+                        slot: inbound.slot,
+                    };
+                    self.dispatch(idx, call, method_id, payload, metadata, deadline_at);
+                }
+            }
+            Event::Cancel { call } => {
+                drop(inbound);
+                self.drop_call(idx, call);
+            }
+            Event::BulkRelease { call } => {
+                // Only for this very call: a late release of an earlier call in the same slot
+                // must not free the buffer the current call lent.
+                if let Some(c) = conn.slot(call)
+                    && !c.stream_bulks.release()
+                {
+                    c.resp_bulk = None;
+                }
+            }
+            Event::Stale {
+                call,
+                bulk: Some(_),
+                ..
+            } => {
+                // Behind a READ of the same call in flight: released after it, in order.
+                let held = conn
+                    .slot(call)
+                    .is_some_and(|c| c.stream.hold(Held::Release).is_ok());
+                if !held {
+                    conn.link.control(Control::BulkRelease(call))?;
+                }
+            }
+            Event::StreamMessage { call, bulk, .. } => {
+                let held = match bulk {
+                    Some(desc) => {
+                        drop(inbound);
+                        Held::Bulk(desc)
+                    }
+                    None => Held::Item(Item::from_slot(
+                        inbound.slot,
+                        inbound.payload.start,
+                        inbound.payload.end,
+                    )),
+                };
+                conn.stream_in(call, held)?;
+            }
+            Event::EndOfStream { call } => {
+                drop(inbound);
+                conn.stream_in(call, Held::End)?;
+            }
+            Event::WindowUpdate { call, .. } => {
+                if let Some(c) = conn.slot(call)
+                    && std::mem::take(&mut c.blocked)
+                    && let Some(t) = c.task
+                {
+                    self.tasks.wake(t);
+                }
+            }
+            Event::CreditOnly | Event::Stale { .. } => {}
+            Event::Response { .. } | Event::Status { .. } | Event::GoAway => {
+                return Err(LinkError::Protocol(
+                    "client sent a server-only frame".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// READs a rendezvous request payload (the range `desc`, then those of `more`, one after
+    /// the other) into one bulk buffer and dispatches the call once every READ completed.
+    pub(super) fn start_read(
+        &mut self,
+        idx: usize,
+        call: CallId,
+        (method, metadata, deadline_at): (u32, Metadata, Option<u64>),
+        desc: BulkDesc,
+        more: BulkMore,
+    ) {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        // The frame codec refused totals that overflow; saturate anyway.
+        let total = more
+            .as_slice()
+            .iter()
+            .fold(desc.len, |a, d| a.saturating_add(d.len));
+        let got = if total > conn.max_message {
+            Err(format!(
+                "request of {total} bytes exceeds the {} byte message limit",
+                conn.max_message
+            ))
+        } else {
+            conn.link
+                .bulk
+                .get(total as usize)
+                .map_err(|e| format!("request too large: {e}"))
+        };
+        let buf = match got {
+            Ok(mut b) => {
+                b.set_len(total as usize);
+                b
+            }
+            Err(why) => {
+                if let Some(c) = conn.slot(call) {
+                    retire(&self.live_calls, c);
+                }
+                conn.fail(call, &Status::resource_exhausted(why));
+                return;
+            }
+        };
+        // `buf` is stored in the call's `reading` until the READs' completions (or the
+        // connection's end); nothing reads it meanwhile.
+        // One READ per range, into consecutive offsets; each range's completion is counted
+        // (`reads_left`), so it is correct whatever QP or order the link posts the chunks on.
+        let mut ranges = [desc; wire::MAX_BULK_PIECES];
+        let n = 1 + more.len();
+        ranges[1..n].copy_from_slice(more.as_slice());
+        // SAFETY: as just said.
+        let r = unsafe { conn.link.post_read_ranges(call.slot(), &buf, &ranges[..n]) };
+        if let Err(e) = r {
+            warn!("rendezvous READ failed: {e}");
+            // Some chunks may be posted: the buffer waits for the QPs' destruction.
+            conn.link.park(buf);
+            let key = conn.link.key();
+            self.close(key, &e.status());
+            return;
+        }
+        if let Some(c) = conn.calls.get_mut(call.slot() as usize) {
+            c.reading = Some(PendingDispatch {
+                buf,
+                reads_left: 1 + more.len() as u8,
+                method,
+                metadata,
+                deadline_at,
+            });
+        }
+    }
+
+    pub(super) fn on_read_done(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
+        // A failed or flushed READ filled nothing: the connection fails (its close parks the
+        // target until the QPs are destroyed); nothing is dispatched.
+        completion(wc)?;
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return Ok(());
+        };
+        let Some(c) = conn.calls.get_mut(slot as usize) else {
+            return Ok(());
+        };
+        if c.stale_reads > 0 {
+            // The READ of a call this slot held before (its target is parked).
+            c.stale_reads -= 1;
+            return Ok(());
+        }
+        if c.stream.reading() {
+            let call = c.id;
+            return conn.stream_read_done(call);
+        }
+        if let Some(p) = c.reading.as_mut()
+            && p.reads_left > 1
+        {
+            p.reads_left -= 1;
+            return Ok(());
+        }
+        let Some(pending) = c.reading.take() else {
+            return Ok(());
+        };
+        let call = c.id;
+        if c.drop_after_read {
+            c.drop_after_read = false;
+            retire(&self.live_calls, c);
+            drop(pending);
+            conn.end_call(call);
+            return Ok(());
+        }
+        // The client's buffer is no longer needed once read; the terminal frame returns it.
+        let PendingDispatch {
+            buf,
+            reads_left: _,
+            method,
+            metadata,
+            deadline_at,
+        } = pending;
+        // Shared with the call: a response may be sent from it (`respond_landing`).
+        let buf = Arc::new(buf);
+        c.req_buf = Some(Arc::clone(&buf));
+        self.dispatch(
+            idx,
+            call,
+            method,
+            Payload::Owned(Box::new(SharedBuf(buf))),
+            metadata,
+            deadline_at,
+        );
+        Ok(())
+    }
+
+    pub(super) fn dispatch(
+        &mut self,
+        idx: usize,
+        call: CallId,
+        method: u32,
+        payload: Payload,
+        metadata: Metadata,
+        deadline_at: Option<u64>,
+    ) {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        let now = conn.link.now();
+        let timeout = deadline_at.map(|d| Duration::from_nanos(d.saturating_sub(now)));
+        let mut spawned = None;
+        let mut reply = Reply {
+            conn,
+            call,
+            api: &self.peer_api,
+        };
+        match self.router.get(method) {
+            Some((service, desc)) => {
+                let inbox = reply.conn.slot(call).and_then(|c| c.inbox.clone());
+                let incoming = IncomingCall {
+                    inbox,
+                    tasks: &mut self.tasks,
+                    ctx: &mut reply,
+                    payload,
+                    metadata,
+                    timeout,
+                    spawned: &mut spawned,
+                    path: desc.path,
+                };
+                let _ = service.call(method, incoming);
+            }
+            None => {
+                drop(payload);
+                reply.fail(&Status::unimplemented(format!(
+                    "unknown method id {method:#010x}: the server has no such method (services: \
+                     {})",
+                    self.router.service_names().join(", ")
+                )));
+            }
+        }
+        match spawned {
+            Some(task) => {
+                self.task_owner[task.idx as usize] = (idx as u16, call);
+                if let Some(c) = reply.conn.slot(call) {
+                    c.task = Some(task);
+                }
+            }
+            None => {
+                if let Some(c) = reply.conn.calls.get_mut(call.slot() as usize)
+                    && c.id == call
+                {
+                    retire(&self.live_calls, c);
+                }
+            }
+        }
+    }
+
+    /// Drops a call the client cancelled, that expired or that was replaced.
+    pub(super) fn drop_call(&mut self, idx: usize, call: CallId) {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        let Some(c) = conn.slot(call) else { return };
+        let task = c.task.take();
+        if c.reading.is_none() {
+            // With a READ in flight the call is retired when the READ completes.
+            retire(&self.live_calls, c);
+        }
+        conn.end_call(call);
+        if let Some(t) = task {
+            self.tasks.cancel(t);
+        }
+    }
+}
+
+impl<P: Provider> ServerConn<P> {
+    /// Delivers a client stream frame to the call's inbox, in order behind a READ in flight.
+    pub(super) fn stream_in(&mut self, call: CallId, held: Held) -> Result<(), LinkError> {
+        let Some(c) = self.calls.live(call) else {
+            return Ok(());
+        };
+        c.stream
+            .stream_in(&mut self.link, c.inbox.as_deref(), call, held, "client")
+    }
+
+    /// A client stream message finished its READ: deliver it, release the client's buffer, and
+    /// deliver what waited behind it.
+    pub(super) fn stream_read_done(&mut self, call: CallId) -> Result<(), LinkError> {
+        let Some(c) = self.calls.live(call) else {
+            return Ok(());
+        };
+        let idle = c
+            .stream
+            .read_done(&mut self.link, c.inbox.as_deref(), call, "client")?;
+        // Every READ of the call done: an end that waited for it is finished now.
+        if idle && c.drop_after_read && c.reading.is_none() {
+            c.drop_after_read = false;
+            self.end_call(call);
+        }
+        Ok(())
+    }
+}
