@@ -70,10 +70,7 @@ impl TonicPart {
         } else {
             TokenStream::new()
         };
-        let module = format_ident!(
-            "{}_tonic",
-            heck::ToSnakeCase::to_snake_case(def.name.as_str())
-        );
+        let module = ident(&def.tonic_mod());
         let vis = &options.visibility;
         let doc = format!(
             " gRPC (tonic) client and server for `{}`, and an adapter serving an rdma-rpc \

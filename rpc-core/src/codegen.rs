@@ -1,5 +1,6 @@
 //! The only contract between generated code (`rpc-codegen`, `#[service]`) and the runtime.
-//! Generated files start with `use rpc_core::codegen::*;` and name nothing else of this crate.
+//! Generated code names each item by its full path (`::rpc_core::codegen::Status`), imports
+//! nothing, and names nothing else of this crate.
 #![doc(hidden)]
 
 pub use std::future::Future;

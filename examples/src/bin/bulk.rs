@@ -113,7 +113,7 @@ async fn main() -> anyhow::Result<()> {
     let client = BulkClient::connect(addr.to_string()).await?;
 
     // Registered memory the server may read and write one-sided.
-    let mut region = client.channel().alloc_region(args.size).await?;
+    let mut region = client.as_ref().alloc_region(args.size).await?;
     // SAFETY: no request advertises the region yet.
     let buf = unsafe { region.as_mut_slice() };
     fill_pattern(buf, 7);

@@ -127,9 +127,9 @@ async fn generated_stubs_call_through_the_runtime() {
             (Code::InvalidArgument, "empty name")
         );
 
-        let blocking = greeter.clone();
+        let blocking = helloworld::greeter_client::GreeterBlockingClient::from(greeter.clone());
         let reply = tokio::task::spawn_blocking(move || {
-            blocking.say_hello_blocking(HelloRequest { name: "B".into() })
+            blocking.say_hello(HelloRequest { name: "B".into() })
         })
         .await
         .unwrap()
@@ -137,7 +137,7 @@ async fn generated_stubs_call_through_the_runtime() {
         assert_eq!(reply.get_ref().message, "Hello B! (nobody)");
 
         // One channel, several services; well-known types; keyword method names.
-        let channel = greeter.channel().clone();
+        let channel = greeter.as_ref().clone();
         let clock = ev::clock_client::ClockClient::new(channel.clone());
         assert_eq!(
             clock.now(()).await.unwrap().get_ref().seconds,
@@ -164,7 +164,7 @@ async fn generated_stubs_call_through_the_runtime() {
 
         // A service the server does not have.
         let deep = rpc_codegen_check::test::nested::deep::deep_client::DeepClient::new(
-            greeter.channel().clone(),
+            greeter.as_ref().clone(),
         );
         let err = deep
             .locate(rpc_codegen_check::test::common::Point::default())
