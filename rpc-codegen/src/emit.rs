@@ -17,6 +17,10 @@ pub struct EmitOptions {
     pub build_server: bool,
     /// Visibility of the generated modules (default `pub`).
     pub visibility: syn::Visibility,
+    /// State what the runtime needs of each message type (`where Type: RpcMessage`) on every
+    /// generated function that uses it, spanned at the type: a type that is not a message is
+    /// then reported once, at the type (`#[service]` sets this; `.proto` messages always are).
+    pub check_messages: bool,
 }
 
 impl Default for EmitOptions {
@@ -26,6 +30,7 @@ impl Default for EmitOptions {
             build_client: true,
             build_server: true,
             visibility: syn::parse_quote!(pub),
+            check_messages: false,
         }
     }
 }
@@ -81,6 +86,8 @@ fn allow() -> TokenStream {
             missing_docs,
             private_interfaces,
             private_bounds,
+            non_camel_case_types,
+            non_snake_case,
             clippy::all
         )]
     }
@@ -89,7 +96,7 @@ fn allow() -> TokenStream {
 /// Re-bases a type written as seen from the parent module for use inside a generated module
 /// one level down: relative paths get one more `super::`; absolute paths (`::x`, `crate::x`),
 /// primitives and `()` stay as they are.
-pub(crate) fn rebase(ty: &syn::Type) -> syn::Type {
+pub fn rebase(ty: &syn::Type) -> syn::Type {
     let mut ty = ty.clone();
     rebase_in_place(&mut ty);
     ty
@@ -125,7 +132,13 @@ fn rebase_in_place(ty: &mut syn::Type) {
                 }
                 _ if p.path.segments.len() == 1 && is_primitive(&first) => {}
                 _ => {
-                    let sup: syn::PathSegment = syn::parse_quote!(super);
+                    // Spanned like the type, so that errors about it point at the user's type.
+                    let span = p
+                        .path
+                        .segments
+                        .first()
+                        .map_or(Span::call_site(), |s| s.ident.span());
+                    let sup = syn::PathSegment::from(Ident::new("super", span));
                     p.path.segments.insert(0, sup);
                 }
             }
@@ -213,14 +226,18 @@ fn client(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
     let methods = service
         .methods
         .iter()
-        .map(|m| client_method(service, m, &rt));
+        .map(|m| client_method(service, m, &rt, options));
     let unary: Vec<&MethodDef> = service
         .methods
         .iter()
         .filter(|m| m.kind() == CallKind::Unary)
         .collect();
-    let blocking_methods = unary.iter().map(|m| blocking_method(service, m, &rt));
-    let pipeline_methods = unary.iter().map(|m| pipeline_method(service, m, &rt));
+    let blocking_methods = unary
+        .iter()
+        .map(|m| blocking_method(service, m, &rt, options));
+    let pipeline_methods = unary
+        .iter()
+        .map(|m| pipeline_method(service, m, &rt, options));
     let client_plumbing_ = client_plumbing(&client, &rt, "A client");
     let blocking_plumbing = client_plumbing(&blocking, &rt, "A blocking client");
     let pipeline_plumbing = client_plumbing(&pipeline, &rt, "A pipeline client");
@@ -322,6 +339,43 @@ fn method_docs(service: &ServiceDef, m: &MethodDef, verb: &str) -> TokenStream {
     }
 }
 
+/// `where Input: RpcMessage, Output: RpcMessage` when `options.check_messages` (see
+/// [`message_bound`]).
+fn message_bounds(types: &[&syn::Type], rt: &TokenStream, options: &EmitOptions) -> TokenStream {
+    if !options.check_messages {
+        return TokenStream::new();
+    }
+    let preds = types.iter().map(|ty| message_bound(ty, rt));
+    quote! { where #(#preds),* }
+}
+
+/// The predicate `ty: <runtime>::RpcMessage`, every token spanned at `ty`, so that a type that
+/// is not a message is reported at the type (and the identical reports of every function
+/// stating it merge into one).
+pub fn message_bound(ty: &syn::Type, runtime: &TokenStream) -> TokenStream {
+    let span = syn::spanned::Spanned::span(ty);
+    let bound = respan(quote!(: #runtime::RpcMessage), span);
+    let ty = respan(quote!(#ty), span);
+    quote!(#ty #bound)
+}
+
+/// `tokens` with every span set to `span`.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut t| {
+            if let proc_macro2::TokenTree::Group(g) = &t {
+                let mut group = proc_macro2::Group::new(g.delimiter(), respan(g.stream(), span));
+                group.set_span(span);
+                t = proc_macro2::TokenTree::Group(group);
+            } else {
+                t.set_span(span);
+            }
+            t
+        })
+        .collect()
+}
+
 fn deprecated(m: &MethodDef) -> TokenStream {
     if m.deprecated {
         quote! { #[deprecated] }
@@ -339,11 +393,17 @@ fn errors_doc() -> TokenStream {
     }
 }
 
-fn client_method(service: &ServiceDef, m: &MethodDef, rt: &TokenStream) -> TokenStream {
+fn client_method(
+    service: &ServiceDef,
+    m: &MethodDef,
+    rt: &TokenStream,
+    options: &EmitOptions,
+) -> TokenStream {
     let name = ident(&m.name);
     let docs = method_docs(service, m, "Calls");
     let input = rebase(&m.input_type);
     let output = rebase(&m.output_type);
+    let bounds = message_bounds(&[&input, &output], rt, options);
     let desc = method_desc(service, m, rt);
     let deprecated = deprecated(m);
     let errors_doc = errors_doc();
@@ -387,17 +447,25 @@ fn client_method(service: &ServiceDef, m: &MethodDef, rt: &TokenStream) -> Token
         pub async fn #name(
             &self,
             request: #request,
-        ) -> ::core::result::Result<#response, #rt::Status> {
+        ) -> ::core::result::Result<#response, #rt::Status>
+        #bounds
+        {
             const METHOD: #rt::MethodDesc = #desc;
             self.inner.#run(&METHOD, #into(request)).await
         }
     }
 }
 
-fn blocking_method(service: &ServiceDef, m: &MethodDef, rt: &TokenStream) -> TokenStream {
+fn blocking_method(
+    service: &ServiceDef,
+    m: &MethodDef,
+    rt: &TokenStream,
+    options: &EmitOptions,
+) -> TokenStream {
     let name = ident(&m.name);
     let input = rebase(&m.input_type);
     let output = rebase(&m.output_type);
+    let bounds = message_bounds(&[&input, &output], rt, options);
     let desc = method_desc(service, m, rt);
     let deprecated = deprecated(m);
     let errors_doc = errors_doc();
@@ -413,17 +481,25 @@ fn blocking_method(service: &ServiceDef, m: &MethodDef, rt: &TokenStream) -> Tok
         pub fn #name(
             &self,
             request: impl #rt::IntoRequest<#input>,
-        ) -> ::core::result::Result<#rt::Response<#output>, #rt::Status> {
+        ) -> ::core::result::Result<#rt::Response<#output>, #rt::Status>
+        #bounds
+        {
             const METHOD: #rt::MethodDesc = #desc;
             self.inner.unary_blocking(&METHOD, <_ as #rt::IntoRequest<#input>>::into_request(request))
         }
     }
 }
 
-fn pipeline_method(service: &ServiceDef, m: &MethodDef, rt: &TokenStream) -> TokenStream {
+fn pipeline_method(
+    service: &ServiceDef,
+    m: &MethodDef,
+    rt: &TokenStream,
+    options: &EmitOptions,
+) -> TokenStream {
     let name = ident(&m.name);
     let input = rebase(&m.input_type);
     let output = rebase(&m.output_type);
+    let bounds = message_bounds(&[&input, &output], rt, options);
     let desc = method_desc(service, m, rt);
     let deprecated = deprecated(m);
     let doc = format!(
@@ -440,7 +516,9 @@ fn pipeline_method(service: &ServiceDef, m: &MethodDef, rt: &TokenStream) -> Tok
         #deprecated
         pub fn #name(
             &self,
-        ) -> ::core::result::Result<#rt::Pipeline<#input, #output>, #rt::Status> {
+        ) -> ::core::result::Result<#rt::Pipeline<#input, #output>, #rt::Status>
+        #bounds
+        {
             const METHOD: #rt::MethodDesc = #desc;
             self.inner.pipeline(&METHOD)
         }
@@ -474,6 +552,12 @@ fn server(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
         .methods
         .iter()
         .map(|m| trait_item(&trait_name, m, method_docs(service, m, "Handles"), &rt));
+    let all_types: Vec<syn::Type> = service
+        .methods
+        .iter()
+        .flat_map(|m| [rebase(&m.input_type), rebase(&m.output_type)])
+        .collect();
+    let service_bounds = message_bounds(&all_types.iter().collect::<Vec<_>>(), &rt, options);
     let arms = service
         .methods
         .iter()
@@ -529,7 +613,7 @@ fn server(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
                 }
             }
 
-            impl<#t: #trait_name> #rt::Service for #server<#t> {
+            impl<#t: #trait_name> #rt::Service for #server<#t> #service_bounds {
                 fn name(&self) -> &'static str {
                     #full_name
                 }

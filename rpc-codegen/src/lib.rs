@@ -107,7 +107,7 @@ mod proto;
 #[cfg(feature = "tonic")]
 mod tonic;
 
-pub use emit::{EmitOptions, generate, pretty};
+pub use emit::{EmitOptions, generate, message_bound, pretty, rebase};
 #[cfg(feature = "proto")]
 pub use error::{Error, Location, Problem};
 pub use ir::{

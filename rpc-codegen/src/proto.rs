@@ -665,7 +665,11 @@ mod tests {
     #[test]
     fn every_file_read_is_reported_for_rerun_if_changed() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto");
-        let (_, read) = load(&[root.join("test/everything.proto")], &[root.clone()]).unwrap();
+        let (_, read) = load(
+            &[root.join("test/everything.proto")],
+            std::slice::from_ref(&root),
+        )
+        .unwrap();
         let names: Vec<String> = read
             .iter()
             .map(|p| p.strip_prefix(&root).unwrap().display().to_string())

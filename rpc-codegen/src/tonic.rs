@@ -80,7 +80,7 @@ impl TonicPart {
         Ok(quote! {
             #[doc = #doc]
             #vis mod #module {
-                #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+                #![allow(unused_variables, unused_imports, dead_code, missing_docs, non_camel_case_types, non_snake_case, clippy::all)]
                 #![allow(rustdoc::bare_urls, rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
                 #tonic
                 #adapter

@@ -13,6 +13,8 @@ pub mod bare_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
@@ -186,6 +188,8 @@ pub mod bare_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/Bare/Poke`.

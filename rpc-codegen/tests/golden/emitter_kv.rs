@@ -7,6 +7,8 @@ pub(crate) mod kv_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// A store.
@@ -213,6 +215,8 @@ pub(crate) mod kv_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/store.v1.Kv/Get`.

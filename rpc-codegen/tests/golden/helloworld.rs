@@ -22,6 +22,8 @@ pub mod greeter_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// Says hello.
@@ -196,6 +198,8 @@ pub mod greeter_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/helloworld.Greeter/SayHello`.

@@ -22,6 +22,8 @@ pub mod greeter_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// Says hello.
@@ -196,6 +198,8 @@ pub mod greeter_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/helloworld.Greeter/SayHello`.
@@ -272,7 +276,15 @@ pub mod greeter_server {
 }
 /// gRPC (tonic) client and server for `helloworld.Greeter`, and an adapter serving an rdma-rpc implementation over gRPC.
 pub mod greeter_tonic {
-    #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+    #![allow(
+        unused_variables,
+        unused_imports,
+        dead_code,
+        missing_docs,
+        non_camel_case_types,
+        non_snake_case,
+        clippy::all
+    )]
     #![allow(
         rustdoc::bare_urls,
         rustdoc::broken_intra_doc_links,

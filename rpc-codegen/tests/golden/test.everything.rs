@@ -20,6 +20,8 @@ pub mod route_guide_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// Route guide, in the shape of gRPC's example (see <https://grpc.io/docs/> for \[the original\]).
@@ -304,6 +306,8 @@ pub mod route_guide_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/test.everything.RouteGuide/GetFeature`.
@@ -483,6 +487,8 @@ pub mod clock_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// Well-known types as requests and responses.
@@ -786,6 +792,8 @@ pub mod clock_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/test.everything.Clock/Now`.
@@ -915,6 +923,8 @@ pub mod keywords_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// Methods whose names are Rust keywords.
@@ -1289,6 +1299,8 @@ pub mod keywords_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/test.everything.Keywords/type`.
@@ -1470,6 +1482,8 @@ pub mod nothing_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// A service without methods.
@@ -1573,6 +1587,8 @@ pub mod nothing_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// A service without methods.

@@ -23,6 +23,8 @@ pub mod deep_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// Lives in `test.nested.deep`, speaks `test.common` messages.
@@ -204,6 +206,8 @@ pub mod deep_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/test.nested.deep.Deep/Locate`.

@@ -31,6 +31,8 @@ pub mod kv_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// A key-value store.
@@ -68,7 +70,11 @@ pub mod kv_client {
         ) -> ::core::result::Result<
             ::rpc_core::codegen::Response<super::GetReply>,
             ::rpc_core::codegen::Status,
-        > {
+        >
+        where
+            super::GetRequest: ::rpc_core::codegen::RpcMessage,
+            super::GetReply: ::rpc_core::codegen::RpcMessage,
+        {
             const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/kv.Kv/Get",
                 ::rpc_core::codegen::CallKind::Unary,
@@ -99,7 +105,11 @@ pub mod kv_client {
         ) -> ::core::result::Result<
             ::rpc_core::codegen::Response<()>,
             ::rpc_core::codegen::Status,
-        > {
+        >
+        where
+            super::PutRequest: ::rpc_core::codegen::RpcMessage,
+            (): ::rpc_core::codegen::RpcMessage,
+        {
             const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/kv.Kv/PutMany",
                 ::rpc_core::codegen::CallKind::ClientStreaming,
@@ -128,7 +138,11 @@ pub mod kv_client {
         ) -> ::core::result::Result<
             ::rpc_core::codegen::Response<::rpc_core::codegen::Streaming<super::Change>>,
             ::rpc_core::codegen::Status,
-        > {
+        >
+        where
+            super::GetRequest: ::rpc_core::codegen::RpcMessage,
+            super::Change: ::rpc_core::codegen::RpcMessage,
+        {
             const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/kv.Kv/Watch",
                 ::rpc_core::codegen::CallKind::ServerStreaming,
@@ -176,7 +190,11 @@ pub mod kv_client {
         ) -> ::core::result::Result<
             ::rpc_core::codegen::Response<super::GetReply>,
             ::rpc_core::codegen::Status,
-        > {
+        >
+        where
+            super::GetRequest: ::rpc_core::codegen::RpcMessage,
+            super::GetReply: ::rpc_core::codegen::RpcMessage,
+        {
             const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/kv.Kv/Get",
                 ::rpc_core::codegen::CallKind::Unary,
@@ -226,7 +244,11 @@ pub mod kv_client {
         ) -> ::core::result::Result<
             ::rpc_core::codegen::Pipeline<super::GetRequest, super::GetReply>,
             ::rpc_core::codegen::Status,
-        > {
+        >
+        where
+            super::GetRequest: ::rpc_core::codegen::RpcMessage,
+            super::GetReply: ::rpc_core::codegen::RpcMessage,
+        {
             const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/kv.Kv/Get",
                 ::rpc_core::codegen::CallKind::Unary,
@@ -265,6 +287,8 @@ pub mod kv_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
     /// `/kv.Kv/Get`.
@@ -357,7 +381,15 @@ pub mod kv_server {
             f.debug_struct(::core::stringify!(KvServer)).finish_non_exhaustive()
         }
     }
-    impl<T: Kv> ::rpc_core::codegen::Service for KvServer<T> {
+    impl<T: Kv> ::rpc_core::codegen::Service for KvServer<T>
+    where
+        super::GetRequest: ::rpc_core::codegen::RpcMessage,
+        super::GetReply: ::rpc_core::codegen::RpcMessage,
+        super::PutRequest: ::rpc_core::codegen::RpcMessage,
+        (): ::rpc_core::codegen::RpcMessage,
+        super::GetRequest: ::rpc_core::codegen::RpcMessage,
+        super::Change: ::rpc_core::codegen::RpcMessage,
+    {
         fn name(&self) -> &'static str {
             "kv.Kv"
         }
@@ -392,59 +424,71 @@ pub mod kv_server {
             }
         }
     }
-}
-/// Every [`Kv`] serves as [`kv_server::Kv`]: requests and replies are unwrapped and wrapped.
-impl<T: Kv> kv_server::Kv for T {
-    fn get(
-        &self,
-        request: ::rpc_core::codegen::Request<GetRequest>,
-    ) -> impl ::core::future::Future<
-        Output = ::core::result::Result<
-            ::rpc_core::codegen::Response<GetReply>,
-            ::rpc_core::codegen::Status,
-        >,
-    > + ::core::marker::Send {
-        let reply = <T as Kv>::get(
-            self,
-            ::rpc_core::codegen::Request::into_inner(request),
-        );
-        async move {
-            ::core::result::Result::map(reply.await, ::rpc_core::codegen::Response::new)
+    /// Every [`Kv`](super::Kv) serves as [`Kv`]: requests and replies are unwrapped and wrapped.
+    #[allow(deprecated)]
+    impl<T: super::Kv> Kv for T {
+        fn get(
+            &self,
+            request: ::rpc_core::codegen::Request<super::GetRequest>,
+        ) -> impl ::core::future::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<super::GetReply>,
+                ::rpc_core::codegen::Status,
+            >,
+        > + ::core::marker::Send {
+            let reply = <T as super::Kv>::get(
+                self,
+                ::rpc_core::codegen::Request::into_inner(request),
+            );
+            async move {
+                ::core::result::Result::map(
+                    reply.await,
+                    ::rpc_core::codegen::Response::new,
+                )
+            }
         }
-    }
-    fn put_many(
-        &self,
-        request: ::rpc_core::codegen::Request<::rpc_core::codegen::Streaming<PutRequest>>,
-    ) -> impl ::core::future::Future<
-        Output = ::core::result::Result<
-            ::rpc_core::codegen::Response<()>,
-            ::rpc_core::codegen::Status,
-        >,
-    > + ::core::marker::Send {
-        let reply = <T as Kv>::put_many(
-            self,
-            ::rpc_core::codegen::Request::into_inner(request),
-        );
-        async move {
-            ::core::result::Result::map(reply.await, ::rpc_core::codegen::Response::new)
+        fn put_many(
+            &self,
+            request: ::rpc_core::codegen::Request<
+                ::rpc_core::codegen::Streaming<super::PutRequest>,
+            >,
+        ) -> impl ::core::future::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<()>,
+                ::rpc_core::codegen::Status,
+            >,
+        > + ::core::marker::Send {
+            let reply = <T as super::Kv>::put_many(
+                self,
+                ::rpc_core::codegen::Request::into_inner(request),
+            );
+            async move {
+                ::core::result::Result::map(
+                    reply.await,
+                    ::rpc_core::codegen::Response::new,
+                )
+            }
         }
-    }
-    type WatchStream = <T as Kv>::Changes;
-    fn watch(
-        &self,
-        request: ::rpc_core::codegen::Request<GetRequest>,
-    ) -> impl ::core::future::Future<
-        Output = ::core::result::Result<
-            ::rpc_core::codegen::Response<Self::WatchStream>,
-            ::rpc_core::codegen::Status,
-        >,
-    > + ::core::marker::Send {
-        let reply = <T as Kv>::watch(
-            self,
-            ::rpc_core::codegen::Request::into_inner(request),
-        );
-        async move {
-            ::core::result::Result::map(reply.await, ::rpc_core::codegen::Response::new)
+        type WatchStream = <T as super::Kv>::Changes;
+        fn watch(
+            &self,
+            request: ::rpc_core::codegen::Request<super::GetRequest>,
+        ) -> impl ::core::future::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<Self::WatchStream>,
+                ::rpc_core::codegen::Status,
+            >,
+        > + ::core::marker::Send {
+            let reply = <T as super::Kv>::watch(
+                self,
+                ::rpc_core::codegen::Request::into_inner(request),
+            );
+            async move {
+                ::core::result::Result::map(
+                    reply.await,
+                    ::rpc_core::codegen::Response::new,
+                )
+            }
         }
     }
 }
