@@ -184,16 +184,40 @@ fn runtime(options: &EmitOptions) -> TokenStream {
     quote!(#krate::codegen)
 }
 
-/// `impl From<Channel> for #ty`, `impl AsRef<Channel> for #ty` and `new`: the constructors every
-/// client type shares.
-fn client_plumbing(ty: &Ident, rt: &TokenStream, what: &str) -> TokenStream {
+/// One client type over a channel: the struct, its `methods`, `new`, `From<Channel>`,
+/// `AsRef<Channel>` and, for the blocking and pipeline clients, `From<#client>`.
+fn client_struct(
+    ty: &Ident,
+    docs: TokenStream,
+    methods: TokenStream,
+    rt: &TokenStream,
+    what: &str,
+    from_client: Option<&Ident>,
+) -> TokenStream {
     let new_doc = format!(" {what} over `inner` (channels are cheap to clone and share).");
+    let from_client = from_client.map(|client| {
+        quote! {
+            impl ::core::convert::From<#client> for #ty {
+                fn from(client: #client) -> Self {
+                    Self { inner: client.inner }
+                }
+            }
+        }
+    });
     quote! {
+        #docs
+        #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+        pub struct #ty {
+            inner: #rt::Channel,
+        }
+
         impl #ty {
             #[doc = #new_doc]
             pub fn new(inner: #rt::Channel) -> Self {
                 Self { inner }
             }
+
+            #methods
         }
 
         impl ::core::convert::From<#rt::Channel> for #ty {
@@ -207,6 +231,8 @@ fn client_plumbing(ty: &Ident, rt: &TokenStream, what: &str) -> TokenStream {
                 &self.inner
             }
         }
+
+        #from_client
     }
 }
 
@@ -234,13 +260,10 @@ fn client(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
         .collect();
     let blocking_methods = unary
         .iter()
-        .map(|m| blocking_method(service, m, &rt, options));
+        .map(|m| variant_method(service, m, &rt, options, true));
     let pipeline_methods = unary
         .iter()
-        .map(|m| pipeline_method(service, m, &rt, options));
-    let client_plumbing_ = client_plumbing(&client, &rt, "A client");
-    let blocking_plumbing = client_plumbing(&blocking, &rt, "A blocking client");
-    let pipeline_plumbing = client_plumbing(&pipeline, &rt, "A pipeline client");
+        .map(|m| variant_method(service, m, &rt, options, false));
     let blocking_doc = format!(
         " Blocking calls of `{full_name}` for the lowest latency: the calling thread polls the \
          completion queue itself. The unary methods of [`{client}`], under the same names; \
@@ -252,74 +275,50 @@ fn client(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
          without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build \
          it with `From` from a [`{client}`] or a channel."
     );
+    let async_methods = quote! {
+        #[doc = #connect_doc]
+        ///
+        /// # Errors
+        /// When the address does not resolve, the connection fails or the handshake is
+        /// refused.
+        ///
+        /// # Cancel safety
+        /// Dropping the future abandons the attempt and frees what it set up.
+        pub async fn connect(
+            addr: impl ::core::convert::AsRef<str>,
+        ) -> ::core::result::Result<Self, #rt::TransportError> {
+            let inner = #rt::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
+        }
+
+        #(#methods)*
+    };
+    let async_client = client_struct(&client, service_docs, async_methods, &rt, "A client", None);
+    let blocking_client = client_struct(
+        &blocking,
+        quote!(#[doc = #blocking_doc]),
+        quote!(#(#blocking_methods)*),
+        &rt,
+        "A blocking client",
+        Some(&client),
+    );
+    let pipeline_client = client_struct(
+        &pipeline,
+        quote!(#[doc = #pipeline_doc]),
+        quote!(#(#pipeline_methods)*),
+        &rt,
+        "A pipeline client",
+        Some(&client),
+    );
 
     quote! {
         /// Generated client implementations.
         #vis mod #module {
             #allow
 
-            #service_docs
-            #[derive(::core::fmt::Debug, ::core::clone::Clone)]
-            pub struct #client {
-                inner: #rt::Channel,
-            }
-
-            impl #client {
-                #[doc = #connect_doc]
-                ///
-                /// # Errors
-                /// When the address does not resolve, the connection fails or the handshake is
-                /// refused.
-                ///
-                /// # Cancel safety
-                /// Dropping the future abandons the attempt and frees what it set up.
-                pub async fn connect(
-                    addr: impl ::core::convert::AsRef<str>,
-                ) -> ::core::result::Result<Self, #rt::TransportError> {
-                    let inner = #rt::Channel::connect(addr).await?;
-                    ::core::result::Result::Ok(Self { inner })
-                }
-
-                #(#methods)*
-            }
-
-            #client_plumbing_
-
-            #[doc = #blocking_doc]
-            #[derive(::core::fmt::Debug, ::core::clone::Clone)]
-            pub struct #blocking {
-                inner: #rt::Channel,
-            }
-
-            impl #blocking {
-                #(#blocking_methods)*
-            }
-
-            #blocking_plumbing
-
-            impl ::core::convert::From<#client> for #blocking {
-                fn from(client: #client) -> Self {
-                    Self { inner: client.inner }
-                }
-            }
-
-            #[doc = #pipeline_doc]
-            #[derive(::core::fmt::Debug, ::core::clone::Clone)]
-            pub struct #pipeline {
-                inner: #rt::Channel,
-            }
-
-            impl #pipeline {
-                #(#pipeline_methods)*
-            }
-
-            #pipeline_plumbing
-
-            impl ::core::convert::From<#client> for #pipeline {
-                fn from(client: #client) -> Self {
-                    Self { inner: client.inner }
-                }
-            }
+            #async_client
+            #blocking_client
+            #pipeline_client
         }
     }
 }
@@ -456,11 +455,13 @@ fn client_method(
     }
 }
 
-fn blocking_method(
+/// A unary method's entry point on the blocking client (`blocking`) or the pipeline client.
+fn variant_method(
     service: &ServiceDef,
     m: &MethodDef,
     rt: &TokenStream,
     options: &EmitOptions,
+    blocking: bool,
 ) -> TokenStream {
     let name = ident(&m.name);
     let input = rebase(&m.input_type);
@@ -468,59 +469,45 @@ fn blocking_method(
     let bounds = message_bounds(&[&input, &output], rt, options);
     let desc = method_desc(service, m, rt);
     let deprecated = deprecated(m);
-    let errors_doc = errors_doc();
-    let doc = format!(
-        " Blocking variant of [`{}::{}`]: the calling thread polls the completion queue itself.",
-        service.client_type(),
-        m.plain_name()
-    );
+    let target = format!("{}::{}", service.client_type(), m.plain_name());
+    let (doc, errors_doc, params, returns, call) = if blocking {
+        (
+            format!(
+                " Blocking variant of [`{target}`]: the calling thread polls the completion queue itself."
+            ),
+            errors_doc(),
+            quote!(request: impl #rt::IntoRequest<#input>),
+            quote!(#rt::Response<#output>),
+            quote!(unary_blocking(&METHOD, <_ as #rt::IntoRequest<#input>>::into_request(request))),
+        )
+    } else {
+        (
+            format!(
+                " A pipeline of [`{target}`]: many calls in flight from one thread without async \
+                 tasks (see `Channel::pipeline`)."
+            ),
+            quote! {
+                ///
+                /// # Errors
+                /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+            },
+            TokenStream::new(),
+            quote!(#rt::Pipeline<#input, #output>),
+            quote!(pipeline(&METHOD)),
+        )
+    };
     quote! {
         #[doc = #doc]
         #errors_doc
         #deprecated
         pub fn #name(
             &self,
-            request: impl #rt::IntoRequest<#input>,
-        ) -> ::core::result::Result<#rt::Response<#output>, #rt::Status>
+            #params
+        ) -> ::core::result::Result<#returns, #rt::Status>
         #bounds
         {
             const METHOD: #rt::MethodDesc = #desc;
-            self.inner.unary_blocking(&METHOD, <_ as #rt::IntoRequest<#input>>::into_request(request))
-        }
-    }
-}
-
-fn pipeline_method(
-    service: &ServiceDef,
-    m: &MethodDef,
-    rt: &TokenStream,
-    options: &EmitOptions,
-) -> TokenStream {
-    let name = ident(&m.name);
-    let input = rebase(&m.input_type);
-    let output = rebase(&m.output_type);
-    let bounds = message_bounds(&[&input, &output], rt, options);
-    let desc = method_desc(service, m, rt);
-    let deprecated = deprecated(m);
-    let doc = format!(
-        " A pipeline of [`{}::{}`]: many calls in flight from one thread without async tasks \
-         (see `Channel::pipeline`).",
-        service.client_type(),
-        m.plain_name()
-    );
-    quote! {
-        #[doc = #doc]
-        ///
-        /// # Errors
-        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        #deprecated
-        pub fn #name(
-            &self,
-        ) -> ::core::result::Result<#rt::Pipeline<#input, #output>, #rt::Status>
-        #bounds
-        {
-            const METHOD: #rt::MethodDesc = #desc;
-            self.inner.pipeline(&METHOD)
+            self.inner.#call
         }
     }
 }

@@ -217,15 +217,30 @@ async fn the_generated_trait_can_be_implemented_directly() {
 mod runtime_names {
     use super::GetRequest as Msg;
 
+    // Default bodies: every method echoes its request.
     #[rpc_derive::service(package = "names")]
     pub trait Status {
-        async fn run(&self, request: Msg) -> Result<Msg, rpc_core::Status>;
-        async fn run_pipeline(&self, request: Msg) -> Result<Msg, rpc_core::Status>;
-        async fn read(&self, request: Msg) -> Result<Msg, rpc_core::Status>;
-        async fn read_blocking(&self, request: Msg) -> Result<Msg, rpc_core::Status>;
-        async fn channel(&self, request: Msg) -> Result<Msg, rpc_core::Status>;
-        async fn methods(&self, request: Msg) -> Result<Msg, rpc_core::Status>;
-        async fn pipeline(&self, request: Msg) -> Result<Msg, rpc_core::Status>;
+        async fn run(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn run_pipeline(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn read(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn read_blocking(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn channel(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn methods(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn pipeline(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
     }
 }
 
@@ -249,29 +264,7 @@ async fn runtime_named_calls(
 #[test]
 fn runtime_named_services_and_methods_are_served() {
     struct Impl;
-    impl runtime_names::Status for Impl {
-        async fn run(&self, r: GetRequest) -> Result<GetRequest, Status> {
-            Ok(r)
-        }
-        async fn run_pipeline(&self, r: GetRequest) -> Result<GetRequest, Status> {
-            Ok(r)
-        }
-        async fn read(&self, r: GetRequest) -> Result<GetRequest, Status> {
-            Ok(r)
-        }
-        async fn read_blocking(&self, r: GetRequest) -> Result<GetRequest, Status> {
-            Ok(r)
-        }
-        async fn channel(&self, r: GetRequest) -> Result<GetRequest, Status> {
-            Ok(r)
-        }
-        async fn methods(&self, r: GetRequest) -> Result<GetRequest, Status> {
-            Ok(r)
-        }
-        async fn pipeline(&self, r: GetRequest) -> Result<GetRequest, Status> {
-            Ok(r)
-        }
-    }
+    impl runtime_names::Status for Impl {}
     let server = runtime_names::status_server::StatusServer::new(Impl);
     assert_eq!(server.name(), "names.Status");
     assert_eq!(server.methods().len(), 7);

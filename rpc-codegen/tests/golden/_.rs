@@ -22,6 +22,10 @@ pub mod bare_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl BareClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `Bare`.
         ///
         /// # Errors
@@ -66,12 +70,6 @@ pub mod bare_client {
                 .await
         }
     }
-    impl BareClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for BareClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -88,6 +86,10 @@ pub mod bare_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl BareBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`BareClient::poke`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -113,12 +115,6 @@ pub mod bare_client {
                 )
         }
     }
-    impl BareBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for BareBlockingClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -140,6 +136,10 @@ pub mod bare_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl BarePipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`BareClient::poke`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -155,12 +155,6 @@ pub mod bare_client {
                 ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl BarePipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for BarePipelineClient {

@@ -17,6 +17,10 @@ pub(crate) mod kv_client {
         inner: crate::rt::codegen::Channel,
     }
     impl KvClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `store.v1.Kv`.
         ///
         /// # Errors
@@ -93,12 +97,6 @@ pub(crate) mod kv_client {
                 .await
         }
     }
-    impl KvClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<crate::rt::codegen::Channel> for KvClient {
         fn from(inner: crate::rt::codegen::Channel) -> Self {
             Self { inner }
@@ -115,6 +113,10 @@ pub(crate) mod kv_client {
         inner: crate::rt::codegen::Channel,
     }
     impl KvBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`KvClient::get`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -140,12 +142,6 @@ pub(crate) mod kv_client {
                 )
         }
     }
-    impl KvBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<crate::rt::codegen::Channel> for KvBlockingClient {
         fn from(inner: crate::rt::codegen::Channel) -> Self {
             Self { inner }
@@ -167,6 +163,10 @@ pub(crate) mod kv_client {
         inner: crate::rt::codegen::Channel,
     }
     impl KvPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`KvClient::get`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -182,12 +182,6 @@ pub(crate) mod kv_client {
                 crate::rt::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl KvPipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<crate::rt::codegen::Channel> for KvPipelineClient {

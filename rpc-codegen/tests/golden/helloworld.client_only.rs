@@ -32,6 +32,10 @@ pub mod greeter_client {
         inner: ::my_reexport::rpc_core::codegen::Channel,
     }
     impl GreeterClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `helloworld.Greeter`.
         ///
         /// # Errors
@@ -81,12 +85,6 @@ pub mod greeter_client {
                 .await
         }
     }
-    impl GreeterClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::my_reexport::rpc_core::codegen::Channel>
     for GreeterClient {
         fn from(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
@@ -105,6 +103,10 @@ pub mod greeter_client {
         inner: ::my_reexport::rpc_core::codegen::Channel,
     }
     impl GreeterBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`GreeterClient::say_hello`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -132,12 +134,6 @@ pub mod greeter_client {
                 )
         }
     }
-    impl GreeterBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::my_reexport::rpc_core::codegen::Channel>
     for GreeterBlockingClient {
         fn from(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
@@ -161,6 +157,10 @@ pub mod greeter_client {
         inner: ::my_reexport::rpc_core::codegen::Channel,
     }
     impl GreeterPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`GreeterClient::say_hello`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -179,12 +179,6 @@ pub mod greeter_client {
                 ::my_reexport::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl GreeterPipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::my_reexport::rpc_core::codegen::Channel>

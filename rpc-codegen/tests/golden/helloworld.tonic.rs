@@ -32,6 +32,10 @@ pub mod greeter_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl GreeterClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `helloworld.Greeter`.
         ///
         /// # Errors
@@ -76,12 +80,6 @@ pub mod greeter_client {
                 .await
         }
     }
-    impl GreeterClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for GreeterClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -98,6 +96,10 @@ pub mod greeter_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl GreeterBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`GreeterClient::say_hello`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -123,12 +125,6 @@ pub mod greeter_client {
                 )
         }
     }
-    impl GreeterBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for GreeterBlockingClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -150,6 +146,10 @@ pub mod greeter_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl GreeterPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`GreeterClient::say_hello`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -165,12 +165,6 @@ pub mod greeter_client {
                 ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl GreeterPipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for GreeterPipelineClient {

@@ -36,6 +36,10 @@ pub mod route_guide_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl RouteGuideClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.RouteGuide`.
         ///
         /// # Errors
@@ -177,12 +181,6 @@ pub mod route_guide_client {
                 .await
         }
     }
-    impl RouteGuideClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for RouteGuideClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -199,6 +197,10 @@ pub mod route_guide_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl RouteGuideBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`RouteGuideClient::get_feature`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -224,12 +226,6 @@ pub mod route_guide_client {
                 )
         }
     }
-    impl RouteGuideBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel>
     for RouteGuideBlockingClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
@@ -253,6 +249,10 @@ pub mod route_guide_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl RouteGuidePipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`RouteGuideClient::get_feature`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -271,12 +271,6 @@ pub mod route_guide_client {
                 ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl RouteGuidePipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel>
@@ -497,6 +491,10 @@ pub mod clock_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl ClockClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Clock`.
         ///
         /// # Errors
@@ -594,12 +592,6 @@ pub mod clock_client {
                 .await
         }
     }
-    impl ClockClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for ClockClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -616,6 +608,10 @@ pub mod clock_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl ClockBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`ClockClient::now`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -684,12 +680,6 @@ pub mod clock_client {
                 )
         }
     }
-    impl ClockBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for ClockBlockingClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -711,6 +701,10 @@ pub mod clock_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl ClockPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`ClockClient::now`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -759,12 +753,6 @@ pub mod clock_client {
                 ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl ClockPipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for ClockPipelineClient {
@@ -933,6 +921,10 @@ pub mod keywords_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl KeywordsClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Keywords`.
         ///
         /// # Errors
@@ -1095,12 +1087,6 @@ pub mod keywords_client {
                 .await
         }
     }
-    impl KeywordsClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for KeywordsClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -1117,6 +1103,10 @@ pub mod keywords_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl KeywordsBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`KeywordsClient::type`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -1190,12 +1180,6 @@ pub mod keywords_client {
                 )
         }
     }
-    impl KeywordsBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for KeywordsBlockingClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -1218,6 +1202,10 @@ pub mod keywords_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl KeywordsPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`KeywordsClient::type`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -1265,12 +1253,6 @@ pub mod keywords_client {
                 ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl KeywordsPipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for KeywordsPipelineClient {
@@ -1492,6 +1474,10 @@ pub mod nothing_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl NothingClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Nothing`.
         ///
         /// # Errors
@@ -1505,12 +1491,6 @@ pub mod nothing_client {
         ) -> ::core::result::Result<Self, ::rpc_core::codegen::TransportError> {
             let inner = ::rpc_core::codegen::Channel::connect(addr).await?;
             ::core::result::Result::Ok(Self { inner })
-        }
-    }
-    impl NothingClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for NothingClient {
@@ -1528,7 +1508,6 @@ pub mod nothing_client {
     pub struct NothingBlockingClient {
         inner: ::rpc_core::codegen::Channel,
     }
-    impl NothingBlockingClient {}
     impl NothingBlockingClient {
         /// A blocking client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
@@ -1555,7 +1534,6 @@ pub mod nothing_client {
     pub struct NothingPipelineClient {
         inner: ::rpc_core::codegen::Channel,
     }
-    impl NothingPipelineClient {}
     impl NothingPipelineClient {
         /// A pipeline client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {

@@ -33,6 +33,10 @@ pub mod deep_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl DeepClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.nested.deep.Deep`.
         ///
         /// # Errors
@@ -79,12 +83,6 @@ pub mod deep_client {
                 .await
         }
     }
-    impl DeepClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for DeepClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -101,6 +99,10 @@ pub mod deep_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl DeepBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`DeepClient::locate`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -128,12 +130,6 @@ pub mod deep_client {
                 )
         }
     }
-    impl DeepBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for DeepBlockingClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -155,6 +151,10 @@ pub mod deep_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl DeepPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`DeepClient::locate`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -173,12 +173,6 @@ pub mod deep_client {
                 ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl DeepPipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for DeepPipelineClient {

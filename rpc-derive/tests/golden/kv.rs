@@ -41,6 +41,10 @@ pub mod kv_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl KvClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `kv.Kv`.
         ///
         /// # Errors
@@ -157,12 +161,6 @@ pub mod kv_client {
                 .await
         }
     }
-    impl KvClient {
-        /// A client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for KvClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -179,6 +177,10 @@ pub mod kv_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl KvBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Blocking variant of [`KvClient::get`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -208,12 +210,6 @@ pub mod kv_client {
                 )
         }
     }
-    impl KvBlockingClient {
-        /// A blocking client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
-        }
-    }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for KvBlockingClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
@@ -235,6 +231,10 @@ pub mod kv_client {
         inner: ::rpc_core::codegen::Channel,
     }
     impl KvPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// A pipeline of [`KvClient::get`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
@@ -254,12 +254,6 @@ pub mod kv_client {
                 ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
-        }
-    }
-    impl KvPipelineClient {
-        /// A pipeline client over `inner` (channels are cheap to clone and share).
-        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
-            Self { inner }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for KvPipelineClient {
