@@ -1,6 +1,6 @@
 //! System (a): rdma-rpc, through the client generated from `bench.proto`.
 //!
-//! One outstanding call: blocking calls (`echo_blocking`) on a channel whose calling thread
+//! One outstanding call: blocking calls (`BenchBlockingClient::echo`) on a channel whose calling thread
 //! polls the completion queue itself (`PollerMode::Caller`): the lowest-latency path. Many
 //! outstanding, by default: one [`rpc_core::Pipeline`] keeping `k` calls in flight from the
 //! calling (only) thread, which also drives the connection (no tasks, no wakers); with
@@ -29,7 +29,9 @@ use rpc_core::{Channel, PollerMode, RegisteredBytes, Request};
 
 use crate::client::{self, BenchClient, MAX_OUTSTANDING, Probe, StopRule};
 use crate::measure::{self, LatencyRun, Plan, RateRun};
-use crate::proto::bench_client::BenchClient as Generated;
+use crate::proto::bench_client::{
+    BenchBlockingClient, BenchClient as Generated, BenchPipelineClient,
+};
 use crate::proto::{EchoReply, EchoRequest, StreamRequest};
 use crate::stream::{Outbox, Replies, StreamClient, StreamSystem};
 
@@ -52,6 +54,9 @@ struct RpcClient {
     deadline: Option<Duration>,
     rt: tokio::runtime::Runtime,
     client: Generated,
+    /// The same channel's blocking calls and pipelines.
+    blocking: BenchBlockingClient,
+    pipelines: BenchPipelineClient,
     /// For `AsyncMode::Poller`: its own runtime and channel.
     poller: Option<(tokio::runtime::Runtime, Generated)>,
     /// Registered payloads by size and channel (`true`: the poller's).
@@ -98,6 +103,8 @@ pub fn connect(
         mode,
         deadline,
         rt,
+        blocking: BenchBlockingClient::from(client.clone()),
+        pipelines: BenchPipelineClient::from(client.clone()),
         client,
         poller,
         regions: HashMap::new(),
@@ -161,8 +168,8 @@ impl RpcClient {
             });
         }
         let (rt, ch) = match (&self.poller, poller) {
-            (Some((rt, c)), true) => (rt, c.channel()),
-            _ => (&self.rt, self.client.channel()),
+            (Some((rt, c)), true) => (rt, c.as_ref()),
+            _ => (&self.rt, self.client.as_ref()),
         };
         let region = match self.regions.entry((size, poller)) {
             std::collections::hash_map::Entry::Occupied(e) => e.get().clone(),
@@ -183,8 +190,8 @@ impl RpcClient {
     fn blocking_call(&self, payload: &Payload) -> Result<()> {
         let size = payload.bytes.len();
         let r = self
-            .client
-            .echo_blocking(request(payload, self.deadline))
+            .blocking
+            .echo(request(payload, self.deadline))
             .map_err(|s| anyhow::anyhow!("rdma-rpc: echo of {size} bytes: {s}"))?;
         check(size, r.get_ref().payload.len())
     }
@@ -216,8 +223,8 @@ impl RpcClient {
     /// then finish uncounted.
     fn pipelined(&self, k: usize, payload: &Payload, stop: &StopRule) -> Result<(u64, Duration)> {
         let mut p = self
-            .client
-            .echo_pipeline()
+            .pipelines
+            .echo()
             .map_err(|s| anyhow::anyhow!("rdma-rpc: pipeline: {s}"))?;
         let size = payload.bytes.len();
         let start = Instant::now();

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use heck::{ToShoutySnakeCase, ToSnakeCase, ToUpperCamelCase};
+use heck::{ToShoutySnakeCase, ToUpperCamelCase};
 
 /// A service: a named set of methods, served under `/package.Service/Method` paths.
 #[derive(Clone, Debug)]
@@ -74,35 +74,11 @@ impl CallKind {
     }
 }
 
-/// Names the generated modules import from `rpc_core::codegen::*`. A service trait with one of
-/// these names would shadow the import, so it is refused.
-pub const CODEGEN_NAMES: &[&str] = &[
-    "Future",
-    "Arc",
-    "Stream",
-    "Message",
-    "TransportError",
-    "Channel",
-    "Pipeline",
-    "CallKind",
-    "MethodDesc",
-    "method_id",
-    "IntoRequest",
-    "IntoStreamingRequest",
-    "Metadata",
-    "Request",
-    "Response",
-    "Dispatched",
-    "IncomingCall",
-    "Service",
-    "Code",
-    "Status",
-    "Streaming",
-];
-
-/// Method names the generated client already uses for its own methods, or that would clash
-/// with the generated `METHODS` constant.
-pub const RESERVED_METHOD_NAMES: &[&str] = &["new", "connect", "channel", "methods"];
+/// Method names the generated clients use for their own associated functions (the
+/// constructors `new` and `connect`, as tonic's clients do). Everything else the generated code
+/// defines lives in its own namespace: blocking calls and pipelines on their own client types,
+/// the method list as an associated constant of the server type.
+pub const RESERVED_METHOD_NAMES: &[&str] = &["new", "connect"];
 
 /// A problem found in a [`ServiceDef`] before emitting it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -139,14 +115,23 @@ impl ServiceDef {
         format!("/{}/{}", self.full_name(), method.proto_name)
     }
 
-    /// Name of the generated server module (`greeter_server`).
+    /// Name of the generated server module (`greeter_server`), spelt as tonic-build spells it:
+    /// `_` before every upper-case letter but the first, then lower case (`Self_` gives
+    /// `self__server`, `HTTPProxy` gives `h_t_t_p_proxy_server`).
     pub fn server_mod(&self) -> String {
-        format!("{}_server", self.name.to_snake_case())
+        format!("{}_server", tonic_snake_case(&self.name))
     }
 
-    /// Name of the generated client module (`greeter_client`).
+    /// Name of the generated client module (`greeter_client`), spelt like
+    /// [`ServiceDef::server_mod`].
     pub fn client_mod(&self) -> String {
-        format!("{}_client", self.name.to_snake_case())
+        format!("{}_client", tonic_snake_case(&self.name))
+    }
+
+    /// Name of the module `emit_tonic` wraps tonic's code in (`greeter_tonic`), spelt like
+    /// [`ServiceDef::server_mod`].
+    pub fn tonic_mod(&self) -> String {
+        format!("{}_tonic", tonic_snake_case(&self.name))
     }
 
     /// Name of the generated server type (`GreeterServer`).
@@ -154,9 +139,26 @@ impl ServiceDef {
         format!("{}Server", self.name)
     }
 
-    /// Name of the generated client type (`GreeterClient`).
+    /// Name of the generated client type (`GreeterClient`): tonic's async methods.
     pub fn client_type(&self) -> String {
         format!("{}Client", self.name)
+    }
+
+    /// Name of the generated blocking client type (`GreeterBlockingClient`): one blocking
+    /// method per unary method, under the method's own name.
+    pub fn blocking_client_type(&self) -> String {
+        format!("{}BlockingClient", self.name)
+    }
+
+    /// Name of the generated pipeline client type (`GreeterPipelineClient`): one method per
+    /// unary method, under the method's own name, opening a pipeline of that method.
+    pub fn pipeline_client_type(&self) -> String {
+        format!("{}PipelineClient", self.name)
+    }
+
+    /// The name of the server type's type parameter: `T`, or `S` for a service named `T`.
+    pub fn type_param(&self) -> &'static str {
+        if self.name == "T" { "S" } else { "T" }
     }
 
     /// Checks what the emitter relies on: valid identifiers, no name the generated code already
@@ -187,15 +189,6 @@ impl ServiceDef {
                     self.client_mod()
                 ),
             );
-        } else if CODEGEN_NAMES.contains(&self.name.as_str()) {
-            err(
-                None,
-                format!(
-                    "the service name `{}` clashes with the runtime name `{}` that generated code \
-                     imports from `rpc_core::codegen`; rename the service",
-                    self.name, self.name
-                ),
-            );
         }
 
         let mut names: HashMap<String, usize> = HashMap::new();
@@ -216,13 +209,8 @@ impl ServiceDef {
                 continue;
             }
             let mut derived = vec![m.const_name()];
-            match m.kind() {
-                CallKind::Unary => {
-                    derived.push(m.blocking_name());
-                    derived.push(m.pipeline_name());
-                }
-                CallKind::ServerStreaming | CallKind::Streaming => derived.push(m.stream_type()),
-                CallKind::ClientStreaming => {}
+            if m.server_streaming {
+                derived.push(m.stream_type());
             }
             if let Some(bad) = derived.iter().find(|d| !is_ident(d)) {
                 err(
@@ -239,8 +227,8 @@ impl ServiceDef {
                 err(
                     Some(i),
                     format!(
-                        "method name `{plain}` is reserved: the generated code defines `{plain}` \
-                         (client constructor/accessor or the `METHODS` list); rename the method"
+                        "method name `{plain}` is reserved: the generated client defines \
+                         `{plain}` (its constructor, as tonic's clients do); rename the method"
                     ),
                 );
             }
@@ -313,28 +301,6 @@ impl ServiceDef {
                 }
             }
         }
-        // The client's blocking variants of unary methods must not clash with another method.
-        for (i, m) in self.methods.iter().enumerate() {
-            if m.kind() != CallKind::Unary || names.get(m.plain_name()) != Some(&i) {
-                continue;
-            }
-            for (derived, what) in [
-                (m.blocking_name(), "blocking variant"),
-                (m.pipeline_name(), "pipeline constructor"),
-            ] {
-                if let Some(&j) = names.get(&derived) {
-                    err(
-                        Some(j),
-                        format!(
-                            "method name `{derived}` clashes with the {what} the client \
-                             generates for the unary method `{}`; rename one of them",
-                            m.name
-                        ),
-                    );
-                }
-            }
-        }
-
         if errors.is_empty() {
             Ok(())
         } else {
@@ -368,16 +334,21 @@ impl MethodDef {
     pub fn stream_type(&self) -> String {
         format!("{}Stream", self.plain_name().to_upper_camel_case())
     }
+}
 
-    /// The name of the client's blocking variant (`say_hello_blocking`).
-    pub fn blocking_name(&self) -> String {
-        format!("{}_blocking", self.plain_name().trim_end_matches('_'))
+/// tonic-build's snake case for module names: `_` before each upper-case letter that follows
+/// another character, then everything in lower case. Unlike heck's, it keeps underscores and
+/// splits acronyms letter by letter, so that our modules are named as tonic's are.
+pub fn tonic_snake_case(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() + 4);
+    let mut chars = name.chars().peekable();
+    while let Some(c) = chars.next() {
+        out.push(c.to_ascii_lowercase());
+        if chars.peek().is_some_and(|next| next.is_uppercase()) {
+            out.push('_');
+        }
     }
-
-    /// The name of the client's pipeline constructor (`say_hello_pipeline`).
-    pub fn pipeline_name(&self) -> String {
-        format!("{}_pipeline", self.plain_name().trim_end_matches('_'))
-    }
+    out
 }
 
 fn is_ident(s: &str) -> bool {
@@ -443,7 +414,6 @@ mod tests {
         assert_eq!(m.plain_name(), "type");
         assert_eq!(m.const_name(), "TYPE");
         assert_eq!(m.stream_type(), "TypeStream");
-        assert_eq!(m.blocking_name(), "type_blocking");
         assert_eq!(s.method_path(m), "/helloworld.Greeter/type");
         let mut s = s;
         s.package.clear();
@@ -461,25 +431,64 @@ mod tests {
 
     #[test]
     fn every_problem_is_reported() {
-        let mut s = service(vec![
+        let s = service(vec![
             method("say_hello", "SayHello"),
             method("say_hello", "say_hello"),
             method("connect", "Connect"),
-            method("say_hello_blocking", "SayHelloBlocking"),
-            method("say_hello_pipeline", "SayHelloPipeline"),
+            method("new", "New"),
         ]);
-        s.name = "Status".into();
         let errors = s.validate().unwrap_err();
         let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
-        assert_eq!(errors.len(), 5, "{text:#?}");
-        assert!(text[0].contains("clashes with the runtime name `Status`"));
-        assert!(text[1].contains("both map to the Rust name `say_hello`"));
-        assert_eq!(errors[1].method, Some(1));
-        assert!(text[2].contains("`connect` is reserved"));
-        assert!(text[3].contains("blocking variant"));
-        assert_eq!(errors[3].method, Some(3));
-        assert!(text[4].contains("pipeline constructor"));
-        assert_eq!(errors[4].method, Some(4));
+        assert_eq!(errors.len(), 3, "{text:#?}");
+        assert!(text[0].contains("both map to the Rust name `say_hello`"));
+        assert_eq!(errors[0].method, Some(1));
+        assert!(text[1].contains("`connect` is reserved"));
+        assert!(text[2].contains("`new` is reserved"));
+    }
+
+    #[test]
+    fn runtime_names_and_derived_names_are_free() {
+        // Everything tonic accepts: services and methods named like runtime items, and methods
+        // named like another method's blocking or pipeline entry point in other schemes.
+        for name in [
+            "Status", "Pipeline", "Message", "Metadata", "Channel", "Service", "T",
+        ] {
+            let mut s = service(vec![
+                method("run", "Run"),
+                method("run_pipeline", "RunPipeline"),
+                method("read", "Read"),
+                method("read_blocking", "ReadBlocking"),
+                method("channel", "Channel"),
+                method("methods", "Methods"),
+                method("status", "Status"),
+            ]);
+            s.name = name.into();
+            assert_eq!(s.validate(), Ok(()), "{name}");
+        }
+    }
+
+    #[test]
+    fn module_names_are_tonics() {
+        for (service, module) in [
+            ("Greeter", "greeter_server"),
+            ("Self_", "self__server"),
+            ("HTTPProxy", "h_t_t_p_proxy_server"),
+            ("RouteGuide", "route_guide_server"),
+            ("V2Api", "v2_api_server"),
+        ] {
+            let mut s = service_named(service);
+            s.name = service.into();
+            assert_eq!(s.server_mod(), module);
+        }
+        assert_eq!(service_named("Self_").tonic_mod(), "self__tonic");
+        assert_eq!(service_named("T").type_param(), "S");
+        assert_eq!(service_named("Greeter").type_param(), "T");
+    }
+
+    fn service_named(name: &str) -> ServiceDef {
+        let mut s = service(vec![]);
+        s.name = name.into();
+        s
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! messages, and [`ServiceGenerator`] maps each `prost_build::Service` to the IR and emits it.
 
 use std::cell::RefCell;
-use std::io;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -11,6 +11,7 @@ use quote::quote;
 
 use crate::docs::doc_lines;
 use crate::emit::{EmitOptions, generate, pretty};
+use crate::error::{Error, Location, Problem};
 use crate::ir::{CodegenError, MethodDef, ServiceDef};
 
 /// A builder for `build.rs` in the spirit of tonic-build: configure, then
@@ -89,7 +90,7 @@ pub fn configure() -> Builder {
 pub fn compile_protos(
     protos: &[impl AsRef<Path>],
     includes: &[impl AsRef<Path>],
-) -> io::Result<()> {
+) -> Result<(), Error> {
     configure().compile(protos, includes)
 }
 
@@ -222,32 +223,40 @@ impl Builder {
     /// file per package (`helloworld.rs`; `_.rs` for files without a package).
     ///
     /// # Errors
-    /// When a file cannot be read or parsed (protox's message, with file and line), when a
-    /// service cannot be generated (name clashes, method id collisions), or when the output
-    /// cannot be written.
+    /// Every problem found, each at its place (`file:line:column`, the line, a caret): what
+    /// protox refuses (syntax, unresolved names and imports, duplicate definitions and field
+    /// numbers, pointed at the second definition), services that cannot be generated (name
+    /// clashes, method id collisions, pointed at the method), and files that cannot be read or
+    /// written. See [`Error`].
     pub fn compile(
         self,
         protos: &[impl AsRef<Path>],
         includes: &[impl AsRef<Path>],
-    ) -> io::Result<()> {
-        let (compiler, read) = load(protos, includes)?;
+    ) -> Result<(), Error> {
+        let includes: Vec<PathBuf> = includes.iter().map(|p| p.as_ref().to_owned()).collect();
+        let (compiler, read) = load(protos, &includes)?;
         if self.emit_rerun_if_changed {
             for path in &read {
                 println!("cargo:rerun-if-changed={}", path.display());
             }
         }
         if let Some(path) = &self.file_descriptor_set_path {
-            std::fs::write(path, compiler.encode_file_descriptor_set())?;
+            std::fs::write(path, compiler.encode_file_descriptor_set())
+                .map_err(|e| Error::io(format_args!("writing {}", path.display()), e))?;
         }
-        self.compile_fds(compiler.file_descriptor_set())
+        self.generate(
+            compiler.file_descriptor_set(),
+            prost_build::Config::new(),
+            &includes,
+        )
     }
 
     /// Generates code for an already compiled `FileDescriptorSet` (with imports and source
     /// info). Prints no `cargo:rerun-if-changed`.
     ///
     /// # Errors
-    /// As [`Builder::compile`].
-    pub fn compile_fds(self, fds: prost_types::FileDescriptorSet) -> io::Result<()> {
+    /// As [`Builder::compile`] (locations without the source line: the files are not known).
+    pub fn compile_fds(self, fds: prost_types::FileDescriptorSet) -> Result<(), Error> {
         self.compile_fds_with_config(fds, prost_build::Config::new())
     }
 
@@ -255,20 +264,30 @@ impl Builder {
     /// generator is replaced).
     ///
     /// # Errors
-    /// As [`Builder::compile`].
+    /// As [`Builder::compile_fds`].
     pub fn compile_fds_with_config(
         self,
         fds: prost_types::FileDescriptorSet,
+        config: prost_build::Config,
+    ) -> Result<(), Error> {
+        self.generate(fds, config, &[])
+    }
+
+    fn generate(
+        self,
+        fds: prost_types::FileDescriptorSet,
         mut config: prost_build::Config,
-    ) -> io::Result<()> {
+        includes: &[PathBuf],
+    ) -> Result<(), Error> {
         let crate_path: syn::Path = syn::parse_str(&self.crate_path).map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("crate_path `{}` is not a Rust path: {e}", self.crate_path),
-            )
+            Error::new(vec![Problem::new(format!(
+                "crate_path `{}` is not a Rust path: {e}",
+                self.crate_path
+            ))])
         })?;
         if let Some(dir) = &self.out_dir {
-            std::fs::create_dir_all(dir)?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io(format_args!("creating {}", dir.display()), e))?;
             config.out_dir(dir);
         }
         for (proto, rust) in &self.extern_path {
@@ -315,20 +334,97 @@ impl Builder {
             ));
         }
         let errors = generator.errors();
+        let places = ServicePlaces::new(&fds);
         config.service_generator(Box::new(generator));
-        config.compile_fds(fds)?;
+        config
+            .compile_fds(fds)
+            .map_err(|e| Error::io("generating code (prost-build)", e))?;
 
         let errors = errors.borrow();
         if errors.is_empty() {
             Ok(())
         } else {
-            let list: Vec<String> = errors.iter().map(ToString::to_string).collect();
-            Err(io::Error::other(format!(
-                "rpc-codegen: {} error(s):\n  {}",
-                list.len(),
-                list.join("\n  ")
-            )))
+            Err(Error::new(
+                errors
+                    .iter()
+                    .map(|e| Problem::new(e.to_string()).at(places.locate(e, includes)))
+                    .collect(),
+            ))
         }
+    }
+}
+
+/// Where each service and method is declared: file and `[line, column, ..]` spans of their
+/// names, from the descriptors' source info.
+struct ServicePlaces {
+    services: HashMap<String, ServicePlace>,
+}
+
+struct ServicePlace {
+    file: String,
+    name: Option<Vec<i32>>,
+    methods: Vec<Option<Vec<i32>>>,
+}
+
+impl ServicePlaces {
+    fn new(fds: &prost_types::FileDescriptorSet) -> Self {
+        // Field numbers in descriptor.proto: FileDescriptorProto.service = 6,
+        // ServiceDescriptorProto.name = 1 and .method = 2, MethodDescriptorProto.name = 1.
+        const SERVICE: i32 = 6;
+        const NAME: i32 = 1;
+        const METHOD: i32 = 2;
+        let mut services = HashMap::new();
+        for file in &fds.file {
+            let spans: HashMap<&[i32], &Vec<i32>> = file
+                .source_code_info
+                .iter()
+                .flat_map(|info| &info.location)
+                .map(|l| (l.path.as_slice(), &l.span))
+                .collect();
+            let span = |path: &[i32]| spans.get(path).map(|s| (*s).clone());
+            for (si, service) in file.service.iter().enumerate() {
+                let si = si as i32;
+                let full = match file.package() {
+                    "" => service.name().to_owned(),
+                    package => format!("{package}.{}", service.name()),
+                };
+                let methods = (0..service.method.len() as i32)
+                    .map(|mi| span(&[SERVICE, si, METHOD, mi, NAME]))
+                    .collect();
+                services.insert(
+                    full,
+                    ServicePlace {
+                        file: file.name().to_owned(),
+                        name: span(&[SERVICE, si, NAME]),
+                        methods,
+                    },
+                );
+            }
+        }
+        ServicePlaces { services }
+    }
+
+    /// The name of the method `e` is about, or of its service.
+    fn locate(&self, e: &CodegenError, includes: &[PathBuf]) -> Option<Location> {
+        let place = self.services.get(&e.service)?;
+        let (span, what) = match e.method {
+            Some(i) => (place.methods.get(i)?.as_ref()?, "this method"),
+            None => (place.name.as_ref()?, "this service"),
+        };
+        let (line, column) = (*span.first()? as usize, *span.get(1)? as usize);
+        let end = if span.len() == 3 {
+            span[2]
+        } else {
+            span[1] + 1
+        } as usize;
+        Some(Location::new(
+            &place.file,
+            line + 1,
+            column + 1,
+            end.saturating_sub(column),
+            what,
+            includes,
+        ))
     }
 }
 
@@ -336,19 +432,15 @@ impl Builder {
 /// (imports included; protox's built-in `google/protobuf/*.proto` have no path).
 fn load(
     protos: &[impl AsRef<Path>],
-    includes: &[impl AsRef<Path>],
-) -> io::Result<(protox::Compiler, Vec<PathBuf>)> {
-    let mut compiler = protox::Compiler::new(includes.iter().map(AsRef::as_ref))
-        .map_err(|e| io::Error::other(format!("protox: {e}")))?;
+    includes: &[PathBuf],
+) -> Result<(protox::Compiler, Vec<PathBuf>), Error> {
+    let mut compiler = protox::Compiler::new(includes)
+        .map_err(|e| Error::new(vec![Problem::new(format!("protox: {e}"))]))?;
     compiler.include_imports(true).include_source_info(true);
     for proto in protos {
-        compiler.open_file(proto.as_ref()).map_err(|e| {
-            io::Error::other(format!(
-                "compiling {}: {}",
-                proto.as_ref().display(),
-                protox_message(&e)
-            ))
-        })?;
+        compiler
+            .open_file(proto.as_ref())
+            .map_err(|e| Error::new(protox_problems(&e, includes)))?;
     }
     let read = compiler
         .files()
@@ -357,26 +449,72 @@ fn load(
     Ok((compiler, read))
 }
 
-/// protox's error with its location (`file:line:column`) when it has one.
-fn protox_message(e: &protox::Error) -> String {
+/// protox's error as problems: the error and the ones related to it, each placed at its
+/// offending label (protox lists a duplicate's first definition before the second one).
+fn protox_problems(e: &protox::Error, includes: &[PathBuf]) -> Vec<Problem> {
     use miette::Diagnostic;
-    let mut location = e.file().map(str::to_owned);
-    if let (Some(source), Some(mut labels)) = (e.source_code(), e.labels())
-        && let Some(label) = labels.next()
-        && let Ok(span) = source.read_span(label.inner(), 0, 0)
-    {
-        let file = span.name().map(str::to_owned).or(location.clone());
-        location = Some(format!(
-            "{}:{}:{}",
-            file.unwrap_or_default(),
-            span.line() + 1,
-            span.column() + 1
-        ));
+    let mut problems = vec![diagnostic_problem(e, e.source_code(), e.file(), includes)];
+    if let Some(related) = e.related() {
+        for r in related {
+            let source = r.source_code().or(e.source_code());
+            problems.push(diagnostic_problem(r, source, None, includes));
+        }
     }
-    match location {
-        Some(at) => format!("{at}: {e}"),
-        None => e.to_string(),
+    problems
+}
+
+/// Labels protox gives an earlier, valid definition; the other label is the offending one.
+const SECONDARY_LABELS: &[&str] = &["first defined here", "defined here"];
+
+fn diagnostic_problem(
+    d: &dyn miette::Diagnostic,
+    source: Option<&dyn miette::SourceCode>,
+    file: Option<&str>,
+    includes: &[PathBuf],
+) -> Problem {
+    let mut places: Vec<(bool, Location)> = Vec::new();
+    if let (Some(source), Some(labels)) = (source, d.labels()) {
+        for label in labels {
+            let Ok(span) = source.read_span(label.inner(), 0, 0) else {
+                continue;
+            };
+            let name = span.name().or(file).unwrap_or_default().to_owned();
+            let text = label.label().unwrap_or_default();
+            let primary = label.primary() || !SECONDARY_LABELS.contains(&text);
+            let width = std::str::from_utf8(span.data())
+                .ok()
+                .and_then(|d| d.get(span.column()..))
+                .map_or(label.len(), |rest| {
+                    rest.lines().next().unwrap_or_default().chars().count()
+                })
+                .min(label.len().max(1));
+            places.push((
+                primary,
+                Location::new(
+                    &name,
+                    span.line() + 1,
+                    span.column() + 1,
+                    width,
+                    text,
+                    includes,
+                ),
+            ));
+        }
     }
+    let message = match (&places.is_empty(), file) {
+        (true, Some(file)) => format!("{file}: {d}"),
+        _ => d.to_string(),
+    };
+    let main = places.iter().position(|(primary, _)| *primary).unwrap_or(0);
+    let mut problem = Problem::new(message);
+    if main < places.len() {
+        let (_, at) = places.remove(main);
+        problem = problem.at(Some(at));
+    }
+    for (_, note) in places {
+        problem = problem.note(note);
+    }
+    problem
 }
 
 /// A prost-build `ServiceGenerator` emitting rdma-rpc clients and servers; usable on its own
@@ -527,7 +665,11 @@ mod tests {
     #[test]
     fn every_file_read_is_reported_for_rerun_if_changed() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto");
-        let (_, read) = load(&[root.join("test/everything.proto")], &[&root]).unwrap();
+        let (_, read) = load(
+            &[root.join("test/everything.proto")],
+            std::slice::from_ref(&root),
+        )
+        .unwrap();
         let names: Vec<String> = read
             .iter()
             .map(|p| p.strip_prefix(&root).unwrap().display().to_string())

@@ -70,10 +70,7 @@ impl TonicPart {
         } else {
             TokenStream::new()
         };
-        let module = format_ident!(
-            "{}_tonic",
-            heck::ToSnakeCase::to_snake_case(def.name.as_str())
-        );
+        let module = ident(&def.tonic_mod());
         let vis = &options.visibility;
         let doc = format!(
             " gRPC (tonic) client and server for `{}`, and an adapter serving an rdma-rpc \
@@ -83,7 +80,7 @@ impl TonicPart {
         Ok(quote! {
             #[doc = #doc]
             #vis mod #module {
-                #![allow(unused_variables, unused_imports, dead_code, missing_docs, clippy::all)]
+                #![allow(unused_variables, unused_imports, dead_code, missing_docs, non_camel_case_types, non_snake_case, clippy::all)]
                 #![allow(rustdoc::bare_urls, rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
                 #tonic
                 #adapter

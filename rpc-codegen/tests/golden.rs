@@ -195,7 +195,7 @@ fn unresolved_imports_are_reported() {
 }
 
 #[test]
-fn service_problems_fail_the_build_with_every_reason() {
+fn service_problems_fail_the_build_with_every_reason_at_the_method() {
     let e = compile_err(
         "service",
         &[(
@@ -206,12 +206,68 @@ fn service_problems_fail_the_build_with_every_reason() {
              rpc Get(M) returns (M);\n  rpc GetBlocking(M) returns (M);\n}\n",
         )],
     );
-    assert!(e.contains("4 error(s)"), "{e}");
-    assert!(e.contains("`connect` is reserved"), "{e}");
-    assert!(e.contains("clashes with the runtime name `Status`"), "{e}");
-    assert!(e.contains("method ids collide"), "{e}");
+    assert!(e.contains("2 errors"), "{e}");
     assert!(
-        e.contains("`get_blocking` clashes with the blocking variant"),
+        e.contains("`connect` is reserved") && e.contains("--> s.proto:4:22"),
         "{e}"
     );
+    assert!(
+        e.contains("method ids collide") && e.contains("--> s.proto:7:7"),
+        "{e}"
+    );
+    assert!(e.contains("7 |   rpc M1219000(M) returns (M);"), "{e}");
+    assert!(
+        !e.contains("runtime name"),
+        "a service may be named Status: {e}"
+    );
+}
+
+#[test]
+fn duplicate_definitions_point_at_the_second_one() {
+    let dir = out_dir("duplicate_src");
+    std::fs::write(
+        dir.join("d.proto"),
+        "syntax = \"proto3\";\npackage p;\nmessage M {}\nmessage N {}\nmessage M {}\n",
+    )
+    .unwrap();
+    let e = rpc_codegen::configure()
+        .out_dir(dir.join("out"))
+        .compile(&[dir.join("d.proto")], &[&dir])
+        .expect_err("must fail");
+    let at = e.problems()[0].location().expect("located");
+    assert_eq!(
+        (at.file(), at.line(), at.column()),
+        ("d.proto", 5, 9),
+        "{e}"
+    );
+    let text = e.to_string();
+    assert!(
+        text.starts_with("error: name 'p.M' is defined twice\n --> d.proto:5:9\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("5 | message M {}\n  |         ^ defined again here"),
+        "{text}"
+    );
+    assert!(
+        text.contains("3 | message M {}"),
+        "the first one is a note: {text}"
+    );
+    // `fn main() -> Result<(), Box<dyn Error>>` prints Debug: the same report.
+    assert_eq!(format!("{e:?}"), text);
+}
+
+#[test]
+fn duplicate_field_numbers_point_at_the_second_field() {
+    let e = compile_err(
+        "field_numbers",
+        &[(
+            "f.proto",
+            "syntax = \"proto3\";\npackage p;\nmessage M {\n  string a = 1;\n  string b = 2;\n\
+             \x20 string c = 1;\n}\n",
+        )],
+    );
+    assert!(e.contains("field number '1' is already used"), "{e}");
+    assert!(e.contains("--> f.proto:6:"), "{e}");
+    assert!(e.contains("6 |   string c = 1;"), "{e}");
 }

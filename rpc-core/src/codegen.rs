@@ -1,5 +1,6 @@
 //! The only contract between generated code (`rpc-codegen`, `#[service]`) and the runtime.
-//! Generated files start with `use rpc_core::codegen::*;` and name nothing else of this crate.
+//! Generated code names each item by its full path (`::rpc_core::codegen::Status`), imports
+//! nothing, and names nothing else of this crate.
 #![doc(hidden)]
 
 pub use std::future::Future;
@@ -15,3 +16,15 @@ pub use crate::request::{IntoRequest, IntoStreamingRequest, Metadata, Request, R
 pub use crate::server::{Dispatched, IncomingCall, Service};
 pub use crate::status::{Code, Status};
 pub use crate::streaming::Streaming;
+
+/// What generated code needs of a request or reply type. `#[service]` states it as a `where`
+/// clause spanned at the user's type, so that a type that is not a message is reported once,
+/// there, instead of at every runtime call the generated code makes with it.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a message: requests and replies are prost messages or `()`",
+    label = "not a prost message",
+    note = "derive `prost::Message` on it (`#[derive(Clone, PartialEq, prost::Message)]`); it must also be `Default + Send + 'static`"
+)]
+pub trait RpcMessage: Message + Default + Send + 'static {}
+
+impl<T: Message + Default + Send + 'static> RpcMessage for T {}

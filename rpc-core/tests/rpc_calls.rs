@@ -759,7 +759,11 @@ async fn handler_errors_arrive_with_code_message_and_trailers() {
                 format!("failure number {code}: ünïcødé"),
                 "{what}"
             );
-            assert_eq!(st.metadata().get("x-failure-bin"), Some(&value[..]), "{what}");
+            assert_eq!(
+                st.metadata().get("x-failure-bin"),
+                Some(&value[..]),
+                "{what}"
+            );
             assert_eq!(st.metadata().len(), 1, "{what}");
         }
     }

@@ -80,10 +80,11 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
     let item: ItemTrait = syn::parse2(item)
         .map_err(|e| syn::Error::new(e.span(), format!("#[service] goes on a trait: {e}")))?;
 
-    if !item.generics.params.is_empty() || item.generics.where_clause.is_some() {
+    if let Some(span) = generics_span(&item.generics) {
         errors.at(
-            item.generics.span(),
-            "#[service] traits cannot be generic: a service has fixed message types",
+            span,
+            "#[service] traits cannot be generic or have a `where` clause: a service has fixed \
+             message types",
         );
     }
     if let Some(u) = &item.unsafety {
@@ -106,13 +107,20 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
     for it in &item.items {
         match it {
             TraitItem::Fn(f) => {
-                if let Some(m) = check_method(f, &streams, &mut errors) {
+                let configured = check_cfg(&f.attrs, "method", &mut errors);
+                if let Some(m) = check_method(f, &streams, &mut errors)
+                    && configured
+                {
                     methods.push(m);
                 }
             }
             TraitItem::Type(t) => {
-                if !t.generics.params.is_empty() || t.generics.where_clause.is_some() {
-                    errors.at(t.generics.span(), "stream types cannot be generic");
+                check_cfg(&t.attrs, "stream type", &mut errors);
+                if let Some(span) = generics_span(&t.generics) {
+                    errors.at(
+                        span,
+                        "stream types cannot be generic or have a `where` clause",
+                    );
                 }
                 if t.default.is_some() {
                     errors.at(t.ident.span(), "stream types cannot have a default");
@@ -157,17 +165,18 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                 output_type: m.output.clone(),
                 client_streaming: m.client_streaming,
                 server_streaming: m.stream.is_some(),
-                docs: m.docs.clone(),
+                docs: without_code_blocks(&m.docs, &format!("{}::{}", item.ident, m.ident.unraw())),
                 deprecated: m.deprecated,
             })
             .collect(),
-        docs: docs(&item.attrs),
+        docs: without_code_blocks(&docs(&item.attrs), &item.ident.to_string()),
     };
     let options = EmitOptions {
         crate_path: args.crate_path.clone(),
         build_client: true,
         build_server: true,
         visibility: item.vis.clone(),
+        check_messages: true,
     };
     let generated = match rpc_codegen::generate(&service, &options) {
         Ok(tokens) => Some(tokens),
@@ -186,12 +195,67 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
     let generated = generated.unwrap_or_default();
 
     let rewritten = rewrite_trait(&item);
-    let bridge = bridge(&item, &service, &methods, &args.crate_path);
+    let bridge = bridge(&item, &service, &methods, &args.crate_path)?;
+    let generated = with_bridge(generated, &service.server_mod(), bridge)?;
     Ok(quote! {
         #rewritten
         #generated
-        #bridge
     })
+}
+
+/// Where generics or a `where` clause are written, if any: the parameters' `<..>`, else the
+/// `where` clause.
+fn generics_span(generics: &syn::Generics) -> Option<Span> {
+    if !generics.params.is_empty() {
+        Some(generics.params.span())
+    } else {
+        generics.where_clause.as_ref().map(|w| w.span())
+    }
+}
+
+/// Refuses `#[cfg]` and `#[cfg_attr]` on a trait item: the generated client, server and method
+/// list would still name what the configuration removed. Returns whether there was none.
+fn check_cfg(attrs: &[syn::Attribute], what: &str, errors: &mut Errors) -> bool {
+    let mut ok = true;
+    for a in attrs {
+        if a.path().is_ident("cfg") || a.path().is_ident("cfg_attr") {
+            ok = false;
+            errors.at(
+                a.path().span(),
+                format!(
+                    "`#[cfg]` on a #[service] {what} is not supported: a service has one fixed \
+                     set of methods on both sides; put the `#[cfg]` on the whole trait, or move \
+                     the method to a service of its own"
+                ),
+            );
+        }
+    }
+    ok
+}
+
+/// Doc lines for the generated items: the trait's, without fenced code blocks (they are doc
+/// tests of the trait, and would run once more per generated item); where one was dropped, a
+/// line pointing at the trait's item `target`.
+fn without_code_blocks(lines: &[String], target: &str) -> Vec<String> {
+    let mut out = Vec::with_capacity(lines.len());
+    let mut in_code = false;
+    let mut dropped = false;
+    for line in lines {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("```") || trimmed.starts_with("~~~") {
+            in_code = !in_code;
+            dropped = true;
+            continue;
+        }
+        if !in_code {
+            out.push(line.clone());
+        }
+    }
+    if dropped {
+        out.push(String::new());
+        out.push(format!(" Examples: see [`{target}`](super::{target})."));
+    }
+    out
 }
 
 fn parse_args(attr: TokenStream) -> syn::Result<Args> {
@@ -299,12 +363,14 @@ fn check_method(
             "#[service] methods cannot have an ABI".into(),
         );
     }
-    if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
+    if let Some(span) = generics_span(&sig.generics) {
         fail(
             errors,
             &mut failed,
-            sig.generics.span(),
-            "#[service] methods cannot be generic: a method has fixed message types".into(),
+            span,
+            "#[service] methods cannot be generic or have a `where` clause: a method has fixed \
+             message types"
+                .into(),
         );
     }
     if let Some(v) = &sig.variadic {
@@ -623,20 +689,23 @@ fn rewrite_trait(item: &ItemTrait) -> TokenStream {
 }
 
 /// `impl<T: Trait> trait_server::Trait for T`: wraps messages in `Request`/`Response`.
+/// `impl<T: super::Trait> Trait for T` inside the generated server module: wraps messages in
+/// `Request`/`Response`. Inside that module, types are written as the generated code writes
+/// them (`super::Msg`), so that a misspelt one is reported there in the same words, once.
 fn bridge(
     item: &ItemTrait,
     service: &ServiceDef,
     methods: &[Method],
     krate: &syn::Path,
-) -> TokenStream {
+) -> syn::Result<syn::Item> {
     let user = &item.ident;
-    let server_mod = format_ident!("{}", service.server_mod());
     let generated = format_ident!("{}", service.name);
+    let t = format_ident!("{}", service.type_param());
     let cg = quote!(#krate::codegen);
     let items = methods.iter().zip(&service.methods).map(|(m, def)| {
         let name = &m.ident;
-        let input = &m.input;
-        let output = &m.output;
+        let input = rpc_codegen::rebase(&m.input);
+        let output = rpc_codegen::rebase(&m.output);
         let request = if m.client_streaming {
             quote!(#cg::Request<#cg::Streaming<#input>>)
         } else {
@@ -644,14 +713,14 @@ fn bridge(
         };
         let span = m.ident.span();
         let body = quote_spanned! {span=>
-            let reply = <T as #user>::#name(self, #cg::Request::into_inner(request));
+            let reply = <#t as super::#user>::#name(self, #cg::Request::into_inner(request));
             async move { ::core::result::Result::map(reply.await, #cg::Response::new) }
         };
         match &m.stream {
             Some(stream) => {
                 let generated_stream = format_ident!("{}", def.stream_type());
                 quote! {
-                    type #generated_stream = <T as #user>::#stream;
+                    type #generated_stream = <#t as super::#user>::#stream;
 
                     fn #name(
                         &self,
@@ -676,15 +745,36 @@ fn bridge(
         }
     });
     let doc = format!(
-        " Every [`{user}`] serves as [`{server_mod}::{generated}`]: requests and replies \
-         are unwrapped and wrapped."
+        " Every [`{user}`](super::{user}) serves as [`{generated}`]: requests and replies are \
+         unwrapped and wrapped."
     );
-    quote! {
+    syn::parse2(quote! {
         #[doc = #doc]
-        impl<T: #user> #server_mod::#generated for T {
+        // Deprecated methods are the user's to call, not the bridge's to warn about.
+        #[allow(deprecated)]
+        impl<#t: super::#user> #generated for #t {
             #(#items)*
         }
+    })
+}
+
+/// The generated modules with the bridge added to the server module.
+fn with_bridge(
+    generated: TokenStream,
+    server_mod: &str,
+    bridge: syn::Item,
+) -> syn::Result<TokenStream> {
+    let mut file: syn::File = syn::parse2(generated)?;
+    for item in &mut file.items {
+        if let syn::Item::Mod(m) = item
+            && m.ident == server_mod
+            && let Some((_, items)) = &mut m.content
+        {
+            items.push(bridge);
+            break;
+        }
     }
+    Ok(quote!(#file))
 }
 
 #[cfg(test)]

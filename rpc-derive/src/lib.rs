@@ -40,8 +40,10 @@
 //! are not `async`, receivers other than `&self`, not exactly one argument, generics, `const`
 //! or `unsafe` methods, arguments or results that are not messages (checked by shape:
 //! primitives, references, tuples, `String`, `Vec`, `Option`.. are refused; `()` is allowed),
-//! return types other than `Result<Message, Status>`, reserved names (`new`, `connect`,
-//! `channel`, `methods`) and clashing names or method ids.
+//! return types other than `Result<Message, Status>`, reserved names (`new` and `connect`, the
+//! client's constructors) and clashing names or method ids. Any other name is free: the
+//! generated code names the runtime by full paths and imports nothing, and blocking calls and
+//! pipelines live on their own client types under the methods' own names (see `rpc-codegen`).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 

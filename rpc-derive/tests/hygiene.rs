@@ -18,6 +18,14 @@ mod hygiene {
     pub struct Future;
     pub struct Arc;
     pub struct Channel;
+    pub struct Status;
+    pub struct Pipeline;
+    pub struct Message;
+    pub struct Metadata;
+    pub struct Stream;
+    pub struct Service;
+    pub struct MethodDesc;
+    pub struct CallKind;
     pub trait Send {}
     pub trait Sync {}
     pub trait Clone {}
@@ -93,5 +101,5 @@ async fn hygienic_service_works() {
     assert_eq!(reply.into_inner().n, 2);
     let server = hygiene::echo_server::EchoServer::new(Impl);
     assert_eq!(rpc_core::codegen::Service::name(&server), "h.Echo");
-    assert_eq!(hygiene::echo_server::METHODS.len(), 4);
+    assert_eq!(hygiene::echo_server::EchoServer::<Impl>::METHODS.len(), 4);
 }

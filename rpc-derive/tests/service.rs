@@ -90,7 +90,7 @@ impl Kv for Store {
 
 #[test]
 fn the_generated_modules_describe_the_service() {
-    let paths: Vec<(&str, CallKind)> = kv_server::METHODS
+    let paths: Vec<(&str, CallKind)> = kv_server::KvServer::<Store>::METHODS
         .iter()
         .map(|m| (m.path, m.kind))
         .collect();
@@ -134,8 +134,9 @@ async fn the_simple_trait_serves_the_generated_one() {
 #[allow(dead_code)]
 async fn client_calls(client: kv_client::KvClient) -> Result<(), Status> {
     let _: Response<GetReply> = client.get(GetRequest::default()).await?;
-    let _ = client.get_blocking(GetRequest::default())?;
-    let mut p = client.get_pipeline()?;
+    let blocking = kv_client::KvBlockingClient::from(client.clone());
+    let _: Response<GetReply> = blocking.get(GetRequest::default())?;
+    let mut p = kv_client::KvPipelineClient::from(client.clone()).get()?;
     p.submit(1, Request::new(GetRequest::default()))?;
     let _: Option<(u64, Result<Response<GetReply>, Status>)> = p.wait();
     let _: Streaming<Change> = client.watch(GetRequest::default()).await?.into_inner();
@@ -160,7 +161,7 @@ impl Idle for Nobody {}
 fn crate_path_and_empty_services() {
     let server = idle_server::IdleServer::new(Nobody);
     assert_eq!(server.name(), "Idle");
-    assert!(idle_server::METHODS.is_empty());
+    assert!(idle_server::IdleServer::<Nobody>::METHODS.is_empty());
 }
 
 /// A handler that needs metadata implements the generated (tonic-shaped) trait directly; the
@@ -208,4 +209,67 @@ async fn the_generated_trait_can_be_implemented_directly() {
     assert_eq!(reply.metadata().get_str("x-seen"), Some("1"));
     assert_eq!(reply.into_inner().value, b"ada");
     let _server = kv_server::KvServer::new(WithMetadata);
+}
+
+/// Names tonic accepts that a glob import or suffixed entry points would take: a service named
+/// like a runtime item, methods named like another method's blocking or pipeline entry point,
+/// and like the runtime's types.
+mod runtime_names {
+    use super::GetRequest as Msg;
+
+    // Default bodies: every method echoes its request.
+    #[rpc_derive::service(package = "names")]
+    pub trait Status {
+        async fn run(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn run_pipeline(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn read(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn read_blocking(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn channel(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn methods(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+        async fn pipeline(&self, request: Msg) -> Result<Msg, rpc_core::Status> {
+            Ok(request)
+        }
+    }
+}
+
+/// Every name keeps its meaning on each client type.
+#[allow(dead_code)]
+async fn runtime_named_calls(
+    client: runtime_names::status_client::StatusClient,
+) -> Result<(), Status> {
+    use runtime_names::status_client::{StatusBlockingClient, StatusPipelineClient};
+    let _: Response<GetRequest> = client.run_pipeline(GetRequest::default()).await?;
+    let _: Response<GetRequest> = client.channel(GetRequest::default()).await?;
+    let blocking = StatusBlockingClient::from(client.clone());
+    let _: Response<GetRequest> = blocking.read_blocking(GetRequest::default())?;
+    let _: Response<GetRequest> = blocking.read(GetRequest::default())?;
+    let pipelines = StatusPipelineClient::from(client);
+    let _: rpc_core::Pipeline<GetRequest, GetRequest> = pipelines.run()?;
+    let _: rpc_core::Pipeline<GetRequest, GetRequest> = pipelines.pipeline()?;
+    Ok(())
+}
+
+#[test]
+fn runtime_named_services_and_methods_are_served() {
+    struct Impl;
+    impl runtime_names::Status for Impl {}
+    let server = runtime_names::status_server::StatusServer::new(Impl);
+    assert_eq!(server.name(), "names.Status");
+    assert_eq!(server.methods().len(), 7);
+    assert_eq!(
+        runtime_names::status_server::METHODS.path,
+        "/names.Status/Methods"
+    );
 }

@@ -124,7 +124,7 @@ async fn main() -> anyhow::Result<()> {
     let client = BulkClient::connect(addr.to_string()).await?;
 
     // Registered memory the server may read or write one-sided, while we lend it.
-    let mut region = client.channel().alloc_region(args.size).await?;
+    let mut region = client.as_ref().alloc_region(args.size).await?;
     fill_pattern(&mut region, 7);
     let expected = checksum(&region);
     println!(

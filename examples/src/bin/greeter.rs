@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use rpc_core::server::Server;
 use rpc_examples::Greeter;
 use rpc_examples::helloworld::HelloRequest;
-use rpc_examples::helloworld::greeter_client::GreeterClient;
+use rpc_examples::helloworld::greeter_client::{GreeterBlockingClient, GreeterClient};
 use rpc_examples::helloworld::greeter_server::GreeterServer;
 
 #[tokio::main]
@@ -44,16 +44,16 @@ async fn main() -> anyhow::Result<()> {
         .expect_err("an empty name is refused");
     println!("client: say_hello(\"\") -> {}", status);
 
-    // The blocking variant: the calling thread polls the completion queue itself.
-    let blocking = client.clone();
+    // The blocking client: the calling thread polls the completion queue itself.
+    let blocking = GreeterBlockingClient::from(client.clone());
     let reply = tokio::task::spawn_blocking(move || {
-        blocking.say_hello_blocking(HelloRequest {
+        blocking.say_hello(HelloRequest {
             name: "blocking world".into(),
         })
     })
     .await??;
     println!(
-        "client: say_hello_blocking(\"blocking world\") -> {:?}",
+        "client: blocking say_hello(\"blocking world\") -> {:?}",
         reply.get_ref().message
     );
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use rpc_core::Request;
 use rpc_examples::helloworld::HelloRequest;
-use rpc_examples::helloworld::greeter_client::GreeterClient;
+use rpc_examples::helloworld::greeter_client::{GreeterBlockingClient, GreeterClient};
 
 /// Calls helloworld.Greeter/SayHello.
 #[derive(Debug, Parser)]
@@ -23,7 +23,7 @@ struct Args {
     /// Number of calls; above 1, latency percentiles are printed.
     #[arg(long, default_value_t = 1)]
     count: u64,
-    /// Use the blocking variant (the calling thread polls the completion queue).
+    /// Use the blocking client (the calling thread polls the completion queue).
     #[arg(long)]
     blocking: bool,
     /// Per-call timeout in milliseconds.
@@ -38,6 +38,7 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let client = runtime.block_on(GreeterClient::connect(&args.addr))?;
+    let blocking = GreeterBlockingClient::from(client.clone());
     let request = || {
         let mut r = Request::new(HelloRequest {
             name: args.name.clone(),
@@ -52,7 +53,7 @@ fn main() -> anyhow::Result<()> {
     for _ in 0..args.count {
         let t = Instant::now();
         let reply = if args.blocking {
-            client.say_hello_blocking(request())?
+            blocking.say_hello(request())?
         } else {
             runtime.block_on(client.say_hello(request()))?
         };

@@ -65,7 +65,7 @@ async fn main() -> anyhow::Result<()> {
 
     // The .proto-generated client speaks to the same path: the two definitions are one service.
     let proto_client =
-        rpc_examples::helloworld::greeter_client::GreeterClient::new(client.channel().clone());
+        rpc_examples::helloworld::greeter_client::GreeterClient::new(client.as_ref().clone());
     let reply = proto_client
         .say_hello(rpc_examples::helloworld::HelloRequest {
             name: "proto client".into(),

@@ -35,7 +35,7 @@ fn check(methods: &[MethodDesc], expected: &[(&str, CallKind)]) {
 fn descriptors_carry_paths_kinds_and_stable_ids() {
     use CallKind::*;
     check(
-        helloworld::greeter_server::METHODS,
+        helloworld::greeter_server::GreeterServer::<()>::METHODS,
         &[("/helloworld.Greeter/SayHello", Unary)],
     );
     assert_eq!(
@@ -43,7 +43,7 @@ fn descriptors_carry_paths_kinds_and_stable_ids() {
         rpc_core::method::method_id("/helloworld.Greeter/SayHello")
     );
     check(
-        kv::kv_server::METHODS,
+        kv::kv_server::KvServer::<()>::METHODS,
         &[
             ("/kv.Kv/Put", Unary),
             ("/kv.Kv/Get", Unary),
@@ -52,7 +52,7 @@ fn descriptors_carry_paths_kinds_and_stable_ids() {
         ],
     );
     check(
-        bench::bench_server::METHODS,
+        bench::bench_server::BenchServer::<()>::METHODS,
         &[
             ("/bench.Bench/Echo", Unary),
             ("/bench.Bench/EchoStream", ServerStreaming),
@@ -60,11 +60,11 @@ fn descriptors_carry_paths_kinds_and_stable_ids() {
         ],
     );
     check(
-        bulk::bulk_server::METHODS,
+        bulk::bulk_server::BulkServer::<()>::METHODS,
         &[("/bulk.Bulk/Checksum", Unary), ("/bulk.Bulk/Fill", Unary)],
     );
     check(
-        ev::route_guide_server::METHODS,
+        ev::route_guide_server::RouteGuideServer::<()>::METHODS,
         &[
             ("/test.everything.RouteGuide/GetFeature", Unary),
             ("/test.everything.RouteGuide/ListFeatures", ServerStreaming),
@@ -73,7 +73,7 @@ fn descriptors_carry_paths_kinds_and_stable_ids() {
         ],
     );
     check(
-        ev::clock_server::METHODS,
+        ev::clock_server::ClockServer::<()>::METHODS,
         &[
             ("/test.everything.Clock/Now", Unary),
             ("/test.everything.Clock/Ping", Unary),
@@ -81,7 +81,7 @@ fn descriptors_carry_paths_kinds_and_stable_ids() {
         ],
     );
     check(
-        ev::keywords_server::METHODS,
+        ev::keywords_server::KeywordsServer::<()>::METHODS,
         &[
             ("/test.everything.Keywords/type", Unary),
             ("/test.everything.Keywords/Match", Unary),
@@ -91,12 +91,12 @@ fn descriptors_carry_paths_kinds_and_stable_ids() {
         ],
     );
     check(
-        test::nested::deep::deep_server::METHODS,
+        test::nested::deep::deep_server::DeepServer::<()>::METHODS,
         &[("/test.nested.deep.Deep/Locate", Unary)],
     );
-    check(ev::nothing_server::METHODS, &[]);
+    check(ev::nothing_server::NothingServer::<()>::METHODS, &[]);
     check(
-        rpc_codegen_check::bare_server::METHODS,
+        rpc_codegen_check::bare_server::BareServer::<()>::METHODS,
         &[("/Bare/Poke", Unary)],
     );
 }
@@ -315,8 +315,12 @@ async fn client_calls_type_check() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let mut request = Request::new(helloworld::HelloRequest::default());
     request.set_timeout(std::time::Duration::from_millis(5));
-    let _ = greeter.say_hello_blocking(request)?;
-    let channel = greeter.channel().clone();
+    let blocking = helloworld::greeter_client::GreeterBlockingClient::from(greeter.clone());
+    let _ = blocking.say_hello(request)?;
+    let mut pipeline =
+        helloworld::greeter_client::GreeterPipelineClient::from(greeter.clone()).say_hello()?;
+    pipeline.submit(7, Request::new(helloworld::HelloRequest::default()))?;
+    let channel = rpc_core::Channel::clone(greeter.as_ref());
 
     let guide = ev::route_guide_client::RouteGuideClient::new(channel.clone());
     let _: Feature = guide.get_feature(Point::default()).await?.into_inner();
@@ -338,16 +342,19 @@ async fn client_calls_type_check() -> Result<(), Box<dyn std::error::Error>> {
 
     let clock = ev::clock_client::ClockClient::new(channel.clone());
     let _: prost_types::Timestamp = clock.now(()).await?.into_inner();
-    let _: () = clock.ping_blocking(())?.into_inner();
+    let _: () = ev::clock_client::ClockBlockingClient::new(channel.clone())
+        .ping(())?
+        .into_inner();
     let _ = clock.get_time(()).await?;
 
     let kw = ev::keywords_client::KeywordsClient::new(channel.clone());
     let _ = kw.r#type(Type::default()).await?;
-    let _ = kw.type_blocking(Type::default())?;
+    let kw_blocking = ev::keywords_client::KeywordsBlockingClient::from(kw.clone());
+    let _ = kw_blocking.r#type(Type::default())?;
     let _ = kw.r#match(Type::default()).await?;
     let _: Streaming<Type> = kw.r#async(Type::default()).await?.into_inner();
     let _ = kw.r#loop(tokio_stream::iter(vec![Type::default()])).await?;
-    let _ = kw.self_blocking(Type::default())?;
+    let _ = kw_blocking.self_(Type::default())?;
 
     let bare = rpc_codegen_check::bare_client::BareClient::new(channel);
     let _ = bare.poke(rpc_codegen_check::Poke { n: 1 }).await?;

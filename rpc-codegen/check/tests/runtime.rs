@@ -64,7 +64,7 @@ impl ev::keywords_server::Keywords for Keywords {
         Ok(Response::new(r.into_inner()))
     }
 
-    type AsyncStream = futures_stream::Empty;
+    type AsyncStream = futures_stream::Empty<Type>;
 
     async fn r#async(&self, _: Request<Type>) -> Result<Response<Self::AsyncStream>, Status> {
         Err(Status::unimplemented("streaming"))
@@ -87,10 +87,16 @@ mod futures_stream {
     use std::task::{Context, Poll};
 
     /// A stream that ends at once.
-    pub struct Empty;
+    pub struct Empty<T = super::Type>(std::marker::PhantomData<T>);
 
-    impl futures_core::Stream for Empty {
-        type Item = Result<super::Type, super::Status>;
+    impl<T> Default for Empty<T> {
+        fn default() -> Self {
+            Empty(std::marker::PhantomData)
+        }
+    }
+
+    impl<T> futures_core::Stream for Empty<T> {
+        type Item = Result<T, super::Status>;
         fn poll_next(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Self::Item>> {
             Poll::Ready(None)
         }
@@ -127,9 +133,9 @@ async fn generated_stubs_call_through_the_runtime() {
             (Code::InvalidArgument, "empty name")
         );
 
-        let blocking = greeter.clone();
+        let blocking = helloworld::greeter_client::GreeterBlockingClient::from(greeter.clone());
         let reply = tokio::task::spawn_blocking(move || {
-            blocking.say_hello_blocking(HelloRequest { name: "B".into() })
+            blocking.say_hello(HelloRequest { name: "B".into() })
         })
         .await
         .unwrap()
@@ -137,7 +143,7 @@ async fn generated_stubs_call_through_the_runtime() {
         assert_eq!(reply.get_ref().message, "Hello B! (nobody)");
 
         // One channel, several services; well-known types; keyword method names.
-        let channel = greeter.channel().clone();
+        let channel = greeter.as_ref().clone();
         let clock = ev::clock_client::ClockClient::new(channel.clone());
         assert_eq!(
             clock.now(()).await.unwrap().get_ref().seconds,
@@ -164,7 +170,7 @@ async fn generated_stubs_call_through_the_runtime() {
 
         // A service the server does not have.
         let deep = rpc_codegen_check::test::nested::deep::deep_client::DeepClient::new(
-            greeter.channel().clone(),
+            greeter.as_ref().clone(),
         );
         let err = deep
             .locate(rpc_codegen_check::test::common::Point::default())
@@ -176,4 +182,119 @@ async fn generated_stubs_call_through_the_runtime() {
     })
     .await
     .expect("the runtime test took more than 60 s");
+}
+
+/// `test/names.proto`: services, messages and methods named like runtime items or like other
+/// methods' blocking and pipeline entry points, and a service named `Self`, served and called.
+mod names {
+    use rpc_codegen_check::test::names::{self as n, self__server, status_server};
+    use rpc_core::{Request, Response, Status};
+
+    pub struct Svc;
+
+    impl status_server::Status for Svc {
+        async fn run(&self, r: Request<n::Request>) -> Result<Response<n::Response>, Status> {
+            Ok(Response::new(n::Response {
+                request: Some(r.into_inner()),
+            }))
+        }
+        async fn run_pipeline(
+            &self,
+            r: Request<n::Request>,
+        ) -> Result<Response<n::Response>, Status> {
+            let mut request = r.into_inner();
+            request.text.push_str(" (pipeline)");
+            Ok(Response::new(n::Response {
+                request: Some(request),
+            }))
+        }
+        async fn read(&self, r: Request<n::Streaming>) -> Result<Response<n::Streaming>, Status> {
+            Ok(Response::new(n::Streaming {
+                id: r.into_inner().id + 1,
+            }))
+        }
+        async fn read_blocking(
+            &self,
+            r: Request<n::Streaming>,
+        ) -> Result<Response<n::Streaming>, Status> {
+            Ok(Response::new(n::Streaming {
+                id: r.into_inner().id + 2,
+            }))
+        }
+        async fn channel(&self, r: Request<n::Code>) -> Result<Response<n::Code>, Status> {
+            Ok(Response::new(r.into_inner()))
+        }
+        async fn methods(&self, r: Request<n::Code>) -> Result<Response<n::Code>, Status> {
+            Ok(Response::new(r.into_inner()))
+        }
+        type MetadataStream = super::futures_stream::Empty<n::Code>;
+        async fn metadata(
+            &self,
+            _: Request<n::Code>,
+        ) -> Result<Response<Self::MetadataStream>, Status> {
+            Ok(Response::new(super::futures_stream::Empty::default()))
+        }
+    }
+
+    impl self__server::Self_ for Svc {
+        async fn self_(&self, r: Request<n::Code>) -> Result<Response<n::Code>, Status> {
+            Ok(Response::new(n::Code {
+                code: r.into_inner().code * 2,
+            }))
+        }
+    }
+}
+
+#[tokio::test]
+async fn runtime_named_services_are_served_and_called() {
+    use rpc_codegen_check::test::names::{
+        self as n, self__client, self__server, status_client, status_server,
+    };
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let server = Server::builder()
+            .add_service(status_server::StatusServer::new(names::Svc))
+            .add_service(self__server::Self_Server::new(names::Svc))
+            .bind("127.0.0.1:0")
+            .await
+            .unwrap();
+        let addr = server.local_addr().to_string();
+        let client = status_client::StatusClient::connect(&addr).await.unwrap();
+        let text = |r: Response<n::Response>| r.into_inner().request.unwrap().text;
+        let req = || n::Request { text: "hi".into() };
+        assert_eq!(text(client.run(req()).await.unwrap()), "hi");
+        assert_eq!(
+            text(client.run_pipeline(req()).await.unwrap()),
+            "hi (pipeline)"
+        );
+        let read = client.read(n::Streaming { id: 1 }).await.unwrap();
+        assert_eq!(read.into_inner().id, 2);
+        let code = client.channel(n::Code { code: 7 }).await.unwrap();
+        assert_eq!(code.into_inner().code, 7);
+
+        // The blocking and pipeline clients keep every method's own name.
+        let blocking = status_client::StatusBlockingClient::from(client.clone());
+        let pipelines = status_client::StatusPipelineClient::from(client.clone());
+        let (blocking_id, pipelined) = tokio::task::spawn_blocking(move || {
+            let id = blocking
+                .read_blocking(n::Streaming { id: 1 })
+                .unwrap()
+                .into_inner()
+                .id;
+            let mut p = pipelines.run().unwrap();
+            p.submit(9, Request::new(req())).unwrap();
+            let (tag, reply) = p.wait().unwrap();
+            (id, (tag, text(reply.unwrap())))
+        })
+        .await
+        .unwrap();
+        assert_eq!(blocking_id, 3);
+        assert_eq!(pipelined, (9, "hi".to_owned()));
+
+        let me = self__client::Self_Client::connect(&addr).await.unwrap();
+        let doubled = me.self_(n::Code { code: 21 }).await.unwrap();
+        assert_eq!(doubled.into_inner().code, 42);
+        server.shutdown().await;
+    })
+    .await
+    .expect("in time");
 }

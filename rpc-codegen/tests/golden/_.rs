@@ -13,14 +13,19 @@ pub mod bare_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct BareClient {
-        inner: Channel,
+        inner: ::rpc_core::codegen::Channel,
     }
     impl BareClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `Bare`.
         ///
         /// # Errors
@@ -31,17 +36,9 @@ pub mod bare_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
-        }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
-            Self { inner }
-        }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
-            &self.inner
+        ) -> ::core::result::Result<Self, ::rpc_core::codegen::TransportError> {
+            let inner = ::rpc_core::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
         /// Calls `/Bare/Poke`.
         ///
@@ -54,32 +51,125 @@ pub mod bare_client {
         /// their pools only after the NIC is done with them.
         pub async fn poke(
             &self,
-            request: impl IntoRequest<super::Poke>,
-        ) -> ::core::result::Result<Response<super::Poke>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new("/Bare/Poke", CallKind::Unary);
-            self.inner.unary(&METHOD, request.into_request()).await
+            request: impl ::rpc_core::codegen::IntoRequest<super::Poke>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Poke>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/Bare/Poke",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Poke,
+                    >>::into_request(request),
+                )
+                .await
         }
-        /// Blocking variant of [`Self::poke`] for the lowest latency: the calling thread polls the completion queue itself.
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for BareClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for BareClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    /// Blocking calls of `Bare` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`BareClient`], under the same names; build it with `From` from a [`BareClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct BareBlockingClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl BareBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// Blocking variant of [`BareClient::poke`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
-        pub fn poke_blocking(
+        pub fn poke(
             &self,
-            request: impl IntoRequest<super::Poke>,
-        ) -> ::core::result::Result<Response<super::Poke>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new("/Bare/Poke", CallKind::Unary);
-            self.inner.unary_blocking(&METHOD, request.into_request())
+            request: impl ::rpc_core::codegen::IntoRequest<super::Poke>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Poke>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/Bare/Poke",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Poke,
+                    >>::into_request(request),
+                )
         }
-        /// Many [`Self::poke`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for BareBlockingClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for BareBlockingClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<BareClient> for BareBlockingClient {
+        fn from(client: BareClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `Bare`: one method per unary method of [`BareClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`BareClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct BarePipelineClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl BarePipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// A pipeline of [`BareClient::poke`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
         /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn poke_pipeline(
+        pub fn poke(
             &self,
-        ) -> ::core::result::Result<Pipeline<super::Poke, super::Poke>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new("/Bare/Poke", CallKind::Unary);
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Pipeline<super::Poke, super::Poke>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/Bare/Poke",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
             self.inner.pipeline(&METHOD)
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for BarePipelineClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for BarePipelineClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<BareClient> for BarePipelineClient {
+        fn from(client: BareClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }
@@ -92,33 +182,42 @@ pub mod bare_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// `/Bare/Poke`.
-    pub const POKE: MethodDesc = MethodDesc::new("/Bare/Poke", CallKind::Unary);
-    /// Every method of `Bare`, in declaration order.
-    pub const METHODS: &[MethodDesc] = &[POKE];
+    pub const POKE: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+        "/Bare/Poke",
+        ::rpc_core::codegen::CallKind::Unary,
+    );
     pub trait Bare: ::core::marker::Send + ::core::marker::Sync + 'static {
         /// Handles `/Bare/Poke`.
         fn poke(
             &self,
-            request: Request<super::Poke>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<super::Poke>, Status>,
+            request: ::rpc_core::codegen::Request<super::Poke>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<super::Poke>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
     }
     /// Serves a [`Bare`] implementation as `Bare`: hand it to the server builder's `add_service`.
     pub struct BareServer<T> {
-        inner: Arc<T>,
+        inner: ::rpc_core::codegen::Arc<T>,
+    }
+    impl<T> BareServer<T> {
+        /// Every method of `Bare`, in declaration order (also `Service::methods`).
+        pub const METHODS: &'static [::rpc_core::codegen::MethodDesc] = &[POKE];
     }
     impl<T: Bare> BareServer<T> {
         /// Serves `inner`.
         pub fn new(inner: T) -> Self {
-            Self::from_arc(Arc::new(inner))
+            Self::from_arc(::rpc_core::codegen::Arc::new(inner))
         }
         /// Serves a shared `inner`.
-        pub fn from_arc(inner: Arc<T>) -> Self {
+        pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
     }
@@ -134,14 +233,18 @@ pub mod bare_server {
             f.debug_struct(::core::stringify!(BareServer)).finish_non_exhaustive()
         }
     }
-    impl<T: Bare> Service for BareServer<T> {
+    impl<T: Bare> ::rpc_core::codegen::Service for BareServer<T> {
         fn name(&self) -> &'static str {
             "Bare"
         }
-        fn methods(&self) -> &'static [MethodDesc] {
-            METHODS
+        fn methods(&self) -> &'static [::rpc_core::codegen::MethodDesc] {
+            Self::METHODS
         }
-        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        fn call(
+            &self,
+            method: u32,
+            call: ::rpc_core::codegen::IncomingCall<'_>,
+        ) -> ::rpc_core::codegen::Dispatched {
             match method {
                 id if id == POKE.id => {
                     let inner = ::core::clone::Clone::clone(&self.inner);

@@ -7,15 +7,20 @@ pub(crate) mod kv_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use crate::rt::codegen::*;
     /// A store.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct KvClient {
-        inner: Channel,
+        inner: crate::rt::codegen::Channel,
     }
     impl KvClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `store.v1.Kv`.
         ///
         /// # Errors
@@ -26,17 +31,9 @@ pub(crate) mod kv_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
-        }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
-            Self { inner }
-        }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
-            &self.inner
+        ) -> ::core::result::Result<Self, crate::rt::codegen::TransportError> {
+            let inner = crate::rt::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
         /// Reads a key.
         ///
@@ -49,44 +46,23 @@ pub(crate) mod kv_client {
         /// their pools only after the NIC is done with them.
         pub async fn get(
             &self,
-            request: impl IntoRequest<crate::msgs::GetRequest>,
-        ) -> ::core::result::Result<Response<super::GetReply>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/store.v1.Kv/Get",
-                CallKind::Unary,
-            );
-            self.inner.unary(&METHOD, request.into_request()).await
-        }
-        /// Blocking variant of [`Self::get`] for the lowest latency: the calling thread polls the completion queue itself.
-        ///
-        /// # Errors
-        /// The call's status: the handler's error, or the runtime's when the call could not be
-        /// completed.
-        pub fn get_blocking(
-            &self,
-            request: impl IntoRequest<crate::msgs::GetRequest>,
-        ) -> ::core::result::Result<Response<super::GetReply>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/store.v1.Kv/Get",
-                CallKind::Unary,
-            );
-            self.inner.unary_blocking(&METHOD, request.into_request())
-        }
-        /// Many [`Self::get`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
-        ///
-        /// # Errors
-        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn get_pipeline(
-            &self,
+            request: impl crate::rt::codegen::IntoRequest<crate::msgs::GetRequest>,
         ) -> ::core::result::Result<
-            Pipeline<crate::msgs::GetRequest, super::GetReply>,
-            Status,
+            crate::rt::codegen::Response<super::GetReply>,
+            crate::rt::codegen::Status,
         > {
-            const METHOD: MethodDesc = MethodDesc::new(
+            const METHOD: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
                 "/store.v1.Kv/Get",
-                CallKind::Unary,
+                crate::rt::codegen::CallKind::Unary,
             );
-            self.inner.pipeline(&METHOD)
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as crate::rt::codegen::IntoRequest<
+                        crate::msgs::GetRequest,
+                    >>::into_request(request),
+                )
+                .await
         }
         /// Calls `/store.v1.Kv/Watch`.
         ///
@@ -100,13 +76,127 @@ pub(crate) mod kv_client {
         #[deprecated]
         pub async fn watch(
             &self,
-            request: impl IntoStreamingRequest<Message = super::super::WatchRequest>,
-        ) -> ::core::result::Result<Response<Streaming<::events::Event>>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl crate::rt::codegen::IntoStreamingRequest<
+                Message = super::super::WatchRequest,
+            >,
+        ) -> ::core::result::Result<
+            crate::rt::codegen::Response<crate::rt::codegen::Streaming<::events::Event>>,
+            crate::rt::codegen::Status,
+        > {
+            const METHOD: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
                 "/store.v1.Kv/Watch",
-                CallKind::Streaming,
+                crate::rt::codegen::CallKind::Streaming,
             );
-            self.inner.streaming(&METHOD, request.into_streaming_request()).await
+            self.inner
+                .streaming(
+                    &METHOD,
+                    crate::rt::codegen::IntoStreamingRequest::into_streaming_request(
+                        request,
+                    ),
+                )
+                .await
+        }
+    }
+    impl ::core::convert::From<crate::rt::codegen::Channel> for KvClient {
+        fn from(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<crate::rt::codegen::Channel> for KvClient {
+        fn as_ref(&self) -> &crate::rt::codegen::Channel {
+            &self.inner
+        }
+    }
+    /// Blocking calls of `store.v1.Kv` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`KvClient`], under the same names; build it with `From` from a [`KvClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct KvBlockingClient {
+        inner: crate::rt::codegen::Channel,
+    }
+    impl KvBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// Blocking variant of [`KvClient::get`]: the calling thread polls the completion queue itself.
+        ///
+        /// # Errors
+        /// The call's status: the handler's error, or the runtime's when the call could not be
+        /// completed.
+        pub fn get(
+            &self,
+            request: impl crate::rt::codegen::IntoRequest<crate::msgs::GetRequest>,
+        ) -> ::core::result::Result<
+            crate::rt::codegen::Response<super::GetReply>,
+            crate::rt::codegen::Status,
+        > {
+            const METHOD: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
+                "/store.v1.Kv/Get",
+                crate::rt::codegen::CallKind::Unary,
+            );
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as crate::rt::codegen::IntoRequest<
+                        crate::msgs::GetRequest,
+                    >>::into_request(request),
+                )
+        }
+    }
+    impl ::core::convert::From<crate::rt::codegen::Channel> for KvBlockingClient {
+        fn from(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<crate::rt::codegen::Channel> for KvBlockingClient {
+        fn as_ref(&self) -> &crate::rt::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<KvClient> for KvBlockingClient {
+        fn from(client: KvClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `store.v1.Kv`: one method per unary method of [`KvClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`KvClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct KvPipelineClient {
+        inner: crate::rt::codegen::Channel,
+    }
+    impl KvPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// A pipeline of [`KvClient::get`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn get(
+            &self,
+        ) -> ::core::result::Result<
+            crate::rt::codegen::Pipeline<crate::msgs::GetRequest, super::GetReply>,
+            crate::rt::codegen::Status,
+        > {
+            const METHOD: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
+                "/store.v1.Kv/Get",
+                crate::rt::codegen::CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
+    }
+    impl ::core::convert::From<crate::rt::codegen::Channel> for KvPipelineClient {
+        fn from(inner: crate::rt::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<crate::rt::codegen::Channel> for KvPipelineClient {
+        fn as_ref(&self) -> &crate::rt::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<KvClient> for KvPipelineClient {
+        fn from(client: KvClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }
@@ -119,50 +209,69 @@ pub(crate) mod kv_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use crate::rt::codegen::*;
     /// `/store.v1.Kv/Get`.
-    pub const GET: MethodDesc = MethodDesc::new("/store.v1.Kv/Get", CallKind::Unary);
-    /// `/store.v1.Kv/Watch`.
-    pub const WATCH: MethodDesc = MethodDesc::new(
-        "/store.v1.Kv/Watch",
-        CallKind::Streaming,
+    pub const GET: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
+        "/store.v1.Kv/Get",
+        crate::rt::codegen::CallKind::Unary,
     );
-    /// Every method of `store.v1.Kv`, in declaration order.
-    pub const METHODS: &[MethodDesc] = &[GET, WATCH];
+    /// `/store.v1.Kv/Watch`.
+    pub const WATCH: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
+        "/store.v1.Kv/Watch",
+        crate::rt::codegen::CallKind::Streaming,
+    );
     /// A store.
     pub trait Kv: ::core::marker::Send + ::core::marker::Sync + 'static {
         /// Reads a key.
         fn get(
             &self,
-            request: Request<crate::msgs::GetRequest>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<super::GetReply>, Status>,
+            request: crate::rt::codegen::Request<crate::msgs::GetRequest>,
+        ) -> impl crate::rt::codegen::Future<
+            Output = ::core::result::Result<
+                crate::rt::codegen::Response<super::GetReply>,
+                crate::rt::codegen::Status,
+            >,
         > + ::core::marker::Send;
         /// The stream of responses of [`Kv::watch`].
-        type WatchStream: Stream<Item = ::core::result::Result<::events::Event, Status>>
+        type WatchStream: crate::rt::codegen::Stream<
+                Item = ::core::result::Result<
+                    ::events::Event,
+                    crate::rt::codegen::Status,
+                >,
+            >
             + ::core::marker::Send
             + 'static;
         /// Handles `/store.v1.Kv/Watch`.
         fn watch(
             &self,
-            request: Request<Streaming<super::super::WatchRequest>>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<Self::WatchStream>, Status>,
+            request: crate::rt::codegen::Request<
+                crate::rt::codegen::Streaming<super::super::WatchRequest>,
+            >,
+        ) -> impl crate::rt::codegen::Future<
+            Output = ::core::result::Result<
+                crate::rt::codegen::Response<Self::WatchStream>,
+                crate::rt::codegen::Status,
+            >,
         > + ::core::marker::Send;
     }
     /// Serves a [`Kv`] implementation as `store.v1.Kv`: hand it to the server builder's `add_service`.
     pub struct KvServer<T> {
-        inner: Arc<T>,
+        inner: crate::rt::codegen::Arc<T>,
+    }
+    impl<T> KvServer<T> {
+        /// Every method of `store.v1.Kv`, in declaration order (also `Service::methods`).
+        pub const METHODS: &'static [crate::rt::codegen::MethodDesc] = &[GET, WATCH];
     }
     impl<T: Kv> KvServer<T> {
         /// Serves `inner`.
         pub fn new(inner: T) -> Self {
-            Self::from_arc(Arc::new(inner))
+            Self::from_arc(crate::rt::codegen::Arc::new(inner))
         }
         /// Serves a shared `inner`.
-        pub fn from_arc(inner: Arc<T>) -> Self {
+        pub fn from_arc(inner: crate::rt::codegen::Arc<T>) -> Self {
             Self { inner }
         }
     }
@@ -178,14 +287,18 @@ pub(crate) mod kv_server {
             f.debug_struct(::core::stringify!(KvServer)).finish_non_exhaustive()
         }
     }
-    impl<T: Kv> Service for KvServer<T> {
+    impl<T: Kv> crate::rt::codegen::Service for KvServer<T> {
         fn name(&self) -> &'static str {
             "store.v1.Kv"
         }
-        fn methods(&self) -> &'static [MethodDesc] {
-            METHODS
+        fn methods(&self) -> &'static [crate::rt::codegen::MethodDesc] {
+            Self::METHODS
         }
-        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        fn call(
+            &self,
+            method: u32,
+            call: crate::rt::codegen::IncomingCall<'_>,
+        ) -> crate::rt::codegen::Dispatched {
             match method {
                 id if id == GET.id => {
                     let inner = ::core::clone::Clone::clone(&self.inner);

@@ -22,15 +22,20 @@ pub mod greeter_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::my_reexport::rpc_core::codegen::*;
     /// Says hello.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct GreeterClient {
-        inner: Channel,
+        inner: ::my_reexport::rpc_core::codegen::Channel,
     }
     impl GreeterClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `helloworld.Greeter`.
         ///
         /// # Errors
@@ -41,17 +46,12 @@ pub mod greeter_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
-        }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
-            Self { inner }
-        }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
-            &self.inner
+        ) -> ::core::result::Result<
+            Self,
+            ::my_reexport::rpc_core::codegen::TransportError,
+        > {
+            let inner = ::my_reexport::rpc_core::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
         /// Sends a greeting to `name`.
         ///
@@ -64,44 +64,138 @@ pub mod greeter_client {
         /// their pools only after the NIC is done with them.
         pub async fn say_hello(
             &self,
-            request: impl IntoRequest<super::HelloRequest>,
-        ) -> ::core::result::Result<Response<super::HelloReply>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::my_reexport::rpc_core::codegen::IntoRequest<
+                super::HelloRequest,
+            >,
+        ) -> ::core::result::Result<
+            ::my_reexport::rpc_core::codegen::Response<super::HelloReply>,
+            ::my_reexport::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::my_reexport::rpc_core::codegen::MethodDesc = ::my_reexport::rpc_core::codegen::MethodDesc::new(
                 "/helloworld.Greeter/SayHello",
-                CallKind::Unary,
+                ::my_reexport::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::my_reexport::rpc_core::codegen::IntoRequest<
+                        super::HelloRequest,
+                    >>::into_request(request),
+                )
+                .await
         }
-        /// Blocking variant of [`Self::say_hello`] for the lowest latency: the calling thread polls the completion queue itself.
+    }
+    impl ::core::convert::From<::my_reexport::rpc_core::codegen::Channel>
+    for GreeterClient {
+        fn from(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::my_reexport::rpc_core::codegen::Channel>
+    for GreeterClient {
+        fn as_ref(&self) -> &::my_reexport::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    /// Blocking calls of `helloworld.Greeter` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`GreeterClient`], under the same names; build it with `From` from a [`GreeterClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct GreeterBlockingClient {
+        inner: ::my_reexport::rpc_core::codegen::Channel,
+    }
+    impl GreeterBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// Blocking variant of [`GreeterClient::say_hello`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
-        pub fn say_hello_blocking(
+        pub fn say_hello(
             &self,
-            request: impl IntoRequest<super::HelloRequest>,
-        ) -> ::core::result::Result<Response<super::HelloReply>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::my_reexport::rpc_core::codegen::IntoRequest<
+                super::HelloRequest,
+            >,
+        ) -> ::core::result::Result<
+            ::my_reexport::rpc_core::codegen::Response<super::HelloReply>,
+            ::my_reexport::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::my_reexport::rpc_core::codegen::MethodDesc = ::my_reexport::rpc_core::codegen::MethodDesc::new(
                 "/helloworld.Greeter/SayHello",
-                CallKind::Unary,
+                ::my_reexport::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary_blocking(&METHOD, request.into_request())
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::my_reexport::rpc_core::codegen::IntoRequest<
+                        super::HelloRequest,
+                    >>::into_request(request),
+                )
         }
-        /// Many [`Self::say_hello`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+    }
+    impl ::core::convert::From<::my_reexport::rpc_core::codegen::Channel>
+    for GreeterBlockingClient {
+        fn from(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::my_reexport::rpc_core::codegen::Channel>
+    for GreeterBlockingClient {
+        fn as_ref(&self) -> &::my_reexport::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<GreeterClient> for GreeterBlockingClient {
+        fn from(client: GreeterClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `helloworld.Greeter`: one method per unary method of [`GreeterClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`GreeterClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct GreeterPipelineClient {
+        inner: ::my_reexport::rpc_core::codegen::Channel,
+    }
+    impl GreeterPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// A pipeline of [`GreeterClient::say_hello`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
         /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn say_hello_pipeline(
+        pub fn say_hello(
             &self,
         ) -> ::core::result::Result<
-            Pipeline<super::HelloRequest, super::HelloReply>,
-            Status,
+            ::my_reexport::rpc_core::codegen::Pipeline<
+                super::HelloRequest,
+                super::HelloReply,
+            >,
+            ::my_reexport::rpc_core::codegen::Status,
         > {
-            const METHOD: MethodDesc = MethodDesc::new(
+            const METHOD: ::my_reexport::rpc_core::codegen::MethodDesc = ::my_reexport::rpc_core::codegen::MethodDesc::new(
                 "/helloworld.Greeter/SayHello",
-                CallKind::Unary,
+                ::my_reexport::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
+        }
+    }
+    impl ::core::convert::From<::my_reexport::rpc_core::codegen::Channel>
+    for GreeterPipelineClient {
+        fn from(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::my_reexport::rpc_core::codegen::Channel>
+    for GreeterPipelineClient {
+        fn as_ref(&self) -> &::my_reexport::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<GreeterClient> for GreeterPipelineClient {
+        fn from(client: GreeterClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }

@@ -22,15 +22,20 @@ pub mod greeter_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// Says hello.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct GreeterClient {
-        inner: Channel,
+        inner: ::rpc_core::codegen::Channel,
     }
     impl GreeterClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `helloworld.Greeter`.
         ///
         /// # Errors
@@ -41,17 +46,9 @@ pub mod greeter_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
-        }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
-            Self { inner }
-        }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
-            &self.inner
+        ) -> ::core::result::Result<Self, ::rpc_core::codegen::TransportError> {
+            let inner = ::rpc_core::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
         /// Sends a greeting to `name`.
         ///
@@ -64,44 +61,125 @@ pub mod greeter_client {
         /// their pools only after the NIC is done with them.
         pub async fn say_hello(
             &self,
-            request: impl IntoRequest<super::HelloRequest>,
-        ) -> ::core::result::Result<Response<super::HelloReply>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<super::HelloRequest>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::HelloReply>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/helloworld.Greeter/SayHello",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::HelloRequest,
+                    >>::into_request(request),
+                )
+                .await
         }
-        /// Blocking variant of [`Self::say_hello`] for the lowest latency: the calling thread polls the completion queue itself.
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for GreeterClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for GreeterClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    /// Blocking calls of `helloworld.Greeter` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`GreeterClient`], under the same names; build it with `From` from a [`GreeterClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct GreeterBlockingClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl GreeterBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// Blocking variant of [`GreeterClient::say_hello`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
-        pub fn say_hello_blocking(
+        pub fn say_hello(
             &self,
-            request: impl IntoRequest<super::HelloRequest>,
-        ) -> ::core::result::Result<Response<super::HelloReply>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<super::HelloRequest>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::HelloReply>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/helloworld.Greeter/SayHello",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary_blocking(&METHOD, request.into_request())
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::HelloRequest,
+                    >>::into_request(request),
+                )
         }
-        /// Many [`Self::say_hello`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for GreeterBlockingClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for GreeterBlockingClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<GreeterClient> for GreeterBlockingClient {
+        fn from(client: GreeterClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `helloworld.Greeter`: one method per unary method of [`GreeterClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`GreeterClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct GreeterPipelineClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl GreeterPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// A pipeline of [`GreeterClient::say_hello`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
         /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn say_hello_pipeline(
+        pub fn say_hello(
             &self,
         ) -> ::core::result::Result<
-            Pipeline<super::HelloRequest, super::HelloReply>,
-            Status,
+            ::rpc_core::codegen::Pipeline<super::HelloRequest, super::HelloReply>,
+            ::rpc_core::codegen::Status,
         > {
-            const METHOD: MethodDesc = MethodDesc::new(
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/helloworld.Greeter/SayHello",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for GreeterPipelineClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for GreeterPipelineClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<GreeterClient> for GreeterPipelineClient {
+        fn from(client: GreeterClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }
@@ -114,37 +192,43 @@ pub mod greeter_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// `/helloworld.Greeter/SayHello`.
-    pub const SAY_HELLO: MethodDesc = MethodDesc::new(
+    pub const SAY_HELLO: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/helloworld.Greeter/SayHello",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
-    /// Every method of `helloworld.Greeter`, in declaration order.
-    pub const METHODS: &[MethodDesc] = &[SAY_HELLO];
     /// Says hello.
     pub trait Greeter: ::core::marker::Send + ::core::marker::Sync + 'static {
         /// Sends a greeting to `name`.
         fn say_hello(
             &self,
-            request: Request<super::HelloRequest>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<super::HelloReply>, Status>,
+            request: ::rpc_core::codegen::Request<super::HelloRequest>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<super::HelloReply>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
     }
     /// Serves a [`Greeter`] implementation as `helloworld.Greeter`: hand it to the server builder's `add_service`.
     pub struct GreeterServer<T> {
-        inner: Arc<T>,
+        inner: ::rpc_core::codegen::Arc<T>,
+    }
+    impl<T> GreeterServer<T> {
+        /// Every method of `helloworld.Greeter`, in declaration order (also `Service::methods`).
+        pub const METHODS: &'static [::rpc_core::codegen::MethodDesc] = &[SAY_HELLO];
     }
     impl<T: Greeter> GreeterServer<T> {
         /// Serves `inner`.
         pub fn new(inner: T) -> Self {
-            Self::from_arc(Arc::new(inner))
+            Self::from_arc(::rpc_core::codegen::Arc::new(inner))
         }
         /// Serves a shared `inner`.
-        pub fn from_arc(inner: Arc<T>) -> Self {
+        pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
     }
@@ -160,14 +244,18 @@ pub mod greeter_server {
             f.debug_struct(::core::stringify!(GreeterServer)).finish_non_exhaustive()
         }
     }
-    impl<T: Greeter> Service for GreeterServer<T> {
+    impl<T: Greeter> ::rpc_core::codegen::Service for GreeterServer<T> {
         fn name(&self) -> &'static str {
             "helloworld.Greeter"
         }
-        fn methods(&self) -> &'static [MethodDesc] {
-            METHODS
+        fn methods(&self) -> &'static [::rpc_core::codegen::MethodDesc] {
+            Self::METHODS
         }
-        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        fn call(
+            &self,
+            method: u32,
+            call: ::rpc_core::codegen::IncomingCall<'_>,
+        ) -> ::rpc_core::codegen::Dispatched {
             match method {
                 id if id == SAY_HELLO.id => {
                     let inner = ::core::clone::Clone::clone(&self.inner);

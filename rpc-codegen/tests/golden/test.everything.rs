@@ -20,9 +20,10 @@ pub mod route_guide_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// Route guide, in the shape of gRPC's example (see <https://grpc.io/docs/> for \[the original\]).
     ///
     /// Indented text is not a doctest:
@@ -32,9 +33,13 @@ pub mod route_guide_client {
     /// ```
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct RouteGuideClient {
-        inner: Channel,
+        inner: ::rpc_core::codegen::Channel,
     }
     impl RouteGuideClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.RouteGuide`.
         ///
         /// # Errors
@@ -45,17 +50,9 @@ pub mod route_guide_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
-        }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
-            Self { inner }
-        }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
-            &self.inner
+        ) -> ::core::result::Result<Self, ::rpc_core::codegen::TransportError> {
+            let inner = ::rpc_core::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
         /// Unary: the feature at a point.
         ///
@@ -68,44 +65,23 @@ pub mod route_guide_client {
         /// their pools only after the NIC is done with them.
         pub async fn get_feature(
             &self,
-            request: impl IntoRequest<super::super::common::Point>,
-        ) -> ::core::result::Result<Response<super::super::common::Feature>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.RouteGuide/GetFeature",
-                CallKind::Unary,
-            );
-            self.inner.unary(&METHOD, request.into_request()).await
-        }
-        /// Blocking variant of [`Self::get_feature`] for the lowest latency: the calling thread polls the completion queue itself.
-        ///
-        /// # Errors
-        /// The call's status: the handler's error, or the runtime's when the call could not be
-        /// completed.
-        pub fn get_feature_blocking(
-            &self,
-            request: impl IntoRequest<super::super::common::Point>,
-        ) -> ::core::result::Result<Response<super::super::common::Feature>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.RouteGuide/GetFeature",
-                CallKind::Unary,
-            );
-            self.inner.unary_blocking(&METHOD, request.into_request())
-        }
-        /// Many [`Self::get_feature`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
-        ///
-        /// # Errors
-        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn get_feature_pipeline(
-            &self,
+            request: impl ::rpc_core::codegen::IntoRequest<super::super::common::Point>,
         ) -> ::core::result::Result<
-            Pipeline<super::super::common::Point, super::super::common::Feature>,
-            Status,
+            ::rpc_core::codegen::Response<super::super::common::Feature>,
+            ::rpc_core::codegen::Status,
         > {
-            const METHOD: MethodDesc = MethodDesc::new(
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.RouteGuide/GetFeature",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.pipeline(&METHOD)
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::super::common::Point,
+                    >>::into_request(request),
+                )
+                .await
         }
         /// Server streaming: the features inside a rectangle.
         ///
@@ -118,16 +94,27 @@ pub mod route_guide_client {
         /// their pools only after the NIC is done with them.
         pub async fn list_features(
             &self,
-            request: impl IntoRequest<super::super::common::Rectangle>,
+            request: impl ::rpc_core::codegen::IntoRequest<
+                super::super::common::Rectangle,
+            >,
         ) -> ::core::result::Result<
-            Response<Streaming<super::super::common::Feature>>,
-            Status,
+            ::rpc_core::codegen::Response<
+                ::rpc_core::codegen::Streaming<super::super::common::Feature>,
+            >,
+            ::rpc_core::codegen::Status,
         > {
-            const METHOD: MethodDesc = MethodDesc::new(
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.RouteGuide/ListFeatures",
-                CallKind::ServerStreaming,
+                ::rpc_core::codegen::CallKind::ServerStreaming,
             );
-            self.inner.server_streaming(&METHOD, request.into_request()).await
+            self.inner
+                .server_streaming(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::super::common::Rectangle,
+                    >>::into_request(request),
+                )
+                .await
         }
         /// Client streaming: a route of points, summarized.
         ///
@@ -140,16 +127,25 @@ pub mod route_guide_client {
         /// their pools only after the NIC is done with them.
         pub async fn record_route(
             &self,
-            request: impl IntoStreamingRequest<Message = super::super::common::Point>,
+            request: impl ::rpc_core::codegen::IntoStreamingRequest<
+                Message = super::super::common::Point,
+            >,
         ) -> ::core::result::Result<
-            Response<super::super::common::RouteSummary>,
-            Status,
+            ::rpc_core::codegen::Response<super::super::common::RouteSummary>,
+            ::rpc_core::codegen::Status,
         > {
-            const METHOD: MethodDesc = MethodDesc::new(
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.RouteGuide/RecordRoute",
-                CallKind::ClientStreaming,
+                ::rpc_core::codegen::CallKind::ClientStreaming,
             );
-            self.inner.client_streaming(&METHOD, request.into_streaming_request()).await
+            self.inner
+                .client_streaming(
+                    &METHOD,
+                    ::rpc_core::codegen::IntoStreamingRequest::into_streaming_request(
+                        request,
+                    ),
+                )
+                .await
         }
         /// Bidirectional streaming: notes exchanged along a route.
         ///
@@ -162,16 +158,136 @@ pub mod route_guide_client {
         /// their pools only after the NIC is done with them.
         pub async fn route_chat(
             &self,
-            request: impl IntoStreamingRequest<Message = super::super::common::RouteNote>,
+            request: impl ::rpc_core::codegen::IntoStreamingRequest<
+                Message = super::super::common::RouteNote,
+            >,
         ) -> ::core::result::Result<
-            Response<Streaming<super::super::common::RouteNote>>,
-            Status,
+            ::rpc_core::codegen::Response<
+                ::rpc_core::codegen::Streaming<super::super::common::RouteNote>,
+            >,
+            ::rpc_core::codegen::Status,
         > {
-            const METHOD: MethodDesc = MethodDesc::new(
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.RouteGuide/RouteChat",
-                CallKind::Streaming,
+                ::rpc_core::codegen::CallKind::Streaming,
             );
-            self.inner.streaming(&METHOD, request.into_streaming_request()).await
+            self.inner
+                .streaming(
+                    &METHOD,
+                    ::rpc_core::codegen::IntoStreamingRequest::into_streaming_request(
+                        request,
+                    ),
+                )
+                .await
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for RouteGuideClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for RouteGuideClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    /// Blocking calls of `test.everything.RouteGuide` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`RouteGuideClient`], under the same names; build it with `From` from a [`RouteGuideClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct RouteGuideBlockingClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl RouteGuideBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// Blocking variant of [`RouteGuideClient::get_feature`]: the calling thread polls the completion queue itself.
+        ///
+        /// # Errors
+        /// The call's status: the handler's error, or the runtime's when the call could not be
+        /// completed.
+        pub fn get_feature(
+            &self,
+            request: impl ::rpc_core::codegen::IntoRequest<super::super::common::Point>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::super::common::Feature>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.RouteGuide/GetFeature",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::super::common::Point,
+                    >>::into_request(request),
+                )
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel>
+    for RouteGuideBlockingClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel>
+    for RouteGuideBlockingClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<RouteGuideClient> for RouteGuideBlockingClient {
+        fn from(client: RouteGuideClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `test.everything.RouteGuide`: one method per unary method of [`RouteGuideClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`RouteGuideClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct RouteGuidePipelineClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl RouteGuidePipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// A pipeline of [`RouteGuideClient::get_feature`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn get_feature(
+            &self,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Pipeline<
+                super::super::common::Point,
+                super::super::common::Feature,
+            >,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.RouteGuide/GetFeature",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel>
+    for RouteGuidePipelineClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel>
+    for RouteGuidePipelineClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<RouteGuideClient> for RouteGuidePipelineClient {
+        fn from(client: RouteGuideClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }
@@ -184,36 +300,30 @@ pub mod route_guide_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// `/test.everything.RouteGuide/GetFeature`.
-    pub const GET_FEATURE: MethodDesc = MethodDesc::new(
+    pub const GET_FEATURE: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.RouteGuide/GetFeature",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
     /// `/test.everything.RouteGuide/ListFeatures`.
-    pub const LIST_FEATURES: MethodDesc = MethodDesc::new(
+    pub const LIST_FEATURES: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.RouteGuide/ListFeatures",
-        CallKind::ServerStreaming,
+        ::rpc_core::codegen::CallKind::ServerStreaming,
     );
     /// `/test.everything.RouteGuide/RecordRoute`.
-    pub const RECORD_ROUTE: MethodDesc = MethodDesc::new(
+    pub const RECORD_ROUTE: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.RouteGuide/RecordRoute",
-        CallKind::ClientStreaming,
+        ::rpc_core::codegen::CallKind::ClientStreaming,
     );
     /// `/test.everything.RouteGuide/RouteChat`.
-    pub const ROUTE_CHAT: MethodDesc = MethodDesc::new(
+    pub const ROUTE_CHAT: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.RouteGuide/RouteChat",
-        CallKind::Streaming,
+        ::rpc_core::codegen::CallKind::Streaming,
     );
-    /// Every method of `test.everything.RouteGuide`, in declaration order.
-    pub const METHODS: &[MethodDesc] = &[
-        GET_FEATURE,
-        LIST_FEATURES,
-        RECORD_ROUTE,
-        ROUTE_CHAT,
-    ];
     /// Route guide, in the shape of gRPC's example (see <https://grpc.io/docs/> for \[the original\]).
     ///
     /// Indented text is not a doctest:
@@ -225,61 +335,86 @@ pub mod route_guide_server {
         /// Unary: the feature at a point.
         fn get_feature(
             &self,
-            request: Request<super::super::common::Point>,
-        ) -> impl Future<
+            request: ::rpc_core::codegen::Request<super::super::common::Point>,
+        ) -> impl ::rpc_core::codegen::Future<
             Output = ::core::result::Result<
-                Response<super::super::common::Feature>,
-                Status,
+                ::rpc_core::codegen::Response<super::super::common::Feature>,
+                ::rpc_core::codegen::Status,
             >,
         > + ::core::marker::Send;
         /// The stream of responses of [`RouteGuide::list_features`].
-        type ListFeaturesStream: Stream<
-                Item = ::core::result::Result<super::super::common::Feature, Status>,
+        type ListFeaturesStream: ::rpc_core::codegen::Stream<
+                Item = ::core::result::Result<
+                    super::super::common::Feature,
+                    ::rpc_core::codegen::Status,
+                >,
             >
             + ::core::marker::Send
             + 'static;
         /// Server streaming: the features inside a rectangle.
         fn list_features(
             &self,
-            request: Request<super::super::common::Rectangle>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<Self::ListFeaturesStream>, Status>,
+            request: ::rpc_core::codegen::Request<super::super::common::Rectangle>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<Self::ListFeaturesStream>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
         /// Client streaming: a route of points, summarized.
         fn record_route(
             &self,
-            request: Request<Streaming<super::super::common::Point>>,
-        ) -> impl Future<
+            request: ::rpc_core::codegen::Request<
+                ::rpc_core::codegen::Streaming<super::super::common::Point>,
+            >,
+        ) -> impl ::rpc_core::codegen::Future<
             Output = ::core::result::Result<
-                Response<super::super::common::RouteSummary>,
-                Status,
+                ::rpc_core::codegen::Response<super::super::common::RouteSummary>,
+                ::rpc_core::codegen::Status,
             >,
         > + ::core::marker::Send;
         /// The stream of responses of [`RouteGuide::route_chat`].
-        type RouteChatStream: Stream<
-                Item = ::core::result::Result<super::super::common::RouteNote, Status>,
+        type RouteChatStream: ::rpc_core::codegen::Stream<
+                Item = ::core::result::Result<
+                    super::super::common::RouteNote,
+                    ::rpc_core::codegen::Status,
+                >,
             >
             + ::core::marker::Send
             + 'static;
         /// Bidirectional streaming: notes exchanged along a route.
         fn route_chat(
             &self,
-            request: Request<Streaming<super::super::common::RouteNote>>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<Self::RouteChatStream>, Status>,
+            request: ::rpc_core::codegen::Request<
+                ::rpc_core::codegen::Streaming<super::super::common::RouteNote>,
+            >,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<Self::RouteChatStream>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
     }
     /// Serves a [`RouteGuide`] implementation as `test.everything.RouteGuide`: hand it to the server builder's `add_service`.
     pub struct RouteGuideServer<T> {
-        inner: Arc<T>,
+        inner: ::rpc_core::codegen::Arc<T>,
+    }
+    impl<T> RouteGuideServer<T> {
+        /// Every method of `test.everything.RouteGuide`, in declaration order (also `Service::methods`).
+        pub const METHODS: &'static [::rpc_core::codegen::MethodDesc] = &[
+            GET_FEATURE,
+            LIST_FEATURES,
+            RECORD_ROUTE,
+            ROUTE_CHAT,
+        ];
     }
     impl<T: RouteGuide> RouteGuideServer<T> {
         /// Serves `inner`.
         pub fn new(inner: T) -> Self {
-            Self::from_arc(Arc::new(inner))
+            Self::from_arc(::rpc_core::codegen::Arc::new(inner))
         }
         /// Serves a shared `inner`.
-        pub fn from_arc(inner: Arc<T>) -> Self {
+        pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
     }
@@ -295,14 +430,18 @@ pub mod route_guide_server {
             f.debug_struct(::core::stringify!(RouteGuideServer)).finish_non_exhaustive()
         }
     }
-    impl<T: RouteGuide> Service for RouteGuideServer<T> {
+    impl<T: RouteGuide> ::rpc_core::codegen::Service for RouteGuideServer<T> {
         fn name(&self) -> &'static str {
             "test.everything.RouteGuide"
         }
-        fn methods(&self) -> &'static [MethodDesc] {
-            METHODS
+        fn methods(&self) -> &'static [::rpc_core::codegen::MethodDesc] {
+            Self::METHODS
         }
-        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        fn call(
+            &self,
+            method: u32,
+            call: ::rpc_core::codegen::IncomingCall<'_>,
+        ) -> ::rpc_core::codegen::Dispatched {
             match method {
                 id if id == GET_FEATURE.id => {
                     let inner = ::core::clone::Clone::clone(&self.inner);
@@ -342,15 +481,20 @@ pub mod clock_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// Well-known types as requests and responses.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct ClockClient {
-        inner: Channel,
+        inner: ::rpc_core::codegen::Channel,
     }
     impl ClockClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Clock`.
         ///
         /// # Errors
@@ -361,17 +505,9 @@ pub mod clock_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
-        }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
-            Self { inner }
-        }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
-            &self.inner
+        ) -> ::core::result::Result<Self, ::rpc_core::codegen::TransportError> {
+            let inner = ::rpc_core::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
         /// The server's time.
         ///
@@ -384,41 +520,21 @@ pub mod clock_client {
         /// their pools only after the NIC is done with them.
         pub async fn now(
             &self,
-            request: impl IntoRequest<()>,
-        ) -> ::core::result::Result<Response<::prost_types::Timestamp>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<()>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<::prost_types::Timestamp>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Clock/Now",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
-        }
-        /// Blocking variant of [`Self::now`] for the lowest latency: the calling thread polls the completion queue itself.
-        ///
-        /// # Errors
-        /// The call's status: the handler's error, or the runtime's when the call could not be
-        /// completed.
-        pub fn now_blocking(
-            &self,
-            request: impl IntoRequest<()>,
-        ) -> ::core::result::Result<Response<::prost_types::Timestamp>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Clock/Now",
-                CallKind::Unary,
-            );
-            self.inner.unary_blocking(&METHOD, request.into_request())
-        }
-        /// Many [`Self::now`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
-        ///
-        /// # Errors
-        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn now_pipeline(
-            &self,
-        ) -> ::core::result::Result<Pipeline<(), ::prost_types::Timestamp>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Clock/Now",
-                CallKind::Unary,
-            );
-            self.inner.pipeline(&METHOD)
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<()>>::into_request(request),
+                )
+                .await
         }
         /// Does nothing.
         ///
@@ -431,39 +547,21 @@ pub mod clock_client {
         /// their pools only after the NIC is done with them.
         pub async fn ping(
             &self,
-            request: impl IntoRequest<()>,
-        ) -> ::core::result::Result<Response<()>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<()>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<()>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Clock/Ping",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
-        }
-        /// Blocking variant of [`Self::ping`] for the lowest latency: the calling thread polls the completion queue itself.
-        ///
-        /// # Errors
-        /// The call's status: the handler's error, or the runtime's when the call could not be
-        /// completed.
-        pub fn ping_blocking(
-            &self,
-            request: impl IntoRequest<()>,
-        ) -> ::core::result::Result<Response<()>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Clock/Ping",
-                CallKind::Unary,
-            );
-            self.inner.unary_blocking(&METHOD, request.into_request())
-        }
-        /// Many [`Self::ping`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
-        ///
-        /// # Errors
-        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn ping_pipeline(&self) -> ::core::result::Result<Pipeline<(), ()>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Clock/Ping",
-                CallKind::Unary,
-            );
-            self.inner.pipeline(&METHOD)
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<()>>::into_request(request),
+                )
+                .await
         }
         /// Old name of `Now`.
         ///
@@ -477,43 +575,199 @@ pub mod clock_client {
         #[deprecated]
         pub async fn get_time(
             &self,
-            request: impl IntoRequest<()>,
-        ) -> ::core::result::Result<Response<::prost_types::Timestamp>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<()>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<::prost_types::Timestamp>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Clock/GetTime",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<()>>::into_request(request),
+                )
+                .await
         }
-        /// Blocking variant of [`Self::get_time`] for the lowest latency: the calling thread polls the completion queue itself.
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for ClockClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for ClockClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    /// Blocking calls of `test.everything.Clock` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`ClockClient`], under the same names; build it with `From` from a [`ClockClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct ClockBlockingClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl ClockBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// Blocking variant of [`ClockClient::now`]: the calling thread polls the completion queue itself.
+        ///
+        /// # Errors
+        /// The call's status: the handler's error, or the runtime's when the call could not be
+        /// completed.
+        pub fn now(
+            &self,
+            request: impl ::rpc_core::codegen::IntoRequest<()>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<::prost_types::Timestamp>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Clock/Now",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<()>>::into_request(request),
+                )
+        }
+        /// Blocking variant of [`ClockClient::ping`]: the calling thread polls the completion queue itself.
+        ///
+        /// # Errors
+        /// The call's status: the handler's error, or the runtime's when the call could not be
+        /// completed.
+        pub fn ping(
+            &self,
+            request: impl ::rpc_core::codegen::IntoRequest<()>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<()>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Clock/Ping",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<()>>::into_request(request),
+                )
+        }
+        /// Blocking variant of [`ClockClient::get_time`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
         #[deprecated]
-        pub fn get_time_blocking(
+        pub fn get_time(
             &self,
-            request: impl IntoRequest<()>,
-        ) -> ::core::result::Result<Response<::prost_types::Timestamp>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<()>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<::prost_types::Timestamp>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Clock/GetTime",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary_blocking(&METHOD, request.into_request())
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<()>>::into_request(request),
+                )
         }
-        /// Many [`Self::get_time`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for ClockBlockingClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for ClockBlockingClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<ClockClient> for ClockBlockingClient {
+        fn from(client: ClockClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `test.everything.Clock`: one method per unary method of [`ClockClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`ClockClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct ClockPipelineClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl ClockPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// A pipeline of [`ClockClient::now`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn now(
+            &self,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Pipeline<(), ::prost_types::Timestamp>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Clock/Now",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
+        /// A pipeline of [`ClockClient::ping`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn ping(
+            &self,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Pipeline<(), ()>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Clock/Ping",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
+        /// A pipeline of [`ClockClient::get_time`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
         /// `UNAVAILABLE` when there is no connection and reconnecting fails.
         #[deprecated]
-        pub fn get_time_pipeline(
+        pub fn get_time(
             &self,
-        ) -> ::core::result::Result<Pipeline<(), ::prost_types::Timestamp>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Pipeline<(), ::prost_types::Timestamp>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Clock/GetTime",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for ClockPipelineClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for ClockPipelineClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<ClockClient> for ClockPipelineClient {
+        fn from(client: ClockClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }
@@ -526,61 +780,77 @@ pub mod clock_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// `/test.everything.Clock/Now`.
-    pub const NOW: MethodDesc = MethodDesc::new(
+    pub const NOW: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.Clock/Now",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
     /// `/test.everything.Clock/Ping`.
-    pub const PING: MethodDesc = MethodDesc::new(
+    pub const PING: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.Clock/Ping",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
     /// `/test.everything.Clock/GetTime`.
-    pub const GET_TIME: MethodDesc = MethodDesc::new(
+    pub const GET_TIME: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.Clock/GetTime",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
-    /// Every method of `test.everything.Clock`, in declaration order.
-    pub const METHODS: &[MethodDesc] = &[NOW, PING, GET_TIME];
     /// Well-known types as requests and responses.
     pub trait Clock: ::core::marker::Send + ::core::marker::Sync + 'static {
         /// The server's time.
         fn now(
             &self,
-            request: Request<()>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<::prost_types::Timestamp>, Status>,
+            request: ::rpc_core::codegen::Request<()>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<::prost_types::Timestamp>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
         /// Does nothing.
         fn ping(
             &self,
-            request: Request<()>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<()>, Status>,
+            request: ::rpc_core::codegen::Request<()>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<()>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
         /// Old name of `Now`.
         fn get_time(
             &self,
-            request: Request<()>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<::prost_types::Timestamp>, Status>,
+            request: ::rpc_core::codegen::Request<()>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<::prost_types::Timestamp>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
     }
     /// Serves a [`Clock`] implementation as `test.everything.Clock`: hand it to the server builder's `add_service`.
     pub struct ClockServer<T> {
-        inner: Arc<T>,
+        inner: ::rpc_core::codegen::Arc<T>,
+    }
+    impl<T> ClockServer<T> {
+        /// Every method of `test.everything.Clock`, in declaration order (also `Service::methods`).
+        pub const METHODS: &'static [::rpc_core::codegen::MethodDesc] = &[
+            NOW,
+            PING,
+            GET_TIME,
+        ];
     }
     impl<T: Clock> ClockServer<T> {
         /// Serves `inner`.
         pub fn new(inner: T) -> Self {
-            Self::from_arc(Arc::new(inner))
+            Self::from_arc(::rpc_core::codegen::Arc::new(inner))
         }
         /// Serves a shared `inner`.
-        pub fn from_arc(inner: Arc<T>) -> Self {
+        pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
     }
@@ -596,14 +866,18 @@ pub mod clock_server {
             f.debug_struct(::core::stringify!(ClockServer)).finish_non_exhaustive()
         }
     }
-    impl<T: Clock> Service for ClockServer<T> {
+    impl<T: Clock> ::rpc_core::codegen::Service for ClockServer<T> {
         fn name(&self) -> &'static str {
             "test.everything.Clock"
         }
-        fn methods(&self) -> &'static [MethodDesc] {
-            METHODS
+        fn methods(&self) -> &'static [::rpc_core::codegen::MethodDesc] {
+            Self::METHODS
         }
-        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        fn call(
+            &self,
+            method: u32,
+            call: ::rpc_core::codegen::IncomingCall<'_>,
+        ) -> ::rpc_core::codegen::Dispatched {
             match method {
                 id if id == NOW.id => {
                     let inner = ::core::clone::Clone::clone(&self.inner);
@@ -637,15 +911,20 @@ pub mod keywords_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// Methods whose names are Rust keywords.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct KeywordsClient {
-        inner: Channel,
+        inner: ::rpc_core::codegen::Channel,
     }
     impl KeywordsClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Keywords`.
         ///
         /// # Errors
@@ -656,17 +935,9 @@ pub mod keywords_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
-        }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
-            Self { inner }
-        }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
-            &self.inner
+        ) -> ::core::result::Result<Self, ::rpc_core::codegen::TransportError> {
+            let inner = ::rpc_core::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
         /// Calls `/test.everything.Keywords/type`.
         ///
@@ -679,41 +950,23 @@ pub mod keywords_client {
         /// their pools only after the NIC is done with them.
         pub async fn r#type(
             &self,
-            request: impl IntoRequest<super::Type>,
-        ) -> ::core::result::Result<Response<super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<super::Type>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Keywords/type",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
-        }
-        /// Blocking variant of [`Self::type`] for the lowest latency: the calling thread polls the completion queue itself.
-        ///
-        /// # Errors
-        /// The call's status: the handler's error, or the runtime's when the call could not be
-        /// completed.
-        pub fn type_blocking(
-            &self,
-            request: impl IntoRequest<super::Type>,
-        ) -> ::core::result::Result<Response<super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Keywords/type",
-                CallKind::Unary,
-            );
-            self.inner.unary_blocking(&METHOD, request.into_request())
-        }
-        /// Many [`Self::type`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
-        ///
-        /// # Errors
-        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn type_pipeline(
-            &self,
-        ) -> ::core::result::Result<Pipeline<super::Type, super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Keywords/type",
-                CallKind::Unary,
-            );
-            self.inner.pipeline(&METHOD)
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Type,
+                    >>::into_request(request),
+                )
+                .await
         }
         /// Calls `/test.everything.Keywords/Match`.
         ///
@@ -726,41 +979,23 @@ pub mod keywords_client {
         /// their pools only after the NIC is done with them.
         pub async fn r#match(
             &self,
-            request: impl IntoRequest<super::Type>,
-        ) -> ::core::result::Result<Response<super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<super::Type>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Keywords/Match",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
-        }
-        /// Blocking variant of [`Self::match`] for the lowest latency: the calling thread polls the completion queue itself.
-        ///
-        /// # Errors
-        /// The call's status: the handler's error, or the runtime's when the call could not be
-        /// completed.
-        pub fn match_blocking(
-            &self,
-            request: impl IntoRequest<super::Type>,
-        ) -> ::core::result::Result<Response<super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Keywords/Match",
-                CallKind::Unary,
-            );
-            self.inner.unary_blocking(&METHOD, request.into_request())
-        }
-        /// Many [`Self::match`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
-        ///
-        /// # Errors
-        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn match_pipeline(
-            &self,
-        ) -> ::core::result::Result<Pipeline<super::Type, super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Keywords/Match",
-                CallKind::Unary,
-            );
-            self.inner.pipeline(&METHOD)
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Type,
+                    >>::into_request(request),
+                )
+                .await
         }
         /// Calls `/test.everything.Keywords/Async`.
         ///
@@ -773,13 +1008,23 @@ pub mod keywords_client {
         /// their pools only after the NIC is done with them.
         pub async fn r#async(
             &self,
-            request: impl IntoRequest<super::Type>,
-        ) -> ::core::result::Result<Response<Streaming<super::Type>>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<super::Type>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<::rpc_core::codegen::Streaming<super::Type>>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Keywords/Async",
-                CallKind::ServerStreaming,
+                ::rpc_core::codegen::CallKind::ServerStreaming,
             );
-            self.inner.server_streaming(&METHOD, request.into_request()).await
+            self.inner
+                .server_streaming(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Type,
+                    >>::into_request(request),
+                )
+                .await
         }
         /// Calls `/test.everything.Keywords/Loop`.
         ///
@@ -792,13 +1037,25 @@ pub mod keywords_client {
         /// their pools only after the NIC is done with them.
         pub async fn r#loop(
             &self,
-            request: impl IntoStreamingRequest<Message = super::Type>,
-        ) -> ::core::result::Result<Response<super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoStreamingRequest<
+                Message = super::Type,
+            >,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Keywords/Loop",
-                CallKind::ClientStreaming,
+                ::rpc_core::codegen::CallKind::ClientStreaming,
             );
-            self.inner.client_streaming(&METHOD, request.into_streaming_request()).await
+            self.inner
+                .client_streaming(
+                    &METHOD,
+                    ::rpc_core::codegen::IntoStreamingRequest::into_streaming_request(
+                        request,
+                    ),
+                )
+                .await
         }
         /// Calls `/test.everything.Keywords/Self`.
         ///
@@ -811,41 +1068,207 @@ pub mod keywords_client {
         /// their pools only after the NIC is done with them.
         pub async fn self_(
             &self,
-            request: impl IntoRequest<super::Type>,
-        ) -> ::core::result::Result<Response<super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<super::Type>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.everything.Keywords/Self",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Type,
+                    >>::into_request(request),
+                )
+                .await
         }
-        /// Blocking variant of [`Self::self_`] for the lowest latency: the calling thread polls the completion queue itself.
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for KeywordsClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for KeywordsClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    /// Blocking calls of `test.everything.Keywords` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`KeywordsClient`], under the same names; build it with `From` from a [`KeywordsClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct KeywordsBlockingClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl KeywordsBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// Blocking variant of [`KeywordsClient::type`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
-        pub fn self_blocking(
+        pub fn r#type(
             &self,
-            request: impl IntoRequest<super::Type>,
-        ) -> ::core::result::Result<Response<super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Keywords/Self",
-                CallKind::Unary,
+            request: impl ::rpc_core::codegen::IntoRequest<super::Type>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Keywords/type",
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary_blocking(&METHOD, request.into_request())
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Type,
+                    >>::into_request(request),
+                )
         }
-        /// Many [`Self::self_`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+        /// Blocking variant of [`KeywordsClient::match`]: the calling thread polls the completion queue itself.
+        ///
+        /// # Errors
+        /// The call's status: the handler's error, or the runtime's when the call could not be
+        /// completed.
+        pub fn r#match(
+            &self,
+            request: impl ::rpc_core::codegen::IntoRequest<super::Type>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Keywords/Match",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Type,
+                    >>::into_request(request),
+                )
+        }
+        /// Blocking variant of [`KeywordsClient::self_`]: the calling thread polls the completion queue itself.
+        ///
+        /// # Errors
+        /// The call's status: the handler's error, or the runtime's when the call could not be
+        /// completed.
+        pub fn self_(
+            &self,
+            request: impl ::rpc_core::codegen::IntoRequest<super::Type>,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Keywords/Self",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::Type,
+                    >>::into_request(request),
+                )
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for KeywordsBlockingClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel>
+    for KeywordsBlockingClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<KeywordsClient> for KeywordsBlockingClient {
+        fn from(client: KeywordsClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `test.everything.Keywords`: one method per unary method of [`KeywordsClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`KeywordsClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct KeywordsPipelineClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl KeywordsPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// A pipeline of [`KeywordsClient::type`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
         /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn self_pipeline(
+        pub fn r#type(
             &self,
-        ) -> ::core::result::Result<Pipeline<super::Type, super::Type>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
-                "/test.everything.Keywords/Self",
-                CallKind::Unary,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Pipeline<super::Type, super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Keywords/type",
+                ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
+        }
+        /// A pipeline of [`KeywordsClient::match`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn r#match(
+            &self,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Pipeline<super::Type, super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Keywords/Match",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
+        /// A pipeline of [`KeywordsClient::self_`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
+        ///
+        /// # Errors
+        /// `UNAVAILABLE` when there is no connection and reconnecting fails.
+        pub fn self_(
+            &self,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Pipeline<super::Type, super::Type>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
+                "/test.everything.Keywords/Self",
+                ::rpc_core::codegen::CallKind::Unary,
+            );
+            self.inner.pipeline(&METHOD)
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for KeywordsPipelineClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel>
+    for KeywordsPipelineClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<KeywordsClient> for KeywordsPipelineClient {
+        fn from(client: KeywordsClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }
@@ -858,89 +1281,117 @@ pub mod keywords_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// `/test.everything.Keywords/type`.
-    pub const TYPE: MethodDesc = MethodDesc::new(
+    pub const TYPE: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.Keywords/type",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
     /// `/test.everything.Keywords/Match`.
-    pub const MATCH: MethodDesc = MethodDesc::new(
+    pub const MATCH: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.Keywords/Match",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
     /// `/test.everything.Keywords/Async`.
-    pub const ASYNC: MethodDesc = MethodDesc::new(
+    pub const ASYNC: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.Keywords/Async",
-        CallKind::ServerStreaming,
+        ::rpc_core::codegen::CallKind::ServerStreaming,
     );
     /// `/test.everything.Keywords/Loop`.
-    pub const LOOP: MethodDesc = MethodDesc::new(
+    pub const LOOP: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.Keywords/Loop",
-        CallKind::ClientStreaming,
+        ::rpc_core::codegen::CallKind::ClientStreaming,
     );
     /// `/test.everything.Keywords/Self`.
-    pub const SELF: MethodDesc = MethodDesc::new(
+    pub const SELF: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.everything.Keywords/Self",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
-    /// Every method of `test.everything.Keywords`, in declaration order.
-    pub const METHODS: &[MethodDesc] = &[TYPE, MATCH, ASYNC, LOOP, SELF];
     /// Methods whose names are Rust keywords.
     pub trait Keywords: ::core::marker::Send + ::core::marker::Sync + 'static {
         /// Handles `/test.everything.Keywords/type`.
         fn r#type(
             &self,
-            request: Request<super::Type>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<super::Type>, Status>,
+            request: ::rpc_core::codegen::Request<super::Type>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<super::Type>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
         /// Handles `/test.everything.Keywords/Match`.
         fn r#match(
             &self,
-            request: Request<super::Type>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<super::Type>, Status>,
+            request: ::rpc_core::codegen::Request<super::Type>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<super::Type>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
         /// The stream of responses of [`Keywords::async`].
-        type AsyncStream: Stream<Item = ::core::result::Result<super::Type, Status>>
+        type AsyncStream: ::rpc_core::codegen::Stream<
+                Item = ::core::result::Result<super::Type, ::rpc_core::codegen::Status>,
+            >
             + ::core::marker::Send
             + 'static;
         /// Handles `/test.everything.Keywords/Async`.
         fn r#async(
             &self,
-            request: Request<super::Type>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<Self::AsyncStream>, Status>,
+            request: ::rpc_core::codegen::Request<super::Type>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<Self::AsyncStream>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
         /// Handles `/test.everything.Keywords/Loop`.
         fn r#loop(
             &self,
-            request: Request<Streaming<super::Type>>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<super::Type>, Status>,
+            request: ::rpc_core::codegen::Request<
+                ::rpc_core::codegen::Streaming<super::Type>,
+            >,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<super::Type>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
         /// Handles `/test.everything.Keywords/Self`.
         fn self_(
             &self,
-            request: Request<super::Type>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<super::Type>, Status>,
+            request: ::rpc_core::codegen::Request<super::Type>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<super::Type>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
     }
     /// Serves a [`Keywords`] implementation as `test.everything.Keywords`: hand it to the server builder's `add_service`.
     pub struct KeywordsServer<T> {
-        inner: Arc<T>,
+        inner: ::rpc_core::codegen::Arc<T>,
+    }
+    impl<T> KeywordsServer<T> {
+        /// Every method of `test.everything.Keywords`, in declaration order (also `Service::methods`).
+        pub const METHODS: &'static [::rpc_core::codegen::MethodDesc] = &[
+            TYPE,
+            MATCH,
+            ASYNC,
+            LOOP,
+            SELF,
+        ];
     }
     impl<T: Keywords> KeywordsServer<T> {
         /// Serves `inner`.
         pub fn new(inner: T) -> Self {
-            Self::from_arc(Arc::new(inner))
+            Self::from_arc(::rpc_core::codegen::Arc::new(inner))
         }
         /// Serves a shared `inner`.
-        pub fn from_arc(inner: Arc<T>) -> Self {
+        pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
     }
@@ -956,14 +1407,18 @@ pub mod keywords_server {
             f.debug_struct(::core::stringify!(KeywordsServer)).finish_non_exhaustive()
         }
     }
-    impl<T: Keywords> Service for KeywordsServer<T> {
+    impl<T: Keywords> ::rpc_core::codegen::Service for KeywordsServer<T> {
         fn name(&self) -> &'static str {
             "test.everything.Keywords"
         }
-        fn methods(&self) -> &'static [MethodDesc] {
-            METHODS
+        fn methods(&self) -> &'static [::rpc_core::codegen::MethodDesc] {
+            Self::METHODS
         }
-        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        fn call(
+            &self,
+            method: u32,
+            call: ::rpc_core::codegen::IncomingCall<'_>,
+        ) -> ::rpc_core::codegen::Dispatched {
             match method {
                 id if id == TYPE.id => {
                     let inner = ::core::clone::Clone::clone(&self.inner);
@@ -1009,15 +1464,20 @@ pub mod nothing_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// A service without methods.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct NothingClient {
-        inner: Channel,
+        inner: ::rpc_core::codegen::Channel,
     }
     impl NothingClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Nothing`.
         ///
         /// # Errors
@@ -1028,17 +1488,71 @@ pub mod nothing_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
+        ) -> ::core::result::Result<Self, ::rpc_core::codegen::TransportError> {
+            let inner = ::rpc_core::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for NothingClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for NothingClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
             &self.inner
+        }
+    }
+    /// Blocking calls of `test.everything.Nothing` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`NothingClient`], under the same names; build it with `From` from a [`NothingClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct NothingBlockingClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl NothingBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for NothingBlockingClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for NothingBlockingClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<NothingClient> for NothingBlockingClient {
+        fn from(client: NothingClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `test.everything.Nothing`: one method per unary method of [`NothingClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`NothingClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct NothingPipelineClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl NothingPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for NothingPipelineClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for NothingPipelineClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<NothingClient> for NothingPipelineClient {
+        fn from(client: NothingClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }
@@ -1051,24 +1565,27 @@ pub mod nothing_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
-    /// Every method of `test.everything.Nothing`, in declaration order.
-    pub const METHODS: &[MethodDesc] = &[];
     /// A service without methods.
     pub trait Nothing: ::core::marker::Send + ::core::marker::Sync + 'static {}
     /// Serves a [`Nothing`] implementation as `test.everything.Nothing`: hand it to the server builder's `add_service`.
     pub struct NothingServer<T> {
-        inner: Arc<T>,
+        inner: ::rpc_core::codegen::Arc<T>,
+    }
+    impl<T> NothingServer<T> {
+        /// Every method of `test.everything.Nothing`, in declaration order (also `Service::methods`).
+        pub const METHODS: &'static [::rpc_core::codegen::MethodDesc] = &[];
     }
     impl<T: Nothing> NothingServer<T> {
         /// Serves `inner`.
         pub fn new(inner: T) -> Self {
-            Self::from_arc(Arc::new(inner))
+            Self::from_arc(::rpc_core::codegen::Arc::new(inner))
         }
         /// Serves a shared `inner`.
-        pub fn from_arc(inner: Arc<T>) -> Self {
+        pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
     }
@@ -1084,14 +1601,18 @@ pub mod nothing_server {
             f.debug_struct(::core::stringify!(NothingServer)).finish_non_exhaustive()
         }
     }
-    impl<T: Nothing> Service for NothingServer<T> {
+    impl<T: Nothing> ::rpc_core::codegen::Service for NothingServer<T> {
         fn name(&self) -> &'static str {
             "test.everything.Nothing"
         }
-        fn methods(&self) -> &'static [MethodDesc] {
-            METHODS
+        fn methods(&self) -> &'static [::rpc_core::codegen::MethodDesc] {
+            Self::METHODS
         }
-        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        fn call(
+            &self,
+            method: u32,
+            call: ::rpc_core::codegen::IncomingCall<'_>,
+        ) -> ::rpc_core::codegen::Dispatched {
             match method {
                 _ => call.unimplemented(),
             }

@@ -23,15 +23,20 @@ pub mod deep_client {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// Lives in `test.nested.deep`, speaks `test.common` messages.
     #[derive(::core::fmt::Debug, ::core::clone::Clone)]
     pub struct DeepClient {
-        inner: Channel,
+        inner: ::rpc_core::codegen::Channel,
     }
     impl DeepClient {
+        /// A client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.nested.deep.Deep`.
         ///
         /// # Errors
@@ -42,17 +47,9 @@ pub mod deep_client {
         /// Dropping the future abandons the attempt and frees what it set up.
         pub async fn connect(
             addr: impl ::core::convert::AsRef<str>,
-        ) -> ::core::result::Result<Self, TransportError> {
-            let inner = Channel::connect(addr).await?;
-            ::core::result::Result::Ok(Self::new(inner))
-        }
-        /// A client over an existing channel (channels are cheap to clone and share).
-        pub fn new(inner: Channel) -> Self {
-            Self { inner }
-        }
-        /// The channel this client calls through.
-        pub fn channel(&self) -> &Channel {
-            &self.inner
+        ) -> ::core::result::Result<Self, ::rpc_core::codegen::TransportError> {
+            let inner = ::rpc_core::codegen::Channel::connect(addr).await?;
+            ::core::result::Result::Ok(Self { inner })
         }
         /// Calls `/test.nested.deep.Deep/Locate`.
         ///
@@ -65,44 +62,132 @@ pub mod deep_client {
         /// their pools only after the NIC is done with them.
         pub async fn locate(
             &self,
-            request: impl IntoRequest<super::super::super::common::Point>,
-        ) -> ::core::result::Result<Response<super::Located>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<
+                super::super::super::common::Point,
+            >,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Located>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.nested.deep.Deep/Locate",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary(&METHOD, request.into_request()).await
+            self.inner
+                .unary(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::super::super::common::Point,
+                    >>::into_request(request),
+                )
+                .await
         }
-        /// Blocking variant of [`Self::locate`] for the lowest latency: the calling thread polls the completion queue itself.
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for DeepClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for DeepClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    /// Blocking calls of `test.nested.deep.Deep` for the lowest latency: the calling thread polls the completion queue itself. The unary methods of [`DeepClient`], under the same names; build it with `From` from a [`DeepClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct DeepBlockingClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl DeepBlockingClient {
+        /// A blocking client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// Blocking variant of [`DeepClient::locate`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
         /// The call's status: the handler's error, or the runtime's when the call could not be
         /// completed.
-        pub fn locate_blocking(
+        pub fn locate(
             &self,
-            request: impl IntoRequest<super::super::super::common::Point>,
-        ) -> ::core::result::Result<Response<super::Located>, Status> {
-            const METHOD: MethodDesc = MethodDesc::new(
+            request: impl ::rpc_core::codegen::IntoRequest<
+                super::super::super::common::Point,
+            >,
+        ) -> ::core::result::Result<
+            ::rpc_core::codegen::Response<super::Located>,
+            ::rpc_core::codegen::Status,
+        > {
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.nested.deep.Deep/Locate",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
-            self.inner.unary_blocking(&METHOD, request.into_request())
+            self.inner
+                .unary_blocking(
+                    &METHOD,
+                    <_ as ::rpc_core::codegen::IntoRequest<
+                        super::super::super::common::Point,
+                    >>::into_request(request),
+                )
         }
-        /// Many [`Self::locate`] calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait` (see `Channel::pipeline`).
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for DeepBlockingClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for DeepBlockingClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<DeepClient> for DeepBlockingClient {
+        fn from(client: DeepClient) -> Self {
+            Self { inner: client.inner }
+        }
+    }
+    /// Pipelines of `test.nested.deep.Deep`: one method per unary method of [`DeepClient`], under the same name, opening a pipeline of that method (many calls in flight from one thread without async tasks: submit with a tag, collect responses with `poll`/`wait`). Build it with `From` from a [`DeepClient`] or a channel.
+    #[derive(::core::fmt::Debug, ::core::clone::Clone)]
+    pub struct DeepPipelineClient {
+        inner: ::rpc_core::codegen::Channel,
+    }
+    impl DeepPipelineClient {
+        /// A pipeline client over `inner` (channels are cheap to clone and share).
+        pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+        /// A pipeline of [`DeepClient::locate`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
         /// # Errors
         /// `UNAVAILABLE` when there is no connection and reconnecting fails.
-        pub fn locate_pipeline(
+        pub fn locate(
             &self,
         ) -> ::core::result::Result<
-            Pipeline<super::super::super::common::Point, super::Located>,
-            Status,
+            ::rpc_core::codegen::Pipeline<
+                super::super::super::common::Point,
+                super::Located,
+            >,
+            ::rpc_core::codegen::Status,
         > {
-            const METHOD: MethodDesc = MethodDesc::new(
+            const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
                 "/test.nested.deep.Deep/Locate",
-                CallKind::Unary,
+                ::rpc_core::codegen::CallKind::Unary,
             );
             self.inner.pipeline(&METHOD)
+        }
+    }
+    impl ::core::convert::From<::rpc_core::codegen::Channel> for DeepPipelineClient {
+        fn from(inner: ::rpc_core::codegen::Channel) -> Self {
+            Self { inner }
+        }
+    }
+    impl ::core::convert::AsRef<::rpc_core::codegen::Channel> for DeepPipelineClient {
+        fn as_ref(&self) -> &::rpc_core::codegen::Channel {
+            &self.inner
+        }
+    }
+    impl ::core::convert::From<DeepClient> for DeepPipelineClient {
+        fn from(client: DeepClient) -> Self {
+            Self { inner: client.inner }
         }
     }
 }
@@ -115,37 +200,43 @@ pub mod deep_server {
         missing_docs,
         private_interfaces,
         private_bounds,
+        non_camel_case_types,
+        non_snake_case,
         clippy::all
     )]
-    use ::rpc_core::codegen::*;
     /// `/test.nested.deep.Deep/Locate`.
-    pub const LOCATE: MethodDesc = MethodDesc::new(
+    pub const LOCATE: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/test.nested.deep.Deep/Locate",
-        CallKind::Unary,
+        ::rpc_core::codegen::CallKind::Unary,
     );
-    /// Every method of `test.nested.deep.Deep`, in declaration order.
-    pub const METHODS: &[MethodDesc] = &[LOCATE];
     /// Lives in `test.nested.deep`, speaks `test.common` messages.
     pub trait Deep: ::core::marker::Send + ::core::marker::Sync + 'static {
         /// Handles `/test.nested.deep.Deep/Locate`.
         fn locate(
             &self,
-            request: Request<super::super::super::common::Point>,
-        ) -> impl Future<
-            Output = ::core::result::Result<Response<super::Located>, Status>,
+            request: ::rpc_core::codegen::Request<super::super::super::common::Point>,
+        ) -> impl ::rpc_core::codegen::Future<
+            Output = ::core::result::Result<
+                ::rpc_core::codegen::Response<super::Located>,
+                ::rpc_core::codegen::Status,
+            >,
         > + ::core::marker::Send;
     }
     /// Serves a [`Deep`] implementation as `test.nested.deep.Deep`: hand it to the server builder's `add_service`.
     pub struct DeepServer<T> {
-        inner: Arc<T>,
+        inner: ::rpc_core::codegen::Arc<T>,
+    }
+    impl<T> DeepServer<T> {
+        /// Every method of `test.nested.deep.Deep`, in declaration order (also `Service::methods`).
+        pub const METHODS: &'static [::rpc_core::codegen::MethodDesc] = &[LOCATE];
     }
     impl<T: Deep> DeepServer<T> {
         /// Serves `inner`.
         pub fn new(inner: T) -> Self {
-            Self::from_arc(Arc::new(inner))
+            Self::from_arc(::rpc_core::codegen::Arc::new(inner))
         }
         /// Serves a shared `inner`.
-        pub fn from_arc(inner: Arc<T>) -> Self {
+        pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
     }
@@ -161,14 +252,18 @@ pub mod deep_server {
             f.debug_struct(::core::stringify!(DeepServer)).finish_non_exhaustive()
         }
     }
-    impl<T: Deep> Service for DeepServer<T> {
+    impl<T: Deep> ::rpc_core::codegen::Service for DeepServer<T> {
         fn name(&self) -> &'static str {
             "test.nested.deep.Deep"
         }
-        fn methods(&self) -> &'static [MethodDesc] {
-            METHODS
+        fn methods(&self) -> &'static [::rpc_core::codegen::MethodDesc] {
+            Self::METHODS
         }
-        fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        fn call(
+            &self,
+            method: u32,
+            call: ::rpc_core::codegen::IncomingCall<'_>,
+        ) -> ::rpc_core::codegen::Dispatched {
             match method {
                 id if id == LOCATE.id => {
                     let inner = ::core::clone::Clone::clone(&self.inner);

@@ -77,3 +77,32 @@ fn non_traits_are_refused_with_a_message() {
     .to_string();
     assert!(out.contains("#[service] goes on a trait"), "{out}");
 }
+
+#[test]
+fn doc_tests_stay_on_the_trait_only() {
+    let out = pretty(expand(
+        quote!(),
+        quote! {
+            /// A store.
+            ///
+            /// ```
+            /// assert_eq!(1 + 1, 2);
+            /// ```
+            pub trait Kv {
+                /// Reads a key.
+                ///
+                /// ```
+                /// assert!(true);
+                /// ```
+                async fn get(&self, request: GetRequest) -> Result<GetReply, Status>;
+            }
+        },
+    ));
+    // The user's trait keeps its two doc tests; the generated client and server get none.
+    assert_eq!(out.matches("/// ```").count(), 4, "{out}");
+    assert!(out.contains("Examples: see [`Kv`](super::Kv)."), "{out}");
+    assert!(
+        out.contains("Examples: see [`Kv::get`](super::Kv::get)."),
+        "{out}"
+    );
+}

@@ -8,15 +8,9 @@ pub trait Svc {
     async fn connect(&self, request: Msg) -> Result<Msg, Status>;
     async fn new(&self, request: Msg) -> Result<Msg, Status>;
     async fn get(&self, request: Msg) -> Result<Msg, Status>;
-    async fn get_blocking(&self, request: Msg) -> Result<Msg, Status>;
     async fn get_x(&self, request: Msg) -> Result<Msg, Status>;
     #[allow(non_snake_case)]
     async fn getX(&self, request: Msg) -> Result<Msg, Status>;
-}
-
-#[rpc_derive::service]
-pub trait Status {
-    async fn get(&self, request: Msg) -> Result<Msg, rpc_core::Status>;
 }
 
 fn main() {}

@@ -1,0 +1,11 @@
+use rpc_core::Status;
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Msg {}
+
+#[rpc_derive::service]
+pub trait Svc {
+    async fn get(&self, request: Msg) -> Result<Mgs, Status>;
+}
+
+fn main() {}
