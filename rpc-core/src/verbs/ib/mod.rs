@@ -56,6 +56,8 @@
 
 mod cq;
 mod device;
+mod events;
+mod ledger;
 mod mr;
 mod qp;
 mod select;
@@ -66,7 +68,8 @@ use crate::verbs::{Context, Provider};
 
 pub use cq::{IbCompChannel, IbCq, POLL_BATCH};
 pub use device::{DeviceReport, IbContext, PortInfo, PortReport, PortState, diagnose};
-pub use mr::{IbMr, IbPd, MEMLOCK_FIX, Memlock};
+pub use events::ENV_FORK_INIT;
+pub use mr::{ENV_RELAXED_ORDERING, IbMr, IbPd, MEMLOCK_FIX, Memlock};
 pub use qp::{IbQp, POST_BATCH};
 pub use select::{
     ENV_GID_INDEX, ENV_HCA, ENV_QPS_PER_CONNECTION, ENV_SL, ENV_TC, GidAddr, GidChoice, GidEntry,
@@ -177,5 +180,9 @@ impl Context<Ib> for IbContext {
 
     fn create_cq(&self, cqe: u32, channel: Option<&IbCompChannel>) -> Result<IbCq> {
         IbCq::create(self, cqe, channel)
+    }
+
+    fn poll_async_event(&self) -> Result<Option<crate::verbs::AsyncEvent>> {
+        events::poll_async_event(&self.shared.raw)
     }
 }

@@ -445,6 +445,11 @@ impl Conn {
         })
     }
 
+    /// The connected peer QP's `min_rnr_timer` (its RNR NAK timer), as published at its RTR.
+    pub(crate) fn peer_rnr_timer(&self) -> u8 {
+        (self.p32(self.pe + qp::RNR_TIMER).load(Ordering::Relaxed) & 31) as u8
+    }
+
     #[inline]
     fn p32(&self, off: usize) -> &AtomicU32 {
         self.peer.pub_map.u32_at(off).unwrap_or(&ZERO32)

@@ -25,6 +25,7 @@ use super::layout::{self, qp, qp_in, rcqe};
 use super::peer::Liveness;
 use super::shm;
 use super::{ACTIVE_MTU, CAPS, Device, vendor};
+use crate::verbs::types;
 use crate::verbs::{
     Access, ConnectAttr, Endpoint, ErrorKind, PostError, Qp, QpCaps, QpState, RecvWr, Result,
     SendFlags, SendWr, Sge, Verb, VerbsError, Wc, WcFlags, WcStatus, WrOp,
@@ -478,7 +479,12 @@ impl QpShared {
                     } else {
                         u32::from(ex.attr.rnr_retry)
                     };
-                    (ex.rnr_tries, lim, ex.attr.rnr_timer())
+                    // The RNR NAK carries the responder's timer (IB 9.7.5.2.8): the peer's
+                    // `min_rnr_timer`, not ours.
+                    let responder = ex.conn.as_ref().map_or(ex.attr.min_rnr_timer, |c| {
+                        c.peer_rnr_timer()
+                    });
+                    (ex.rnr_tries, lim, types::rnr_timer(responder))
                 } else {
                     ex.tries += 1;
                     let t = ex.attr.ack_timeout().unwrap_or(ex.attr.rnr_timer());
@@ -753,6 +759,10 @@ impl SoftQp {
         w32(qp::REMOTE_QP, 0);
         w64(qp::REMOTE_NONCE, 0);
         w32(qp::RQ_PROD, 0);
+        w32(
+            qp::RNR_TIMER,
+            u32::from(ConnectAttr::default().min_rnr_timer),
+        );
         dev.in32(in_entry + qp_in::REMOTE_ERROR)
             .store(0, Ordering::Relaxed);
         dev.in32(in_entry + qp_in::RQ_CLAIM)
@@ -903,6 +913,7 @@ impl Qp for SoftQp {
 
     fn modify_to_rtr(&mut self, remote: &Endpoint, attr: &ConnectAttr) -> Result<()> {
         self.check_state(QpState::Init, Verb::ModifyQp, "INIT -> RTR")?;
+        attr.validate()?;
         let s = &*self.s;
         let conn = Conn::connect(&s.dev, s.qp_num, remote, Arc::clone(&s.counters))?;
         *s.peer_live.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.peer.live.clone());
@@ -912,6 +923,9 @@ impl Qp for SoftQp {
         s.dev
             .pub64(s.entry + qp::REMOTE_NONCE)
             .store(conn.peer.nonce, Ordering::Relaxed);
+        s.dev
+            .pub32(s.entry + qp::RNR_TIMER)
+            .store(u32::from(attr.min_rnr_timer), Ordering::Relaxed);
         {
             let mut p = s.progress_blocking();
             let ex = p.exec();
@@ -927,6 +941,7 @@ impl Qp for SoftQp {
 
     fn modify_to_rts(&mut self, attr: &ConnectAttr) -> Result<()> {
         self.check_state(QpState::Rtr, Verb::ModifyQp, "RTR -> RTS")?;
+        attr.validate()?;
         let s = &*self.s;
         {
             let mut p = s.progress_blocking();
