@@ -8,6 +8,7 @@ use rpc_core::verbs::{
     QpCaps, QpState, RecvWr, RemoteMr, SendFlags, SendWr, Sge, WcOpcode, WcStatus, WrOp,
 };
 
+pub use super::edges::*;
 use super::harness::*;
 
 const SIG: SendFlags = SendFlags::SIGNALED;
@@ -940,44 +941,6 @@ pub fn bad_registration<P: Provider>(s: &mut Side<P>) {
     assert!(mr.sge(4000, 200).is_none());
     drop(mr);
     s.barrier();
-}
-
-/// An SGE outside its region, or naming a region of another PD: LOC_PROT_ERR, QP in ERROR.
-pub fn local_protection<P: Provider>(s: &mut Side<P>) {
-    for k in 0..2 {
-        let mut c = connect(s, Opts::default());
-        let mr = mr_all::<P>(&c.pd, 4096);
-        let other_pd = s.ctx.alloc_pd().unwrap();
-        let foreign = mr_all::<P>(&other_pd, 4096);
-        match s.role {
-            Role::A => {
-                assert_eq!(s.recv(), b"posted");
-                let sge = if k == 0 {
-                    Sge {
-                        addr: mr.addr() + 4000,
-                        length: 200,
-                        lkey: mr.lkey(),
-                    }
-                } else {
-                    foreign.sge(0, 16).unwrap()
-                };
-                post_send(&mut c.qp, 1, WrOp::Send, &[sge], SIG);
-                let wc = poll_n(&mut c.cq, 1)[0];
-                assert_eq!(wc.status, WcStatus::LocProtErr, "case {k}: {wc:?}");
-                assert_eq!(c.qp.state(), QpState::Error);
-                s.barrier();
-            }
-            Role::B => {
-                post_recv(&mut c.qp, 1, &[mr.sge(0, 1024).unwrap()]);
-                s.send(b"posted");
-                s.barrier();
-                assert!(
-                    read_mr(&mr, 0, 1024).iter().all(|&b| b == 0),
-                    "nothing arrived"
-                );
-            }
-        }
-    }
 }
 
 /// Regions registered on ordinary memory (not allocated by the provider) work as targets of
