@@ -50,8 +50,8 @@ pub use group::QpGroup;
 /// Most RC queue pairs one connection may use ([`Provider::qps_per_connection`]).
 pub const MAX_QPS_PER_CONNECTION: u32 = 16;
 pub use types::{
-    Access, AsyncEvent, Caps, ConnectAttr, DeviceInfo, Endpoint, GidFmt, LinkLayer, QpCaps, QpState, RecvWr,
-    RemoteMr, SendFlags, SendWr, Sge, Wc, WcFlags, WcOpcode, WcStatus, WrOp,
+    Access, AsyncEvent, Caps, ConnectAttr, DeviceInfo, Endpoint, GidFmt, LinkLayer, QpCaps,
+    QpState, RecvWr, RemoteMr, SendFlags, SendWr, Sge, Wc, WcFlags, WcOpcode, WcStatus, WrOp,
 };
 
 /// An RDMA provider: a family of verbs objects with the same semantics as libibverbs.

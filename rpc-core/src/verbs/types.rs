@@ -970,24 +970,15 @@ mod tests {
     #[test]
     fn connect_attr_ranges() {
         assert!(ConnectAttr::default().validate().is_ok());
-        for a in [
-            ConnectAttr {
-                retry_cnt: 8,
-                ..ConnectAttr::default()
-            },
-            ConnectAttr {
-                rnr_retry: 8,
-                ..ConnectAttr::default()
-            },
-            ConnectAttr {
-                min_rnr_timer: 32,
-                ..ConnectAttr::default()
-            },
-            ConnectAttr {
-                timeout: 32,
-                ..ConnectAttr::default()
-            },
-        ] {
+        let out_of_range: [fn(&mut ConnectAttr); 4] = [
+            |a| a.retry_cnt = 8,
+            |a| a.rnr_retry = 8,
+            |a| a.min_rnr_timer = 32,
+            |a| a.timeout = 32,
+        ];
+        for f in out_of_range {
+            let mut a = ConnectAttr::default();
+            f(&mut a);
             let e = a.validate().unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
         }
@@ -997,7 +988,10 @@ mod tests {
             ..ConnectAttr::default()
         };
         let e = a.validate().unwrap_err().to_string();
-        assert!(e.contains("retry_cnt = 9") && e.contains("min_rnr_timer = 40"), "{e}");
+        assert!(
+            e.contains("retry_cnt = 9") && e.contains("min_rnr_timer = 40"),
+            "{e}"
+        );
         assert_eq!(rnr_timer(12), std::time::Duration::from_micros(640));
         assert_eq!(rnr_timer(0), std::time::Duration::from_micros(655_360));
     }

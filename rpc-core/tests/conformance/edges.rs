@@ -41,7 +41,10 @@ fn zero_length<P: Provider>(s: &mut Side<P>, op: fn(&rpc_core::verbs::RemoteMr) 
                 assert_ok(&wcs[0], 7);
                 assert_eq!(wcs[0].byte_len, 0);
             } else {
-                assert!(wcs.is_empty(), "a WRITE or READ consumed a receive: {wcs:?}");
+                assert!(
+                    wcs.is_empty(),
+                    "a WRITE or READ consumed a receive: {wcs:?}"
+                );
             }
             assert_eq!(read_mr(&mr, 0, 64), pattern(5, 64), "bytes changed");
         }
@@ -71,42 +74,60 @@ pub fn zero_length_read<P: Provider>(s: &mut Side<P>) {
 
 /// SGEs of length 0 inside a list are skipped, on the gather side and the scatter side.
 pub fn zero_length_sge<P: Provider>(s: &mut Side<P>) {
+    scatter_gather(
+        s,
+        21,
+        &[(0, 0, 10), (0, 100, 0), (0, 200, 20)],
+        &[(0, 1000, 0), (0, 2000, 64)],
+    );
+}
+
+/// One SGE of [`scatter_gather`]: region (0 or 1), offset, length.
+pub type Piece = (usize, usize, u32);
+
+/// A SEND of pattern bytes gathered from `gather` (A's two regions) into a receive scattered
+/// over `scatter` (B's): the receiver gets every byte, in order, and `byte_len` says how many.
+pub fn scatter_gather<P: Provider>(s: &mut Side<P>, seed: u8, gather: &[Piece], scatter: &[Piece]) {
     let mut c = connect(s, Opts::default());
-    let mr = mr_all::<P>(&c.pd, 4096);
-    let msg = pattern(21, 30);
+    let mrs = [mr_all::<P>(&c.pd, 4096), mr_all::<P>(&c.pd, 4096)];
+    let sges = |ps: &[Piece]| -> Vec<Sge> {
+        ps.iter()
+            .map(|&(m, off, len)| mrs[m].sge(off, len).unwrap())
+            .collect()
+    };
+    let total: usize = gather.iter().map(|p| p.2 as usize).sum();
+    let msg = pattern(seed, total);
+    let mut at = 0;
     match s.role {
         Role::A => {
-            write_mr(&mr, 0, &msg[..10]);
-            write_mr(&mr, 200, &msg[10..]);
+            for &(m, off, len) in gather {
+                write_mr(&mrs[m], off, &msg[at..at + len as usize]);
+                at += len as usize;
+            }
             assert_eq!(s.recv(), b"posted");
-            let sges = [
-                mr.sge(0, 10).unwrap(),
-                mr.sge(100, 0).unwrap(),
-                mr.sge(200, 20).unwrap(),
-            ];
-            post_send(&mut c.qp, 1, WrOp::Send, &sges, SIG);
+            post_send(&mut c.qp, 1, WrOp::Send, &sges(gather), SIG);
             assert_ok(&poll_n(&mut c.cq, 1)[0], 1);
-            s.barrier();
         }
         Role::B => {
-            let sges = [mr.sge(1000, 0).unwrap(), mr.sge(2000, 64).unwrap()];
-            post_recv(&mut c.qp, 3, &sges);
+            post_recv(&mut c.qp, 5, &sges(scatter));
             s.send(b"posted");
             let wc = poll_n(&mut c.cq, 1)[0];
-            assert_ok(&wc, 3);
-            assert_eq!(wc.byte_len, 30);
-            assert_eq!(read_mr(&mr, 2000, 30), msg);
-            s.barrier();
+            assert_ok(&wc, 5);
+            assert_eq!(wc.byte_len as usize, total);
+            for &(m, off, len) in scatter {
+                let n = (len as usize).min(total - at);
+                assert_eq!(read_mr(&mrs[m], off, n), &msg[at..at + n]);
+                at += n;
+            }
         }
     }
+    s.barrier();
 }
 
 /// A SEND larger than the receive posted for it: `LOC_LEN_ERR` at the receiver,
 /// `REM_INV_REQ_ERR` at the sender, both QPs in ERROR.
 pub fn recv_too_small<P: Provider>(s: &mut Side<P>) {
-    let mut o = Opts::default();
-    o.attr.retry_cnt = 1;
-    let mut c = connect(s, o);
+    let mut c = connect(s, Opts::default());
     let mr = mr_all::<P>(&c.pd, 4096);
     match s.role {
         Role::A => {
@@ -179,7 +200,11 @@ pub(crate) fn read_then_send<P: Provider>(
             assert_eq!(wc.byte_len, LEN as u32);
             let got = read_mr(&mr, 1024, LEN);
             if fence {
-                assert_eq!(got, pattern(33, LEN), "the FENCEd SEND went before its READ");
+                assert_eq!(
+                    got,
+                    pattern(33, LEN),
+                    "the FENCEd SEND went before its READ"
+                );
             } else {
                 assert!(
                     got == pattern(33, LEN) || got.iter().all(|&b| b == 0),
@@ -233,33 +258,6 @@ pub fn connect_attr_ranges<P: Provider>(s: &mut Side<P>) {
     s.barrier();
 }
 
-/// The requester's RNR retries are paced by the *responder's* `min_rnr_timer` (the RNR NAK
-/// carries it), not by its own.
-pub fn rnr_timer_from_responder<P: Provider>(s: &mut Side<P>) {
-    let mut o = Opts::default();
-    o.attr.rnr_retry = 2;
-    // A asks for 10 µs, B (the responder) for 10.24 ms.
-    o.attr.min_rnr_timer = if s.role == Role::A { 1 } else { 20 };
-    let responder = rpc_core::verbs::types::rnr_timer(20);
-    let mut c = connect(s, o);
-    let mr = mr_all::<P>(&c.pd, 4096);
-    match s.role {
-        Role::A => {
-            let t0 = Instant::now();
-            post_send(&mut c.qp, 1, WrOp::Send, &[mr.sge(0, 8).unwrap()], SIG);
-            let wc = poll_n(&mut c.cq, 1)[0];
-            let elapsed = t0.elapsed();
-            assert_eq!(wc.status, WcStatus::RnrRetryExcErr, "{wc:?}");
-            assert!(
-                elapsed >= responder * 2,
-                "gave up after {elapsed:?}: the retries did not wait the responder's {responder:?}"
-            );
-            s.barrier();
-        }
-        Role::B => s.barrier(),
-    }
-}
-
 /// An SGE reaching past the end of its region: `LOC_PROT_ERR`, nothing sent.
 pub fn local_protection_bounds<P: Provider>(s: &mut Side<P>) {
     local_protection(s, |mr, _| Sge {
@@ -292,10 +290,7 @@ fn local_protection<P: Provider>(s: &mut Side<P>, sge: fn(&P::Mr, &P::Mr) -> Sge
             post_recv(&mut c.qp, 1, &[mr.sge(0, 1024).unwrap()]);
             s.send(b"posted");
             s.barrier();
-            assert!(
-                read_mr(&mr, 0, 1024).iter().all(|&b| b == 0),
-                "nothing arrived"
-            );
+            assert_zeroed(&mr, 0, 1024, "the receive");
         }
     }
 }

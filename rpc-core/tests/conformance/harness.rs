@@ -277,6 +277,14 @@ pub fn read_mr<M: Mr>(mr: &M, off: usize, len: usize) -> Vec<u8> {
     v
 }
 
+/// Asserts that `[off, off + len)` of a region holds only zero bytes (nothing was written).
+pub fn assert_zeroed<M: Mr>(mr: &M, off: usize, len: usize, what: &str) {
+    assert!(
+        read_mr(mr, off, len).iter().all(|&b| b == 0),
+        "{what}: bytes were written"
+    );
+}
+
 /// Writes bytes into a region.
 pub fn write_mr<M: Mr>(mr: &M, off: usize, data: &[u8]) {
     assert!(off + data.len() <= mr.len());

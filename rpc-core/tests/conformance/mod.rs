@@ -65,7 +65,6 @@ macro_rules! conformance_suite {
             read_then_send_fenced,
             read_then_send_unfenced,
             connect_attr_ranges,
-            rnr_timer_from_responder,
             async_events_nonblocking
         );
     };

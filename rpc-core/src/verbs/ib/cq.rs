@@ -422,10 +422,7 @@ impl Cq for IbCq {
                 let w = unsafe { src.assume_init_ref() };
                 let Some(l) = self.routes.find(&self.shared.joins, w.qp_num) else {
                     // A QP destroyed with completions still queued: nobody to give them to.
-                    tracing::debug!(
-                        "NET/IB : completion for unknown QP {:#x} dropped",
-                        w.qp_num
-                    );
+                    tracing::debug!("NET/IB : completion for unknown QP {:#x} dropped", w.qp_num);
                     continue;
                 };
                 let ok = w.status == rdma_sys::ibv_wc_status::IBV_WC_SUCCESS;

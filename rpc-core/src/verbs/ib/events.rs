@@ -111,54 +111,61 @@ pub(super) fn poll_async_event(raw: &RawContext) -> Result<Option<AsyncEvent>, V
     }
 }
 
+/// Events whose element is a QP.
+const QP_EVENTS: [ibv_event_type; 8] = [
+    ibv_event_type::IBV_EVENT_QP_FATAL,
+    ibv_event_type::IBV_EVENT_QP_REQ_ERR,
+    ibv_event_type::IBV_EVENT_QP_ACCESS_ERR,
+    ibv_event_type::IBV_EVENT_PATH_MIG_ERR,
+    ibv_event_type::IBV_EVENT_COMM_EST,
+    ibv_event_type::IBV_EVENT_SQ_DRAINED,
+    ibv_event_type::IBV_EVENT_PATH_MIG,
+    ibv_event_type::IBV_EVENT_QP_LAST_WQE_REACHED,
+];
+/// The first four of [`QP_EVENTS`]: the QP is in ERROR.
+const QP_FATAL: usize = 4;
+
+/// Port events other than up, down and GID change.
+const PORT_CHANGES: [ibv_event_type; 4] = [
+    ibv_event_type::IBV_EVENT_LID_CHANGE,
+    ibv_event_type::IBV_EVENT_PKEY_CHANGE,
+    ibv_event_type::IBV_EVENT_SM_CHANGE,
+    ibv_event_type::IBV_EVENT_CLIENT_REREGISTER,
+];
+
+fn position(set: &[ibv_event_type], code: u32) -> Option<usize> {
+    set.iter().position(|t| *t as u32 == code)
+}
+
 fn is_qp_event(code: u32) -> bool {
-    use ibv_event_type::*;
-    [
-        IBV_EVENT_QP_FATAL,
-        IBV_EVENT_QP_REQ_ERR,
-        IBV_EVENT_QP_ACCESS_ERR,
-        IBV_EVENT_COMM_EST,
-        IBV_EVENT_SQ_DRAINED,
-        IBV_EVENT_PATH_MIG,
-        IBV_EVENT_PATH_MIG_ERR,
-        IBV_EVENT_QP_LAST_WQE_REACHED,
-    ]
-    .iter()
-    .any(|t| *t as u32 == code)
+    position(&QP_EVENTS, code).is_some()
 }
 
 /// Maps an `ibv_event_type` number and its element to our event.
 pub(super) fn event_from_raw(code: u32, port: i32, qp_num: u32) -> AsyncEvent {
     use ibv_event_type::*;
     let port = u8::try_from(port).unwrap_or(0);
-    let is = |t: ibv_event_type| t as u32 == code;
-    if is(IBV_EVENT_PORT_ACTIVE) {
-        AsyncEvent::PortActive { port }
-    } else if is(IBV_EVENT_PORT_ERR) {
-        AsyncEvent::PortError { port }
-    } else if is(IBV_EVENT_GID_CHANGE) {
-        AsyncEvent::GidChange { port }
-    } else if is(IBV_EVENT_LID_CHANGE)
-        || is(IBV_EVENT_PKEY_CHANGE)
-        || is(IBV_EVENT_SM_CHANGE)
-        || is(IBV_EVENT_CLIENT_REREGISTER)
-    {
-        AsyncEvent::PortChange { port }
-    } else if is(IBV_EVENT_DEVICE_FATAL) {
-        AsyncEvent::DeviceFatal
-    } else if is(IBV_EVENT_CQ_ERR) {
-        AsyncEvent::CqError
-    } else if is(IBV_EVENT_QP_FATAL)
-        || is(IBV_EVENT_QP_REQ_ERR)
-        || is(IBV_EVENT_QP_ACCESS_ERR)
-        || is(IBV_EVENT_PATH_MIG_ERR)
-    {
-        AsyncEvent::QpFatal { qp_num }
-    } else if is_qp_event(code) {
-        AsyncEvent::QpInfo { qp_num }
-    } else {
-        AsyncEvent::Other { code }
+    if let Some(i) = position(&QP_EVENTS, code) {
+        return if i < QP_FATAL {
+            AsyncEvent::QpFatal { qp_num }
+        } else {
+            AsyncEvent::QpInfo { qp_num }
+        };
     }
+    if position(&PORT_CHANGES, code).is_some() {
+        return AsyncEvent::PortChange { port };
+    }
+    let singles = [
+        (IBV_EVENT_PORT_ACTIVE, AsyncEvent::PortActive { port }),
+        (IBV_EVENT_PORT_ERR, AsyncEvent::PortError { port }),
+        (IBV_EVENT_GID_CHANGE, AsyncEvent::GidChange { port }),
+        (IBV_EVENT_DEVICE_FATAL, AsyncEvent::DeviceFatal),
+        (IBV_EVENT_CQ_ERR, AsyncEvent::CqError),
+    ];
+    singles
+        .into_iter()
+        .find(|(t, _)| *t as u32 == code)
+        .map_or(AsyncEvent::Other { code }, |(_, e)| e)
 }
 
 #[cfg(test)]

@@ -43,11 +43,22 @@
 //!
 //! [`Qp::caps`](crate::verbs::Qp::caps) and [`Cq::capacity`](crate::verbs::Cq::capacity) are
 //! the sizes asked for, even where the device rounded its rings up (mlx5, rxe since Linux 6.2
-//! report 2^n - 1): a QP is admitted to its CQs only while the depths of all their QPs fit (CQ
-//! overrun is prevented by sizing), with the same arithmetic as on every other provider. The
-//! device may therefore accept more work requests than `caps()` before `post_send` answers
-//! [`ErrorKind::QueueFull`]: callers keep their outstanding work requests within `caps()`, as
-//! the RPC runtime's credits do, and do not rely on `QueueFull` coming at exactly that depth.
+//! report 2^n - 1), and they are enforced: `post_send`/`post_recv` answer
+//! [`ErrorKind::QueueFull`] at exactly that depth, as on every provider (each QP keeps a
+//! ledger of its outstanding requests that its CQs update by `qp_num`). A QP is admitted to
+//! its CQs only while the depths of all their QPs fit, so a CQ sized from the requested depths
+//! cannot overrun.
+//!
+//! # Errors and device quirks
+//!
+//! Error completions are read for the fields verbs defines for them only (`wr_id`, `status`,
+//! `qp_num`, `vendor_err`); their opcode is the request's. Soft-RoCE does not flush receives
+//! posted after a failure: on rxe only, `post_recv` on a QP known to have failed re-enters
+//! ERROR (hardware pays nothing). `ibv_fork_init` runs before the first verb
+//! (`RPC_IB_FORK_INIT=0` skips it); READs are limited to the device's `max_sge_rd`; regions
+//! are registered with relaxed ordering where supported (`RPC_IB_RELAXED_ORDERING=0` turns it
+//! off) and large ones advised for huge pages. Device events (port down, GID change, device
+//! fatal, ...) are read with [`Context::poll_async_event`].
 //!
 //! # Logs
 //!

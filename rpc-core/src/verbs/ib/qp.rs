@@ -17,8 +17,8 @@ use rdma_sys::{
 };
 
 use super::cq::{CqShared, IbCq};
-use super::ledger::{Ledger, RECV_TAG};
 use super::device::{RawContext, last_errno, ret_errno};
+use super::ledger::{Ledger, RECV_TAG};
 use super::mr::{IbPd, PdShared};
 use super::select::{self, GidAddr};
 use crate::verbs::error::{ErrorKind, PostError, Verb, VerbsError};
@@ -494,8 +494,7 @@ impl IbQp {
                 "more SGEs than the QP's max_send_sge",
             ));
         }
-        if matches!(wr.op, WrOp::Read { .. })
-            && wr.sg_list.len() > self.pd.ctx.max_sge_rd as usize
+        if matches!(wr.op, WrOp::Read { .. }) && wr.sg_list.len() > self.pd.ctx.max_sge_rd as usize
         {
             return Err(wr_invalid(
                 Verb::PostSend,
@@ -1015,7 +1014,9 @@ impl Qp for IbQp {
                 return Err(PostError { posted: i, error });
             }
             let seq = self.recv_posted + n as u64;
-            self.ledger.recv.record(seq, wr.wr_id, crate::verbs::WcOpcode::Recv);
+            self.ledger
+                .recv
+                .record(seq, wr.wr_id, crate::verbs::WcOpcode::Recv);
             room -= 1;
             batch[n].write(ibv_recv_wr {
                 wr_id: seq | RECV_TAG,
