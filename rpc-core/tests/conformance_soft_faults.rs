@@ -928,3 +928,48 @@ fn a_list_failing_half_way_gives_back_the_receives_it_claimed() {
         );
     }
 }
+
+/// How long `delay_read_responses` holds a READ in the FENCE cases below.
+const READ_DELAY: Duration = Duration::from_millis(50);
+
+fn read_then_send_hazard(s: &mut Side<Soft>) {
+    let slow = |qp: &mut SoftQp| fault::delay_read_responses(qp, READ_DELAY);
+    if let Some(got) = conformance::edges::read_then_send(s, false, slow) {
+        assert!(
+            got.iter().all(|&b| b == 0),
+            "the unfenced SEND waited for the slow READ: the hazard did not show"
+        );
+    }
+}
+
+fn read_then_send_fence_waits(s: &mut Side<Soft>) {
+    let slow = |qp: &mut SoftQp| fault::delay_read_responses(qp, READ_DELAY);
+    let t0 = Instant::now();
+    conformance::edges::read_then_send(s, true, slow);
+    if s.role == Role::A {
+        assert!(t0.elapsed() >= READ_DELAY, "the READ was not delayed");
+    }
+}
+
+/// With a slow responder (`delay_read_responses`), an unfenced SEND after a READ of the
+/// buffer it sends goes first and carries the old bytes; completions still come in order.
+#[test]
+fn fence_hazard_shows_without_fence() {
+    harness::run::<Soft>(
+        Mode::Threads,
+        module_path!(),
+        "fence_hazard_shows_without_fence",
+        read_then_send_hazard,
+    );
+}
+
+/// With a slow responder, a FENCEd SEND waits for the READ before it and carries its data.
+#[test]
+fn fence_makes_the_send_wait_for_the_read() {
+    harness::run::<Soft>(
+        Mode::Processes,
+        module_path!(),
+        "fence_makes_the_send_wait_for_the_read",
+        read_then_send_fence_waits,
+    );
+}

@@ -50,8 +50,8 @@ pub use group::QpGroup;
 /// Most RC queue pairs one connection may use ([`Provider::qps_per_connection`]).
 pub const MAX_QPS_PER_CONNECTION: u32 = 16;
 pub use types::{
-    Access, Caps, ConnectAttr, DeviceInfo, Endpoint, GidFmt, LinkLayer, QpCaps, QpState, RecvWr,
-    RemoteMr, SendFlags, SendWr, Sge, Wc, WcFlags, WcOpcode, WcStatus, WrOp,
+    Access, AsyncEvent, Caps, ConnectAttr, DeviceInfo, Endpoint, GidFmt, LinkLayer, QpCaps,
+    QpState, RecvWr, RemoteMr, SendFlags, SendWr, Sge, Wc, WcFlags, WcOpcode, WcStatus, WrOp,
 };
 
 /// An RDMA provider: a family of verbs objects with the same semantics as libibverbs.
@@ -135,6 +135,19 @@ pub trait Context<P: Provider>: Send + Sync + fmt::Debug {
     /// [`ErrorKind::ExceedsCaps`] when `cqe` is over [`Caps::max_cqe`] or zero;
     /// [`ErrorKind::WrongPd`] when `channel` belongs to another device.
     fn create_cq(&self, cqe: u32, channel: Option<&P::CompChannel>) -> Result<P::Cq>;
+
+    /// The next asynchronous event of the device, without blocking (`ibv_get_async_event` on
+    /// a non-blocking descriptor, acknowledged at once); `None` when there is none. Port
+    /// down, device fatal, CQ error and QP fatal events ([`AsyncEvent::is_fatal`]) mean the
+    /// connections over that object have failed, for the [`AsyncEvent::cause`] given.
+    ///
+    /// The default (soft) has none: its failures all arrive as completions.
+    ///
+    /// # Errors
+    /// When the event descriptor fails.
+    fn poll_async_event(&self) -> Result<Option<AsyncEvent>> {
+        Ok(None)
+    }
 }
 
 /// A protection domain (`ibv_pd`): memory regions and queue pairs of one PD work together only.

@@ -205,7 +205,9 @@ pub struct ConnectAttr {
     pub retry_cnt: u8,
     /// RNR retry count (0..=7); 7 means retry forever.
     pub rnr_retry: u8,
-    /// Minimal RNR NAK timer (verbs encoding 0..=31; 12 = 0.64 ms).
+    /// Minimal RNR NAK timer (verbs encoding 0..=31; 12 = 0.64 ms): how long a peer that
+    /// found no receive posted here waits before it retries (set at RTR; the responder's value
+    /// paces the requester, as in IB).
     pub min_rnr_timer: u8,
     /// Local ACK timeout (verbs encoding: 4.096 µs * 2^timeout; 14 = 67 ms).
     pub timeout: u8,
@@ -237,16 +239,57 @@ impl Default for ConnectAttr {
     }
 }
 
+/// Largest transport and RNR retry count (3-bit fields; an RNR count of 7 means forever).
+pub const MAX_RETRY_CNT: u8 = 7;
+/// Largest `min_rnr_timer` and local ACK `timeout` encoding (5-bit fields).
+pub const MAX_TIMER_ENCODING: u8 = 31;
+
+/// The RNR NAK timer an encoding stands for (IB spec table of `min_rnr_timer` encodings;
+/// values above 31 are taken modulo 32, as the 5-bit field would).
+pub fn rnr_timer(encoding: u8) -> std::time::Duration {
+    // Values in microseconds for encodings 0..=31; 0 means 655.36 ms.
+    const TABLE_US: [u32; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560,
+        3_840, 5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880,
+        163_840, 245_760, 327_680, 491_520,
+    ];
+    std::time::Duration::from_micros(u64::from(TABLE_US[usize::from(encoding & 31)]))
+}
+
 impl ConnectAttr {
-    /// The RNR NAK timer as a duration (IB spec table of `min_rnr_timer` encodings).
+    /// Checks the ranges verbs defines for these attributes, the same way on every provider
+    /// (`ibv_modify_qp` refuses the same values with EINVAL): `retry_cnt` and `rnr_retry` at
+    /// most [`MAX_RETRY_CNT`], `min_rnr_timer` and `timeout` at most [`MAX_TIMER_ENCODING`].
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] naming every field out of range.
+    pub fn validate(&self) -> Result<(), VerbsError> {
+        let mut bad = Vec::new();
+        for (name, v, max) in [
+            ("retry_cnt", self.retry_cnt, MAX_RETRY_CNT),
+            ("rnr_retry", self.rnr_retry, MAX_RETRY_CNT),
+            ("min_rnr_timer", self.min_rnr_timer, MAX_TIMER_ENCODING),
+            ("timeout", self.timeout, MAX_TIMER_ENCODING),
+        ] {
+            if v > max {
+                bad.push(format!("{name} = {v} (want 0..={max})"));
+            }
+        }
+        if bad.is_empty() {
+            return Ok(());
+        }
+        Err(VerbsError::new(
+            Verb::ModifyQp,
+            ErrorKind::InvalidArgument,
+            format!("connection attributes out of range: {}", bad.join(", ")),
+        ))
+    }
+
+    /// The RNR NAK timer this side asks its peer to wait after an RNR NAK from us
+    /// ([`rnr_timer`] of `min_rnr_timer`): in IB it is the *responder's* timer that paces the
+    /// requester's RNR retries.
     pub fn rnr_timer(&self) -> std::time::Duration {
-        // Values in microseconds for encodings 0..=31; 0 means 655.36 ms.
-        const TABLE_US: [u32; 32] = [
-            655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920,
-            2_560, 3_840, 5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920,
-            122_880, 163_840, 245_760, 327_680, 491_520,
-        ];
-        std::time::Duration::from_micros(u64::from(TABLE_US[usize::from(self.min_rnr_timer & 31)]))
+        rnr_timer(self.min_rnr_timer)
     }
 
     /// The local ACK timeout as a duration (4.096 µs * 2^timeout; 0 means infinite).
@@ -800,6 +843,89 @@ impl std::ops::BitOr for WcFlags {
     }
 }
 
+/// An asynchronous event of a device (`ibv_get_async_event`): something that happened to a
+/// port, the device or a queue pair outside of any work request. See
+/// [`Context::poll_async_event`](super::Context::poll_async_event).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AsyncEvent {
+    /// The port came (back) up (`IBV_EVENT_PORT_ACTIVE`).
+    PortActive {
+        /// Port number.
+        port: u8,
+    },
+    /// The port went down (`IBV_EVENT_PORT_ERR`): link loss, cable, switch port.
+    PortError {
+        /// Port number.
+        port: u8,
+    },
+    /// The port's GID table changed (`IBV_EVENT_GID_CHANGE`): an IP address of its netdev
+    /// came or went (RoCE), the subnet prefix changed (InfiniBand).
+    GidChange {
+        /// Port number.
+        port: u8,
+    },
+    /// The port's LID, P_Key table or subnet manager changed, or the SM asked clients to
+    /// re-register (`IBV_EVENT_LID_CHANGE`, `PKEY_CHANGE`, `SM_CHANGE`, `CLIENT_REREGISTER`).
+    PortChange {
+        /// Port number.
+        port: u8,
+    },
+    /// The device failed (`IBV_EVENT_DEVICE_FATAL`): every object of the context is dead;
+    /// close it and open the device again.
+    DeviceFatal,
+    /// A completion queue overran or failed (`IBV_EVENT_CQ_ERR`).
+    CqError,
+    /// A QP failed outside a work request (`IBV_EVENT_QP_FATAL`, `QP_REQ_ERR`,
+    /// `QP_ACCESS_ERR`, `PATH_MIG_ERR`): it is in ERROR.
+    QpFatal {
+        /// The QP's number.
+        qp_num: u32,
+    },
+    /// Informational QP events (`COMM_EST`, `SQ_DRAINED`, `PATH_MIG`, `QP_LAST_WQE_REACHED`).
+    QpInfo {
+        /// The QP's number.
+        qp_num: u32,
+    },
+    /// Any other event (SRQ, WQ), with its `ibv_event_type` number.
+    Other {
+        /// The raw event type.
+        code: u32,
+    },
+}
+
+impl AsyncEvent {
+    /// Whether connections over the object named must be failed (port down, device fatal,
+    /// CQ error, QP fatal).
+    pub const fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            AsyncEvent::PortError { .. }
+                | AsyncEvent::DeviceFatal
+                | AsyncEvent::CqError
+                | AsyncEvent::QpFatal { .. }
+        )
+    }
+
+    /// The cause to name in a connection failure or a log line.
+    pub const fn cause(&self) -> &'static str {
+        match self {
+            AsyncEvent::PortActive { .. } => "port active again",
+            AsyncEvent::PortError { .. } => {
+                "port down (link loss: cable, switch port, or the netdev of a RoCE port down)"
+            }
+            AsyncEvent::GidChange { .. } => {
+                "GID table changed (RoCE: an IP address of the netdev came or went)"
+            }
+            AsyncEvent::PortChange { .. } => "port LID, P_Key or subnet manager changed",
+            AsyncEvent::DeviceFatal => "device fatal error: reopen the device",
+            AsyncEvent::CqError => "completion queue error (overrun)",
+            AsyncEvent::QpFatal { .. } => "queue pair failed outside a work request",
+            AsyncEvent::QpInfo { .. } => "queue pair event (informational)",
+            AsyncEvent::Other { .. } => "other device event",
+        }
+    }
+}
+
 /// A work completion. `Default` gives a zeroed completion for poll arrays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Wc {
@@ -840,6 +966,35 @@ impl Wc {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn connect_attr_ranges() {
+        assert!(ConnectAttr::default().validate().is_ok());
+        let out_of_range: [fn(&mut ConnectAttr); 4] = [
+            |a| a.retry_cnt = 8,
+            |a| a.rnr_retry = 8,
+            |a| a.min_rnr_timer = 32,
+            |a| a.timeout = 32,
+        ];
+        for f in out_of_range {
+            let mut a = ConnectAttr::default();
+            f(&mut a);
+            let e = a.validate().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        }
+        let a = ConnectAttr {
+            retry_cnt: 9,
+            min_rnr_timer: 40,
+            ..ConnectAttr::default()
+        };
+        let e = a.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("retry_cnt = 9") && e.contains("min_rnr_timer = 40"),
+            "{e}"
+        );
+        assert_eq!(rnr_timer(12), std::time::Duration::from_micros(640));
+        assert_eq!(rnr_timer(0), std::time::Duration::from_micros(655_360));
+    }
 
     #[test]
     fn sends_and_writes_with_immediate_consume_a_receive() {

@@ -8,6 +8,7 @@ use rpc_core::verbs::{
     QpCaps, QpState, RecvWr, RemoteMr, SendFlags, SendWr, Sge, WcOpcode, WcStatus, WrOp,
 };
 
+pub use super::edges::*;
 use super::harness::*;
 
 const SIG: SendFlags = SendFlags::SIGNALED;
@@ -58,37 +59,12 @@ pub fn send_recv<P: Provider>(s: &mut Side<P>) {
 
 /// Gather on the sender (three SGEs from two regions), scatter on the receiver (two SGEs).
 pub fn send_sg_list<P: Provider>(s: &mut Side<P>) {
-    let mut c = connect(s, Opts::default());
-    let m1 = mr_all::<P>(&c.pd, 4096);
-    let m2 = mr_all::<P>(&c.pd, 4096);
-    let msg = pattern(7, 100);
-    match s.role {
-        Role::A => {
-            write_mr(&m1, 0, &msg[0..10]);
-            write_mr(&m2, 100, &msg[10..60]);
-            write_mr(&m1, 500, &msg[60..100]);
-            assert_eq!(s.recv(), b"posted");
-            let sges = [
-                m1.sge(0, 10).unwrap(),
-                m2.sge(100, 50).unwrap(),
-                m1.sge(500, 40).unwrap(),
-            ];
-            post_send(&mut c.qp, 1, WrOp::Send, &sges, SIG);
-            assert_ok(&poll_n(&mut c.cq, 1)[0], 1);
-            s.barrier();
-        }
-        Role::B => {
-            let sges = [m1.sge(0, 30).unwrap(), m2.sge(1000, 200).unwrap()];
-            post_recv(&mut c.qp, 5, &sges);
-            s.send(b"posted");
-            let wc = poll_n(&mut c.cq, 1)[0];
-            assert_ok(&wc, 5);
-            assert_eq!(wc.byte_len, 100);
-            assert_eq!(read_mr(&m1, 0, 30), &msg[..30]);
-            assert_eq!(read_mr(&m2, 1000, 70), &msg[30..]);
-            s.barrier();
-        }
-    }
+    scatter_gather(
+        s,
+        7,
+        &[(0, 0, 10), (1, 100, 50), (0, 500, 40)],
+        &[(0, 0, 30), (1, 1000, 200)],
+    );
 }
 
 /// INLINE sends come from unregistered memory that may be reused as soon as post returns.
@@ -409,14 +385,8 @@ pub fn remote_access_errors<P: Provider>(s: &mut Side<P>) {
                     let _ = poll_for(&mut c.cq, Duration::from_millis(5));
                     assert_eq!(c.qp.state(), QpState::Error, "{name}: responder QP state");
                 }
-                assert!(
-                    read_mr(&rw, 0, 4096).iter().all(|&b| b == 0),
-                    "{name}: written"
-                );
-                assert!(
-                    read_mr(&ro, 0, 4096).iter().all(|&b| b == 0),
-                    "{name}: written"
-                );
+                assert_zeroed(&rw, 0, 4096, name);
+                assert_zeroed(&ro, 0, 4096, name);
             }
         }
     }
@@ -481,9 +451,13 @@ fn rnr_attr(rnr_retry: u8) -> Opts {
 }
 
 /// A SEND without a posted receive waits through the RNR retries, then fails with
-/// RNR_RETRY_EXC_ERR and moves the QP to ERROR; what was posted behind it is flushed.
+/// RNR_RETRY_EXC_ERR and moves the QP to ERROR; what was posted behind it is flushed. The
+/// retries are paced by the *responder's* `min_rnr_timer` (the RNR NAK carries it), not by
+/// the requester's: A asks for 10 µs, B for 10.24 ms.
 pub fn rnr_retry_exceeded<P: Provider>(s: &mut Side<P>) {
-    let o = rnr_attr(2);
+    let mut o = rnr_attr(2);
+    o.attr.min_rnr_timer = if s.role == Role::A { 1 } else { 20 };
+    let responder = rpc_core::verbs::types::rnr_timer(20);
     let mut c = connect(s, o);
     let mr = mr_all::<P>(&c.pd, 4096);
     match s.role {
@@ -497,9 +471,8 @@ pub fn rnr_retry_exceeded<P: Provider>(s: &mut Side<P>) {
             assert_eq!(wcs[0].status, WcStatus::RnrRetryExcErr, "{wcs:?}");
             assert_eq!(wcs[1].status, WcStatus::WrFlushErr, "{wcs:?}");
             assert!(
-                elapsed >= o.attr.rnr_timer() * 2,
-                "gave up after {elapsed:?}: fewer than 2 retries of {:?}",
-                o.attr.rnr_timer()
+                elapsed >= responder * 2,
+                "gave up after {elapsed:?}: fewer than 2 retries of the responder's {responder:?}"
             );
             assert_eq!(c.qp.state(), QpState::Error);
             s.barrier();
@@ -940,44 +913,6 @@ pub fn bad_registration<P: Provider>(s: &mut Side<P>) {
     assert!(mr.sge(4000, 200).is_none());
     drop(mr);
     s.barrier();
-}
-
-/// An SGE outside its region, or naming a region of another PD: LOC_PROT_ERR, QP in ERROR.
-pub fn local_protection<P: Provider>(s: &mut Side<P>) {
-    for k in 0..2 {
-        let mut c = connect(s, Opts::default());
-        let mr = mr_all::<P>(&c.pd, 4096);
-        let other_pd = s.ctx.alloc_pd().unwrap();
-        let foreign = mr_all::<P>(&other_pd, 4096);
-        match s.role {
-            Role::A => {
-                assert_eq!(s.recv(), b"posted");
-                let sge = if k == 0 {
-                    Sge {
-                        addr: mr.addr() + 4000,
-                        length: 200,
-                        lkey: mr.lkey(),
-                    }
-                } else {
-                    foreign.sge(0, 16).unwrap()
-                };
-                post_send(&mut c.qp, 1, WrOp::Send, &[sge], SIG);
-                let wc = poll_n(&mut c.cq, 1)[0];
-                assert_eq!(wc.status, WcStatus::LocProtErr, "case {k}: {wc:?}");
-                assert_eq!(c.qp.state(), QpState::Error);
-                s.barrier();
-            }
-            Role::B => {
-                post_recv(&mut c.qp, 1, &[mr.sge(0, 1024).unwrap()]);
-                s.send(b"posted");
-                s.barrier();
-                assert!(
-                    read_mr(&mr, 0, 1024).iter().all(|&b| b == 0),
-                    "nothing arrived"
-                );
-            }
-        }
-    }
 }
 
 /// Regions registered on ordinary memory (not allocated by the provider) work as targets of

@@ -277,6 +277,14 @@ pub fn read_mr<M: Mr>(mr: &M, off: usize, len: usize) -> Vec<u8> {
     v
 }
 
+/// Asserts that `[off, off + len)` of a region holds only zero bytes (nothing was written).
+pub fn assert_zeroed<M: Mr>(mr: &M, off: usize, len: usize, what: &str) {
+    assert!(
+        read_mr(mr, off, len).iter().all(|&b| b == 0),
+        "{what}: bytes were written"
+    );
+}
+
 /// Writes bytes into a region.
 pub fn write_mr<M: Mr>(mr: &M, off: usize, data: &[u8]) {
     assert!(off + data.len() <= mr.len());
@@ -291,10 +299,22 @@ pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Whether a missing device must fail the suite instead of skipping it: inside the
+/// Soft-RoCE VM (`softroce/vm.sh` exports `SOFTROCE=1`) or with `RPC_IB_REQUIRE_DEVICE=1`, so
+/// that the suite can never pass there by skipping every case.
+pub fn device_required() -> bool {
+    std::env::var_os("SOFTROCE").is_some() || std::env::var_os("RPC_IB_REQUIRE_DEVICE").is_some()
+}
+
 /// Whether the provider is usable here; prints why not when it is not.
 fn open_or_skip<P: Provider>() -> Option<P::Context> {
     match P::open(None) {
         Ok(c) => Some(c),
+        Err(e) if e.kind() == ErrorKind::NoDevice && device_required() => panic!(
+            "{}: no device, but one is required here (SOFTROCE or RPC_IB_REQUIRE_DEVICE is \
+             set): {e}",
+            P::NAME
+        ),
         Err(e) if e.kind() == ErrorKind::NoDevice => {
             eprintln!("skipping: provider {} has no device here: {e}", P::NAME);
             None

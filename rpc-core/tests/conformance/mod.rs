@@ -15,12 +15,15 @@
 //!
 //! Invoke it at the root of the test crate. A provider whose `open` fails with
 //! `ErrorKind::NoDevice` is skipped (each test prints why and passes), so the suite can be
-//! instantiated unconditionally under the provider's cargo feature.
+//! instantiated unconditionally under the provider's cargo feature; except where a device is
+//! required (`SOFTROCE` or `RPC_IB_REQUIRE_DEVICE` set, see `harness::device_required`):
+//! there a missing device fails every case.
 
 // Each test binary that declares `mod conformance;` uses part of it.
 #![allow(dead_code, unused_macros, unused_imports)]
 
 pub mod cases;
+pub mod edges;
 pub mod harness;
 
 /// Instantiates every case as a `#[test]` in module `$name`, for provider `$provider`, with
@@ -50,9 +53,19 @@ macro_rules! conformance_suite {
             queue_full,
             forged_endpoint,
             bad_registration,
-            local_protection,
+            local_protection_bounds,
+            local_protection_pd,
             user_memory,
-            channel_wakes_sleeper
+            channel_wakes_sleeper,
+            zero_length_send,
+            zero_length_write,
+            zero_length_read,
+            zero_length_sge,
+            recv_too_small,
+            read_then_send_fenced,
+            read_then_send_unfenced,
+            connect_attr_ranges,
+            async_events_nonblocking
         );
     };
     (@cases $name:ident, $provider:ty, $mode:ident, $($case:ident),* $(,)?) => {

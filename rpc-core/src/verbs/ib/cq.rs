@@ -17,6 +17,7 @@ use rdma_sys::{
 };
 
 use super::device::{CtxShared, IbContext, last_errno, ret_errno};
+use super::ledger::{Joins, Routes};
 use crate::verbs::error::{ErrorKind, Verb, VerbsError};
 use crate::verbs::types::{Wc, WcFlags, WcOpcode, WcStatus};
 use crate::verbs::{CompChannel, Cq, Result};
@@ -185,9 +186,8 @@ pub(super) struct CqShared {
     pub(super) capacity: u32,
     /// Completions the QPs attached to this CQ can have outstanding at once.
     committed: AtomicU64,
-    /// Error completions seen on this CQ: a QP that sees it change asks the device whether
-    /// it failed (see `IbQp::post_recv`).
-    pub(super) errors: AtomicU64,
+    /// QPs attached and detached since the poller last looked (see `ledger`).
+    pub(super) joins: Joins,
 }
 
 // SAFETY: the CQ handle is used for polling only through `&mut IbCq` (one poller), for arming
@@ -241,6 +241,8 @@ impl Drop for CqShared {
 /// A completion queue (`ibv_cq`).
 pub struct IbCq {
     pub(super) shared: Arc<CqShared>,
+    /// The ledgers of the QPs attached, by `qp_num` (owned by the poller).
+    routes: Routes,
 }
 
 impl fmt::Debug for IbCq {
@@ -323,15 +325,34 @@ impl IbCq {
                 // least this much room.
                 capacity: cqe,
                 committed: AtomicU64::new(0),
-                errors: AtomicU64::new(0),
+                joins: Joins::default(),
             }),
+            routes: Routes::default(),
         })
     }
 }
 
 /// Maps one `ibv_wc` to our [`Wc`] (status and opcode numbers are the verbs ones; immediate
-/// data arrives in network order and is returned in host order).
-pub(super) fn wc_from_raw(w: &ibv_wc) -> Wc {
+/// data arrives in network order and is returned in host order). `wr_id` is the device-level
+/// one; the caller's is put in by [`IbCq::poll`].
+///
+/// An error completion defines only `wr_id`, `status`, `qp_num` and `vendor_err` (verbs
+/// leaves the opcode, length, flags and immediate data undefined): only those are read;
+/// the opcode is `fallback` (from the request: see `ledger`), the rest zero.
+pub(super) fn wc_from_raw(w: &ibv_wc, fallback: WcOpcode) -> Wc {
+    let status = WcStatus::from_u32(w.status);
+    if status != WcStatus::Success {
+        return Wc {
+            wr_id: w.wr_id,
+            status,
+            opcode: fallback,
+            flags: WcFlags::NONE,
+            byte_len: 0,
+            imm_data: 0,
+            qp_num: w.qp_num,
+            vendor_err: w.vendor_err,
+        };
+    }
     let with_imm = w.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
     let opcode = match w.opcode {
         ibv_wc_opcode::IBV_WC_SEND => WcOpcode::Send,
@@ -341,8 +362,7 @@ pub(super) fn wc_from_raw(w: &ibv_wc) -> Wc {
         ibv_wc_opcode::IBV_WC_FETCH_ADD => WcOpcode::FetchAdd,
         ibv_wc_opcode::IBV_WC_RECV => WcOpcode::Recv,
         ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => WcOpcode::RecvRdmaWithImm,
-        // Error completions may carry no valid opcode (verbs leaves it undefined).
-        _ => WcOpcode::Send,
+        _ => fallback,
     };
     let imm_data = if with_imm {
         // SAFETY: with IBV_WC_WITH_IMM set, the union holds the immediate data (a plain u32;
@@ -353,7 +373,7 @@ pub(super) fn wc_from_raw(w: &ibv_wc) -> Wc {
     };
     Wc {
         wr_id: w.wr_id,
-        status: WcStatus::from_u32(w.status),
+        status,
         opcode,
         flags: if with_imm {
             WcFlags::WITH_IMM
@@ -363,7 +383,7 @@ pub(super) fn wc_from_raw(w: &ibv_wc) -> Wc {
         byte_len: w.byte_len,
         imm_data,
         qp_num: w.qp_num,
-        vendor_err: w.vendor_err,
+        vendor_err: 0,
     }
 }
 
@@ -396,14 +416,28 @@ impl Cq for IbCq {
                 ));
             }
             let n = (n as usize).min(want);
-            for (dst, src) in wcs[done..done + n].iter_mut().zip(&raw[..n]) {
+            let mut kept = 0;
+            for src in &raw[..n] {
                 // SAFETY: the provider initialised the first `n` entries.
-                *dst = wc_from_raw(unsafe { src.assume_init_ref() });
-                if !dst.is_ok() {
-                    self.shared.errors.fetch_add(1, Ordering::Relaxed);
-                }
+                let w = unsafe { src.assume_init_ref() };
+                let Some(l) = self.routes.find(&self.shared.joins, w.qp_num) else {
+                    // A QP destroyed with completions still queued: nobody to give them to.
+                    tracing::debug!("NET/IB : completion for unknown QP {:#x} dropped", w.qp_num);
+                    continue;
+                };
+                let ok = w.status == rdma_sys::ibv_wc_status::IBV_WC_SUCCESS;
+                let (wr_id, recv, op) = l.resolve(w.wr_id, ok);
+                let fallback = if recv {
+                    WcOpcode::Recv
+                } else {
+                    op.unwrap_or(WcOpcode::Send)
+                };
+                let mut wc = wc_from_raw(w, fallback);
+                wc.wr_id = wr_id;
+                wcs[done + kept] = wc;
+                kept += 1;
             }
-            done += n;
+            done += kept;
             if n < want {
                 break;
             }
@@ -456,22 +490,24 @@ mod tests {
 
     #[test]
     fn wc_mapping() {
-        let w = wc_from_raw(&raw_wc(0, 128, 2, 0x1234_5678u32.to_be()));
+        let w = wc_from_raw(&raw_wc(0, 128, 2, 0x1234_5678u32.to_be()), WcOpcode::Send);
         assert_eq!(w.wr_id, 7);
         assert!(w.is_ok());
         assert_eq!(w.opcode, WcOpcode::Recv);
         assert_eq!(w.imm(), Some(0x1234_5678));
-        assert_eq!((w.byte_len, w.qp_num, w.vendor_err), (42, 0x11, 0x81));
-        let w = wc_from_raw(&raw_wc(10, 2, 0, 99));
+        assert_eq!((w.byte_len, w.qp_num, w.vendor_err), (42, 0x11, 0));
+        // An error completion: only wr_id, status, qp_num and vendor_err are read; the
+        // opcode, length, flags and immediate data (undefined in verbs) are not.
+        let w = wc_from_raw(&raw_wc(10, 0, 2, 99), WcOpcode::RdmaRead);
         assert_eq!(w.status, WcStatus::RemAccessErr);
         assert_eq!(w.opcode, WcOpcode::RdmaRead);
-        assert_eq!(w.imm(), None);
-        assert_eq!(w.imm_data, 0);
-        let w = wc_from_raw(&raw_wc(5, 0xdead, 0, 0));
+        assert_eq!((w.wr_id, w.qp_num, w.vendor_err), (7, 0x11, 0x81));
+        assert_eq!((w.byte_len, w.imm(), w.imm_data), (0, None, 0));
+        let w = wc_from_raw(&raw_wc(5, 0xdead, 0, 0), WcOpcode::Recv);
         assert_eq!(w.status, WcStatus::WrFlushErr);
-        assert_eq!(w.opcode, WcOpcode::Send);
+        assert_eq!(w.opcode, WcOpcode::Recv);
         assert_eq!(
-            wc_from_raw(&raw_wc(0, 129, 2, 1u32.to_be())).opcode,
+            wc_from_raw(&raw_wc(0, 129, 2, 1u32.to_be()), WcOpcode::Send).opcode,
             WcOpcode::RecvRdmaWithImm
         );
     }

@@ -49,6 +49,7 @@ impl DeviceList {
     /// Lists the devices. `Ok(None)` when the system has no RDMA device (NULL list with
     /// ENOSYS/ENODEV, or zero devices).
     fn get() -> Result<Option<DeviceList>, VerbsError> {
+        super::events::fork_init();
         let mut n: i32 = 0;
         // SAFETY: `n` is a valid out-pointer for the duration of the call.
         let list = unsafe { ibv_get_device_list(&mut n) };
@@ -110,7 +111,11 @@ impl RawContext {
         // SAFETY: `dev` is a live entry of a device list that outlives this call.
         let ctx = unsafe { ibv_open_device(dev.as_ptr()) };
         match NonNull::new(ctx) {
-            Some(ctx) => Ok(RawContext { ctx }),
+            Some(ctx) => {
+                let raw = RawContext { ctx };
+                super::events::nonblocking_async_fd(&raw)?;
+                Ok(raw)
+            }
             None => {
                 let e = last_errno();
                 Err(VerbsError::from_errno(
@@ -382,9 +387,33 @@ pub(super) struct CtxShared {
     pub(super) gid_choice: GidChoice,
     /// Responder resources (`max_qp_rd_atom`), the cap of `max_dest_rd_atomic`.
     pub(super) max_dest_rd_atomic: u32,
+    /// Most SGEs of an RDMA READ (`max_sge_rd`; often below `max_sge`).
+    pub(super) max_sge_rd: u32,
+    /// What this device needs done differently.
+    pub(super) quirks: Quirks,
     pub(super) rail: usize,
     pub(super) traffic_class: u8,
     pub(super) service_level: u8,
+}
+
+/// Device-specific workarounds, decided once at open.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Quirks {
+    /// Receives posted in ERROR are not flushed until the QP enters ERROR again (Soft-RoCE,
+    /// Linux 6.1): `post_recv` re-enters ERROR on such a QP. Hardware (mlx5, ...) flushes
+    /// them itself and pays nothing.
+    pub(super) reflush_recv: bool,
+}
+
+/// `RXE_VENDOR_ID` of the kernel's Soft-RoCE driver.
+const RXE_VENDOR_ID: u32 = 0x00ff_ffff;
+
+impl Quirks {
+    pub(super) fn of(name: &str, vendor_id: u32) -> Quirks {
+        Quirks {
+            reflush_recv: vendor_id == RXE_VENDOR_ID || name.starts_with("rxe"),
+        }
+    }
 }
 
 impl CtxShared {
@@ -664,6 +693,11 @@ fn open_candidate(
         gid,
         gid_choice,
         max_dest_rd_atomic: u32::try_from(c.attr.max_qp_rd_atom).unwrap_or(0),
+        max_sge_rd: u32::try_from(c.attr.max_sge_rd)
+            .ok()
+            .filter(|&n| n > 0)
+            .unwrap_or(caps.max_sge),
+        quirks: Quirks::of(&c.name, c.attr.vendor_id),
         rail,
         traffic_class,
         service_level,

@@ -43,11 +43,22 @@
 //!
 //! [`Qp::caps`](crate::verbs::Qp::caps) and [`Cq::capacity`](crate::verbs::Cq::capacity) are
 //! the sizes asked for, even where the device rounded its rings up (mlx5, rxe since Linux 6.2
-//! report 2^n - 1): a QP is admitted to its CQs only while the depths of all their QPs fit (CQ
-//! overrun is prevented by sizing), with the same arithmetic as on every other provider. The
-//! device may therefore accept more work requests than `caps()` before `post_send` answers
-//! [`ErrorKind::QueueFull`]: callers keep their outstanding work requests within `caps()`, as
-//! the RPC runtime's credits do, and do not rely on `QueueFull` coming at exactly that depth.
+//! report 2^n - 1), and they are enforced: `post_send`/`post_recv` answer
+//! [`ErrorKind::QueueFull`] at exactly that depth, as on every provider (each QP keeps a
+//! ledger of its outstanding requests that its CQs update by `qp_num`). A QP is admitted to
+//! its CQs only while the depths of all their QPs fit, so a CQ sized from the requested depths
+//! cannot overrun.
+//!
+//! # Errors and device quirks
+//!
+//! Error completions are read for the fields verbs defines for them only (`wr_id`, `status`,
+//! `qp_num`, `vendor_err`); their opcode is the request's. Soft-RoCE does not flush receives
+//! posted after a failure: on rxe only, `post_recv` on a QP known to have failed re-enters
+//! ERROR (hardware pays nothing). `ibv_fork_init` runs before the first verb
+//! (`RPC_IB_FORK_INIT=0` skips it); READs are limited to the device's `max_sge_rd`; regions
+//! are registered with relaxed ordering where supported (`RPC_IB_RELAXED_ORDERING=0` turns it
+//! off) and large ones advised for huge pages. Device events (port down, GID change, device
+//! fatal, ...) are read with [`Context::poll_async_event`].
 //!
 //! # Logs
 //!
@@ -56,6 +67,8 @@
 
 mod cq;
 mod device;
+mod events;
+mod ledger;
 mod mr;
 mod qp;
 mod select;
@@ -66,7 +79,8 @@ use crate::verbs::{Context, Provider};
 
 pub use cq::{IbCompChannel, IbCq, POLL_BATCH};
 pub use device::{DeviceReport, IbContext, PortInfo, PortReport, PortState, diagnose};
-pub use mr::{IbMr, IbPd, MEMLOCK_FIX, Memlock};
+pub use events::ENV_FORK_INIT;
+pub use mr::{ENV_RELAXED_ORDERING, IbMr, IbPd, MEMLOCK_FIX, Memlock};
 pub use qp::{IbQp, POST_BATCH};
 pub use select::{
     ENV_GID_INDEX, ENV_HCA, ENV_QPS_PER_CONNECTION, ENV_SL, ENV_TC, GidAddr, GidChoice, GidEntry,
@@ -177,5 +191,9 @@ impl Context<Ib> for IbContext {
 
     fn create_cq(&self, cqe: u32, channel: Option<&IbCompChannel>) -> Result<IbCq> {
         IbCq::create(self, cqe, channel)
+    }
+
+    fn poll_async_event(&self) -> Result<Option<crate::verbs::AsyncEvent>> {
+        events::poll_async_event(&self.shared.raw)
     }
 }

@@ -18,6 +18,7 @@ use rdma_sys::{
 
 use super::cq::{CqShared, IbCq};
 use super::device::{RawContext, last_errno, ret_errno};
+use super::ledger::{Ledger, RECV_TAG};
 use super::mr::{IbPd, PdShared};
 use super::select::{self, GidAddr};
 use crate::verbs::error::{ErrorKind, PostError, Verb, VerbsError};
@@ -55,8 +56,11 @@ pub struct IbQp {
     psn: u32,
     path_mtu: u32,
     remote: Option<Endpoint>,
-    /// The error-completion counts of both CQs when this QP last looked.
-    seen_errors: u64,
+    /// Outstanding work and the callers' `wr_id`s, shared with the CQs (see `ledger`).
+    ledger: Arc<Ledger>,
+    /// Send and receive requests handed to the device so far (the next sequence numbers).
+    send_posted: u64,
+    recv_posted: u64,
     pd: Arc<PdShared>,
     send_cq: Arc<CqShared>,
     recv_cq: Arc<CqShared>,
@@ -89,6 +93,10 @@ impl Drop for IbQp {
         let rc = unsafe { ibv_destroy_qp(self.qp.as_ptr()) };
         if rc != 0 {
             tracing::warn!(errno = ret_errno(rc), "ibv_destroy_qp failed");
+        }
+        self.send_cq.joins.remove(self.qp_num);
+        if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            self.recv_cq.joins.remove(self.qp_num);
         }
         if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
             self.send_cq
@@ -235,6 +243,11 @@ impl IbQp {
             g.max_recv_wr,
             g.max_inline_data
         );
+        let ledger = Arc::new(Ledger::new(qp_num, caps.max_send_wr, caps.max_recv_wr));
+        send_cq.shared.joins.add(Arc::clone(&ledger));
+        if !Arc::ptr_eq(&send_cq.shared, &recv_cq.shared) {
+            recv_cq.shared.joins.add(Arc::clone(&ledger));
+        }
         Ok(IbQp {
             qp,
             qp_num,
@@ -243,7 +256,9 @@ impl IbQp {
             psn: random_psn(),
             path_mtu: 0,
             remote: None,
-            seen_errors: 0,
+            ledger,
+            send_posted: 0,
+            recv_posted: 0,
             pd: Arc::clone(&pd.shared),
             send_cq: Arc::clone(&send_cq.shared),
             recv_cq: Arc::clone(&recv_cq.shared),
@@ -453,6 +468,19 @@ fn post_errno(verb: Verb, errno: i32) -> VerbsError {
     }
 }
 
+/// The back-pressure answer at the depth asked for (`QueueFull`, as `ibv_post_*`'s ENOMEM;
+/// no allocation: back-pressure is part of the data path).
+fn queue_full(verb: Verb) -> VerbsError {
+    VerbsError::from_errno(
+        verb,
+        libc::ENOMEM,
+        Cow::Borrowed(
+            "queue full at the depth the QP was created with (Qp::caps): poll completions \
+             (unsignaled sends are freed by a later signaled one), then post the rest",
+        ),
+    )
+}
+
 fn wr_invalid(verb: Verb, why: &'static str) -> VerbsError {
     VerbsError::new(verb, ErrorKind::InvalidArgument, Cow::Borrowed(why))
 }
@@ -464,6 +492,13 @@ impl IbQp {
             return Err(wr_invalid(
                 Verb::PostSend,
                 "more SGEs than the QP's max_send_sge",
+            ));
+        }
+        if matches!(wr.op, WrOp::Read { .. }) && wr.sg_list.len() > self.pd.ctx.max_sge_rd as usize
+        {
+            return Err(wr_invalid(
+                Verb::PostSend,
+                "an RDMA READ with more SGEs than the device's max_sge_rd",
             ));
         }
         if wr.flags.contains(SendFlags::INLINE) {
@@ -629,6 +664,7 @@ impl IbQp {
         // their SGEs name is the caller's contract.
         let rc = unsafe { ibv_post_send(self.qp.as_ptr(), first, &mut bad) };
         if rc == 0 {
+            self.send_posted += n as u64;
             return Ok(());
         }
         let idx = if bad.is_null() {
@@ -636,6 +672,7 @@ impl IbQp {
         } else {
             ((bad as usize).wrapping_sub(first as usize) / size_of::<ibv_send_wr>()).min(n)
         };
+        self.send_posted += idx as u64;
         Err(PostError {
             posted: base + idx,
             error: post_errno(Verb::PostSend, ret_errno(rc)),
@@ -671,6 +708,7 @@ impl IbQp {
         // SAFETY: as in `flush_send`, for the receive queue.
         let rc = unsafe { ibv_post_recv(self.qp.as_ptr(), first, &mut bad) };
         if rc == 0 {
+            self.recv_posted += n as u64;
             return Ok(());
         }
         let idx = if bad.is_null() {
@@ -678,6 +716,7 @@ impl IbQp {
         } else {
             ((bad as usize).wrapping_sub(first as usize) / size_of::<ibv_recv_wr>()).min(n)
         };
+        self.recv_posted += idx as u64;
         Err(PostError {
             posted: base + idx,
             error: post_errno(Verb::PostRecv, ret_errno(rc)),
@@ -757,6 +796,7 @@ impl Qp for IbQp {
 
     fn modify_to_rtr(&mut self, remote: &Endpoint, attr: &ConnectAttr) -> Result<()> {
         self.expect_state(QpState::Init, "INIT->RTR")?;
+        attr.validate()?;
         self.check_remote(remote)?;
         let ctx = Arc::clone(&self.pd.ctx);
         let mtu = select::path_mtu(ctx.port.active_mtu, remote.mtu, attr.path_mtu)?;
@@ -779,7 +819,7 @@ impl Qp for IbQp {
         a.dest_qp_num = remote.qp_num;
         a.rq_psn = remote.psn;
         a.max_dest_rd_atomic = dest_rd as u8;
-        a.min_rnr_timer = attr.min_rnr_timer & 31;
+        a.min_rnr_timer = attr.min_rnr_timer;
         a.ah_attr.port_num = ctx.port.num;
         a.ah_attr.sl = ctx.service_level;
         a.ah_attr.dlid = remote.lid;
@@ -835,16 +875,7 @@ impl Qp for IbQp {
 
     fn modify_to_rts(&mut self, attr: &ConnectAttr) -> Result<()> {
         self.expect_state(QpState::Rtr, "RTR->RTS")?;
-        if attr.retry_cnt > 7 || attr.rnr_retry > 7 || attr.timeout > 31 {
-            return Err(VerbsError::new(
-                Verb::ModifyQp,
-                ErrorKind::InvalidArgument,
-                format!(
-                    "retry_cnt {} / rnr_retry {} must be 0..=7 and timeout {} 0..=31",
-                    attr.retry_cnt, attr.rnr_retry, attr.timeout
-                ),
-            ));
-        }
+        attr.validate()?;
         let ctx = Arc::clone(&self.pd.ctx);
         let rd = u32::from(attr.max_rd_atomic).min(ctx.caps.max_rd_atomic);
         // SAFETY: all-zero bytes are a valid `ibv_qp_attr`.
@@ -891,6 +922,10 @@ impl Qp for IbQp {
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RESET;
         self.modify(&mut a, ibv_qp_attr_mask::IBV_QP_STATE, "->RESET")?;
+        // The device dropped every outstanding request without a completion.
+        self.ledger.send.forget(self.send_posted);
+        self.ledger.recv.forget(self.recv_posted);
+        self.ledger.failed.store(false, Ordering::Relaxed);
         self.state = QpState::Reset;
         self.remote = None;
         self.path_mtu = 0;
@@ -911,13 +946,27 @@ impl Qp for IbQp {
         let mut batch: [MaybeUninit<ibv_send_wr>; POST_BATCH] =
             [const { MaybeUninit::uninit() }; POST_BATCH];
         let (mut n, mut base) = (0, 0);
+        let mut room = self.ledger.send.room(self.send_posted);
         for (i, wr) in wrs.iter().enumerate() {
-            if let Err(error) = self.check_send(wr) {
+            if room == 0 {
+                room = self.ledger.send.room(self.send_posted + n as u64);
+            }
+            let checked = if room == 0 {
+                Err(queue_full(Verb::PostSend))
+            } else {
+                self.check_send(wr)
+            };
+            if let Err(error) = checked {
                 // SAFETY: batch[..n] were built from the caller's requests (contract above).
                 unsafe { self.flush_send(&mut batch, n, base)? };
                 return Err(PostError { posted: i, error });
             }
-            batch[n].write(build_send(wr));
+            let seq = self.send_posted + n as u64;
+            self.ledger.send.record(seq, wr.wr_id, wr.op.wc_opcode());
+            let mut w = build_send(wr);
+            w.wr_id = seq;
+            batch[n].write(w);
+            room -= 1;
             n += 1;
             if n == POST_BATCH {
                 // SAFETY: as above.
@@ -944,17 +993,33 @@ impl Qp for IbQp {
         let mut batch: [MaybeUninit<ibv_recv_wr>; POST_BATCH] =
             [const { MaybeUninit::uninit() }; POST_BATCH];
         let (mut n, mut base) = (0, 0);
+        let mut room = self.ledger.recv.room(self.recv_posted);
         for (i, wr) in wrs.iter().enumerate() {
-            if wr.sg_list.len() > self.caps.max_recv_sge as usize {
+            if room == 0 {
+                room = self.ledger.recv.room(self.recv_posted + n as u64);
+            }
+            let refused = if room == 0 {
+                Some(queue_full(Verb::PostRecv))
+            } else if wr.sg_list.len() > self.caps.max_recv_sge as usize {
+                Some(wr_invalid(
+                    Verb::PostRecv,
+                    "more SGEs than the QP's max_recv_sge",
+                ))
+            } else {
+                None
+            };
+            if let Some(error) = refused {
                 // SAFETY: batch[..n] were built from the caller's requests (contract above).
                 unsafe { self.flush_recv(&mut batch, n, base)? };
-                return Err(PostError {
-                    posted: i,
-                    error: wr_invalid(Verb::PostRecv, "more SGEs than the QP's max_recv_sge"),
-                });
+                return Err(PostError { posted: i, error });
             }
+            let seq = self.recv_posted + n as u64;
+            self.ledger
+                .recv
+                .record(seq, wr.wr_id, crate::verbs::WcOpcode::Recv);
+            room -= 1;
             batch[n].write(ibv_recv_wr {
-                wr_id: wr.wr_id,
+                wr_id: seq | RECV_TAG,
                 next: std::ptr::null_mut(),
                 sg_list: if wr.sg_list.is_empty() {
                     std::ptr::null_mut()
@@ -974,22 +1039,17 @@ impl Qp for IbQp {
         }
         // SAFETY: as above.
         unsafe { self.flush_recv(&mut batch, n, base)? };
-        if self.state != QpState::Error {
-            // Did the device move the QP to ERROR on its own? Only worth a system call after
-            // an error completion showed up on one of its CQs (one relaxed load otherwise).
-            let errors = self.send_cq.errors.load(Ordering::Relaxed)
-                + self.recv_cq.errors.load(Ordering::Relaxed);
-            if errors != self.seen_errors {
-                self.seen_errors = errors;
-                if self.state() == QpState::Error {
-                    self.state = QpState::Error;
-                }
-            }
+        // Did the device move the QP to ERROR on its own? An error completion of this QP
+        // (routed to it by qp_num when its CQ was polled) says so: one relaxed load, no system
+        // call, and never because of another QP's failure.
+        if self.state != QpState::Error && self.ledger.failed.load(Ordering::Relaxed) {
+            self.state = QpState::Error;
         }
-        if self.state == QpState::Error {
+        if self.state == QpState::Error && self.pd.ctx.quirks.reflush_recv {
             // A receive posted in ERROR must complete with WR_FLUSH_ERR. Soft-RoCE (Linux 6.1)
             // only flushes the receive queue when the QP enters ERROR, so enter it again
-            // (ERROR -> ERROR is a legal transition; one system call, only in this state).
+            // (ERROR -> ERROR is a legal transition; one system call, only on such a device
+            // and only in this state: hardware flushes it on its own).
             // SAFETY: all-zero bytes are a valid `ibv_qp_attr`.
             let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
             a.qp_state = ibv_qp_state::IBV_QPS_ERR;

@@ -20,8 +20,8 @@ use super::peer::{MapError, Peer};
 use super::shm::{self, CmaDir, Mapping};
 use super::{CAPS, Device, vendor};
 use crate::verbs::{
-    Access, Endpoint, ErrorKind, QpState, Result, SendFlags, Sge, Verb, VerbsError, WcFlags,
-    WcOpcode, WcStatus, WrOp,
+    Access, Endpoint, ErrorKind, QpState, Result, SendFlags, SendWr, Sge, Verb, VerbsError,
+    WcFlags, WcOpcode, WcStatus, WrOp,
 };
 
 /// Most pieces one side of a copy can have (an SG list; inline data is one piece).
@@ -76,6 +76,18 @@ pub(crate) struct WrView<'a> {
     pub(crate) sges: &'a [Sge],
     /// Inline payload already copied out of the caller's buffers (queued requests).
     pub(crate) inline: Option<(*const u8, usize)>,
+}
+
+impl<'a> WrView<'a> {
+    /// The view of a request from the caller's list, executed as posted.
+    pub(crate) fn direct(wr: &SendWr<'a>) -> WrView<'a> {
+        WrView {
+            op: wr.op,
+            flags: wr.flags,
+            sges: wr.sg_list,
+            inline: None,
+        }
+    }
 }
 
 /// Up to [`MAX_PIECES`] values on the stack, uninitialized until pushed. The data path builds
@@ -443,6 +455,11 @@ impl Conn {
             prefetchw: has_prefetchw(),
             ahead: Cell::new((0, 0)),
         })
+    }
+
+    /// The connected peer QP's `min_rnr_timer` (its RNR NAK timer), as published at its RTR.
+    pub(crate) fn peer_rnr_timer(&self) -> u8 {
+        (self.p32(self.pe + qp::RNR_TIMER).load(Ordering::Relaxed) & 31) as u8
     }
 
     #[inline]

@@ -26,6 +26,18 @@ pub fn delay_completions(qp: &SoftQp, d: Duration) {
     qp.s.delay_ns.store(ns, Ordering::Relaxed);
 }
 
+/// Delays the responses to the RDMA READs and atomics posted on `qp` from now on by `d` (zero:
+/// no delay), as a slow responder would: the READ's data is fetched and its completion
+/// reported no sooner than `d` after posting, while later requests *without*
+/// [`SendFlags::FENCE`](crate::verbs::SendFlags::FENCE) are executed at once (their
+/// completions still come in order, after the READ's). A FENCEd request waits for every READ
+/// and atomic before it. This is the hazard real RNICs have: a SEND of a buffer a READ is
+/// filling may carry the old bytes unless it is fenced.
+pub fn delay_read_responses(qp: &SoftQp, d: Duration) {
+    let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    qp.s.read_delay_ns.store(ns, Ordering::Relaxed);
+}
+
 /// Makes the peer `qp` is connected to look dead, as the watchdog would when its process
 /// exits: operations towards it complete with `RETRY_EXC_ERR`. Returns false when `qp` is not
 /// connected. Affects every QP of this context connected to the same peer instance.

@@ -126,6 +126,10 @@ pub(crate) mod qp {
     pub(crate) const REMOTE_NONCE: usize = 56;
     /// u32 receive producer index (own cache line: written by every post_recv).
     pub(crate) const RQ_PROD: usize = 64;
+    /// u32 this QP's `min_rnr_timer` encoding (set at RTR): how long a requester that got an
+    /// RNR NAK from us waits before retrying, as the RNR NAK carries it in IB. Read by peers
+    /// only on that slow path.
+    pub(crate) const RNR_TIMER: usize = 96;
 }
 
 /// Bytes of a receive WQE header before its SGEs.
@@ -230,7 +234,7 @@ pub(crate) const fn cq_in_entry(slot: usize) -> usize {
 
 const _: () = assert!(PUB_HEAP < PUB_LEN / 2);
 const _: () = assert!(IN_HEAP < INBOX_LEN / 2);
-const _: () = assert!(QP_ENTRY >= qp::RQ_PROD + 4);
+const _: () = assert!(QP_ENTRY >= qp::RNR_TIMER + 4 && qp::RNR_TIMER >= qp::RQ_PROD + 4);
 const _: () = assert!(MAX_MR <= 1 << MR_SLOT_BITS && MAX_QP <= 1 << QP_SLOT_BITS);
 const _: () = assert!(CQ_IN_ENTRY.is_multiple_of(64) && MR_TABLE.is_multiple_of(4096));
 

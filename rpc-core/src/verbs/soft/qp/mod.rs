@@ -25,6 +25,7 @@ use super::layout::{self, qp, qp_in, rcqe};
 use super::peer::Liveness;
 use super::shm;
 use super::{ACTIVE_MTU, CAPS, Device, vendor};
+use crate::verbs::types;
 use crate::verbs::{
     Access, ConnectAttr, Endpoint, ErrorKind, PostError, Qp, QpCaps, QpState, RecvWr, Result,
     SendFlags, SendWr, Sge, Verb, VerbsError, Wc, WcFlags, WcStatus, WrOp,
@@ -39,6 +40,9 @@ struct StoredWr {
     nsge: u32,
     inline_len: u32,
     not_before: u64,
+    /// Executed already, ahead of a delayed READ in front of it (`fault::delay_read_responses`):
+    /// only its completion waits for its turn.
+    early: Option<Outcome>,
 }
 
 impl Default for StoredWr {
@@ -50,6 +54,7 @@ impl Default for StoredWr {
             nsge: 0,
             inline_len: 0,
             not_before: 0,
+            early: None,
         }
     }
 }
@@ -71,6 +76,9 @@ struct Exec {
     rnr_tries: u32,
     tries: u32,
     next_retry: u64,
+    /// The queue holds only delayed READs/atomics and requests executed ahead of them: an
+    /// unfenced request may be executed now too (`fault::delay_read_responses`).
+    overtake: bool,
 }
 
 /// Shared state of a QP: the QP handle, its CQs' pollers and retries all reach it.
@@ -115,6 +123,9 @@ pub(crate) struct QpShared {
     destroyed: AtomicBool,
     /// Test hook: queued execution delay in nanoseconds.
     pub(crate) delay_ns: AtomicU64,
+    /// Test hook: delay of READ and atomic responses in nanoseconds (later unfenced requests
+    /// go ahead meanwhile).
+    pub(crate) read_delay_ns: AtomicU64,
 }
 
 // SAFETY: the `UnsafeCell` fields are accessed under documented protocols: `exec` only by the
@@ -309,7 +320,7 @@ impl QpShared {
     ///
     /// # Safety
     /// Inline SGEs must name readable memory (post_send contract).
-    unsafe fn store(&self, seq: u32, wr: &SendWr<'_>, not_before: u64) {
+    unsafe fn store(&self, seq: u32, wr: &SendWr<'_>, not_before: u64, early: Option<Outcome>) {
         let i = seq as usize & (self.sq_cap as usize - 1);
         let max_sge = self.caps.max_send_sge.max(1) as usize;
         let max_inline = self.caps.max_inline_data as usize;
@@ -348,6 +359,7 @@ impl QpShared {
                 nsge: wr.sg_list.len() as u32,
                 inline_len: inline_len as u32,
                 not_before,
+                early,
             };
         }
     }
@@ -397,6 +409,11 @@ impl QpShared {
                 _ => return, // reset meanwhile: the queue was discarded
             }
             let w = self.stored(seq);
+            if let Some(out) = w.early {
+                // Executed ahead of the delayed READ before it: only its completion was due.
+                self.settle(p, seq, w.wr_id, &w.op, w.flags, out, now);
+                continue;
+            }
             let due = p.exec().next_retry.max(w.not_before);
             if now < due {
                 if let Some(ch) = &self.send_cq.channel {
@@ -478,7 +495,13 @@ impl QpShared {
                     } else {
                         u32::from(ex.attr.rnr_retry)
                     };
-                    (ex.rnr_tries, lim, ex.attr.rnr_timer())
+                    // The RNR NAK carries the responder's timer (IB 9.7.5.2.8): the peer's
+                    // `min_rnr_timer`, not ours.
+                    let responder = ex
+                        .conn
+                        .as_ref()
+                        .map_or(ex.attr.min_rnr_timer, |c| c.peer_rnr_timer());
+                    (ex.rnr_tries, lim, types::rnr_timer(responder))
                 } else {
                     ex.tries += 1;
                     let t = ex.attr.ack_timeout().unwrap_or(ex.attr.rnr_timer());
@@ -753,6 +776,10 @@ impl SoftQp {
         w32(qp::REMOTE_QP, 0);
         w64(qp::REMOTE_NONCE, 0);
         w32(qp::RQ_PROD, 0);
+        w32(
+            qp::RNR_TIMER,
+            u32::from(ConnectAttr::default().min_rnr_timer),
+        );
         dev.in32(in_entry + qp_in::REMOTE_ERROR)
             .store(0, Ordering::Relaxed);
         dev.in32(in_entry + qp_in::RQ_CLAIM)
@@ -792,6 +819,7 @@ impl SoftQp {
                 rnr_tries: 0,
                 tries: 0,
                 next_retry: 0,
+                overtake: false,
             }),
             send_cq: scq.clone(),
             send_bit,
@@ -808,6 +836,7 @@ impl SoftQp {
             peer_live: Mutex::new(None),
             destroyed: AtomicBool::new(false),
             delay_ns: AtomicU64::new(0),
+            read_delay_ns: AtomicU64::new(0),
         });
         send_cq.attach(send_bit, s.clone(), false);
         recv_cq.attach(recv_bit, s.clone(), true);
@@ -903,6 +932,7 @@ impl Qp for SoftQp {
 
     fn modify_to_rtr(&mut self, remote: &Endpoint, attr: &ConnectAttr) -> Result<()> {
         self.check_state(QpState::Init, Verb::ModifyQp, "INIT -> RTR")?;
+        attr.validate()?;
         let s = &*self.s;
         let conn = Conn::connect(&s.dev, s.qp_num, remote, Arc::clone(&s.counters))?;
         *s.peer_live.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.peer.live.clone());
@@ -912,6 +942,9 @@ impl Qp for SoftQp {
         s.dev
             .pub64(s.entry + qp::REMOTE_NONCE)
             .store(conn.peer.nonce, Ordering::Relaxed);
+        s.dev
+            .pub32(s.entry + qp::RNR_TIMER)
+            .store(u32::from(attr.min_rnr_timer), Ordering::Relaxed);
         {
             let mut p = s.progress_blocking();
             let ex = p.exec();
@@ -927,6 +960,7 @@ impl Qp for SoftQp {
 
     fn modify_to_rts(&mut self, attr: &ConnectAttr) -> Result<()> {
         self.check_state(QpState::Rtr, Verb::ModifyQp, "RTR -> RTS")?;
+        attr.validate()?;
         let s = &*self.s;
         {
             let mut p = s.progress_blocking();
@@ -1004,6 +1038,7 @@ impl Qp for SoftQp {
             s.run_pending(p, now);
         }
         let delay = s.delay_ns.load(Ordering::Relaxed);
+        let read_delay = s.read_delay_ns.load(Ordering::Relaxed);
         // A list rings the peer once, at its end (see `Conn::begin_list`).
         let list = wrs.len() > 1;
         if list && let Some(c) = guard.as_mut().and_then(|p| p.exec().conn.as_ref()) {
@@ -1012,6 +1047,7 @@ impl Qp for SoftQp {
             let consumers = if s.sq_exec.load(Ordering::Relaxed)
                 == s.sq_head.load(Ordering::Relaxed)
                 && delay == 0
+                && read_delay == 0
             {
                 wrs.iter().filter(|w| w.op.consumes_receive()).count()
             } else {
@@ -1040,7 +1076,58 @@ impl Qp for SoftQp {
                         ),
                     ));
                 }
-                let direct = delay == 0 && s.sq_exec.load(Ordering::Relaxed) == seq;
+                let is_read = matches!(
+                    wr.op,
+                    WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
+                );
+                let queue_empty = s.sq_exec.load(Ordering::Relaxed) == seq;
+                if read_delay != 0
+                    && let Some(p) = guard.as_mut()
+                    && s.raw_state() == QpState::Rts
+                {
+                    let ex = p.exec();
+                    if queue_empty {
+                        ex.overtake = false;
+                    }
+                    if is_read && (queue_empty || ex.overtake) {
+                        // A slow responder: the READ waits, what follows may overtake it.
+                        ex.overtake = true;
+                        if now == 0 {
+                            now = shm::now_ns();
+                        }
+                        let due = now.saturating_add(read_delay);
+                        // SAFETY: forwarded post_send contract (inline SGEs readable).
+                        unsafe { s.store(seq, wr, due, None) };
+                        s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
+                        s.mark_pending(due);
+                        continue;
+                    }
+                    if !queue_empty
+                        && ex.overtake
+                        && !is_read
+                        && !wr.flags.contains(SendFlags::FENCE)
+                    {
+                        let out = s.run_one(p, &WrView::direct(wr));
+                        let early = match out {
+                            Outcome::Done { .. } => Some(out),
+                            // Waiting for the peer: it queues in order like any other.
+                            Outcome::Rnr | Outcome::NotReady => {
+                                p.exec().overtake = false;
+                                None
+                            }
+                        };
+                        // SAFETY: forwarded post_send contract (inline SGEs readable).
+                        unsafe { s.store(seq, wr, 0, early) };
+                        s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
+                        continue;
+                    }
+                    if !queue_empty {
+                        // A FENCEd request waits for the READs before it; so does everything
+                        // behind it (RC order).
+                        ex.overtake = false;
+                    }
+                }
+                let direct = delay == 0 && queue_empty;
                 match guard.as_mut() {
                     Some(p) if direct => {
                         if s.raw_state() == QpState::Error {
@@ -1049,16 +1136,10 @@ impl Qp for SoftQp {
                             s.complete(p, seq, wr.wr_id, &wr.op, WcStatus::WrFlushErr, 0, 0);
                             continue;
                         }
-                        let view = WrView {
-                            op: wr.op,
-                            flags: wr.flags,
-                            sges: wr.sg_list,
-                            inline: None,
-                        };
-                        let out = s.run_one(p, &view);
+                        let out = s.run_one(p, &WrView::direct(wr));
                         if matches!(out, Outcome::Rnr | Outcome::NotReady) {
                             // SAFETY: forwarded post_send contract (inline SGEs readable).
-                            unsafe { s.store(seq, wr, 0) };
+                            unsafe { s.store(seq, wr, 0, None) };
                             s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
                             if now == 0 {
                                 now = shm::now_ns();
@@ -1078,7 +1159,7 @@ impl Qp for SoftQp {
                             now.saturating_add(delay)
                         };
                         // SAFETY: forwarded post_send contract (inline SGEs readable).
-                        unsafe { s.store(seq, wr, not_before) };
+                        unsafe { s.store(seq, wr, not_before, None) };
                         s.sq_head.store(seq.wrapping_add(1), Ordering::SeqCst);
                         // Behind a queued head we hold the flag for, the head's retry is already
                         // scheduled (and the QP marked); otherwise make the next poll run it.
