@@ -71,6 +71,7 @@ pub use buf::Geometry;
 #[doc(hidden)]
 pub mod testing {
     pub use crate::connect::Message as Handshake;
+    pub use crate::connect::{Hello, Refusal};
     pub use crate::link::{ParkedStats, SIGNAL_EVERY, parked_stats};
 }
 pub use client::{
@@ -84,5 +85,5 @@ pub use request::{
     Response,
 };
 pub use server::{PollMode, RunningServer, Server, ServerBuilder};
-pub use status::{Code, STATUS_DETAILS_KEY, Status};
+pub use status::{Code, MAX_STATUS_MESSAGE_LEN, STATUS_DETAILS_KEY, Status};
 pub use streaming::Streaming;

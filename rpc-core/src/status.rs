@@ -99,6 +99,24 @@ impl fmt::Display for Code {
     }
 }
 
+/// Longest status message carried, in bytes (as long as the metadata budget,
+/// [`crate::MAX_METADATA_LEN`]); a longer one is cut at a character boundary, and a frame too
+/// small for it (a small slot geometry) cuts it further, also at a character.
+pub const MAX_STATUS_MESSAGE_LEN: usize = crate::MAX_METADATA_LEN;
+
+/// The longest prefix of `s` of at most `max` bytes that ends at a character boundary.
+pub(crate) fn cut_at_char(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// The message of the runtime's `UNIMPLEMENTED` for a method the server does not serve; the
+/// client replaces it with one naming the path it called ([`Status::for_method`]).
+pub(crate) const UNKNOWN_METHOD: &str = "the server has no such method";
+
 /// The metadata key of a status's details (gRPC's rich error model, `google.rpc.Status`).
 pub const STATUS_DETAILS_KEY: &str = "grpc-status-details-bin";
 
@@ -152,6 +170,18 @@ impl Status {
             ));
         }
         st
+    }
+
+    /// This status as the caller of `path` sees it: the runtime's unknown-method status
+    /// names the path (a handler's own `UNIMPLEMENTED` is left as it is).
+    pub(crate) fn for_method(self, path: &str) -> Status {
+        if self.code == Code::Unimplemented && self.message == UNKNOWN_METHOD {
+            let mut st = self;
+            st.message = format!("unknown method {path}: {UNKNOWN_METHOD}");
+            st
+        } else {
+            self
+        }
     }
 
     /// The status's binary details (empty when it has none).
@@ -350,6 +380,14 @@ mod tests {
         // A Status passes through unchanged; sources are not part of equality.
         let inner = Status::not_found("gone");
         assert_eq!(Status::from_error(Box::new(inner.clone())), inner);
+    }
+
+    #[test]
+    fn messages_are_cut_at_characters() {
+        let s = "✓".repeat(1002);
+        assert_eq!(cut_at_char(&s, 1024).len(), 1023);
+        assert_eq!(cut_at_char(&s, 1), "");
+        assert_eq!(cut_at_char("abc", 10), "abc");
     }
 
     #[test]

@@ -217,67 +217,78 @@ fn back_pressure_case(mode: PollerMode) {
         .unwrap();
         const CALLS: u64 = 48;
         const SLEEP_MS: u64 = 400;
-        let ticks = Arc::new(AtomicU64::new(0));
-        let max_gap = Arc::new(AtomicU64::new(0));
-        let done = Arc::new(AtomicBool::new(false));
-        let ticker = {
-            let (ticks, max_gap, done) = (ticks.clone(), max_gap.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut last = Instant::now();
-                let start = last;
-                while !done.load(Ordering::Acquire) && start.elapsed() < CALL_LIMIT {
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                    let now = Instant::now();
-                    let gap = now.duration_since(last).as_micros() as u64;
-                    max_gap.fetch_max(gap, Ordering::AcqRel);
-                    ticks.fetch_add(1, Ordering::AcqRel);
-                    last = now;
-                }
-            })
-        };
-        let t = Instant::now();
-        let calls: Vec<_> = (0..CALLS)
-            .map(|seq| {
-                let ch = ch.clone();
+        // A regression stops the ticker in every round; a scheduler that takes the runtime's
+        // thread away (a machine loaded far past its cores) in one round rarely does in three.
+        for round in 1..=3 {
+            let ticks = Arc::new(AtomicU64::new(0));
+            let max_gap = Arc::new(AtomicU64::new(0));
+            let done = Arc::new(AtomicBool::new(false));
+            let ticker = {
+                let (ticks, max_gap, done) = (ticks.clone(), max_gap.clone(), done.clone());
                 tokio::spawn(async move {
-                    let mut req = Request::new(SleepRequest {
-                        seq,
-                        ms: SLEEP_MS,
-                        reply_len: 16,
-                        pad: bytes::Bytes::new(),
-                    });
-                    req.set_timeout(Duration::from_secs(50));
-                    let r: rpc_core::Response<Blob> = ch
-                        .unary(&lab_server::SLEEP, req)
-                        .await
-                        .unwrap_or_else(|e| panic!("{mode:?}: sleep call {seq}: {e:?}"));
-                    check_blob(r.get_ref(), seq, 16, "sleep reply");
+                    let mut last = Instant::now();
+                    let start = last;
+                    while !done.load(Ordering::Acquire) && start.elapsed() < CALL_LIMIT {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        let now = Instant::now();
+                        let gap = now.duration_since(last).as_micros() as u64;
+                        max_gap.fetch_max(gap, Ordering::AcqRel);
+                        ticks.fetch_add(1, Ordering::AcqRel);
+                        last = now;
+                    }
                 })
-            })
-            .collect();
-        for c in calls {
-            within(CALL_LIMIT, "back-pressured call", c).await.unwrap();
+            };
+            let t = Instant::now();
+            let calls: Vec<_> = (0..CALLS)
+                .map(|seq| {
+                    let ch = ch.clone();
+                    tokio::spawn(async move {
+                        let mut req = Request::new(SleepRequest {
+                            seq,
+                            ms: SLEEP_MS,
+                            reply_len: 16,
+                            pad: bytes::Bytes::new(),
+                        });
+                        req.set_timeout(Duration::from_secs(50));
+                        let r: rpc_core::Response<Blob> = ch
+                            .unary(&lab_server::SLEEP, req)
+                            .await
+                            .unwrap_or_else(|e| panic!("{mode:?}: sleep call {seq}: {e:?}"));
+                        check_blob(r.get_ref(), seq, 16, "sleep reply");
+                    })
+                })
+                .collect();
+            for c in calls {
+                within(CALL_LIMIT, "back-pressured call", c).await.unwrap();
+            }
+            let took = t.elapsed();
+            done.store(true, Ordering::Release);
+            within(Duration::from_secs(5), "ticker", ticker)
+                .await
+                .unwrap();
+            let gap = Duration::from_micros(max_gap.load(Ordering::Acquire));
+            let n = ticks.load(Ordering::Acquire);
+            eprintln!(
+                "{mode:?}: {CALLS} calls in {took:?}; ticker: {n} ticks, longest gap {gap:?}"
+            );
+            let ok = gap < Duration::from_millis(SLEEP_MS / 4) && n >= 10;
+            if ok || round == 3 {
+                // The handlers sleep at a time: a call sleeping the runtime's only thread while
+                // it waits for a send slot stops the ticker for a good part of that (measured
+                // before the fix, with 150 ms handlers: 31-83 ms with the thread poller; after:
+                // 3-11 ms quiet, up to 22 ms with two busy threads beside the test).
+                assert!(
+                    gap < Duration::from_millis(SLEEP_MS / 4),
+                    "{mode:?}: the ticker stood still for {gap:?} while calls were back-pressured"
+                );
+                assert!(
+                    n >= 10,
+                    "{mode:?}: the ticker ticked only {n} times in {took:?}"
+                );
+                break;
+            }
+            eprintln!("{mode:?}: round {round} inconclusive (gap {gap:?}, {n} ticks): again");
         }
-        let took = t.elapsed();
-        done.store(true, Ordering::Release);
-        within(Duration::from_secs(5), "ticker", ticker)
-            .await
-            .unwrap();
-        let gap = Duration::from_micros(max_gap.load(Ordering::Acquire));
-        let n = ticks.load(Ordering::Acquire);
-        eprintln!("{mode:?}: {CALLS} calls in {took:?}; ticker: {n} ticks, longest gap {gap:?}");
-        // The handlers sleep at a time: a call sleeping the runtime's only thread while it
-        // waits for a send slot stops the ticker for a good part of that (measured before the
-        // fix, with 150 ms handlers: 31-83 ms with the thread poller; after: 3-11 ms quiet,
-        // up to 22 ms with two busy threads beside the test).
-        assert!(
-            gap < Duration::from_millis(SLEEP_MS / 4),
-            "{mode:?}: the ticker stood still for {gap:?} while calls were back-pressured"
-        );
-        assert!(
-            n >= 10,
-            "{mode:?}: the ticker ticked only {n} times in {took:?}"
-        );
     });
     server_rt.block_on(srv.settle("live calls back to 0"));
 }

@@ -399,9 +399,9 @@ fn registered_requests_are_copied_by_the_nic_only() {
         let run = |k: u64| echo_calls(&rt, &ch, k, n, &request);
         run(3);
         let zc = ch.zero_copy_request_bytes();
-        let before = rpc_core::verbs::soft::process_counters();
+        let before = settled_counters();
         let ((), allocs, largest) = counted(|| run(K));
-        let after = rpc_core::verbs::soft::process_counters();
+        let after = settled_counters();
         let zero_copy = (ch.zero_copy_request_bytes() - zc) / K;
         let r: Response<Blob> = rt.block_on(ch.unary(&lab_server::ECHO, request())).unwrap();
         check_blob(r.get_ref(), seq, n, "registered echo");
@@ -492,9 +492,9 @@ fn soft_rnic_copies_each_payload_once() {
         };
         let run = |k: u64| echo_calls(&rt, &ch, k, n, &request);
         run(3);
-        let before = rpc_core::verbs::soft::process_counters();
+        let before = settled_counters();
         let ((), _allocs, largest) = counted(|| run(K));
-        let after = rpc_core::verbs::soft::process_counters();
+        let after = settled_counters();
         // Every byte still right after the counted calls.
         let r: Response<Blob> = rt.block_on(ch.unary(&lab_server::ECHO, request())).unwrap();
         check_blob(r.get_ref(), seq, n, label);
@@ -564,9 +564,9 @@ fn pipelined_calls_post_in_lists_and_signal_rarely() {
     let mut p = ch.pipeline::<Scalars, Scalars>(&lab_server::PING).unwrap();
     let n = calls().max(2_000);
     pipelined_pings(&mut p, 0, WARMUP, 32);
-    let before = rpc_core::verbs::soft::process_counters();
+    let before = settled_counters();
     pipelined_pings(&mut p, WARMUP, n, 32);
-    let after = rpc_core::verbs::soft::process_counters();
+    let after = settled_counters();
     let ops = after.ops - before.ops;
     let rings = after.rings - before.rings;
     let cqes = after.send_cqes - before.send_cqes;
@@ -593,4 +593,27 @@ fn pipelined_calls_post_in_lists_and_signal_rarely() {
     );
     drop(p);
     rt.block_on(srv.settle("live calls back to 0"));
+}
+
+/// The process's soft RNIC counters once they stopped moving: an operation's bytes are added
+/// by the RNIC thread that ran it, just after it published the peer's completion, so a caller
+/// woken by that completion can read the counters a moment before the last add (under load,
+/// one operation early or late).
+fn settled_counters() -> rpc_core::verbs::soft::CounterSnapshot {
+    let mut last = rpc_core::verbs::soft::process_counters();
+    let mut still = 0;
+    for _ in 0..400 {
+        std::thread::sleep(Duration::from_millis(2));
+        let now = rpc_core::verbs::soft::process_counters();
+        if now.bytes_copied == last.bytes_copied && now.ops == last.ops {
+            still += 1;
+            if still == 3 {
+                return now;
+            }
+        } else {
+            still = 0;
+        }
+        last = now;
+    }
+    last
 }

@@ -19,7 +19,8 @@ const LIMIT: Duration = Duration::from_secs(60);
 
 static DETAILED: MethodDesc = MethodDesc::new("/test.Status/Detailed", CallKind::Unary);
 static ECHO_META: MethodDesc = MethodDesc::new("/test.Status/EchoMeta", CallKind::Unary);
-static METHODS: [MethodDesc; 2] = [DETAILED, ECHO_META];
+static LONG: MethodDesc = MethodDesc::new("/test.Status/Long", CallKind::Unary);
+static METHODS: [MethodDesc; 3] = [DETAILED, ECHO_META, LONG];
 
 #[derive(Clone, PartialEq, prost::Message)]
 struct Msg {
@@ -58,6 +59,12 @@ impl Service for StatusSvc {
                         .unwrap();
                 }
                 Ok(resp)
+            })
+        } else if method == LONG.id {
+            call.unary(|req: Request<Msg>| async move {
+                // As many check marks (3 bytes each) as the request has bytes.
+                let n = req.get_ref().data.len();
+                Err::<Response<Msg>, _>(Status::internal("✓".repeat(n)))
             })
         } else {
             call.unimplemented()
@@ -118,5 +125,36 @@ async fn binary_metadata_goes_both_ways_under_bin_keys() {
         .unwrap();
     assert_eq!(r.metadata().get("echo-trace-bin"), Some(&blob[..]));
     assert_eq!(r.metadata().get_str("echo-tenant"), Some("blue team"));
+    within(LIMIT, "shutdown", server.shutdown()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_status_messages_arrive_whole_or_cut_at_a_character() {
+    let (server, ch) = setup().await;
+    for marks in [1002usize, 1365, 1366, 5000] {
+        let req = Request::new(Msg {
+            data: Bytes::from(vec![0u8; marks]),
+        });
+        let st = within(LIMIT, "call", ch.unary::<_, Msg>(&LONG, req))
+            .await
+            .unwrap_err();
+        let want = "✓".repeat(marks);
+        let got = st.message();
+        if want.len() <= rpc_core::MAX_STATUS_MESSAGE_LEN {
+            assert_eq!(got, want, "{marks} marks arrive whole");
+        } else {
+            assert!(
+                want.starts_with(got)
+                    && got.len() > rpc_core::MAX_STATUS_MESSAGE_LEN - 3
+                    && got.len() <= rpc_core::MAX_STATUS_MESSAGE_LEN,
+                "{marks} marks: cut at a character near the limit, got {} bytes",
+                got.len()
+            );
+        }
+        assert!(
+            !got.contains('\u{fffd}'),
+            "{marks}: no replacement character"
+        );
+    }
     within(LIMIT, "shutdown", server.shutdown()).await;
 }

@@ -299,7 +299,7 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
                 with_any!(AnyCore, &self.conn.core, c => c.try_finish::<Resp>(idx, generation));
             if let Some(r) = done {
                 self.in_flight.remove(i);
-                return Some((tag, r));
+                return Some((tag, r.map_err(|st| st.for_method(self.method.path))));
             }
         }
         None
@@ -558,6 +558,7 @@ impl Channel {
     {
         let conn = self.conn().await?;
         with_any!(AnyCore, &conn.core, c => c.unary(method, request).await)
+            .map_err(|st| st.for_method(method.path))
     }
 
     /// A unary call that blocks the calling thread, which polls the completion queue itself:
@@ -578,6 +579,7 @@ impl Channel {
     {
         let conn = self.conn_blocking()?;
         with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
+            .map_err(|st| st.for_method(method.path))
     }
 
     /// A pipeline of unary calls to `method` from one thread: many calls in flight without
@@ -656,6 +658,7 @@ impl Channel {
     {
         let conn = self.conn().await?;
         with_any!(AnyCore, &conn.core, c => c.client_streaming(method, request).await)
+            .map_err(|st| st.for_method(method.path))
     }
 
     /// A bidirectional-streaming call: the request stream is sent by a task of its own (as the

@@ -215,11 +215,7 @@ impl Message {
             Message::Refusal(r) => {
                 let mut w = W::header(KIND_REFUSAL);
                 w.0[7] = r.code as u8;
-                let mut cut = r.reason.len().min(MAX_MESSAGE - 16);
-                while !r.reason.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                let reason = &r.reason.as_bytes()[..cut];
+                let reason = crate::status::cut_at_char(&r.reason, MAX_MESSAGE - 16).as_bytes();
                 w.u16(reason.len() as u16);
                 w.bytes(reason);
                 w.0

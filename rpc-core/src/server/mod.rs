@@ -431,9 +431,9 @@ async fn serve_connection(
     });
     let (welcome, key) = match reply_rx.await {
         Ok(Ok(x)) => x,
-        Ok(Err(why)) => {
-            // The shard cannot take it (full, or out of queue pairs or memory).
-            refuse(&mut stream, peer, Code::ResourceExhausted, &why).await;
+        Ok(Err((code, why))) => {
+            // The shard cannot take it (full, out of queue pairs or memory, a bad endpoint).
+            refuse(&mut stream, peer, code, &why).await;
             return;
         }
         Err(_) => {

@@ -51,9 +51,4 @@ impl Router {
         let (_, s, d) = self.methods[i];
         Some((&self.services[s], d))
     }
-
-    /// Names of the services.
-    pub(crate) fn service_names(&self) -> Vec<&'static str> {
-        self.services.iter().map(|s| s.name()).collect()
-    }
 }

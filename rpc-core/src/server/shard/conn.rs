@@ -165,12 +165,13 @@ impl<P: Provider> Shard<P> {
         hello: Hello,
         peer: std::net::SocketAddr,
         closed: tokio::sync::oneshot::Sender<String>,
-    ) -> Result<(Welcome, LinkKey), String> {
+    ) -> Result<(Welcome, LinkKey), (crate::Code, String)> {
+        let exhausted = |why: String| (crate::Code::ResourceExhausted, why);
         let Some(idx) = self.conns.iter().position(Option::is_none) else {
-            return Err(format!(
+            return Err(exhausted(format!(
                 "server shard {} is full ({} connections)",
                 self.id, self.cfg.max_conns_per_shard
-            ));
+            )));
         };
         let cfg = &self.cfg;
         // Every call of the client's table may hold a staged terminal frame in a send slot while
@@ -190,13 +191,13 @@ impl<P: Provider> Shard<P> {
         let mut qp = self
             .pd
             .create_qp(&self.cq, &self.cq, caps)
-            .map_err(|e| format!("create QP: {e}"))?;
+            .map_err(|e| exhausted(format!("create QP: {e}")))?;
         let attr = ConnectAttr {
             access: Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
             ..ConnectAttr::default()
         };
         qp.connect(&hello.endpoint, &attr)
-            .map_err(|e| format!("connect QP: {e}"))?;
+            .map_err(|e| connect_failed("connect QP", &e))?;
         // Data QPs: as many as both sides allow, connected to the client's first ones.
         let nlanes = (self.max_qps as usize - 1).min(hello.data_endpoints.len());
         let lcaps = lane_caps(&caps, self.ctx.caps());
@@ -205,13 +206,14 @@ impl<P: Provider> Shard<P> {
             let mut q = self
                 .pd
                 .create_qp(&self.cq, &self.cq, lcaps)
-                .map_err(|e| format!("create data QP: {e}"))?;
+                .map_err(|e| exhausted(format!("create data QP: {e}")))?;
             q.connect(ep, &attr)
-                .map_err(|e| format!("connect data QP: {e}"))?;
+                .map_err(|e| connect_failed("connect data QP", &e))?;
             lanes.push(q);
         }
         let data_endpoints: Vec<_> = lanes.iter().map(Qp::endpoint).collect();
-        let arena = SlotArena::<P>::new(&self.pd, geometry).map_err(|e| format!("slots: {e}"))?;
+        let arena = SlotArena::<P>::new(&self.pd, geometry)
+            .map_err(|e| exhausted(format!("slots: {e}")))?;
         let wcfg = wire::Config {
             max_calls: hello.max_calls,
             peer_max_calls: hello.max_calls,
@@ -225,7 +227,8 @@ impl<P: Provider> Shard<P> {
             max_message: u64::MAX,
             stream_window: 16,
         };
-        let wire = wire::Conn::new(Role::Server, wcfg).map_err(|e| format!("protocol: {e}"))?;
+        let wire =
+            wire::Conn::new(Role::Server, wcfg).map_err(|e| exhausted(format!("protocol: {e}")))?;
         self.generations[idx] = self.generations[idx].wrapping_add(1);
         let key = LinkKey {
             idx: idx as u16,
@@ -240,7 +243,7 @@ impl<P: Provider> Shard<P> {
             self.max_inline,
             self.epoch,
         )
-        .map_err(|e| format!("post receives: {e}"))?;
+        .map_err(|e| exhausted(format!("post receives: {e}")))?;
         let mut link = link;
         link.set_lanes(Lanes::new(
             lanes,
@@ -340,4 +343,16 @@ impl<P: Provider> Shard<P> {
             let _ = done.send(Err(why.clone()));
         }
     }
+}
+
+/// Why connecting a client's QP failed, as the status its attempt ends with: an endpoint that
+/// names no such peer or QP (forged, stale, another provider's) is the client's error.
+fn connect_failed(what: &str, e: &crate::verbs::VerbsError) -> (crate::Code, String) {
+    let code = match e.kind() {
+        crate::verbs::ErrorKind::InvalidEndpoint | crate::verbs::ErrorKind::InvalidArgument => {
+            crate::Code::InvalidArgument
+        }
+        _ => crate::Code::ResourceExhausted,
+    };
+    (code, format!("{what}: {e}"))
 }

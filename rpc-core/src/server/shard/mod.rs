@@ -52,7 +52,7 @@ pub(crate) enum ShardMsg {
     Connect {
         hello: Hello,
         peer: std::net::SocketAddr,
-        reply: tokio::sync::oneshot::Sender<Result<(Welcome, LinkKey), String>>,
+        reply: tokio::sync::oneshot::Sender<Result<(Welcome, LinkKey), (crate::Code, String)>>,
         /// Dropped by the shard when it closes the connection: the acceptor then closes TCP.
         closed: tokio::sync::oneshot::Sender<String>,
     },

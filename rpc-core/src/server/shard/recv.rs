@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::call::{Held, Record};
 use crate::link::{Control, LinkError, Received, completion, decode_metadata};
@@ -342,11 +342,10 @@ impl<P: Provider> Shard<P> {
             }
             None => {
                 drop(payload);
-                reply.fail(&Status::unimplemented(format!(
-                    "unknown method id {method:#010x}: the server has no such method (services: \
-                     {})",
-                    self.router.service_names().join(", ")
-                )));
+                // The client names the path it called (it knows it; the frame carries only
+                // the id); the server's services are not listed to whoever asks.
+                debug!("unknown method id {method:#010x}");
+                reply.fail(&Status::unimplemented(crate::status::UNKNOWN_METHOD));
             }
         }
         match spawned {

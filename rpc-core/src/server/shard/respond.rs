@@ -344,8 +344,12 @@ impl<P: Provider> ServerConn<P> {
     }
 
     pub(super) fn fail(&mut self, call: CallId, status: &Status) {
-        let msg = status.message().as_bytes();
-        let msg = &msg[..msg.len().min(1024)];
+        // As much of the message as the frame holds beside the header and the trailers, up
+        // to MAX_STATUS_MESSAGE_LEN, never cut inside a character.
+        let room = (self.link.wire.config().eager_limit as usize)
+            .saturating_sub(MAX_HEADER_LEN + status.metadata().encoded_len());
+        let max = room.min(crate::status::MAX_STATUS_MESSAGE_LEN);
+        let msg = crate::status::cut_at_char(status.message(), max).as_bytes();
         match self.link.stage(status.metadata(), &RawBytes(msg)) {
             Ok(st) => self.commit_terminal(Deferred::Status {
                 call,
@@ -368,14 +372,8 @@ impl<P: Provider> ServerConn<P> {
             self.link.wire.config().eager_limit,
             status.message()
         );
-        let mut end = why.len().min(room).min(1024);
-        while !why.is_char_boundary(end) {
-            end -= 1;
-        }
-        match self
-            .link
-            .stage(&Metadata::new(), &RawBytes(&why.as_bytes()[..end]))
-        {
+        let why = crate::status::cut_at_char(&why, room.min(crate::status::MAX_STATUS_MESSAGE_LEN));
+        match self.link.stage(&Metadata::new(), &RawBytes(why.as_bytes())) {
             Ok(st) => self.commit_terminal(Deferred::Status {
                 call,
                 staged: st,
