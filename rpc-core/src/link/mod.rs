@@ -381,6 +381,11 @@ impl<P: Provider> Link<P> {
         self.lanes = lanes;
     }
 
+    /// Whether QP `qp_num` is one of this link's (the primary or a data QP).
+    pub fn owns_qp(&self, qp_num: u32) -> bool {
+        crate::verbs::Qp::qp_num(&self.qp) == qp_num || self.lanes.has_qp(qp_num)
+    }
+
     /// The data QPs (empty with one QP per connection).
     pub fn lanes(&self) -> &Lanes<P> {
         &self.lanes

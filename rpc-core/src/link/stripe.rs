@@ -253,6 +253,13 @@ impl<P: Provider> Lanes<P> {
         self.qps.is_empty()
     }
 
+    /// Whether one of the data QPs has number `qp_num`.
+    pub fn has_qp(&self, qp_num: u32) -> bool {
+        self.qps
+            .iter()
+            .any(|q| crate::verbs::Qp::qp_num(q) == qp_num)
+    }
+
     /// The data QPs, mutably.
     pub(super) fn qps_mut(&mut self) -> &mut [P::Qp] {
         &mut self.qps

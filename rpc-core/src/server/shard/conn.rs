@@ -108,6 +108,7 @@ pub(crate) fn open<P: Provider>(
         striped_bytes,
         max_qps,
         epoch,
+        events_due: Instant::now(),
         max_inline,
         wcs: [Wc::default(); POLL_BATCH],
         peer_api,

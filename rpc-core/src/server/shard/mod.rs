@@ -306,6 +306,8 @@ pub(crate) struct Shard<P: Provider> {
     /// QPs per connection at most.
     max_qps: u32,
     epoch: Instant,
+    /// When the device's asynchronous events are read next (`async_events`).
+    events_due: Instant,
     max_inline: u32,
     wcs: [Wc; POLL_BATCH],
     peer_api: Arc<PeerApi>,

@@ -14,7 +14,7 @@ use crate::link::{Control, LinkError, WrKind, completion, split_wr_id};
 use crate::server::PollMode;
 use crate::server::call::{CallCtx, panicked};
 use crate::server::notify::wait_readable;
-use crate::verbs::{CompChannel, Cq, Provider, Wc};
+use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider, Wc};
 use crate::wire::CallId;
 
 use super::respond::Reply;
@@ -27,6 +27,8 @@ const YIELD_ITERS: u32 = 200;
 /// Idle iterations between two passes over the connections (reposts, credits, deadlines,
 /// inbox) when nothing happens; after any work the pass runs at once.
 const MAINTAIN_EVERY: u32 = 64;
+/// How often an idle shard reads the device's asynchronous events (one system call on ib).
+const EVENTS_EVERY: Duration = Duration::from_millis(10);
 /// Longest sleep, so shutdown and deadlines are noticed.
 const MAX_SLEEP: Duration = Duration::from_millis(50);
 
@@ -51,6 +53,15 @@ impl<P: Provider> Shard<P> {
             if work > 0 || idle.is_multiple_of(MAINTAIN_EVERY) || self.stop.load(Ordering::Relaxed)
             {
                 let idle_turn = work == 0;
+                if idle_turn {
+                    // Also while spinning idle, not only before sleeping (a shard whose
+                    // calls come often enough never sleeps), but at most every EVENTS_EVERY.
+                    let now = Instant::now();
+                    if now >= self.events_due {
+                        self.events_due = now + EVENTS_EVERY;
+                        self.async_events();
+                    }
+                }
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
                 work += self.maintain(idle_turn);
@@ -115,6 +126,7 @@ impl<P: Provider> Shard<P> {
             self.doorbell.awake();
             return;
         }
+        self.async_events();
         let timeout = self.next_deadline().map_or(MAX_SLEEP, |d| d.min(MAX_SLEEP));
         wait_readable(&[self.doorbell.fd(), self.channel.fd()], timeout);
         let _ = self.channel.drain();
@@ -336,6 +348,54 @@ impl<P: Provider> Shard<P> {
             self.drop_call(idx, call);
         }
         work + n_expired
+    }
+}
+
+impl<P: Provider> Shard<P> {
+    /// Reads the device's asynchronous events (ib: a non-blocking read of its event channel;
+    /// soft has none) before the shard sleeps, off the busy path, and turns the fatal ones
+    /// into connection failures that name the cause: a failed device or CQ closes every
+    /// connection, a failed QP its own. A port that went down is logged: its connections fail
+    /// with `RETRY_EXC_ERR` when their retries run out, and recover if it comes back first.
+    pub(super) fn async_events(&mut self) {
+        for _ in 0..16 {
+            let ev = match crate::verbs::Context::poll_async_event(&self.ctx) {
+                Ok(Some(ev)) => ev,
+                Ok(None) => return,
+                Err(e) => {
+                    warn!("shard {}: reading the device's events: {e}", self.id);
+                    return;
+                }
+            };
+            let why =
+                Status::unavailable(format!("the RDMA device reported: {} ({ev:?})", ev.cause()));
+            let hit: Vec<_> = match ev {
+                AsyncEvent::DeviceFatal | AsyncEvent::CqError => {
+                    self.conns.iter().flatten().map(|c| c.link.key()).collect()
+                }
+                AsyncEvent::QpFatal { qp_num } => self
+                    .conns
+                    .iter()
+                    .flatten()
+                    .filter(|c| c.link.owns_qp(qp_num))
+                    .map(|c| c.link.key())
+                    .collect(),
+                _ => Vec::new(),
+            };
+            if ev.is_fatal() {
+                warn!(
+                    "shard {}: {} ({ev:?}): {} connection(s) fail",
+                    self.id,
+                    ev.cause(),
+                    hit.len()
+                );
+            } else {
+                info!("shard {}: {} ({ev:?})", self.id, ev.cause());
+            }
+            for key in hit {
+                self.close(key, &why);
+            }
+        }
     }
 }
 

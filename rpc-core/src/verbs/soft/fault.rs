@@ -170,3 +170,32 @@ pub fn before_one_sided(qp: &mut dyn std::any::Any, op: OneSided) {
 fn slot_of(qp: &SoftQp) -> usize {
     (qp.s.qp_num & ((1 << layout::QP_SLOT_BITS) - 1)) as usize
 }
+
+/// Events raised by [`raise_async_event`], for the next soft context that polls.
+static ASYNC_EVENTS: std::sync::Mutex<std::collections::VecDeque<crate::verbs::AsyncEvent>> =
+    std::sync::Mutex::new(std::collections::VecDeque::new());
+static ASYNC_PENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Process-wide: the next soft context that polls its asynchronous events
+/// ([`crate::verbs::Context::poll_async_event`]) gets `ev`, as if its device had raised it (a
+/// port going down, the device failing). What an RPC server does with it can so be tested.
+pub fn raise_async_event(ev: crate::verbs::AsyncEvent) {
+    ASYNC_EVENTS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push_back(ev);
+    ASYNC_PENDING.store(true, Ordering::Release);
+}
+
+/// The oldest raised event, if any (one relaxed load when none is pending).
+pub(super) fn take_async_event() -> Option<crate::verbs::AsyncEvent> {
+    if !ASYNC_PENDING.load(Ordering::Relaxed) {
+        return None;
+    }
+    let mut q = ASYNC_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+    let ev = q.pop_front();
+    if q.is_empty() {
+        ASYNC_PENDING.store(false, Ordering::Release);
+    }
+    ev
+}

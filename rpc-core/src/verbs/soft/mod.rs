@@ -408,6 +408,12 @@ impl Provider for Soft {
 }
 
 impl Context<Soft> for SoftContext {
+    /// Events a test raised with [`fault::raise_async_event`] (the soft RNIC has no others:
+    /// its failures all arrive as completions). One relaxed load when none is pending.
+    fn poll_async_event(&self) -> Result<Option<crate::verbs::AsyncEvent>> {
+        Ok(fault::take_async_event())
+    }
+
     fn info(&self) -> &DeviceInfo {
         &self.dev.info
     }
