@@ -1,11 +1,56 @@
 //! rdma-rpc's runtime: a zero-copy RPC framework for RDMA clusters.
 //!
+//! A service defined as a Rust trait (or in a `.proto`, through `rpc-codegen` in `build.rs`),
+//! served and called on the default provider (the soft RNIC: no hardware needed):
+//!
+//! ```
+//! use rpc_core::{Status, server::Server};
+//!
+//! #[derive(Clone, PartialEq, prost::Message)]
+//! pub struct HelloRequest {
+//!     #[prost(string, tag = "1")]
+//!     pub name: String,
+//! }
+//!
+//! #[derive(Clone, PartialEq, prost::Message)]
+//! pub struct HelloReply {
+//!     #[prost(string, tag = "1")]
+//!     pub message: String,
+//! }
+//!
+//! #[rpc_derive::service(package = "helloworld")]
+//! pub trait Greeter {
+//!     async fn say_hello(&self, request: HelloRequest) -> Result<HelloReply, Status>;
+//! }
+//!
+//! struct MyGreeter;
+//!
+//! impl Greeter for MyGreeter {
+//!     async fn say_hello(&self, request: HelloRequest) -> Result<HelloReply, Status> {
+//!         Ok(HelloReply { message: format!("Hello {}!", request.name) })
+//!     }
+//! }
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let server = Server::builder()
+//!     .add_service(greeter_server::GreeterServer::new(MyGreeter))
+//!     .bind("127.0.0.1:0")
+//!     .await?;
+//! let client = greeter_client::GreeterClient::connect(server.local_addr().to_string()).await?;
+//! let reply = client.say_hello(HelloRequest { name: "Ada".into() }).await?;
+//! assert_eq!(reply.into_inner().message, "Hello Ada!");
+//! server.shutdown().await;
+//! # Ok(()) }
+//! ```
+//!
 //! Layers, arrows down only:
 //!
 //! ```text
 //! codegen (contract for generated stubs)
 //!   └─> server / client ──> connect (TCP bootstrap)
-//!         └─> wire (sans-IO protocol) + buf (registered slots) + verbs (providers)
+//!         └─> call (held stream frames, lend ledger, call tables: shared by both)
+//!               └─> wire (sans-IO protocol) + link (a connection's QPs) + buf (registered
+//!                   slots, bulk pool) + verbs (providers)
 //! ```
 //!
 //! - [`verbs`]: one provider-neutral verbs API; [`verbs::soft`] (software RNIC, default) and
@@ -79,6 +124,9 @@ pub use client::{
     RegisteredBytesMut,
 };
 pub use error::{Error, ErrorKind};
+/// The `Stream` trait streaming methods take and return (`futures_core::Stream`), re-exported
+/// so a streaming service needs no dependency beyond this crate.
+pub use futures_core::Stream;
 pub use method::{CallKind, MethodDesc};
 pub use request::{
     IntoRequest, IntoStreamingRequest, InvalidMetadata, MAX_METADATA_LEN, Metadata, Request,

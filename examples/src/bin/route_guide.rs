@@ -21,9 +21,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures_core::Stream;
 use rpc_core::server::Server;
-use rpc_core::{Status, Streaming};
+use rpc_core::{Status, Stream, Streaming};
 use tokio::sync::mpsc;
 
 // ----- messages (as gRPC's route_guide.proto) ---------------------------------------------------
