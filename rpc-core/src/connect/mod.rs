@@ -49,7 +49,7 @@ pub struct Hello {
     pub max_calls: u32,
     /// Shared-secret token (empty when none).
     pub token: Vec<u8>,
-    /// Endpoints of the data QPs the client offers (at most [`MAX_DATA_QPS`]); the server
+    /// Endpoints of the data QPs the client offers (at most `MAX_DATA_QPS`); the server
     /// connects to the first ones it accepts.
     pub data_endpoints: Vec<Endpoint>,
 }
