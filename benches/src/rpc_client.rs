@@ -1,7 +1,7 @@
 //! System (a): rdma-rpc, through the client generated from `bench.proto`.
 //!
 //! One outstanding call: blocking calls (`BenchBlockingClient::echo`) on a channel whose calling thread
-//! polls the completion queue itself (`PollerMode::Caller`): the lowest-latency path. Many
+//! polls the completion queue itself (`ClientPoller::Caller`): the lowest-latency path. Many
 //! outstanding, by default: one [`rpc_core::Pipeline`] keeping `k` calls in flight from the
 //! calling (only) thread, which also drives the connection (no tasks, no wakers); with
 //! `AsyncMode::Caller`, `k` tasks on one current-thread tokio runtime sharing the channel,
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use bytes::Bytes;
 use rpc_core::verbs::ProviderKind;
-use rpc_core::{Channel, PollerMode, RegisteredBytes, Request};
+use rpc_core::{Channel, ClientPoller, RegisteredBytes, Request};
 
 use crate::client::{self, BenchClient, MAX_OUTSTANDING, Probe, StopRule};
 use crate::measure::{self, LatencyRun, Plan, RateRun};
@@ -87,7 +87,7 @@ pub fn connect(
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let client = rt.block_on(open(addr, provider, PollerMode::Caller))?;
+    let client = rt.block_on(open(addr, provider, ClientPoller::Caller))?;
     let poller = match mode {
         AsyncMode::Caller | AsyncMode::Pipeline => None,
         AsyncMode::Poller => {
@@ -95,7 +95,7 @@ pub fn connect(
                 .worker_threads(2)
                 .enable_all()
                 .build()?;
-            let c = prt.block_on(open(addr, provider, PollerMode::Thread))?;
+            let c = prt.block_on(open(addr, provider, ClientPoller::Thread))?;
             Some((prt, c))
         }
     };
@@ -111,7 +111,7 @@ pub fn connect(
     }))
 }
 
-async fn open(addr: SocketAddr, provider: ProviderKind, mode: PollerMode) -> Result<Generated> {
+async fn open(addr: SocketAddr, provider: ProviderKind, mode: ClientPoller) -> Result<Generated> {
     let ch = Channel::builder(addr.to_string())
         .provider(provider)
         .poller(mode)

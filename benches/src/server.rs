@@ -78,12 +78,12 @@ pub enum PollArg {
     Event,
 }
 
-impl From<PollArg> for rpc_core::PollMode {
+impl From<PollArg> for rpc_core::ShardPolling {
     fn from(p: PollArg) -> Self {
         match p {
-            PollArg::Busy => rpc_core::PollMode::Busy,
-            PollArg::Adaptive => rpc_core::PollMode::Adaptive,
-            PollArg::Event => rpc_core::PollMode::Event,
+            PollArg::Busy => rpc_core::ShardPolling::Busy,
+            PollArg::Adaptive => rpc_core::ShardPolling::Adaptive,
+            PollArg::Event => rpc_core::ShardPolling::Event,
         }
     }
 }

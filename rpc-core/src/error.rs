@@ -8,7 +8,7 @@ use crate::verbs::VerbsError;
 /// What kind of transport failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum ErrorKind {
+pub enum TransportErrorKind {
     /// The address could not be parsed or resolved.
     InvalidAddress,
     /// TCP connect or accept failed.
@@ -28,7 +28,7 @@ pub enum ErrorKind {
 /// A transport error.
 #[derive(Debug)]
 pub struct Error {
-    kind: ErrorKind,
+    kind: TransportErrorKind,
     /// The status a call failing with this error ends with, when the peer said (a refusal).
     code: Option<crate::Code>,
     context: String,
@@ -37,7 +37,7 @@ pub struct Error {
 
 impl Error {
     /// An error of `kind` with a message saying what failed.
-    pub fn new(kind: ErrorKind, context: impl Into<String>) -> Error {
+    pub fn new(kind: TransportErrorKind, context: impl Into<String>) -> Error {
         Error {
             kind,
             code: None,
@@ -57,14 +57,16 @@ impl Error {
     /// configuration, `UNAVAILABLE` otherwise).
     pub fn code(&self) -> crate::Code {
         self.code.unwrap_or(match self.kind {
-            ErrorKind::InvalidAddress | ErrorKind::Config => crate::Code::InvalidArgument,
+            TransportErrorKind::InvalidAddress | TransportErrorKind::Config => {
+                crate::Code::InvalidArgument
+            }
             _ => crate::Code::Unavailable,
         })
     }
 
     /// An error of `kind` caused by `source`.
     pub fn with_source(
-        kind: ErrorKind,
+        kind: TransportErrorKind,
         context: impl Into<String>,
         source: impl std::error::Error + Send + Sync + 'static,
     ) -> Error {
@@ -77,7 +79,7 @@ impl Error {
     }
 
     /// The kind.
-    pub fn kind(&self) -> ErrorKind {
+    pub fn kind(&self) -> TransportErrorKind {
         self.kind
     }
 }
@@ -102,13 +104,13 @@ impl std::error::Error for Error {
 
 impl From<VerbsError> for Error {
     fn from(e: VerbsError) -> Error {
-        Error::with_source(ErrorKind::Verbs, "RDMA verbs error", e)
+        Error::with_source(TransportErrorKind::Verbs, "RDMA verbs error", e)
     }
 }
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Error {
-        Error::with_source(ErrorKind::Io, "I/O error", e)
+        Error::with_source(TransportErrorKind::Io, "I/O error", e)
     }
 }
 

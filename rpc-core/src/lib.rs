@@ -120,10 +120,10 @@ pub mod testing {
     pub use crate::link::{ParkedStats, SIGNAL_EVERY, parked_stats};
 }
 pub use client::{
-    Channel, ChannelBuilder, Lease, Pipeline, PollerMode, Region, RegisteredBytes,
+    Channel, ChannelBuilder, ClientPoller, Lease, Pipeline, Region, RegisteredBytes,
     RegisteredBytesMut,
 };
-pub use error::{Error, ErrorKind};
+pub use error::{Error, TransportErrorKind};
 /// The `Stream` trait streaming methods take and return (`futures_core::Stream`), re-exported
 /// so a streaming service needs no dependency beyond this crate.
 pub use futures_core::Stream;
@@ -132,6 +132,6 @@ pub use request::{
     IntoRequest, IntoStreamingRequest, InvalidMetadata, MAX_METADATA_LEN, Metadata, Request,
     Response,
 };
-pub use server::{PollMode, RunningServer, Server, ServerBuilder};
+pub use server::{RunningServer, Server, ServerBuilder, ShardPolling};
 pub use status::{Code, MAX_STATUS_MESSAGE_LEN, STATUS_DETAILS_KEY, Status};
 pub use streaming::Streaming;

@@ -90,7 +90,7 @@ pub(crate) trait InboxHost: Send + Sync + 'static {
     /// and let go of what it holds.
     fn abandon(&self);
     /// The consumer found nothing and is about to wait. A host that nobody drives but its
-    /// callers (the client's `PollerMode::Caller`) makes progress here and has the consumer
+    /// callers (the client's `ClientPoller::Caller`) makes progress here and has the consumer
     /// polled again; others do nothing.
     fn waiting(&self, _cx: &mut Context<'_>) {}
 }

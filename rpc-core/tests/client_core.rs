@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use rpc_core::{Channel, PollerMode, Request};
+use rpc_core::{Channel, ClientPoller, Request};
 
 // ----- helpers -------------------------------------------------------------------------------
 
@@ -126,8 +126,8 @@ async fn two_channels_alternating_as_fast_as_one() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
     let a = TestServer::start().await;
     let b = TestServer::start().await;
-    let cha = a.channel(PollerMode::Thread).await;
-    let chb = b.channel(PollerMode::Thread).await;
+    let cha = a.channel(ClientPoller::Thread).await;
+    let chb = b.channel(ClientPoller::Thread).await;
     const N: usize = 300;
     const ROUNDS: usize = 5;
     let mut one = Duration::MAX;
@@ -185,7 +185,7 @@ async fn two_channels_alternating_as_fast_as_one() {
 /// a server with four receive slots (two credits): most calls find every send slot taken
 /// while the server's handlers sleep. They all complete, and a ticker task on the same
 /// runtime keeps ticking meanwhile (a call that slept its thread would stop it).
-fn back_pressure_case(mode: PollerMode) {
+fn back_pressure_case(mode: ClientPoller) {
     let _turn = serial();
     let g = rpc_core::Geometry {
         slot_size: 1024,
@@ -295,12 +295,12 @@ fn back_pressure_case(mode: PollerMode) {
 
 #[test]
 fn async_back_pressure_awaits_thread_poller() {
-    back_pressure_case(PollerMode::Thread);
+    back_pressure_case(ClientPoller::Thread);
 }
 
 #[test]
 fn async_back_pressure_awaits_caller_poller() {
-    back_pressure_case(PollerMode::Caller);
+    back_pressure_case(ClientPoller::Caller);
 }
 
 // ----- 3. the pipeline with a thread poller under load ---------------------------------------
@@ -314,7 +314,7 @@ fn async_back_pressure_awaits_caller_poller() {
 async fn pipeline_thread_poller_under_load() {
     let _turn = serial();
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let _load = Spinners::start(2, Duration::from_secs(200));
     // A hang detector, not a speed test: with more runnable threads than cores every hand-off
     // at depth 1 may wait a scheduler time slice (milliseconds), so the count stays modest.

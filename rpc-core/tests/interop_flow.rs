@@ -15,7 +15,9 @@ use bytes::Bytes;
 use futures_core::Stream;
 use interop_service::{HANG, channel_stream, intact, payload, within};
 use rpc_core::server::RunningServer;
-use rpc_core::{Channel, Code, Metadata, PollerMode, Request, Response, Server, Status, Streaming};
+use rpc_core::{
+    Channel, ClientPoller, Code, Metadata, Request, Response, Server, Status, Streaming,
+};
 
 /// The per-call stream window both ends configure (`wire::Config::stream_window`, 16 messages
 /// in the client and the server today). Flow-control bounds below are stated in windows.
@@ -864,7 +866,7 @@ async fn streams_with_the_caller_poller() {
     let ch = within(
         "connect",
         Channel::builder(env.server.local_addr().to_string())
-            .poller(PollerMode::Caller)
+            .poller(ClientPoller::Caller)
             .connect(),
     )
     .await

@@ -18,7 +18,7 @@ use rpc_core::server::{Dispatched, IncomingCall, Server, Service};
 use rpc_core::testing::{ParkedStats, parked_stats};
 use rpc_core::verbs::soft::fault::{OneSided, OneSidedFault, arm_one_sided, one_sided_left};
 use rpc_core::verbs::{Access, RemoteMr};
-use rpc_core::{CallKind, Channel, Code, MethodDesc, PollerMode, Request, Response, Status};
+use rpc_core::{CallKind, Channel, ClientPoller, Code, MethodDesc, Request, Response, Status};
 
 /// One test at a time: the fault hook and the counters are process-wide.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -57,7 +57,7 @@ async fn a_flushed_rendezvous_read_fails_the_call_and_is_never_decoded() {
     let _serial = SERIAL.lock().await;
     let server = TestServer::start().await;
     let len = 1 << 20;
-    for mode in [PollerMode::Thread, PollerMode::Caller] {
+    for mode in [ClientPoller::Thread, ClientPoller::Caller] {
         let ch = server.channel(mode).await;
         // The same size first: the pool hands its buffer to the next READ, so a flushed READ
         // that was decoded would return this response again.
@@ -107,7 +107,7 @@ async fn a_flushed_rendezvous_read_fails_the_call_and_is_never_decoded() {
 async fn a_failed_link_keeps_the_clients_read_target_until_its_qp_is_destroyed() {
     let _serial = SERIAL.lock().await;
     let server = TestServer::start_with(|b| b.shutdown_grace(Duration::from_millis(100))).await;
-    let ch = server.channel(PollerMode::Thread).await;
+    let ch = server.channel(ClientPoller::Thread).await;
     let before = quiet().await;
     // The response's READ stays posted (in the NIC's hands) while the server goes away.
     arm_one_sided(OneSided::ClientRead, OneSidedFault::Delay(HOLD), 1);

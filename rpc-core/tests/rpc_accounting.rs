@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use common::*;
 use rpc_core::verbs::ProviderKind;
-use rpc_core::{Channel, PollerMode, Request, Response};
+use rpc_core::{Channel, ClientPoller, Request, Response};
 
 // ----- the counting allocator ----------------------------------------------------------------
 
@@ -195,7 +195,7 @@ fn zero_allocations_per_blocking_call() {
     let rt = runtime();
     let (srv, ch) = rt.block_on(async {
         let srv = TestServer::start().await;
-        let ch = srv.channel(PollerMode::Caller).await;
+        let ch = srv.channel(ClientPoller::Caller).await;
         (srv, ch)
     });
     let n = calls();
@@ -251,7 +251,7 @@ fn zero_allocations_per_pipelined_call() {
     );
     let rt = runtime();
     let n = calls();
-    for mode in [PollerMode::Caller, PollerMode::Thread] {
+    for mode in [ClientPoller::Caller, ClientPoller::Thread] {
         let (srv, ch) = rt.block_on(async {
             let srv = TestServer::start().await;
             let ch = srv.channel(mode).await;
@@ -283,7 +283,7 @@ fn zero_allocations_per_async_call() {
     let srv = rt.block_on(TestServer::start());
     // Both channels live throughout: tearing one down (its poller thread, its QP on both
     // sides) runs in the background and would be counted.
-    let channels: Vec<(PollerMode, Channel)> = [PollerMode::Thread, PollerMode::Caller]
+    let channels: Vec<(ClientPoller, Channel)> = [ClientPoller::Thread, ClientPoller::Caller]
         .into_iter()
         .map(|mode| (mode, rt.block_on(srv.channel(mode))))
         .collect();
@@ -350,7 +350,7 @@ fn soft_counting_setup() -> Option<(tokio::runtime::Runtime, TestServer, rpc_cor
     }
     let rt = runtime();
     let srv = rt.block_on(TestServer::start());
-    let ch = rt.block_on(srv.channel(PollerMode::Thread));
+    let ch = rt.block_on(srv.channel(ClientPoller::Thread));
     Some((rt, srv, ch))
 }
 
@@ -560,7 +560,7 @@ fn pipelined_calls_post_in_lists_and_signal_rarely() {
     }
     let rt = runtime();
     let srv = rt.block_on(TestServer::start());
-    let ch = rt.block_on(srv.channel(PollerMode::Caller));
+    let ch = rt.block_on(srv.channel(ClientPoller::Caller));
     let mut p = ch.pipeline::<Scalars, Scalars>(&lab_server::PING).unwrap();
     let n = calls().max(2_000);
     pipelined_pings(&mut p, 0, WARMUP, 32);

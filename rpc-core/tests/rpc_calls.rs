@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::*;
 use prost::Message;
-use rpc_core::{Channel, Code, PollerMode, Request, Response, Status};
+use rpc_core::{Channel, ClientPoller, Code, Request, Response, Status};
 
 /// Serializes the calls of 16 MiB and more across the tests of this binary (memory).
 static BIG: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -69,7 +69,7 @@ fn echo_cases() -> Vec<(String, Blob)> {
     v
 }
 
-async fn echo_matrix(mode: PollerMode, api: Api) {
+async fn echo_matrix(mode: ClientPoller, api: Api) {
     let srv = TestServer::start().await;
     let ch = srv.channel(mode).await;
     for (label, blob) in echo_cases() {
@@ -135,22 +135,22 @@ async fn echo_matrix(mode: PollerMode, api: Api) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_sizes_thread_poller_async() {
-    echo_matrix(PollerMode::Thread, Api::Async).await;
+    echo_matrix(ClientPoller::Thread, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_sizes_thread_poller_blocking() {
-    echo_matrix(PollerMode::Thread, Api::Blocking).await;
+    echo_matrix(ClientPoller::Thread, Api::Blocking).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_sizes_caller_poller_async() {
-    echo_matrix(PollerMode::Caller, Api::Async).await;
+    echo_matrix(ClientPoller::Caller, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_sizes_caller_poller_blocking() {
-    echo_matrix(PollerMode::Caller, Api::Blocking).await;
+    echo_matrix(ClientPoller::Caller, Api::Blocking).await;
 }
 
 /// Large requests whose `bytes` field lies in memory from `Channel::alloc_bytes` go out
@@ -159,7 +159,7 @@ async fn echo_sizes_caller_poller_blocking() {
 /// landing zone; the echo comes back intact and the server saw every byte. An ordinary
 /// `Bytes` payload, a registered region the request does not name, a slice of the region and
 /// a small field in it still work (copied where they must be).
-async fn registered_requests(mode: PollerMode, api: Api) {
+async fn registered_requests(mode: ClientPoller, api: Api) {
     let srv = TestServer::start().await;
     let ch = srv.channel(mode).await;
     let mut sizes = vec![64 << 10, 1 << 20, 16 << 20];
@@ -276,12 +276,12 @@ async fn registered_requests(mode: PollerMode, api: Api) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_requests_thread_poller_async() {
-    registered_requests(PollerMode::Thread, Api::Async).await;
+    registered_requests(ClientPoller::Thread, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_requests_caller_poller_blocking() {
-    registered_requests(PollerMode::Caller, Api::Blocking).await;
+    registered_requests(ClientPoller::Caller, Api::Blocking).await;
 }
 
 /// Many concurrent calls share one registered region: each keeps it alive until the server
@@ -291,7 +291,7 @@ async fn registered_region_shared_by_concurrent_calls() {
     use futures_util::StreamExt;
     use futures_util::stream::FuturesUnordered;
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let n = 256 << 10;
     let mut buf = ch.alloc_bytes(n).await.unwrap();
     buf.copy_from_slice(&pattern(n, 42));
@@ -320,7 +320,7 @@ async fn registered_region_shared_by_concurrent_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn landing_zone_too_small_or_too_large() {
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let n = scaled(1 << 20);
     for (i, hint) in [n / 2, EAGER_MAX + 1, 2 * n, n + 64]
         .into_iter()
@@ -427,7 +427,7 @@ fn sleep_req(seq: u64, ms: u64) -> SleepRequest {
 
 /// A handler slower than the deadline: DEADLINE_EXCEEDED in about the timeout, the server
 /// drops the handler, and the connection keeps working.
-async fn deadline_case(mode: PollerMode, api: Api) {
+async fn deadline_case(mode: ClientPoller, api: Api) {
     let srv = TestServer::start().await;
     let ch = srv.channel(mode).await;
     let timeout = Duration::from_millis(300);
@@ -482,23 +482,23 @@ async fn deadline_case(mode: PollerMode, api: Api) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_exceeded_thread_poller_async() {
-    deadline_case(PollerMode::Thread, Api::Async).await;
+    deadline_case(ClientPoller::Thread, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_exceeded_thread_poller_blocking() {
-    deadline_case(PollerMode::Thread, Api::Blocking).await;
+    deadline_case(ClientPoller::Thread, Api::Blocking).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_exceeded_caller_poller_blocking() {
-    deadline_case(PollerMode::Caller, Api::Blocking).await;
+    deadline_case(ClientPoller::Caller, Api::Blocking).await;
 }
 
 // ----- 4. cancellation -----------------------------------------------------------------------
 
 /// Dropping the call future cancels the call: the server drops its handler.
-async fn cancel_one(mode: PollerMode) {
+async fn cancel_one(mode: ClientPoller) {
     let srv = TestServer::start().await;
     let ch = srv.channel(mode).await;
     let fut = ch.unary::<_, Blob>(&lab_server::SLEEP, Request::new(sleep_req(1, 20_000)));
@@ -527,18 +527,18 @@ async fn cancel_one(mode: PollerMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_future_cancels_thread_poller() {
-    cancel_one(PollerMode::Thread).await;
+    cancel_one(ClientPoller::Thread).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_future_cancels_caller_poller() {
-    cancel_one(PollerMode::Caller).await;
+    cancel_one(ClientPoller::Caller).await;
 }
 
 /// Hundreds of cancellations at every stage of a call (queued for a cell, sent, mid-READ,
 /// waiting in the handler, with a rendezvous request or a landing zone lent) on a channel of 8
 /// call cells: afterwards every cell and buffer is back and the channel is fully usable.
-async fn cancel_storm(mode: PollerMode) {
+async fn cancel_storm(mode: ClientPoller) {
     const CELLS: u32 = 8;
     let srv = TestServer::start().await;
     let ch = within(
@@ -679,12 +679,12 @@ async fn cancel_storm(mode: PollerMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancellation_storm_thread_poller() {
-    cancel_storm(PollerMode::Thread).await;
+    cancel_storm(ClientPoller::Thread).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancellation_storm_caller_poller() {
-    cancel_storm(PollerMode::Caller).await;
+    cancel_storm(ClientPoller::Caller).await;
 }
 
 // ----- 5. unknown methods --------------------------------------------------------------------
@@ -697,7 +697,7 @@ static NO_SUCH_SERVICE: rpc_core::MethodDesc =
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_method_is_unimplemented() {
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     for api in [Api::Async, Api::Blocking] {
         for m in [&NO_SUCH_METHOD, &NO_SUCH_SERVICE] {
             // Eager and rendezvous requests alike.
@@ -744,7 +744,7 @@ async fn unknown_method_is_unimplemented() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_errors_arrive_with_code_message_and_trailers() {
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     for api in [Api::Async, Api::Blocking] {
         for code in 1..=16u8 {
             let what = format!("{api:?} code {code}");
@@ -791,7 +791,7 @@ async fn handler_errors_arrive_with_code_message_and_trailers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metadata_round_trips_on_every_path() {
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let binary: Vec<u8> = (0..=255u8).collect();
     let long = vec![b'z'; 1500];
     for api in [Api::Async, Api::Blocking] {
@@ -930,7 +930,7 @@ async fn oversized_messages_are_resource_exhausted() {
 
     // The server's limit.
     let srv = TestServer::start_with(|b| b.max_message(LIMIT)).await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     oversized_calls_fail_and_the_connection_lives(&ch, "server", LIMIT as usize, 1000, 4).await;
     srv.settle("live calls back to 0").await;
 }
@@ -956,7 +956,7 @@ async fn rebind(addr: &str) -> TestServer {
 
 /// The server goes away with calls in flight (they fail with UNAVAILABLE), then a new one
 /// binds the same port: the same channel reconnects on the next call made through `api`.
-async fn restart_case(mode: PollerMode, graceful: bool, api: Api) {
+async fn restart_case(mode: ClientPoller, graceful: bool, api: Api) {
     let what = format!("{mode:?} restart (shutdown: {graceful}, {api:?} calls)");
     let srv = TestServer::start().await;
     let addr = srv.addr();
@@ -1042,33 +1042,33 @@ async fn restart_case(mode: PollerMode, graceful: bool, api: Api) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_shutdown_then_restart_thread_poller() {
-    restart_case(PollerMode::Thread, true, Api::Async).await;
+    restart_case(ClientPoller::Thread, true, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_dropped_then_restart_thread_poller() {
-    restart_case(PollerMode::Thread, false, Api::Async).await;
+    restart_case(ClientPoller::Thread, false, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_shutdown_then_restart_caller_poller() {
-    restart_case(PollerMode::Caller, true, Api::Async).await;
+    restart_case(ClientPoller::Caller, true, Api::Async).await;
 }
 
 /// Blocking calls reconnect too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_dropped_then_restart_blocking_calls() {
-    restart_case(PollerMode::Thread, false, Api::Blocking).await;
+    restart_case(ClientPoller::Thread, false, Api::Blocking).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_shutdown_then_restart_blocking_calls_caller_poller() {
-    restart_case(PollerMode::Caller, true, Api::Blocking).await;
+    restart_case(ClientPoller::Caller, true, Api::Blocking).await;
 }
 
 // ----- 12b. pipelined calls (one thread, many in flight, no tasks) -----------------------------
 
-async fn pipeline_case(mode: PollerMode) {
+async fn pipeline_case(mode: ClientPoller) {
     let srv = TestServer::start().await;
     let ch = srv.channel(mode).await;
     // Fewer calls in the Soft-RoCE VM (emulated: a round trip there takes ~0.2 ms).
@@ -1084,12 +1084,12 @@ async fn pipeline_case(mode: PollerMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipeline_thread_poller() {
-    pipeline_case(PollerMode::Thread).await;
+    pipeline_case(ClientPoller::Thread).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipeline_caller_poller() {
-    pipeline_case(PollerMode::Caller).await;
+    pipeline_case(ClientPoller::Caller).await;
 }
 
 /// Errors, deadlines and a dropped pipeline: statuses arrive with their tags; calls left in
@@ -1097,7 +1097,7 @@ async fn pipeline_caller_poller() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipeline_statuses_deadlines_and_drop() {
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Caller).await;
+    let ch = srv.channel(ClientPoller::Caller).await;
     let state = Arc::clone(&srv.state);
     let ch2 = ch.clone();
     blocking(CALL_LIMIT, "pipeline statuses", move || {
@@ -1241,7 +1241,7 @@ async fn a_forged_endpoint_is_refused_as_invalid() {
     let r = refusal(&raw_exchange(&srv.addr(), &bytes).await);
     assert_eq!(r.code, Code::InvalidArgument, "{r:?}");
     assert!(r.reason.contains("connect QP"), "{r:?}");
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let r: Response<Blob> = call(
         &ch,
         Api::Async,
@@ -1287,7 +1287,7 @@ async fn garbage_handshakes_are_refused_with_reasons() {
     let _ = raw_exchange(&addr, &[40, 0, 0, 0, b'R', b'R']).await;
     assert!(raw_exchange(&addr, &[]).await.len() < 600);
     // Healthy: a real client connects and calls.
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let r: Response<Blob> = call(
         &ch,
         Api::Async,
@@ -1320,7 +1320,7 @@ async fn auth_token_is_required_and_refusals_take_no_slot() {
                 .expect_err("a client without the token is refused");
             assert_eq!(
                 e.kind(),
-                rpc_core::ErrorKind::Handshake,
+                rpc_core::TransportErrorKind::Handshake,
                 "round {round}, {token:?}: {e}"
             );
             assert!(
@@ -1376,7 +1376,11 @@ async fn auth_token_is_required_and_refusals_take_no_slot() {
     // Neither a TLS URI nor a port-less address is dialled.
     for addr in ["https://127.0.0.1:1", "127.0.0.1"] {
         let e = rpc_core::Channel::connect(addr).await.expect_err(addr);
-        assert_eq!(e.kind(), rpc_core::ErrorKind::InvalidAddress, "{e}");
+        assert_eq!(
+            e.kind(),
+            rpc_core::TransportErrorKind::InvalidAddress,
+            "{e}"
+        );
         assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     }
     let http = format!("http://{}/", srv.addr());
@@ -1482,8 +1486,8 @@ async fn deadline_covers_waiting_for_a_call_cell_blocking() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_panic_fails_only_its_call() {
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
-    let bystander = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
+    let bystander = srv.channel(ClientPoller::Thread).await;
     for ms in [0u64, 20] {
         let what = format!("handler panicking after {ms} ms");
         let mut req = Request::new(sleep_req(1, ms));
@@ -1567,7 +1571,7 @@ async fn smallest_rings_under_load() {
         recv_slots: 4,
     };
     let srv = TestServer::start_with(|b| b.geometry(g)).await;
-    for mode in [PollerMode::Thread, PollerMode::Caller] {
+    for mode in [ClientPoller::Thread, ClientPoller::Caller] {
         let ch = within(
             Duration::from_secs(20),
             "connect",
@@ -1594,7 +1598,7 @@ async fn caller_polled_channel_shared_by_threads_and_tasks() {
         Duration::from_secs(20),
         "connect",
         srv.builder()
-            .poller(PollerMode::Caller)
+            .poller(ClientPoller::Caller)
             .max_concurrent_calls(4)
             .connect(),
     )
@@ -1645,9 +1649,9 @@ async fn many_connections_over_several_shards() {
     let mut chans = Vec::new();
     for k in 0..conns {
         let mode = if k % 2 == 0 {
-            PollerMode::Thread
+            ClientPoller::Thread
         } else {
-            PollerMode::Caller
+            ClientPoller::Caller
         };
         chans.push(srv.channel(mode).await);
     }
@@ -1670,7 +1674,7 @@ async fn many_connections_over_several_shards() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_churn_returns_server_slots() {
     let srv = TestServer::start_with(|b| b.max_connections_per_shard(2)).await;
-    let keep = srv.channel(PollerMode::Thread).await;
+    let keep = srv.channel(ClientPoller::Thread).await;
     for i in 0..30u64 {
         let start = Instant::now();
         let ch = loop {
@@ -1726,7 +1730,7 @@ async fn connection_churn_returns_server_slots() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_call_slots_exhausted() {
     let srv = TestServer::start_with(|b| b.max_calls_per_shard(4)).await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let mut all = Vec::new();
     for k in 0..12u64 {
         let ch = ch.clone();
@@ -1762,7 +1766,7 @@ async fn oversized_call_table_is_refused() {
     )
     .await
     .expect_err("the server allows 1024 calls per connection");
-    assert_eq!(e.kind(), rpc_core::ErrorKind::Handshake, "{e}");
+    assert_eq!(e.kind(), rpc_core::TransportErrorKind::Handshake, "{e}");
     assert!(e.to_string().contains("exceeds"), "{e}");
 }
 
@@ -2012,9 +2016,9 @@ async fn metadata_larger_than_a_slot_still_ends_the_call() {
 
 /// Every server poll mode serves mixed traffic, waiting handlers and cancellations (a lost
 /// wake-up in the event mode would show up as a hang).
-async fn poll_mode_case(mode: rpc_core::PollMode) {
+async fn poll_mode_case(mode: rpc_core::ShardPolling) {
     let srv = TestServer::start_with(|b| b.poll_mode(mode)).await;
-    for poller in [PollerMode::Thread, PollerMode::Caller] {
+    for poller in [ClientPoller::Thread, ClientPoller::Caller] {
         let ch = srv.channel(poller).await;
         mixed_load(&ch, 4, 25, 0).await;
         // Sparse traffic: the shard goes idle (and, in event mode, to sleep) between calls.
@@ -2068,12 +2072,12 @@ async fn poll_mode_case(mode: rpc_core::PollMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_poll_mode_event() {
-    poll_mode_case(rpc_core::PollMode::Event).await;
+    poll_mode_case(rpc_core::ShardPolling::Event).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_poll_mode_busy() {
-    poll_mode_case(rpc_core::PollMode::Busy).await;
+    poll_mode_case(rpc_core::ShardPolling::Busy).await;
 }
 
 /// Zero and tiny timeouts, on eager and rendezvous calls: DEADLINE_EXCEEDED (or a response,
@@ -2127,7 +2131,7 @@ async fn zero_and_tiny_timeouts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eager_threshold_with_metadata() {
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let mut md = rpc_core::Metadata::new();
     md.insert("tenant", "blue").unwrap();
     md.insert("trace-bin", vec![9u8; 1000]).unwrap();
@@ -2153,7 +2157,7 @@ async fn eager_threshold_with_metadata() {
 async fn concurrent_calls_share_one_reconnection() {
     let srv = TestServer::start().await;
     let addr = srv.addr();
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     mixed_load(&ch, 2, 4, 0).await;
     within(Duration::from_secs(20), "shutdown", srv.server.shutdown()).await;
     wait_until(Duration::from_secs(10), "channel sees the loss", || {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{Blob, SleepRequest, TestServer, lab_server, pattern, within};
 use rpc_core::verbs::{AsyncEvent, ProviderKind};
-use rpc_core::{Code, PollerMode, Request, Response, Status};
+use rpc_core::{ClientPoller, Code, Request, Response, Status};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_device_fails_the_connections_naming_the_cause() {
@@ -20,7 +20,7 @@ async fn a_failed_device_fails_the_connections_naming_the_cause() {
         return;
     }
     let srv = TestServer::start().await;
-    let ch = srv.channel(PollerMode::Thread).await;
+    let ch = srv.channel(ClientPoller::Thread).await;
     let echo = |seq: u64| {
         let ch = ch.clone();
         async move {

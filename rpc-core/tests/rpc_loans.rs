@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::proc::{ChildProc, child_role, exit_with_parent, report};
 use common::*;
-use rpc_core::{Channel, PollerMode, Request, Response, Server, Status};
+use rpc_core::{Channel, ClientPoller, Request, Response, Server, Status};
 
 pub use keep_server::KeepServer;
 
@@ -123,7 +123,7 @@ fn rss() -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keeping_everything_never_stalls_a_connection() {
     let (server, store) = start_store().await;
-    for mode in [PollerMode::Thread, PollerMode::Caller] {
+    for mode in [ClientPoller::Thread, ClientPoller::Caller] {
         let before = rss();
         let ch = within(
             Duration::from_secs(20),

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use prost::Message;
-use rpc_core::{PollerMode, Request, Response};
+use rpc_core::{ClientPoller, Request, Response};
 
 /// Transfers of at least this many bytes are striped (the link's `STRIPE_MIN`).
 const STRIPE_MIN: usize = 256 << 10;
@@ -57,7 +57,7 @@ async fn a_connection_uses_as_many_qps_as_both_sides_allow() {
 
 /// Echo, generate and sink across the striping threshold and the 4 MiB chunk size, over four
 /// QPs, checking every byte and that the large transfers really went over the data QPs.
-async fn striped_matrix(mode: PollerMode, api: Api) {
+async fn striped_matrix(mode: ClientPoller, api: Api) {
     let srv = TestServer::start_with(|b| b.qps_per_connection(4)).await;
     let ch = within(
         Duration::from_secs(20),
@@ -146,12 +146,12 @@ async fn striped_matrix(mode: PollerMode, api: Api) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn striped_echo_thread_poller_async() {
-    striped_matrix(PollerMode::Thread, Api::Async).await;
+    striped_matrix(ClientPoller::Thread, Api::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn striped_echo_caller_poller_blocking() {
-    striped_matrix(PollerMode::Caller, Api::Blocking).await;
+    striped_matrix(ClientPoller::Caller, Api::Blocking).await;
 }
 
 /// Many large calls at once: more striped transfers than a lane's send queue or the slot

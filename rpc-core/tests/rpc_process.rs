@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::proc::{ChildProc, child_role, exit_with_parent, report};
 use common::*;
-use rpc_core::{Channel, Code, PollerMode, Request, Response, Status};
+use rpc_core::{Channel, ClientPoller, Code, Request, Response, Status};
 
 const ENTRY: &str = "child_process_entry";
 const ADDR_ENV: &str = "RPC_TEST_SERVER_ADDR";
@@ -128,7 +128,9 @@ async fn server_process_killed_mid_call() {
     let caller = within(
         Duration::from_secs(20),
         "connect",
-        Channel::builder(&addr).poller(PollerMode::Caller).connect(),
+        Channel::builder(&addr)
+            .poller(ClientPoller::Caller)
+            .connect(),
     )
     .await
     .unwrap();
@@ -227,7 +229,7 @@ async fn server_process_killed_mid_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_process_killed_mid_call() {
     let srv = TestServer::start().await;
-    let other = srv.channel(PollerMode::Thread).await;
+    let other = srv.channel(ClientPoller::Thread).await;
     let mut child = ChildProc::spawn(ENTRY, "client", &[(ADDR_ENV, srv.addr())]);
     child.expect("calling", Duration::from_secs(60));
     let state = Arc::clone(&srv.state);
@@ -282,7 +284,7 @@ async fn client_process_killed_mid_call() {
         echo(seq, if seq.is_multiple_of(3) { 1 << 20 } else { 100 }).await;
     }
     // And the server takes new clients.
-    let fresh = srv.channel(PollerMode::Caller).await;
+    let fresh = srv.channel(ClientPoller::Caller).await;
     let r: Response<Blob> = call(&fresh, Api::Blocking, &lab_server::ECHO, small(50))
         .await
         .unwrap();

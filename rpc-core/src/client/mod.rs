@@ -26,7 +26,7 @@ use crate::verbs::{
     QpCaps, any_provider, with_any,
 };
 use crate::wire::{self, Role};
-use crate::{Error, ErrorKind, Request, Response, Status};
+use crate::{Error, Request, Response, Status, TransportErrorKind};
 use core::{CLIENT_LINK, ClientCore, Parts, epoch};
 pub use region::{Lease, Region};
 pub(crate) use registered::RegHandle;
@@ -34,7 +34,7 @@ pub use registered::{RegisteredBytes, RegisteredBytesMut};
 
 /// Who polls the connection's completion queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum PollerMode {
+pub enum ClientPoller {
     /// A dedicated poller thread (spins briefly, then sleeps on the completion channel).
     #[default]
     Thread,
@@ -52,7 +52,7 @@ pub struct ChannelBuilder {
     provider_error: Option<String>,
     device: Option<String>,
     token: Vec<u8>,
-    poller: PollerMode,
+    poller: ClientPoller,
     max_calls: u32,
     geometry: Geometry,
     max_message: u64,
@@ -80,8 +80,8 @@ impl ChannelBuilder {
         self
     }
 
-    /// Who polls the completion queue (default [`PollerMode::Thread`]).
-    pub fn poller(mut self, mode: PollerMode) -> Self {
+    /// Who polls the completion queue (default [`ClientPoller::Thread`]).
+    pub fn poller(mut self, mode: ClientPoller) -> Self {
         self.poller = mode;
         self
     }
@@ -130,7 +130,7 @@ impl ChannelBuilder {
     /// Dropping the future abandons the attempt and frees what it set up.
     pub async fn connect(mut self) -> Result<Channel, Error> {
         if let Some(e) = &self.provider_error {
-            return Err(Error::new(ErrorKind::Config, e.clone()));
+            return Err(Error::new(TransportErrorKind::Config, e.clone()));
         }
         self.addr = server_addr(&self.addr)?;
         let conn = open(&self).await?;
@@ -151,7 +151,7 @@ impl ChannelBuilder {
 fn server_addr(addr: &str) -> Result<String, Error> {
     let bad = |why: &str| {
         Error::new(
-            ErrorKind::InvalidAddress,
+            TransportErrorKind::InvalidAddress,
             format!(
                 "server address {addr:?} {why}: write host:port or http://host:port \
                  (e.g. 127.0.0.1:50051, [::1]:50051, http://node7:50051)"
@@ -382,7 +382,7 @@ impl Channel {
             provider_error: provider.err().map(|e| e.to_string()),
             device: None,
             token: Vec::new(),
-            poller: PollerMode::Thread,
+            poller: ClientPoller::Thread,
             max_calls: 64,
             geometry: Geometry::default(),
             max_message: 256 << 20,
@@ -585,7 +585,7 @@ impl Channel {
     /// A pipeline of unary calls to `method` from one thread: many calls in flight without
     /// async tasks, wakers or a runtime (like eRPC's request queue and event loop). Submit with
     /// [`Pipeline::submit`], collect responses with [`Pipeline::poll`] or [`Pipeline::wait`];
-    /// with [`PollerMode::Caller`] these calls also drive the connection, so one thread does
+    /// with [`ClientPoller::Caller`] these calls also drive the connection, so one thread does
     /// everything. The fastest way to keep many small calls in flight from one thread.
     ///
     /// The pipeline keeps the connection it was made on: when that connection is lost its
@@ -692,11 +692,17 @@ async fn open(b: &ChannelBuilder) -> Result<Conn, Error> {
         .await
         .map_err(|_| {
             Error::new(
-                ErrorKind::Connect,
+                TransportErrorKind::Connect,
                 format!("connect to {}: timed out", b.addr),
             )
         })?
-        .map_err(|e| Error::with_source(ErrorKind::Connect, format!("connect to {}", b.addr), e))?;
+        .map_err(|e| {
+            Error::with_source(
+                TransportErrorKind::Connect,
+                format!("connect to {}", b.addr),
+                e,
+            )
+        })?;
     let _ = stream.set_nodelay(true);
     b.provider
         .visit(OpenConn {
@@ -795,14 +801,14 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         Handshake::Welcome(w) => w,
         Handshake::Refusal(r) => {
             return Err(Error::new(
-                ErrorKind::Handshake,
+                TransportErrorKind::Handshake,
                 format!("server {} refused the connection: {}", b.addr, r.reason),
             )
             .with_code(r.code));
         }
         Handshake::Hello(_) => {
             return Err(Error::new(
-                ErrorKind::Handshake,
+                TransportErrorKind::Handshake,
                 "server answered with a Hello",
             ));
         }
@@ -815,7 +821,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     qp.modify_to_rts(&attr)?;
     if welcome.data_endpoints.len() > lanes.len() {
         return Err(Error::new(
-            ErrorKind::Handshake,
+            TransportErrorKind::Handshake,
             format!(
                 "server {} answered with {} data QPs, {} were offered",
                 b.addr,
@@ -846,8 +852,12 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     };
     let eager_limit = wcfg.eager_limit as usize;
     let wcfg_window = wcfg.stream_window;
-    let wire = wire::Conn::new(Role::Client, wcfg)
-        .map_err(|e| Error::new(ErrorKind::Config, format!("protocol configuration: {e}")))?;
+    let wire = wire::Conn::new(Role::Client, wcfg).map_err(|e| {
+        Error::new(
+            TransportErrorKind::Config,
+            format!("protocol configuration: {e}"),
+        )
+    })?;
     let bulk = BulkPool::new(Arc::clone(&pd), 256 << 20);
     let mut link = Link::new(
         qp,
@@ -858,7 +868,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         caps.max_inline_data,
         epoch(),
     )
-    .map_err(|e| Error::new(ErrorKind::Verbs, e.to_string()))?;
+    .map_err(|e| Error::new(TransportErrorKind::Verbs, e.to_string()))?;
     let striped = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let nqps = lanes.len() as u32 + 1;
     link.set_lanes(Lanes::new(
@@ -898,15 +908,15 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         max_message: b.max_message,
         describe,
     })?;
-    if b.poller == PollerMode::Caller {
+    if b.poller == ClientPoller::Caller {
         tokio::spawn(ClientCore::drive_task(Arc::downgrade(&core)));
     }
-    if b.poller == PollerMode::Thread {
+    if b.poller == ClientPoller::Thread {
         let c = Arc::clone(&core);
         std::thread::Builder::new()
             .name("rpc-client-poller".into())
             .spawn(move || c.run_poller())
-            .map_err(|e| Error::with_source(ErrorKind::Io, "spawn poller thread", e))?;
+            .map_err(|e| Error::with_source(TransportErrorKind::Io, "spawn poller thread", e))?;
     }
     let (close_tx, close_rx) = tokio::sync::oneshot::channel::<()>();
     let watch = Arc::clone(&core);
@@ -919,7 +929,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
                 let why = match r {
                     Ok(Handshake::Refusal(r)) => format!("server closed the connection: {}", r.reason),
                     Ok(_) => "server sent unexpected bytes on the control connection".to_string(),
-                    Err(e) if e.kind() == ErrorKind::Handshake => {
+                    Err(e) if e.kind() == TransportErrorKind::Handshake => {
                         "server sent unexpected bytes on the control connection".to_string()
                     }
                     Err(_) => "server closed the connection".to_string(),

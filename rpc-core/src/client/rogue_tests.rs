@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::{AnyCore, Channel, PollerMode};
+use super::{AnyCore, Channel, ClientPoller};
 use crate::server::{Dispatched, IncomingCall, Server, Service};
 use crate::verbs::{Cq, Qp, SendFlags, SendWr, Wc, WcStatus, WrOp};
 use crate::wire::BulkDesc;
@@ -90,7 +90,7 @@ async fn call_gen(ch: &Channel, seq: u64, len: usize) -> Result<Blob, Status> {
 
 #[allow(irrefutable_let_patterns)] // refutable with the ibverbs feature
 /// The last rendezvous descriptor the channel's driver received (the driver is free between
-/// calls of a `PollerMode::Caller` channel).
+/// calls of a `ClientPoller::Caller` channel).
 fn last_bulk(ch: &Channel) -> Option<BulkDesc> {
     let conn = ch.shared.conn.load();
     let AnyCore::Soft(core) = &conn.core else {
@@ -171,7 +171,7 @@ async fn ended_loans_are_closed_to_every_peer_and_the_victim_sees_no_corruption(
     let addr = server.local_addr().to_string();
     let connect = |addr: String| async move {
         Channel::builder(addr)
-            .poller(PollerMode::Caller)
+            .poller(ClientPoller::Caller)
             .connect()
             .await
             .expect("connect")

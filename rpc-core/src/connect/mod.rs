@@ -17,7 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::buf::Geometry;
 use crate::verbs::Endpoint;
-use crate::{Error, ErrorKind};
+use crate::{Error, TransportErrorKind};
 
 /// Magic at the start of every handshake message.
 pub const MAGIC: [u8; 4] = *b"RRPC";
@@ -96,7 +96,7 @@ pub enum Message {
 }
 
 fn handshake_err(why: impl Into<String>) -> Error {
-    Error::new(ErrorKind::Handshake, why)
+    Error::new(TransportErrorKind::Handshake, why)
 }
 
 struct W(Vec<u8>);
@@ -174,7 +174,7 @@ impl<'a> R<'a> {
     fn endpoint(&mut self) -> Result<Endpoint, Error> {
         let b = self.take(Endpoint::ENCODED_LEN)?;
         Endpoint::from_bytes(b)
-            .map_err(|e| Error::with_source(ErrorKind::Handshake, "bad peer endpoint", e))
+            .map_err(|e| Error::with_source(TransportErrorKind::Handshake, "bad peer endpoint", e))
     }
     fn endpoints(&mut self) -> Result<Vec<Endpoint>, Error> {
         let n = self.u8()? as usize;
@@ -320,11 +320,11 @@ pub async fn send<S: AsyncWriteExt + Unpin>(stream: &mut S, msg: &Message) -> Re
     stream
         .write_all(&framed)
         .await
-        .map_err(|e| Error::with_source(ErrorKind::Connect, "sending handshake", e))?;
+        .map_err(|e| Error::with_source(TransportErrorKind::Connect, "sending handshake", e))?;
     stream
         .flush()
         .await
-        .map_err(|e| Error::with_source(ErrorKind::Connect, "sending handshake", e))
+        .map_err(|e| Error::with_source(TransportErrorKind::Connect, "sending handshake", e))
 }
 
 /// Reads one length-prefixed message within [`HANDSHAKE_TIMEOUT`].
@@ -342,7 +342,7 @@ pub async fn recv<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Message, Er
 /// connection (a [`Refusal`]).
 ///
 /// # Errors
-/// [`ErrorKind::Io`] when the connection ends or fails without one; [`ErrorKind::Handshake`]
+/// [`TransportErrorKind::Io`] when the connection ends or fails without one; [`TransportErrorKind::Handshake`]
 /// for anything else the server sent.
 pub async fn recv_closing<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Message, Error> {
     read_message(stream).await
@@ -350,7 +350,7 @@ pub async fn recv_closing<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Mes
 
 /// One length-prefixed message.
 async fn read_message<S: AsyncReadExt + Unpin>(stream: &mut S) -> Result<Message, Error> {
-    let io = |e: std::io::Error| Error::with_source(ErrorKind::Io, "reading handshake", e);
+    let io = |e: std::io::Error| Error::with_source(TransportErrorKind::Io, "reading handshake", e);
     let mut len = [0u8; 4];
     stream.read_exact(&mut len).await.map_err(io)?;
     let len = u32::from_le_bytes(len) as usize;

@@ -31,7 +31,7 @@ use crate::buf::Geometry;
 use crate::connect::{self, Hello, Message, Refusal};
 use crate::method::MethodDesc;
 use crate::verbs::{Context, Endpoint, Provider, ProviderKind, ProviderVisitor};
-use crate::{Error, ErrorKind};
+use crate::{Error, TransportErrorKind};
 use router::Router;
 use shard::{ShardHandle, ShardMsg};
 
@@ -52,7 +52,7 @@ pub trait Service: Send + Sync + 'static {
 
 /// How an idle shard waits for work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum PollMode {
+pub enum ShardPolling {
     /// Spin on the CQ forever: lowest latency, one core per shard.
     Busy,
     /// Spin, then yield, then sleep on the completion channel (default).
@@ -67,7 +67,7 @@ pub enum PollMode {
 pub(crate) struct ServerConfig {
     pub(crate) shards: u16,
     pub(crate) cores: Option<Vec<usize>>,
-    pub(crate) poll_mode: PollMode,
+    pub(crate) poll_mode: ShardPolling,
     pub(crate) provider: ProviderKind,
     pub(crate) device: Option<String>,
     pub(crate) token: Option<Vec<u8>>,
@@ -108,7 +108,7 @@ impl Server {
             cfg: ServerConfig {
                 shards: 1,
                 cores: None,
-                poll_mode: PollMode::Adaptive,
+                poll_mode: ShardPolling::Adaptive,
                 provider: ProviderKind::from_env().unwrap_or(ProviderKind::Soft),
                 device: None,
                 token: None,
@@ -164,8 +164,8 @@ impl ServerBuilder {
         self
     }
 
-    /// How idle shards wait. Default [`PollMode::Adaptive`].
-    pub fn poll_mode(mut self, mode: PollMode) -> Self {
+    /// How idle shards wait. Default [`ShardPolling::Adaptive`].
+    pub fn poll_mode(mut self, mode: ShardPolling) -> Self {
         self.cfg.poll_mode = mode;
         self
     }
@@ -231,10 +231,13 @@ impl ServerBuilder {
 
     fn check(&self) -> Result<(), Error> {
         if let Some(e) = &self.provider_error {
-            return Err(Error::new(ErrorKind::Config, e.clone()));
+            return Err(Error::new(TransportErrorKind::Config, e.clone()));
         }
         if !self.cfg.geometry.is_valid() {
-            return Err(Error::new(ErrorKind::Config, "slot geometry out of range"));
+            return Err(Error::new(
+                TransportErrorKind::Config,
+                "slot geometry out of range",
+            ));
         }
         if self
             .cfg
@@ -243,7 +246,7 @@ impl ServerBuilder {
             .is_some_and(|t| t.len() > connect::MAX_TOKEN)
         {
             return Err(Error::new(
-                ErrorKind::Config,
+                TransportErrorKind::Config,
                 "auth token longer than 64 bytes",
             ));
         }
@@ -260,9 +263,14 @@ impl ServerBuilder {
     /// Dropping the future before it completes stops what it started.
     pub async fn bind(self, addr: impl AsRef<str>) -> Result<RunningServer, Error> {
         self.check()?;
-        let router = Router::new(self.services).map_err(|e| Error::new(ErrorKind::Config, e))?;
+        let router =
+            Router::new(self.services).map_err(|e| Error::new(TransportErrorKind::Config, e))?;
         let listener = TcpListener::bind(addr.as_ref()).await.map_err(|e| {
-            Error::with_source(ErrorKind::Connect, format!("bind {}", addr.as_ref()), e)
+            Error::with_source(
+                TransportErrorKind::Connect,
+                format!("bind {}", addr.as_ref()),
+                e,
+            )
         })?;
         let local = listener.local_addr()?;
         let cfg = Arc::new(self.cfg);
@@ -322,7 +330,7 @@ impl ProviderVisitor for StartShards {
         };
         if rails.is_empty() {
             return Err(Error::new(
-                ErrorKind::Verbs,
+                TransportErrorKind::Verbs,
                 format!("{}: no device to use", P::NAME),
             ));
         }
@@ -354,7 +362,7 @@ impl ProviderVisitor for StartShards {
             let thread = std::thread::Builder::new()
                 .name(format!("rpc-shard-{id}"))
                 .spawn(move || shard.run(rt))
-                .map_err(|e| Error::with_source(ErrorKind::Io, "spawn shard thread", e))?;
+                .map_err(|e| Error::with_source(TransportErrorKind::Io, "spawn shard thread", e))?;
             handle.thread = std::sync::Mutex::new(Some(thread));
             handles.push(handle);
         }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rpc_core::{
-    Channel, ChannelBuilder, Code, PollerMode, Request, Response, RunningServer, Server,
+    Channel, ChannelBuilder, ClientPoller, Code, Request, Response, RunningServer, Server,
     ServerBuilder, Status,
 };
 
@@ -340,7 +340,7 @@ impl TestServer {
     }
 
     /// A connected channel with `mode`.
-    pub async fn channel(&self, mode: PollerMode) -> Channel {
+    pub async fn channel(&self, mode: ClientPoller) -> Channel {
         within(
             Duration::from_secs(20),
             "connect",

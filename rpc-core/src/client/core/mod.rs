@@ -10,7 +10,7 @@
 //! ```
 //!
 //! The driver is a dedicated poller thread by default, or the calling threads themselves
-//! (`PollerMode::Caller`: each waiting caller tries to take the driver token and poll). No lock
+//! (`ClientPoller::Caller`: each waiting caller tries to take the driver token and poll). No lock
 //! is ever waited on: the token is try-only.
 //!
 //! This file holds the connection's types and its setup; the rest is by concern: [`submit`]
@@ -37,7 +37,7 @@ use crate::buf::{
     BulkBuf, BulkPool, Exclusive, Mailbox, Piece, RecvSlot, SlotArena, encode::MAX_PIECES,
 };
 use crate::call::{Calls, Ledger, Record, StreamIn};
-use crate::client::{PollerMode, RegHandle, RegisteredBytesMut};
+use crate::client::{ClientPoller, RegHandle, RegisteredBytesMut};
 use crate::link::{Link, LinkKey, Staged};
 use crate::method::CallKind;
 use crate::server::notify::Doorbell;
@@ -261,7 +261,7 @@ pub(crate) struct ClientCore<P: Provider> {
     /// Async callers waiting for a free send slot (slow path only).
     slot_waiters: std::sync::atomic::AtomicUsize,
     slot_freed: tokio::sync::Notify,
-    /// Wakes the driver task (`PollerMode::Caller`) when work arrives.
+    /// Wakes the driver task (`ClientPoller::Caller`) when work arrives.
     drive: Arc<tokio::sync::Notify>,
     /// Cells held by async calls.
     async_calls: std::sync::atomic::AtomicUsize,
@@ -278,7 +278,7 @@ pub(crate) struct ClientCore<P: Provider> {
     draining: AtomicBool,
     dead_status: OnceLock<Status>,
     stop: AtomicBool,
-    mode: PollerMode,
+    mode: ClientPoller,
     eager_limit: usize,
     max_message: u64,
     pub(crate) counters: Counters,
@@ -305,7 +305,7 @@ pub(crate) struct Parts<P: Provider> {
     pub(crate) channel: P::CompChannel,
     pub(crate) link: Link<P>,
     pub(crate) max_calls: u32,
-    pub(crate) mode: PollerMode,
+    pub(crate) mode: ClientPoller,
     pub(crate) eager_limit: usize,
     pub(crate) max_message: u64,
     pub(crate) describe: String,

@@ -1,5 +1,5 @@
 //! Who drives the connection and how it waits: the poller thread (spin, then sleep on the
-//! doorbell and the completion channel), the driver task of `PollerMode::Caller`, and callers
+//! doorbell and the completion channel), the driver task of `ClientPoller::Caller`, and callers
 //! that drive it themselves.
 
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::client::PollerMode;
+use crate::client::ClientPoller;
 use crate::server::notify::wait_readable;
 use crate::verbs::{CompChannel, Cq, Provider};
 
@@ -38,8 +38,8 @@ const MAX_SLEEP: Duration = Duration::from_millis(20);
 impl<P: Provider> ClientCore<P> {
     pub(super) fn kick(&self) {
         match self.mode {
-            PollerMode::Thread => self.doorbell.ring(),
-            PollerMode::Caller => {
+            ClientPoller::Thread => self.doorbell.ring(),
+            ClientPoller::Caller => {
                 // With other async calls in flight the driver task is turning on this runtime
                 // and posts the submission at its next turn, together with the others of the
                 // round (one CQ poll and one pass over the queues for many calls); alone, the
@@ -60,7 +60,7 @@ impl<P: Provider> ClientCore<P> {
             || !self.cancelled.is_empty()
     }
 
-    /// `PollerMode::Caller` from async code: a task on the caller's runtime that drives the
+    /// `ClientPoller::Caller` from async code: a task on the caller's runtime that drives the
     /// connection while calls are in flight, yielding to the runtime between turns, and sleeps
     /// when none is. The futures themselves sleep on their wakers instead of spinning. It ends
     /// when the connection is dropped or stopped.

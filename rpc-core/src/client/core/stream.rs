@@ -10,7 +10,7 @@ use prost::Message;
 
 use crate::buf::{BulkBuf, EncodeMsg, NoMsg};
 use crate::call::{desc, lend_read};
-use crate::client::{PollerMode, RegHandle};
+use crate::client::{ClientPoller, RegHandle};
 use crate::link::{CommitError, FrameError, LinkError};
 use crate::method::MethodDesc;
 use crate::streaming::{Inbox, InboxHost, Streaming};
@@ -280,7 +280,7 @@ impl<P: Provider> InboxHost for CallHost<P> {
     }
 
     fn waiting(&self, _cx: &mut std::task::Context<'_>) {
-        if self.core.mode == PollerMode::Caller {
+        if self.core.mode == ClientPoller::Caller {
             // A chance to see our messages at once; the driver task keeps polling meanwhile.
             self.core.progress();
         }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use prost::Message;
 
 use crate::buf::SlotReader;
-use crate::client::PollerMode;
+use crate::client::ClientPoller;
 use crate::link::decode_metadata;
 use crate::method::MethodDesc;
 use crate::verbs::Provider;
@@ -119,8 +119,8 @@ impl<P: Provider> ClientCore<P> {
                 // Slots come back with their SEND completions (or when queued requests get
                 // credit): make sure the driver is turning.
                 match self.mode {
-                    PollerMode::Thread => self.doorbell.ring(),
-                    PollerMode::Caller => {
+                    ClientPoller::Thread => self.doorbell.ring(),
+                    ClientPoller::Caller => {
                         self.progress();
                         self.drive.notify_one();
                     }
@@ -249,7 +249,7 @@ impl<P: Provider> ClientCore<P> {
 
     /// Waits for the final outcome of the call in cell `idx` (which the caller owns).
     pub(super) async fn outcome(&self, idx: u32) -> Outcome<P> {
-        // The poller thread, or in `PollerMode::Caller` the driver task, completes the call and
+        // The poller thread, or in `ClientPoller::Caller` the driver task, completes the call and
         // wakes us: polling here too only repeats the driver's work (measured: slower).
         std::future::poll_fn(|cx| self.cells[idx as usize].mb.poll_done(cx)).await
     }
@@ -292,7 +292,7 @@ impl<P: Provider> ClientCore<P> {
         let guard = self.hand_over_blocking(method, request)?;
         // No kick: the pipeline's owner drives the connection (or the poller thread does),
         // so the requests of a burst go out together at the next turn.
-        if self.mode == PollerMode::Thread {
+        if self.mode == ClientPoller::Thread {
             self.doorbell.ring();
         }
         let cell = (guard.idx, guard.generation);
@@ -358,7 +358,7 @@ impl<P: Provider> ClientCore<P> {
 
     /// Whether a poller thread drives the connection (else the pipeline's owner does).
     pub(crate) fn polled_by_thread(&self) -> bool {
-        self.mode == PollerMode::Thread
+        self.mode == ClientPoller::Thread
     }
 }
 
@@ -441,8 +441,8 @@ impl<P: Provider> Drop for CellGuard<'_, P> {
                 crate::buf::CancelOutcome::ToDriver => {
                     let _ = self.core.cancelled.push((self.idx, self.generation));
                     match self.core.mode {
-                        PollerMode::Thread => self.core.doorbell.ring(),
-                        PollerMode::Caller => {
+                        ClientPoller::Thread => self.core.doorbell.ring(),
+                        ClientPoller::Caller => {
                             self.core.progress();
                         }
                     }

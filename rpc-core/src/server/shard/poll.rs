@@ -11,7 +11,7 @@ use crate::Status;
 use crate::buf::Polled;
 use crate::call;
 use crate::link::{Control, LinkError, WrKind, completion, split_wr_id};
-use crate::server::PollMode;
+use crate::server::ShardPolling;
 use crate::server::call::{CallCtx, panicked};
 use crate::server::notify::wait_readable;
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider, Wc};
@@ -90,9 +90,11 @@ impl<P: Provider> Shard<P> {
             }
             idle = idle.saturating_add(1);
             match self.cfg.poll_mode {
-                PollMode::Busy => std::hint::spin_loop(),
-                PollMode::Adaptive if idle < SPIN_ITERS => std::hint::spin_loop(),
-                PollMode::Adaptive if idle < SPIN_ITERS + YIELD_ITERS => std::thread::yield_now(),
+                ShardPolling::Busy => std::hint::spin_loop(),
+                ShardPolling::Adaptive if idle < SPIN_ITERS => std::hint::spin_loop(),
+                ShardPolling::Adaptive if idle < SPIN_ITERS + YIELD_ITERS => {
+                    std::thread::yield_now()
+                }
                 _ => self.sleep(),
             }
         }
