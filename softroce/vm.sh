@@ -254,6 +254,10 @@ in_guest() {  # is library basename $1 part of the image?
 stage_exe() {
   local exe=$1 name arrow path rest
   stage_file "$exe" || die "cannot stage $exe"
+  # Debug info is most of a test binary (60-70 MB each with it): the guest unpacks the whole
+  # initramfs into its RAM, and a dozen binaries with it no longer fit in 2 GiB. Symbols stay,
+  # so backtraces in the guest still name functions.
+  if command -v strip >/dev/null; then strip --strip-debug "$STAGE$exe" 2>/dev/null || true; fi
   while read -r name arrow path rest; do
     [[ "$arrow" == "=>" ]] || continue
     if [[ "$path" == not ]]; then say "warning: $exe needs $name, which the host lacks"; continue; fi
@@ -301,6 +305,7 @@ boot() {
   local x
   for x in ${SOFTROCE_EXTRA:-}; do
     if [[ -d "$x" ]]; then x=$(realpath "$x"); mkdir -p "$STAGE$x"; cp -a "$x/." "$STAGE$x/"
+    elif [[ -f "$x" && -x "$x" ]]; then stage_exe "$(realpath "$x")"
     elif [[ -e "$x" ]]; then stage_file "$(realpath "$x")"
     else say "warning: SOFTROCE_EXTRA entry $x does not exist"; fi
   done
