@@ -122,7 +122,7 @@ for e in "${exes[@]}"; do
   batch+=(":::")
 done
 # The overrides, end to end: the second device and the link-local GID (index 0).
-smoke=$(printf '%s\n' "${exes[@]}" | grep '/ib_smoke-' | head -1)
+smoke=$(printf '%s\n' "${exes[@]}" | grep '/ib_smoke-' | head -1 || true)
 [[ -n "$smoke" ]] && batch+=(/usr/bin/env RPC_IB_HCA==rxe1 RPC_IB_GID_INDEX=0 "$smoke" env_overrides_apply --nocapture ":::")
 batch+=("$doctor" --iters 200)
 t_vm=$SECONDS
