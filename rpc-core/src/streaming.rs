@@ -222,6 +222,8 @@ pub struct Streaming<T> {
     source: Source<T>,
     /// What must live as long as the stream (the client connection it arrives on).
     keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// The method called (client streams): the runtime's unknown-method status names it.
+    path: Option<&'static str>,
     _marker: PhantomData<fn() -> T>,
 }
 
@@ -241,6 +243,7 @@ impl<T> Streaming<T> {
         Streaming {
             source: Source::Inbox(inbox),
             keep: None,
+            path: None,
             _marker: PhantomData,
         }
     }
@@ -252,12 +255,19 @@ impl<T> Streaming<T> {
         self
     }
 
+    /// The stream of a call of `path`: an unknown-method status names the path.
+    pub(crate) fn for_method(mut self, path: &'static str) -> Self {
+        self.path = Some(path);
+        self
+    }
+
     /// A `Streaming` fed by any stream: for adapters (serving a handler through another
     /// transport) and for testing handlers without a connection.
     pub fn from_stream(s: impl Stream<Item = Result<T, Status>> + Send + 'static) -> Streaming<T> {
         Streaming {
             source: Source::Local(Box::pin(s)),
             keep: None,
+            path: None,
             _marker: PhantomData,
         }
     }
@@ -296,7 +306,10 @@ impl<T: Message + Default> Stream for Streaming<T> {
         let r = match &mut this.source {
             Source::Inbox(inbox) => match inbox.poll_item(cx) {
                 Poll::Ready(Some(Ok(item))) => Poll::Ready(Some(item.decode::<T>())),
-                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(match this.path {
+                    Some(path) => e.for_method(path),
+                    None => e,
+                }))),
                 Poll::Ready(None) => Poll::Ready(None),
                 Poll::Pending => Poll::Pending,
             },

@@ -158,3 +158,30 @@ async fn long_status_messages_arrive_whole_or_cut_at_a_character() {
     }
     within(LIMIT, "shutdown", server.shutdown()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_streaming_methods_are_named_by_path() {
+    static NOPE: MethodDesc = MethodDesc::new("/test.Status/Nope", CallKind::ServerStreaming);
+    let (server, ch) = setup().await;
+    let st = match within(
+        LIMIT,
+        "call",
+        ch.server_streaming::<_, Msg>(&NOPE, Request::new(Msg::default())),
+    )
+    .await
+    {
+        Err(st) => st,
+        Ok(r) => {
+            let mut s = r.into_inner();
+            within(LIMIT, "the stream's end", s.message())
+                .await
+                .expect_err("no such method")
+        }
+    };
+    assert_eq!(st.code(), Code::Unimplemented);
+    assert_eq!(
+        st.message(),
+        "unknown method /test.Status/Nope: the server has no such method"
+    );
+    within(LIMIT, "shutdown", server.shutdown()).await;
+}

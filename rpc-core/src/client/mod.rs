@@ -634,8 +634,9 @@ impl Channel {
         Resp: Message + Default + 'static,
     {
         let conn = self.conn().await?;
-        let r = with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)?;
-        Ok(r.map(|s| s.keep_alive(conn)))
+        let r = with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)
+            .map_err(|st| st.for_method(method.path))?;
+        Ok(r.map(|s| s.keep_alive(conn).for_method(method.path)))
     }
 
     /// A client-streaming call: sends every message of the request stream (as the server's
@@ -682,8 +683,9 @@ impl Channel {
         Resp: Message + Default + 'static,
     {
         let conn = self.conn().await?;
-        let r = with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)?;
-        Ok(r.map(|s| s.keep_alive(conn)))
+        let r = with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
+            .map_err(|st| st.for_method(method.path))?;
+        Ok(r.map(|s| s.keep_alive(conn).for_method(method.path)))
     }
 }
 
