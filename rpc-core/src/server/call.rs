@@ -45,7 +45,7 @@ pub trait CallCtx {
     fn send_stream(&mut self, msg: &dyn EncodeMsg, metadata: &Metadata) -> Result<(), Status>;
 
     /// Ends a streaming call with OK and `metadata`: its trailers, preceded by the response
-    /// headers when no message carried them ([`Metadata::join`]).
+    /// headers when no message carried them (one block, the headers first).
     fn finish_ok(&mut self, metadata: &Metadata);
 }
 

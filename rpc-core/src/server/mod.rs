@@ -30,7 +30,7 @@ use crate::Code;
 use crate::buf::Geometry;
 use crate::connect::{self, Hello, Message, Refusal};
 use crate::method::MethodDesc;
-use crate::verbs::{Context, Endpoint, Provider, ProviderKind, ProviderVisitor};
+use crate::verbs::{Context, Provider, ProviderKind, ProviderVisitor};
 use crate::{Error, TransportErrorKind};
 use router::Router;
 use shard::{ShardHandle, ShardMsg};
@@ -476,10 +476,7 @@ async fn serve_connection(
 
 /// Whether a client's hello fits this server; else the status its attempt ends with.
 fn check_hello(h: &Hello, cfg: &ServerConfig) -> Result<(), (Code, String)> {
-    let expected = match cfg.provider {
-        ProviderKind::Soft => Endpoint::PROVIDER_SOFT,
-        ProviderKind::Ib => Endpoint::PROVIDER_IB,
-    };
+    let expected = cfg.provider.wire_tag();
     if h.provider != expected || h.endpoint.provider != expected {
         return Err((
             Code::FailedPrecondition,

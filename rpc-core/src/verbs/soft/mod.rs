@@ -368,8 +368,7 @@ impl SoftContext {
 }
 
 impl Provider for Soft {
-    const NAME: &'static str = "soft";
-    const TAG: &'static str = "SOFT";
+    const KIND: super::ProviderKind = super::ProviderKind::Soft;
 
     type Context = SoftContext;
     type Pd = SoftPd;
