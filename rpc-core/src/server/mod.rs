@@ -399,19 +399,18 @@ async fn accept_loop(
             Arc::clone(&cfg),
             Arc::clone(&shards),
             shard,
-            stop.clone(),
         ));
     }
 }
 
-/// One client's TCP side: the handshake, then liveness until either side closes.
+/// One client's TCP side: the handshake, then liveness until either side closes (a shutdown
+/// drains the connection first: the shard closes it once its calls finished).
 async fn serve_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
     cfg: Arc<ServerConfig>,
     shards: Arc<Vec<ShardHandle>>,
     shard: usize,
-    mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let hello = match connect::recv(&mut stream).await {
         Ok(Message::Hello(h)) => h,
@@ -470,8 +469,9 @@ async fn serve_connection(
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(1), send).await;
             }
         }
-        _ = stop.changed() => {}
     }
+    // A shutdown does not end this task: the connection drains (its calls in flight finish
+    // and their responses arrive), and the shard closes it, which tells the client why.
 }
 
 /// Whether a client's hello fits this server; else the status its attempt ends with.
