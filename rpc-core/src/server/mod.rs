@@ -542,6 +542,14 @@ impl RunningServer {
         self.local
     }
 
+    /// Client connections open, over all shards.
+    pub fn connections(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.open_conns.load(Ordering::Acquire))
+            .sum()
+    }
+
     /// Calls accepted and not yet answered, over all shards.
     pub fn live_calls(&self) -> usize {
         self.shards
