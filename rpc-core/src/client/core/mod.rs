@@ -239,6 +239,8 @@ pub(crate) struct Driver<P: Provider> {
     _pd: Arc<P::Pd>,
     /// The device: its asynchronous events are read while the connection idles.
     ctx: P::Context,
+    /// The completions in the CQ were handled once after the connection died.
+    drained_dead: bool,
 }
 
 /// Counters of one connection.
@@ -335,6 +337,7 @@ impl<P: Provider> ClientCore<P> {
             wcs: [Wc::default(); POLL_BATCH],
             _pd: parts.pd,
             ctx: parts.ctx,
+            drained_dead: false,
         };
         let free = ArrayQueue::new(n);
         for i in 0..n as u32 {

@@ -224,6 +224,10 @@ impl<P: Provider> Driver<P> {
 
     pub(super) fn progress(&mut self, core: &ClientCore<P>) -> usize {
         if core.is_dead() {
+            if !self.drained_dead {
+                self.drained_dead = true;
+                self.last_completions(core);
+            }
             return self.fail_all(core, core.dead_status());
         }
         match self.step(core) {
@@ -236,6 +240,27 @@ impl<P: Provider> Driver<P> {
             Err(e) => {
                 warn!("{}: connection failed: {e}", core.describe);
                 self.die(core, e.status())
+            }
+        }
+    }
+
+    /// Handles the completions already in the CQ of a connection found dead (the server
+    /// answered, then closed it: a drained shutdown), so that answers that arrived are not
+    /// failed; posts nothing. Stops at the first error.
+    fn last_completions(&mut self, core: &ClientCore<P>) {
+        for _ in 0..64 {
+            let n = match self.cq.poll(&mut self.wcs) {
+                Ok(n) => n,
+                Err(_) => return,
+            };
+            for i in 0..n {
+                let wc = self.wcs[i];
+                if self.on_completion(core, &wc).is_err() {
+                    return;
+                }
+            }
+            if n < self.wcs.len() {
+                return;
             }
         }
     }
