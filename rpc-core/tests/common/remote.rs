@@ -66,7 +66,8 @@ pub fn is_remote() -> bool {
 }
 
 /// Waits (up to 60 s) until something accepts TCP connections on `addr`: a pair server in the
-/// other VM starts at the same time as the client side. Probes each address once per process (the server logs each probe as a refused handshake).
+/// other VM starts at the same time as the client side. Probes each address once per process
+/// (the server logs each probe as a refused handshake).
 pub async fn wait_listening(addr: &str) {
     static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     if SEEN
