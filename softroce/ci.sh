@@ -155,7 +155,7 @@ if [[ -n "$PAIR" ]]; then
   (cd "$ROOT/rpc-core" && "$ROOT/softroce/pair.sh" "${exes[@]}") 2>&1 | tee "$out" || prc=${PIPESTATUS[0]}
   phase "VM pair step took $((SECONDS - t_pair)) s; exit code $prc"
   echo "softroce/ci: wire figures (tc netem on VM B's NIC; every call must succeed):"
-  sed -n 's/^\[b\] \(NETEM\|LINK\|MTU\) | /\1 | /p' "$out"
+  sed -n 's/^\[b\] \(test [^ ]* \.\.\. \)\{0,1\}\(NETEM\|LINK\|MTU\) | /\2 | /p' "$out"
   rm -f "$out"
   if [[ $prc -ne 0 ]]; then
     echo "softroce/ci: FAILED: the two-VM phase failed (exit $prc)" >&2
