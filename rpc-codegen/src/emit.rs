@@ -153,7 +153,8 @@ fn rebase_in_place(ty: &mut syn::Type) {
     }
 }
 
-fn is_primitive(name: &str) -> bool {
+/// Whether `name` is a primitive type (a type prost may give a message: the wrappers' `i64`..).
+pub(crate) fn is_primitive(name: &str) -> bool {
     matches!(
         name,
         "bool"

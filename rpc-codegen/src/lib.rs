@@ -92,7 +92,9 @@
 //! for each service in the same prost pass, in a `<service>_tonic` module, plus a
 //! `<Service>TonicAdapter<T>` that serves an implementation of our trait over gRPC (unary and
 //! server-streaming methods; client-streaming and bidirectional methods answer
-//! `UNIMPLEMENTED` through the adapter for now).
+//! `UNIMPLEMENTED` through the adapter for now). Services named `Arc`, `Box`, `Option`,
+//! `Default`, `Context`, `Poll`, `Body`, `BoxFuture` or `StdError` break tonic's own code (it
+//! names those items without a path); generate them without `emit_tonic`.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -11,12 +11,15 @@
 //! Limits: client-streaming and bidirectional methods answer `UNIMPLEMENTED` through the
 //! adapter, because `rpc_core::codegen::Streaming` cannot yet be built from tonic's stream (the
 //! contract lacks a constructor); implement tonic's trait directly for those. Metadata entries
-//! whose keys or values one side cannot represent are dropped.
+//! whose keys or values one side cannot represent are dropped. tonic's own code does not compile
+//! for a service named like an item it names without a path (`Arc`, `Box`, `Option`,
+//! `Default`, `Context`, `Poll`, `Body`, `BoxFuture`, `StdError`): its trait of that name shadows
+//! the item in its module. Generate those services without `emit_tonic`.
 
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{format_ident, quote};
 
-use crate::emit::{EmitOptions, rebase};
+use crate::emit::{EmitOptions, is_primitive, rebase};
 use crate::ir::{CallKind, CodegenError, ServiceDef};
 
 /// Name of the per-package module with the conversions.
@@ -59,7 +62,7 @@ impl TonicPart {
         options: &EmitOptions,
     ) -> Result<TokenStream, CodegenError> {
         let mut code = String::new();
-        self.inner.generate(service, &mut code);
+        self.inner.generate(absolute_primitives(service), &mut code);
         let tonic: TokenStream = code.parse().map_err(|e| CodegenError {
             service: def.full_name(),
             method: None,
@@ -99,6 +102,22 @@ impl TonicPart {
         let compat = compat(&options.crate_path);
         quote! { #extra #compat }
     }
+}
+
+/// `service` with primitive message types (prost's types for the wrappers: `Int64Value` is
+/// `i64`, `BoolValue` `bool`..) spelt `::core::primitive::i64`: tonic-prost-build puts its
+/// message path (`super::super`) before any type not starting with `::` or `crate::` (unless
+/// built `with_extended_rust_types`, which its service generator alone cannot be), and
+/// `super::super::i64` does not exist.
+fn absolute_primitives(mut service: prost_build::Service) -> prost_build::Service {
+    for m in &mut service.methods {
+        for ty in [&mut m.input_type, &mut m.output_type] {
+            if is_primitive(ty) {
+                *ty = format!("::core::primitive::{ty}");
+            }
+        }
+    }
+    service
 }
 
 fn ident(name: &str) -> Ident {
@@ -372,5 +391,55 @@ fn compat(krate: &syn::Path) -> TokenStream {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn method(input: &str, output: &str) -> prost_build::Method {
+        prost_build::Method {
+            name: "m".into(),
+            proto_name: "M".into(),
+            comments: prost_build::Comments::default(),
+            input_type: input.into(),
+            output_type: output.into(),
+            input_proto_type: String::new(),
+            output_proto_type: String::new(),
+            options: prost_types::MethodOptions::default(),
+            client_streaming: false,
+            server_streaming: false,
+        }
+    }
+
+    #[test]
+    fn primitive_message_types_reach_tonic_as_absolute_paths() {
+        let service = prost_build::Service {
+            name: "S".into(),
+            proto_name: "S".into(),
+            package: "p".into(),
+            comments: prost_build::Comments::default(),
+            methods: vec![
+                method("i64", "bool"),
+                method("()", "::prost::alloc::string::String"),
+                method("super::common::Point", "f32"),
+            ],
+            options: prost_types::ServiceOptions::default(),
+        };
+        let types: Vec<(String, String)> = absolute_primitives(service)
+            .methods
+            .into_iter()
+            .map(|m| (m.input_type, m.output_type))
+            .collect();
+        let pair = |a: &str, b: &str| (a.to_owned(), b.to_owned());
+        assert_eq!(
+            types,
+            [
+                pair("::core::primitive::i64", "::core::primitive::bool"),
+                pair("()", "::prost::alloc::string::String"),
+                pair("super::common::Point", "::core::primitive::f32"),
+            ]
+        );
     }
 }

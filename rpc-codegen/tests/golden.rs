@@ -91,6 +91,19 @@ fn all_call_kinds_keywords_and_well_known_types_snapshot() {
 }
 
 #[test]
+fn well_known_types_and_proto2_snapshot() {
+    // Well-known types as `::prost_types` paths, `()` and primitives (the wrappers); a proto2
+    // group's message (`config::Limits`) as a request.
+    let out = compile(
+        "wkt_legacy",
+        &["test/wkt.proto", "test/legacy.proto"],
+        rpc_codegen::configure(),
+    );
+    assert_golden("test.wkt.rs", &read(&out, "test.wkt.rs"));
+    assert_golden("test.legacy.rs", &read(&out, "test.legacy.rs"));
+}
+
+#[test]
 fn client_only_with_crate_path_snapshot() {
     let out = compile(
         "client_only",

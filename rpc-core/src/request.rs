@@ -15,6 +15,9 @@ pub const MAX_METADATA_LEN: usize = 4096;
 /// nothing.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Metadata {
+    /// In a block the server sends at a call's OK end that carries both headers and trailers
+    /// ([`Metadata::join`]), an entry with an empty key separates them; no other block has
+    /// one.
     entries: Vec<(String, Vec<u8>)>,
 }
 
@@ -36,6 +39,27 @@ impl Metadata {
         Metadata {
             entries: Vec::new(),
         }
+    }
+
+    /// One block of `headers` followed by `trailers`, for a call's OK end: encoded with a
+    /// separator (an entry with an empty key and value, which no user key can be) between
+    /// the sections, which [`Metadata::decode_sections`] splits again. Allocates nothing
+    /// when `trailers` is empty and `headers` has room.
+    ///
+    /// # Errors
+    /// When the two together exceed [`MAX_METADATA_LEN`] (they share one frame's budget).
+    pub(crate) fn join(
+        mut headers: Metadata,
+        trailers: Metadata,
+    ) -> Result<Metadata, InvalidMetadata> {
+        headers.entries.push((String::new(), Vec::new()));
+        headers.entries.extend(trailers.entries);
+        if headers.encoded_len() > MAX_METADATA_LEN + entry_len("", &[]) {
+            return Err(InvalidMetadata(
+                "response metadata and trailers together larger than MAX_METADATA_LEN",
+            ));
+        }
+        Ok(headers)
     }
 
     /// Number of entries.
@@ -164,30 +188,84 @@ impl Metadata {
     /// # Errors
     /// On truncation, trailing bytes, invalid keys or duplicate keys.
     pub fn decode(bytes: &[u8]) -> Result<Metadata, InvalidMetadata> {
+        if bytes.len() > MAX_METADATA_LEN {
+            return Err(InvalidMetadata("metadata larger than MAX_METADATA_LEN"));
+        }
+        let md = Metadata::decode_block(bytes)?;
+        if md.separator().is_some() {
+            return Err(InvalidMetadata("key must be 1 to 255 bytes"));
+        }
+        Ok(md)
+    }
+
+    /// Decodes a block that may carry headers and trailers ([`Metadata::join`]): the headers
+    /// and, when the block has the separator, the trailers.
+    ///
+    /// # Errors
+    /// As [`Metadata::decode`]; more than one separator.
+    pub(crate) fn decode_sections(
+        bytes: &[u8],
+    ) -> Result<(Metadata, Option<Metadata>), InvalidMetadata> {
+        Ok(Metadata::decode_block(bytes)?.split())
+    }
+
+    /// A block decoded as [`Metadata::decode_sections`] does, split into its sections.
+    pub(crate) fn split(mut self) -> (Metadata, Option<Metadata>) {
+        match self.separator() {
+            Some(at) => {
+                let trailers = Metadata {
+                    entries: self.entries.split_off(at + 1),
+                };
+                self.entries.pop();
+                (self, Some(trailers))
+            }
+            None => (self, None),
+        }
+    }
+
+    /// The index of the separator entry, if the block has one.
+    fn separator(&self) -> Option<usize> {
+        self.entries.iter().position(|(k, _)| k.is_empty())
+    }
+
+    /// Decodes a block that may hold a separator, keeping both sections in one value (split
+    /// later with [`Metadata::split`]).
+    pub(crate) fn decode_block(bytes: &[u8]) -> Result<Metadata, InvalidMetadata> {
         let mut md = Metadata::new();
         if bytes.is_empty() {
             return Ok(md);
         }
-        if bytes.len() > MAX_METADATA_LEN {
+        if bytes.len() > MAX_METADATA_LEN + entry_len("", &[]) {
             return Err(InvalidMetadata("metadata larger than MAX_METADATA_LEN"));
         }
         let truncated = InvalidMetadata("metadata truncated");
         let count = u16::from_le_bytes([bytes[0], *bytes.get(1).ok_or(truncated.clone())?]);
         let mut o = 2;
+        // Where the current section begins in `md.entries`.
+        let mut section = 0;
         for _ in 0..count {
             let klen = *bytes.get(o).ok_or(truncated.clone())? as usize;
             o += 1;
             let key = bytes.get(o..o + klen).ok_or(truncated.clone())?;
             o += klen;
             let key = std::str::from_utf8(key).map_err(|_| InvalidMetadata("key is not ASCII"))?;
-            validate_key(key)?;
             let vl = bytes.get(o..o + 2).ok_or(truncated.clone())?;
             let vlen = u16::from_le_bytes([vl[0], vl[1]]) as usize;
             o += 2;
+            if key.is_empty() && vlen == 0 {
+                if section > 0 {
+                    return Err(InvalidMetadata("more than one trailers separator"));
+                }
+                md.entries.push((String::new(), Vec::new()));
+                section = md.entries.len();
+                continue;
+            }
+            validate_key(key)?;
             let value = bytes.get(o..o + vlen).ok_or(truncated.clone())?;
             o += vlen;
             validate_value(key, value)?;
-            if md.get(key).is_some() {
+            // Keys are unique within a section (a trailer may repeat a header's key).
+            if md.entries[section..].iter().any(|(k, _)| k == key) {
                 return Err(InvalidMetadata("duplicate key"));
             }
             md.entries.push((key.to_owned(), value.to_vec()));
@@ -426,11 +504,20 @@ where
     }
 }
 
-/// A response: the message and its metadata.
+/// A response: the message, its metadata (gRPC's response headers) and its trailers.
+///
+/// Trailers are metadata sent at the call's end, after the last message: a handler sets them
+/// with [`Response::trailers_mut`] (for a stream, before it returns the stream) and the caller
+/// reads them with [`Response::trailers`] (unary and client-streaming calls) or
+/// [`crate::Streaming::trailers`] (server-streaming and bidi calls). Unlike tonic, whose
+/// handlers cannot set trailers on an OK end and whose unary responses merge trailers into
+/// the metadata, the two stay apart, as in gRPC. Metadata and trailers of one response share
+/// [`MAX_METADATA_LEN`].
 #[derive(Debug, Clone, Default)]
 pub struct Response<T> {
     metadata: Metadata,
     message: T,
+    trailers: Metadata,
 }
 
 impl<T> Response<T> {
@@ -439,6 +526,7 @@ impl<T> Response<T> {
         Response {
             metadata: Metadata::new(),
             message,
+            trailers: Metadata::new(),
         }
     }
 
@@ -457,7 +545,7 @@ impl<T> Response<T> {
         self.message
     }
 
-    /// The metadata.
+    /// The metadata (response headers).
     pub fn metadata(&self) -> &Metadata {
         &self.metadata
     }
@@ -467,21 +555,59 @@ impl<T> Response<T> {
         &mut self.metadata
     }
 
-    /// Splits into parts.
+    /// The trailers: metadata sent after the message, at the call's OK end.
+    pub fn trailers(&self) -> &Metadata {
+        &self.trailers
+    }
+
+    /// The trailers, mutably (on the server: what the call's OK end carries).
+    pub fn trailers_mut(&mut self) -> &mut Metadata {
+        &mut self.trailers
+    }
+
+    /// Splits into parts (the trailers are dropped: see [`Response::into_all_parts`]).
     pub fn into_parts(self) -> (Metadata, T) {
         (self.metadata, self.message)
     }
 
-    /// Builds from parts.
-    pub fn from_parts(metadata: Metadata, message: T) -> Response<T> {
-        Response { metadata, message }
+    /// Splits into metadata, message and trailers.
+    pub fn into_all_parts(self) -> (Metadata, T, Metadata) {
+        (self.metadata, self.message, self.trailers)
     }
 
-    /// Maps the message, keeping the metadata.
+    /// Builds from parts.
+    pub fn from_parts(metadata: Metadata, message: T) -> Response<T> {
+        Response {
+            metadata,
+            message,
+            trailers: Metadata::new(),
+        }
+    }
+
+    /// A response as received: `metadata` is the frame's block, which holds the trailers
+    /// after a separator when the server sent any.
+    pub(crate) fn from_wire(metadata: Metadata, message: T) -> Response<T> {
+        let (metadata, trailers) = metadata.split();
+        Response {
+            metadata,
+            message,
+            trailers: trailers.unwrap_or_default(),
+        }
+    }
+
+    /// Sets the trailers (builder style).
+    #[must_use]
+    pub fn with_trailers(mut self, trailers: Metadata) -> Response<T> {
+        self.trailers = trailers;
+        self
+    }
+
+    /// Maps the message, keeping the metadata and trailers.
     pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Response<U> {
         Response {
             metadata: self.metadata,
             message: f(self.message),
+            trailers: self.trailers,
         }
     }
 }
@@ -501,6 +627,41 @@ mod tests {
         let back = Metadata::decode(&buf).unwrap();
         assert_eq!(back, md);
         assert_eq!(back.get_str("x-user"), Some("bob"));
+    }
+
+    #[test]
+    fn headers_and_trailers_share_one_block() {
+        let mut h = Metadata::new();
+        h.insert("x-h", "1").unwrap();
+        let mut t = Metadata::new();
+        t.insert("x-t", "2").unwrap();
+        // A trailer may repeat a header's key.
+        t.insert("x-h", "3").unwrap();
+        for (h, t) in [
+            (h.clone(), t.clone()),
+            (Metadata::new(), t.clone()),
+            (h.clone(), Metadata::new()),
+            (Metadata::new(), Metadata::new()),
+        ] {
+            let joined = Metadata::join(h.clone(), t.clone()).unwrap();
+            let mut buf = vec![0u8; joined.encoded_len()];
+            assert_eq!(joined.encode(&mut buf), buf.len());
+            assert_eq!(Metadata::decode_sections(&buf), Ok((h, Some(t))));
+            // The separator is no user key: strict decoding refuses it.
+            assert!(Metadata::decode(&buf).is_err());
+        }
+        // A block without separator is one section.
+        let mut buf = vec![0u8; h.encoded_len()];
+        h.encode(&mut buf);
+        assert_eq!(Metadata::decode_sections(&buf), Ok((h.clone(), None)));
+        // Two separators, a separator with a value, a duplicate within a section.
+        assert!(Metadata::decode_sections(&[2, 0, 0, 0, 0, 0, 0, 0]).is_err());
+        assert!(Metadata::decode_sections(&[1, 0, 0, 1, 0, b'v']).is_err());
+        assert!(Metadata::decode_sections(&[2, 0, 1, b'a', 0, 0, 1, b'a', 0, 0]).is_err());
+        // Together they share one block's budget.
+        let mut big = Metadata::new();
+        big.insert("k-bin", vec![0u8; 3000]).unwrap();
+        assert!(Metadata::join(big.clone(), big).is_err());
     }
 
     #[test]

@@ -102,6 +102,7 @@ pub(crate) struct Inbox {
     ended: AtomicBool,
     end: OnceLock<Option<Status>>,
     metadata: OnceLock<Metadata>,
+    trailers: OnceLock<Metadata>,
     consumed: AtomicU32,
     window: u32,
     host: OnceLock<Box<dyn InboxHost>>,
@@ -125,6 +126,7 @@ impl Inbox {
             ended: AtomicBool::new(false),
             end: OnceLock::new(),
             metadata: OnceLock::new(),
+            trailers: OnceLock::new(),
             consumed: AtomicU32::new(0),
             window: window.max(1),
             host: OnceLock::new(),
@@ -147,6 +149,28 @@ impl Inbox {
     /// Producer: the peer's metadata for the stream (first frame).
     pub(crate) fn set_metadata(&self, md: Metadata) {
         let _ = self.metadata.set(md);
+    }
+
+    /// Producer: the trailers of a stream that ended OK (set before [`Inbox::finish`]).
+    pub(crate) fn set_trailers(&self, md: Metadata) {
+        let _ = self.trailers.set(md);
+    }
+
+    /// Whether the stream has begun for the consumer: a message is waiting or it has ended
+    /// (the response headers are known then). Registers the waker otherwise.
+    fn poll_started(&self, cx: &mut Context<'_>) -> Poll<()> {
+        for attempt in 0..2 {
+            if !self.items.is_empty() || self.ended.load(Ordering::Acquire) {
+                return Poll::Ready(());
+            }
+            if attempt == 0 {
+                self.waker.register(cx.waker());
+            }
+        }
+        if let Some(h) = self.host.get() {
+            h.waiting(cx);
+        }
+        Poll::Pending
     }
 
     /// Producer: the stream ended, cleanly (`None`) or with an error status.
@@ -211,7 +235,8 @@ type LocalStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 enum Source<T> {
     Inbox(Arc<Inbox>),
     Local(LocalStream<T>),
-    Done,
+    /// Over; the inbox is kept (after its host was told) for its metadata and trailers.
+    Done(Option<Arc<Inbox>>),
 }
 
 /// Messages of type `T` arriving on a streaming call, ending with the call's status.
@@ -232,7 +257,7 @@ impl<T> std::fmt::Debug for Streaming<T> {
         let s = match &self.source {
             Source::Inbox(i) => format!("{i:?}"),
             Source::Local(_) => "local".to_owned(),
-            Source::Done => "done".to_owned(),
+            Source::Done(_) => "done".to_owned(),
         };
         f.debug_struct("Streaming").field("source", &s).finish()
     }
@@ -272,12 +297,33 @@ impl<T> Streaming<T> {
         }
     }
 
-    /// Metadata the peer sent with its first stream message, once it has arrived.
+    /// Metadata the peer sent with its first stream message (or with the end of a stream
+    /// that had none), once it has arrived. A server-streaming call's response headers are
+    /// also on the `Response` the call returned.
     pub fn metadata(&self) -> Option<&Metadata> {
         match &self.source {
-            Source::Inbox(i) => i.metadata.get(),
+            Source::Inbox(i) | Source::Done(Some(i)) => i.metadata.get(),
             _ => None,
         }
+    }
+
+    /// Waits until the stream has begun (a message arrived, or the end): a server-streaming
+    /// call returns then, with the response headers, as tonic's does.
+    ///
+    /// # Errors
+    /// The call's status when it failed before its first message (gRPC's trailers-only
+    /// response, which tonic's call returns as an error too).
+    pub(crate) async fn started(&self) -> Result<(), Status> {
+        if let Source::Inbox(inbox) = &self.source {
+            std::future::poll_fn(|cx| inbox.poll_started(cx)).await;
+            if inbox.items.is_empty()
+                && inbox.ended.load(Ordering::Acquire)
+                && let Some(Some(status)) = inbox.end.get()
+            {
+                return Err(status.clone());
+            }
+        }
+        Ok(())
     }
 }
 
@@ -295,6 +341,20 @@ impl<T: Message + Default> Streaming<T> {
             Some(Err(e)) => Err(e),
             None => Ok(None),
         }
+    }
+
+    /// The trailers the server sent with the stream's OK end: waits for the end, dropping
+    /// the messages not yet taken (as tonic's `Streaming::trailers`). `Ok(None)` for a stream
+    /// without trailers (a client's stream, as seen by a handler, never has any).
+    ///
+    /// # Errors
+    /// The call's [`Status`] when it ended with one, or a decoding failure.
+    pub async fn trailers(&mut self) -> Result<Option<Metadata>, Status> {
+        while self.message().await?.is_some() {}
+        Ok(match &self.source {
+            Source::Done(Some(inbox)) => inbox.trailers.get().filter(|t| !t.is_empty()).cloned(),
+            _ => None,
+        })
     }
 }
 
@@ -314,13 +374,15 @@ impl<T: Message + Default> Stream for Streaming<T> {
                 Poll::Pending => Poll::Pending,
             },
             Source::Local(s) => s.as_mut().poll_next(cx),
-            Source::Done => Poll::Ready(None),
+            Source::Done(_) => Poll::Ready(None),
         };
         if let Poll::Ready(None) | Poll::Ready(Some(Err(_))) = r
-            && let Source::Inbox(inbox) = std::mem::replace(&mut this.source, Source::Done)
+            && let Source::Inbox(inbox) = &this.source
         {
             // The stream is over for the consumer: let the host free the call.
             inbox.dropped();
+            let inbox = Arc::clone(inbox);
+            this.source = Source::Done(Some(inbox));
         }
         r
     }

@@ -3,3 +3,9 @@
 #![allow(missing_docs)]
 
 include!(concat!(env!("OUT_DIR"), "/protos.rs"));
+
+/// `proto/test/rdma_only/`: services tonic-build's own code cannot compile, generated without
+/// `emit_tonic` (their messages are those of [`test::collide`]).
+pub mod rdma_only {
+    include!(concat!(env!("OUT_DIR"), "/rdma_only/test.collide.bare.rs"));
+}

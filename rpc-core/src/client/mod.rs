@@ -22,8 +22,8 @@ use crate::link::{Lanes, Link, lane_caps};
 use crate::method::MethodDesc;
 use crate::streaming::Streaming;
 use crate::verbs::{
-    Access, ConnectAttr, Context, Endpoint, Pd, Provider, ProviderKind, ProviderVisitor, Qp,
-    QpCaps, any_provider, with_any,
+    Access, ConnectAttr, Context, Pd, Provider, ProviderKind, ProviderVisitor, Qp, QpCaps,
+    any_provider, with_any,
 };
 use crate::wire::{self, Role};
 use crate::{Error, Request, Response, Status, TransportErrorKind};
@@ -727,28 +727,6 @@ impl ProviderVisitor for OpenConn {
     }
 }
 
-trait IntoAny: Provider {
-    fn into_any(core: Arc<ClientCore<Self>>) -> AnyCore;
-}
-
-impl<P: Provider> IntoAny for P {
-    fn into_any(core: Arc<ClientCore<P>>) -> AnyCore {
-        // The provider is one of the compiled ones (ProviderKind::visit only names those); a
-        // checked downcast through `Any` keeps this free of unsafe.
-        let any: Arc<dyn std::any::Any + Send + Sync> = core;
-        match any.downcast::<ClientCore<crate::verbs::soft::Soft>>() {
-            Ok(c) => AnyCore::Soft(c),
-            #[cfg(feature = "ibverbs")]
-            Err(any) => match any.downcast::<ClientCore<crate::verbs::ib::Ib>>() {
-                Ok(c) => AnyCore::Ib(c),
-                Err(_) => unreachable!("provider not compiled in"),
-            },
-            #[cfg(not(feature = "ibverbs"))]
-            Err(_) => unreachable!("provider not compiled in"),
-        }
-    }
-}
-
 async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Result<Conn, Error> {
     let ctx = P::open(b.device.as_deref())?;
     let pd = Arc::new(ctx.alloc_pd()?);
@@ -787,11 +765,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     }
     let arena = SlotArena::<P>::new(&pd, b.geometry)?;
     let hello = Hello {
-        provider: if P::NAME == "ib" {
-            Endpoint::PROVIDER_IB
-        } else {
-            Endpoint::PROVIDER_SOFT
-        },
+        provider: P::KIND.wire_tag(),
         endpoint: qp.endpoint(),
         geometry: b.geometry,
         max_calls: b.max_calls,
@@ -943,7 +917,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         }
     });
     Ok(Conn {
-        core: P::into_any(core),
+        core: AnyCore::from_arc(core),
         _tcp: close_tx,
         striped,
         qps: nqps,

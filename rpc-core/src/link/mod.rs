@@ -1271,6 +1271,13 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, Status> {
     Metadata::decode(bytes).map_err(|e| Status::internal(format!("bad metadata from peer: {e}")))
 }
 
+/// A response frame's metadata block (headers, then trailers after a separator), or the
+/// reason it is invalid.
+pub fn decode_response_metadata(bytes: &[u8]) -> Result<Metadata, Status> {
+    Metadata::decode_block(bytes)
+        .map_err(|e| Status::internal(format!("bad metadata from peer: {e}")))
+}
+
 impl<P: Provider> Drop for Link<P> {
     fn drop(&mut self) {
         // Move the QPs to ERROR so the NIC stops working on our requests; they are destroyed

@@ -44,8 +44,9 @@ pub trait CallCtx {
     /// the call is gone.
     fn send_stream(&mut self, msg: &dyn EncodeMsg, metadata: &Metadata) -> Result<(), Status>;
 
-    /// Ends a streaming call with OK and `trailers`.
-    fn finish_ok(&mut self, trailers: &Metadata);
+    /// Ends a streaming call with OK and `metadata`: its trailers, preceded by the response
+    /// headers when no message carried them (one block, the headers first).
+    fn finish_ok(&mut self, metadata: &Metadata);
 }
 
 /// The family of call contexts lent to tasks for one poll.
@@ -68,7 +69,9 @@ enum StreamState<Fut, S> {
     Handler(Pin<Box<Fut>>),
     Stream {
         stream: Pin<Box<S>>,
+        /// The response headers until the first message carries them.
         metadata: Option<Metadata>,
+        trailers: Metadata,
     },
     Done,
 }
@@ -95,14 +98,19 @@ where
                         return Poll::Ready(());
                     }
                     Poll::Ready(Ok(resp)) => {
-                        let (metadata, stream) = resp.into_parts();
+                        let (metadata, stream, trailers) = resp.into_all_parts();
                         this.state = StreamState::Stream {
                             stream: Box::pin(stream),
                             metadata: Some(metadata),
+                            trailers,
                         };
                     }
                 },
-                StreamState::Stream { stream, metadata } => {
+                StreamState::Stream {
+                    stream,
+                    metadata,
+                    trailers,
+                } => {
                     // Pull the next message only when it can go out: back-pressure reaches the
                     // handler's stream instead of piling up here.
                     if !ctx.stream_ready() {
@@ -124,8 +132,19 @@ where
                             return Poll::Ready(());
                         }
                         Poll::Ready(None) => {
+                            let trailers = std::mem::take(trailers);
+                            // Headers no message carried go with the trailers.
+                            let end = match metadata.take() {
+                                Some(headers) if !headers.is_empty() => {
+                                    Metadata::join(headers, trailers)
+                                }
+                                _ => Ok(trailers),
+                            };
                             this.state = StreamState::Done;
-                            ctx.finish_ok(&Metadata::new());
+                            match end {
+                                Ok(md) => ctx.finish_ok(&md),
+                                Err(e) => ctx.fail(&Status::internal(e.to_string())),
+                            }
                             return Poll::Ready(());
                         }
                     }
@@ -261,7 +280,14 @@ fn spawn<'a, T: SlabTask<CallFamily> + 'static>(
 
 fn reply_unary<Resp: Message>(out: Result<Response<Resp>, Status>, ctx: &mut dyn CallCtx) {
     match out {
-        Ok(resp) => ctx.respond(resp.get_ref(), resp.metadata()),
+        Ok(resp) if resp.trailers().is_empty() => ctx.respond(resp.get_ref(), resp.metadata()),
+        Ok(resp) => {
+            let (headers, msg, trailers) = resp.into_all_parts();
+            match Metadata::join(headers, trailers) {
+                Ok(md) => ctx.respond(&msg, &md),
+                Err(e) => ctx.fail(&Status::internal(e.to_string())),
+            }
+        }
         Err(status) => ctx.fail(&status),
     }
 }

@@ -30,7 +30,7 @@ use crate::Code;
 use crate::buf::Geometry;
 use crate::connect::{self, Hello, Message, Refusal};
 use crate::method::MethodDesc;
-use crate::verbs::{Context, Endpoint, Provider, ProviderKind, ProviderVisitor};
+use crate::verbs::{Context, Provider, ProviderKind, ProviderVisitor};
 use crate::{Error, TransportErrorKind};
 use router::Router;
 use shard::{ShardHandle, ShardMsg};
@@ -399,19 +399,18 @@ async fn accept_loop(
             Arc::clone(&cfg),
             Arc::clone(&shards),
             shard,
-            stop.clone(),
         ));
     }
 }
 
-/// One client's TCP side: the handshake, then liveness until either side closes.
+/// One client's TCP side: the handshake, then liveness until either side closes (a shutdown
+/// drains the connection first: the shard closes it once its calls finished).
 async fn serve_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
     cfg: Arc<ServerConfig>,
     shards: Arc<Vec<ShardHandle>>,
     shard: usize,
-    mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let hello = match connect::recv(&mut stream).await {
         Ok(Message::Hello(h)) => h,
@@ -470,16 +469,14 @@ async fn serve_connection(
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(1), send).await;
             }
         }
-        _ = stop.changed() => {}
     }
+    // A shutdown does not end this task: the connection drains (its calls in flight finish
+    // and their responses arrive), and the shard closes it, which tells the client why.
 }
 
 /// Whether a client's hello fits this server; else the status its attempt ends with.
 fn check_hello(h: &Hello, cfg: &ServerConfig) -> Result<(), (Code, String)> {
-    let expected = match cfg.provider {
-        ProviderKind::Soft => Endpoint::PROVIDER_SOFT,
-        ProviderKind::Ib => Endpoint::PROVIDER_IB,
-    };
+    let expected = cfg.provider.wire_tag();
     if h.provider != expected || h.endpoint.provider != expected {
         return Err((
             Code::FailedPrecondition,
@@ -543,6 +540,14 @@ impl RunningServer {
     /// The address the listener is bound to.
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// Client connections open, over all shards.
+    pub fn connections(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.open_conns.load(Ordering::Acquire))
+            .sum()
     }
 
     /// Calls accepted and not yet answered, over all shards.

@@ -19,6 +19,10 @@
 //! - `ib` (cargo feature `ibverbs`): real RNICs through rdma-sys: InfiniBand, RoCE, and the
 //!   kernel's Soft-RoCE (`rdma_rxe`).
 //!
+//! A new provider is a module implementing these traits (with `const KIND`) and one entry in
+//! the registry (`verbs/registry.rs`): its name, wire tag and `cfg`; `ProviderKind`, the
+//! handshake's provider check and the provider-neutral handles are generated from it.
+//!
 //! # What a peer holding our keys can do
 //!
 //! A peer connected to one of our QPs and knowing an `rkey` of ours can read and/or write (as
@@ -34,6 +38,7 @@
 
 pub mod error;
 pub mod group;
+pub(crate) mod registry;
 pub mod soft;
 pub mod types;
 
@@ -58,10 +63,12 @@ pub use types::{
 ///
 /// Implementations: [`soft::Soft`] and, with the `ibverbs` feature, `ib::Ib`.
 pub trait Provider: Sized + Send + Sync + 'static {
+    /// Its entry in the registry of providers (`verbs/registry.rs`).
+    const KIND: ProviderKind;
     /// Short lower-case name (`soft`, `ib`): the value of `RPC_PROVIDER`.
-    const NAME: &'static str;
+    const NAME: &'static str = Self::KIND.name();
     /// Upper-case tag used in logs (`SOFT`, `IB`), as NCCL prints `NET/IB`.
-    const TAG: &'static str;
+    const TAG: &'static str = Self::KIND.log_tag();
 
     /// An open device.
     type Context: Context<Self>;
@@ -462,43 +469,8 @@ pub trait Qp: Send + Sync + fmt::Debug {
     unsafe fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError>;
 }
 
-/// Declares an enum with one variant per compiled provider, each holding `Arc<$T<P>>`: how a
-/// provider-neutral handle holds a monomorphised object. Use [`with_any!`] to reach it.
-macro_rules! any_provider {
-    ($(#[$m:meta])* $vis:vis enum $name:ident wraps $T:ident) => {
-        $(#[$m])*
-        $vis enum $name {
-            /// The soft provider.
-            Soft(std::sync::Arc<$T<$crate::verbs::soft::Soft>>),
-            /// The ib provider.
-            #[cfg(feature = "ibverbs")]
-            Ib(std::sync::Arc<$T<$crate::verbs::ib::Ib>>),
-        }
-    };
-}
-pub(crate) use any_provider;
-
-/// Runs `$body` with `$x` bound to the object inside an [`any_provider!`] enum value: one
-/// branch per call at the API boundary; everything below it is monomorphised.
-macro_rules! with_any {
-    ($name:ident, $e:expr, $x:ident => $body:expr) => {
-        match $e {
-            $name::Soft($x) => $body,
-            #[cfg(feature = "ibverbs")]
-            $name::Ib($x) => $body,
-        }
-    };
-}
-pub(crate) use with_any;
-
-/// The providers that can be chosen at run time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ProviderKind {
-    /// The software RNIC ([`soft::Soft`]).
-    Soft,
-    /// Real RNICs through rdma-sys (feature `ibverbs`).
-    Ib,
-}
+registry::providers!(@each kind {});
+pub(crate) use registry::{any_provider, with_any};
 
 /// Something to run with a provider type chosen at run time: see [`ProviderKind::visit`].
 pub trait ProviderVisitor {
@@ -522,74 +494,30 @@ impl ProviderKind {
             Err(_) => Ok(ProviderKind::Soft),
         }
     }
-
-    /// The providers compiled into this build, default first.
-    pub fn compiled() -> &'static [ProviderKind] {
-        #[cfg(feature = "ibverbs")]
-        {
-            &[ProviderKind::Soft, ProviderKind::Ib]
-        }
-        #[cfg(not(feature = "ibverbs"))]
-        {
-            &[ProviderKind::Soft]
-        }
-    }
-
-    /// The lower-case name.
-    pub const fn name(self) -> &'static str {
-        match self {
-            ProviderKind::Soft => "soft",
-            ProviderKind::Ib => "ib",
-        }
-    }
-
-    /// Runs `v` with the provider type of `self`: the one place a provider is chosen at run
-    /// time. Everything `v` does is monomorphised for that provider.
-    ///
-    /// # Errors
-    /// [`ErrorKind::Unsupported`] for `Ib` in a build without the `ibverbs` feature.
-    pub fn visit<V: ProviderVisitor>(self, v: V) -> Result<V::Output> {
-        match self {
-            ProviderKind::Soft => Ok(v.visit::<soft::Soft>()),
-            #[cfg(feature = "ibverbs")]
-            ProviderKind::Ib => Ok(v.visit::<ib::Ib>()),
-            #[cfg(not(feature = "ibverbs"))]
-            ProviderKind::Ib => Err(not_compiled()),
-        }
-    }
-}
-
-#[cfg(not(feature = "ibverbs"))]
-fn not_compiled() -> VerbsError {
-    VerbsError::new(
-        Verb::OpenDevice,
-        ErrorKind::Unsupported,
-        "the ib provider is not compiled in: build with `--features ibverbs` (needs Debian's \
-         libibverbs-dev librdmacm-dev libclang1-14 libclang-common-14-dev)",
-    )
 }
 
 impl std::str::FromStr for ProviderKind {
     type Err = VerbsError;
 
     fn from_str(s: &str) -> Result<ProviderKind> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "soft" | "" => Ok(ProviderKind::Soft),
-            "ib" | "ibverbs" | "verbs" => {
-                #[cfg(feature = "ibverbs")]
-                {
-                    Ok(ProviderKind::Ib)
-                }
-                #[cfg(not(feature = "ibverbs"))]
-                {
-                    Err(not_compiled())
-                }
+        let s = s.trim().to_ascii_lowercase();
+        if s.is_empty() {
+            return Ok(ProviderKind::ALL[0]);
+        }
+        match ProviderKind::lookup(&s) {
+            Some(kind) if kind.is_compiled() => Ok(kind),
+            Some(kind) => Err(kind.not_compiled()),
+            None => {
+                let names: Vec<&str> = ProviderKind::ALL.iter().map(|k| k.name()).collect();
+                Err(VerbsError::new(
+                    Verb::OpenDevice,
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "unknown provider {s:?}: RPC_PROVIDER must be one of {}",
+                        names.join(", ")
+                    ),
+                ))
             }
-            _ => Err(VerbsError::new(
-                Verb::OpenDevice,
-                ErrorKind::InvalidArgument,
-                "unknown provider: RPC_PROVIDER must be `soft` or `ib`",
-            )),
         }
     }
 }

@@ -310,7 +310,8 @@ impl ConnectAttr {
 /// random nonce): it is what lets a peer find and validate the shared memory it must map.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Endpoint {
-    /// Provider tag: [`Endpoint::PROVIDER_SOFT`] or [`Endpoint::PROVIDER_IB`].
+    /// Provider tag: [`ProviderKind::wire_tag`](super::ProviderKind::wire_tag) of the
+    /// provider that made it.
     pub provider: u8,
     /// Port number the QP is bound to.
     pub port: u8,
@@ -329,10 +330,10 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// Tag of the soft provider.
-    pub const PROVIDER_SOFT: u8 = 1;
-    /// Tag of the ib provider.
-    pub const PROVIDER_IB: u8 = 2;
+    /// Tag of the soft provider (its registry entry's wire tag).
+    pub const PROVIDER_SOFT: u8 = super::ProviderKind::Soft.wire_tag();
+    /// Tag of the ib provider (its registry entry's wire tag).
+    pub const PROVIDER_IB: u8 = super::ProviderKind::Ib.wire_tag();
     /// Size of the encoded form.
     pub const ENCODED_LEN: usize = 44;
     const MAGIC: [u8; 2] = *b"EP";
@@ -387,7 +388,7 @@ impl Endpoint {
             gid,
             aux: u64::from_le_bytes(aux),
         };
-        if ep.provider != Self::PROVIDER_SOFT && ep.provider != Self::PROVIDER_IB {
+        if super::ProviderKind::from_wire_tag(ep.provider).is_none() {
             return Err(bad("peer endpoint names an unknown provider"));
         }
         if ep.psn > 0x00ff_ffff {

@@ -35,6 +35,31 @@ pub fn frame_decode(data: &[u8]) {
     );
     assert_eq!(Some(f.metadata), data.get(n..md_end));
     assert_eq!(Some(f.payload), data.get(md_end..end));
+    metadata_decode(f.metadata);
+}
+
+/// Decodes arbitrary bytes as a metadata block (headers, and trailers after a separator);
+/// whatever decodes re-encodes to the same bytes, and splits into sections that each decode
+/// strictly.
+///
+/// # Panics
+/// When a decoded block does not round-trip (a codec bug).
+pub fn metadata_decode(data: &[u8]) {
+    let Ok(md) = crate::Metadata::decode_block(data) else {
+        return;
+    };
+    let mut out = vec![0u8; md.encoded_len()];
+    assert_eq!(md.encode(&mut out), out.len());
+    // An empty block may be spelt as a zero count; it encodes to nothing.
+    if !(md.is_empty() && out.is_empty()) {
+        assert_eq!(out, data, "metadata does not re-encode to the same bytes");
+    }
+    let (first, second) = md.split();
+    for section in std::iter::once(first).chain(second) {
+        let mut b = vec![0u8; section.encoded_len()];
+        section.encode(&mut b);
+        assert_eq!(crate::Metadata::decode(&b).as_ref(), Ok(&section));
+    }
 }
 
 /// Reads fuzz input a byte at a time; zeros once it runs out.

@@ -1695,6 +1695,34 @@ proptest! {
         fuzz::frame_decode(&buf);
     }
 
+    /// The `metadata_decode` fuzz target over joined blocks (headers, separator, trailers)
+    /// with a few bytes changed.
+    #[test]
+    fn fuzz_metadata_decode_mutated_blocks(
+        headers in proptest::collection::vec(("[a-z]{1,6}", "[ -~]{0,8}"), 0..4),
+        trailers in proptest::collection::vec(("[a-z]{1,6}", "[ -~]{0,8}"), 0..4),
+        flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..3),
+    ) {
+        let section = |kv: &[(String, String)]| {
+            let mut md = crate::Metadata::new();
+            for (k, v) in kv {
+                md.insert(k.clone(), v.clone()).unwrap();
+            }
+            md
+        };
+        let md = crate::Metadata::join(section(&headers), section(&trailers)).unwrap();
+        let mut buf = vec![0u8; md.encoded_len()];
+        md.encode(&mut buf);
+        let (h, t) = crate::Metadata::decode_sections(&buf).unwrap();
+        prop_assert_eq!(h, section(&headers));
+        prop_assert_eq!(t, Some(section(&trailers)));
+        for (i, b) in flips {
+            let n = buf.len();
+            buf[i % n] ^= b;
+        }
+        fuzz::metadata_decode(&buf);
+    }
+
     /// The `conn_events` fuzz target over arbitrary operation streams.
     #[test]
     fn fuzz_conn_events(data in proptest::collection::vec(any::<u8>(), 0..2000)) {

@@ -7,7 +7,9 @@ use tracing::info;
 
 use crate::buf::RecvSlot;
 use crate::call::{self, Held};
-use crate::link::{Control, LinkError, Received, WrKind, completion, decode_metadata, split_wr_id};
+use crate::link::{
+    Control, LinkError, Received, WrKind, completion, decode_response_metadata, split_wr_id,
+};
 use crate::streaming::Item;
 use crate::verbs::{Provider, Wc};
 use crate::wire::{CallId, Event, FrameKind};
@@ -68,7 +70,10 @@ impl<P: Provider> Driver<P> {
                 #[cfg(test)]
                 self.seen_bulk.push(desc);
                 let s = call.slot() as usize;
-                let metadata = match slot.as_ref().map(|sl| decode_metadata(&sl.bytes()[md])) {
+                let metadata = match slot
+                    .as_ref()
+                    .map(|sl| decode_response_metadata(&sl.bytes()[md]))
+                {
                     Some(Ok(m)) => m,
                     Some(Err(st)) => {
                         self.deliver(core, s, Outcome::Failed(st));
@@ -135,14 +140,30 @@ impl<P: Provider> Driver<P> {
                         let bytes = sl.bytes();
                         let msg = String::from_utf8_lossy(&bytes[payload]).into_owned();
                         let mut st = Status::new(crate::Code::from_u8(code), msg);
-                        if let Ok(m) = Metadata::decode(&bytes[md]) {
-                            *st.metadata_mut() = m;
+                        // The trailers, after the response headers when no stream message
+                        // carried those.
+                        if let Ok((first, second)) = Metadata::decode_sections(&bytes[md]) {
+                            let trailers = match second {
+                                Some(trailers) => {
+                                    if let Some(inbox) = &self.calls[s].inbox {
+                                        inbox.set_metadata(first);
+                                    }
+                                    trailers
+                                }
+                                None => first,
+                            };
+                            *st.metadata_mut() = trailers;
                         }
                         st
                     }
                     None => Status::new(crate::Code::from_u8(code), ""),
                 };
                 drop(slot);
+                if code == 0
+                    && let Some(inbox) = &self.calls[s].inbox
+                {
+                    inbox.set_trailers(status.metadata().clone());
+                }
                 let end = if code == 0 { None } else { Some(status) };
                 if self.calls[s].inbox.is_some() && self.calls[s].stream.busy() {
                     // Earlier stream messages are still being READ: end after them.

@@ -237,7 +237,10 @@ pub(crate) struct Driver<P: Provider> {
     pub(crate) seen_bulk: Vec<crate::wire::BulkDesc>,
     wcs: [Wc; POLL_BATCH],
     _pd: Arc<P::Pd>,
-    _ctx: P::Context,
+    /// The device: its asynchronous events are read while the connection idles.
+    ctx: P::Context,
+    /// The completions in the CQ were handled once after the connection died.
+    drained_dead: bool,
 }
 
 /// Counters of one connection.
@@ -333,7 +336,8 @@ impl<P: Provider> ClientCore<P> {
             channel: parts.channel,
             wcs: [Wc::default(); POLL_BATCH],
             _pd: parts.pd,
-            _ctx: parts.ctx,
+            ctx: parts.ctx,
+            drained_dead: false,
         };
         let free = ArrayQueue::new(n);
         for i in 0..n as u32 {

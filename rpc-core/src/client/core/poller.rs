@@ -7,11 +7,12 @@ use std::sync::atomic::Ordering;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use tracing::warn;
+use tracing::{info, warn};
 
+use crate::Status;
 use crate::client::ClientPoller;
 use crate::server::notify::wait_readable;
-use crate::verbs::{CompChannel, Cq, Provider};
+use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
 use super::{ClientCore, Driver};
 
@@ -34,6 +35,10 @@ const CONTENDED_FOR: Duration = Duration::from_millis(100);
 const _: () = assert!(CONTENDED_SPIN_ITERS > CLOCK_EVERY && CONTENDED_SPIN_ITERS < SPIN_ITERS);
 
 const MAX_SLEEP: Duration = Duration::from_millis(20);
+
+/// How often a busy `ClientPoller::Caller` driver reads the device's asynchronous events (an
+/// idle one reads them before it sleeps, the poller thread before each sleep).
+const EVENTS_EVERY: Duration = Duration::from_millis(10);
 
 impl<P: Provider> ClientCore<P> {
     pub(super) fn kick(&self) {
@@ -69,6 +74,8 @@ impl<P: Provider> ClientCore<P> {
             Some(core) => Arc::clone(&core.drive),
             None => return,
         };
+        let mut turns = 0u32;
+        let mut events_at = Instant::now();
         loop {
             let Some(core) = weak.upgrade() else { return };
             if core.stop.load(Ordering::Acquire) {
@@ -76,9 +83,21 @@ impl<P: Provider> ClientCore<P> {
             }
             core.progress();
             if core.busy() {
+                // Calls are in flight: look at the device's events every few milliseconds
+                // (a clock read every `CLOCK_EVERY` turns).
+                turns = turns.wrapping_add(1);
+                if turns.is_multiple_of(CLOCK_EVERY) && events_at.elapsed() >= EVENTS_EVERY {
+                    events_at = Instant::now();
+                    if let Some(mut d) = core.driver.try_lock() {
+                        d.device_events(&core);
+                    }
+                }
                 drop(core);
                 yield_once().await;
                 continue;
+            }
+            if let Some(mut d) = core.driver.try_lock() {
+                d.device_events(&core);
             }
             let notified = drive.notified();
             tokio::pin!(notified);
@@ -181,6 +200,7 @@ impl<P: Provider> Driver<P> {
     /// alike signal only completions that arrive after `req_notify`): without the second look
     /// it waits for the next event or the timeout. Returns whether it slept.
     pub(super) fn sleep(&mut self, core: &ClientCore<P>) -> bool {
+        self.device_events(core);
         core.doorbell.prepare_sleep();
         let _ = self.cq.req_notify(false);
         // Anything queued before the doorbell flag was visible, or completed before the CQ was
@@ -204,6 +224,10 @@ impl<P: Provider> Driver<P> {
 
     pub(super) fn progress(&mut self, core: &ClientCore<P>) -> usize {
         if core.is_dead() {
+            if !self.drained_dead {
+                self.drained_dead = true;
+                self.last_completions(core);
+            }
             return self.fail_all(core, core.dead_status());
         }
         match self.step(core) {
@@ -215,12 +239,77 @@ impl<P: Provider> Driver<P> {
             }
             Err(e) => {
                 warn!("{}: connection failed: {e}", core.describe);
-                let _ = core.dead_status.set(e.status());
-                core.dead.store(true, Ordering::Release);
-                core.cell_freed.notify_waiters();
-                core.slot_freed.notify_waiters();
-                self.fail_all(core, e.status())
+                self.die(core, e.status())
             }
+        }
+    }
+
+    /// Handles the completions already in the CQ of a connection found dead (the server
+    /// answered, then closed it: a drained shutdown), so that answers that arrived are not
+    /// failed; posts nothing. Stops at the first error.
+    fn last_completions(&mut self, core: &ClientCore<P>) {
+        for _ in 0..64 {
+            let n = match self.cq.poll(&mut self.wcs) {
+                Ok(n) => n,
+                Err(_) => return,
+            };
+            for i in 0..n {
+                let wc = self.wcs[i];
+                if self.on_completion(core, &wc).is_err() {
+                    return;
+                }
+            }
+            if n < self.wcs.len() {
+                return;
+            }
+        }
+    }
+
+    /// The connection is dead: every call fails with `status`, new ones reconnect.
+    fn die(&mut self, core: &ClientCore<P>, status: Status) -> usize {
+        let _ = core.dead_status.set(status.clone());
+        core.dead.store(true, Ordering::Release);
+        core.cell_freed.notify_waiters();
+        core.slot_freed.notify_waiters();
+        self.fail_all(core, status)
+    }
+
+    /// Reads the device's asynchronous events (ib: a non-blocking read of its event channel;
+    /// soft: those a test raised) when the connection idles, off the busy path. A failed
+    /// device or CQ, or a failed QP of this connection, kills the connection with
+    /// `UNAVAILABLE` naming the cause; the other events are logged.
+    pub(super) fn device_events(&mut self, core: &ClientCore<P>) {
+        if core.is_dead() {
+            return;
+        }
+        for _ in 0..16 {
+            let ev = match crate::verbs::Context::poll_async_event(&self.ctx) {
+                Ok(Some(ev)) => ev,
+                Ok(None) => return,
+                Err(e) => {
+                    warn!("{}: reading the device's events: {e}", core.describe);
+                    return;
+                }
+            };
+            let ours = match ev {
+                AsyncEvent::DeviceFatal | AsyncEvent::CqError => true,
+                AsyncEvent::QpFatal { qp_num } => self.link.owns_qp(qp_num),
+                _ => false,
+            };
+            if ours {
+                warn!(
+                    "{}: {} ({ev:?}): the connection fails",
+                    core.describe,
+                    ev.cause()
+                );
+                let why = Status::unavailable(format!(
+                    "the RDMA device reported: {} ({ev:?})",
+                    ev.cause()
+                ));
+                self.die(core, why);
+                return;
+            }
+            info!("{}: {} ({ev:?})", core.describe, ev.cause());
         }
     }
 }

@@ -200,7 +200,11 @@ impl<P: Provider> ClientCore<P> {
             .start_stream::<Resp>(method, &metadata, &msg, timeout, registered)
             .await?;
         let streaming = streaming.ok_or_else(|| Status::internal("no stream"))?;
-        Ok(Response::new(streaming))
+        // Return with the response headers, as tonic does: they come with the first message
+        // or the end (the request is complete, so waiting cannot deadlock the caller).
+        streaming.started().await?;
+        let metadata = streaming.metadata().cloned().unwrap_or_default();
+        Ok(Response::from_parts(metadata, streaming))
     }
 
     /// A client-streaming call: sends the stream, then waits for the response.

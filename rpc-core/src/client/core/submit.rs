@@ -9,7 +9,7 @@ use prost::Message;
 
 use crate::buf::SlotReader;
 use crate::client::ClientPoller;
-use crate::link::decode_metadata;
+use crate::link::decode_response_metadata;
 use crate::method::MethodDesc;
 use crate::verbs::Provider;
 use crate::{Request, Response, Status};
@@ -462,21 +462,21 @@ pub(super) fn decode_outcome<P: Provider, Resp: Message + Default>(
         |e: prost::DecodeError| Status::internal(format!("failed to decode response: {e}"));
     match outcome {
         Outcome::Frame { slot, md, payload } => {
-            let metadata = decode_metadata(&slot.bytes()[md])?;
+            let metadata = decode_response_metadata(&slot.bytes()[md])?;
             let msg = Resp::decode(SlotReader::new(slot, payload.start, payload.end))
                 .map_err(decode_err)?;
-            Ok(Response::from_parts(metadata, msg))
+            Ok(Response::from_wire(metadata, msg))
         }
         Outcome::Landing { buf, md, payload } => {
-            let metadata = decode_metadata(&buf.as_slice()[md])?;
+            let metadata = decode_response_metadata(&buf.as_slice()[md])?;
             let msg = Resp::decode(SlotReader::new(buf, payload.start, payload.end))
                 .map_err(decode_err)?;
-            Ok(Response::from_parts(metadata, msg))
+            Ok(Response::from_wire(metadata, msg))
         }
         Outcome::Bulk { buf, md } => {
             let n = buf.len();
             let msg = Resp::decode(SlotReader::new(buf, 0, n)).map_err(decode_err)?;
-            Ok(Response::from_parts(md, msg))
+            Ok(Response::from_wire(md, msg))
         }
         Outcome::Ended => Err(Status::internal("a unary call got a stream's end")),
         Outcome::Failed(status) => Err(status),

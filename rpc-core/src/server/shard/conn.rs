@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use crossbeam_queue::SegQueue;
@@ -62,6 +62,7 @@ pub(crate) fn open<P: Provider>(
     let inbox = Arc::new(SegQueue::new());
     let stop = Arc::new(AtomicBool::new(false));
     let live_calls = Arc::new(AtomicUsize::new(0));
+    let open_conns = Arc::new(AtomicUsize::new(0));
     let zero_copy_bytes = Arc::new(AtomicU64::new(0));
     let striped_bytes = Arc::new(AtomicU64::new(0));
     let bulk = BulkPool::new(Arc::clone(&pd), cfg.bulk_cache_bytes);
@@ -81,6 +82,7 @@ pub(crate) fn open<P: Provider>(
         doorbell: Arc::clone(&doorbell),
         stop: Arc::clone(&stop),
         live_calls: Arc::clone(&live_calls),
+        open_conns: Arc::clone(&open_conns),
         zero_copy_bytes: Arc::clone(&zero_copy_bytes),
         striped_bytes: Arc::clone(&striped_bytes),
         thread: std::sync::Mutex::new(None),
@@ -104,6 +106,7 @@ pub(crate) fn open<P: Provider>(
         doorbell,
         stop,
         live_calls,
+        open_conns,
         zero_copy_bytes,
         striped_bytes,
         max_qps,
@@ -275,6 +278,7 @@ impl<P: Provider> Shard<P> {
         let calls = Calls::new(hello.max_calls as usize);
         let link_gather = link.qp.caps().max_send_sge as usize >= MAX_PIECES;
         self.live.push(idx as u16);
+        self.open_conns.store(self.live.len(), Ordering::Release);
         self.conns[idx] = Some(ServerConn {
             blocked: Vec::with_capacity(hello.max_calls as usize),
             link,
@@ -310,6 +314,7 @@ impl<P: Provider> Shard<P> {
             return;
         };
         self.live.retain(|&i| i as usize != idx);
+        self.open_conns.store(self.live.len(), Ordering::Release);
         for c in conn.calls.iter_mut() {
             if let Some(t) = c.task.take() {
                 self.tasks.cancel(t);

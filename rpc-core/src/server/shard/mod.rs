@@ -66,6 +66,8 @@ pub(crate) struct ShardHandle {
     pub(crate) doorbell: Arc<Doorbell>,
     pub(crate) stop: Arc<AtomicBool>,
     pub(crate) live_calls: Arc<AtomicUsize>,
+    /// Connections the shard holds open.
+    pub(crate) open_conns: Arc<AtomicUsize>,
     /// Response bytes sent straight from the request's buffer (see `respond_landing`).
     pub(crate) zero_copy_bytes: Arc<AtomicU64>,
     /// Bytes of one-sided transfers striped over several QPs (see `link::Lanes`).
@@ -301,6 +303,7 @@ pub(crate) struct Shard<P: Provider> {
     doorbell: Arc<Doorbell>,
     stop: Arc<AtomicBool>,
     live_calls: Arc<AtomicUsize>,
+    open_conns: Arc<AtomicUsize>,
     zero_copy_bytes: Arc<AtomicU64>,
     striped_bytes: Arc<AtomicU64>,
     /// QPs per connection at most.

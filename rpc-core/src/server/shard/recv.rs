@@ -19,6 +19,10 @@ use crate::{Metadata, Status};
 use super::respond::Reply;
 use super::{PendingDispatch, ServerConn, Shard, SharedBuf, retire};
 
+/// The status of a call that arrived while the server drains: it never reached a handler.
+pub(crate) const NOT_EXECUTED_DRAINING: &str =
+    "the server is shutting down (GoAway): the call was not executed; retry it elsewhere";
+
 impl<P: Provider> Shard<P> {
     pub(super) fn on_recv(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
@@ -48,28 +52,35 @@ impl<P: Provider> Shard<P> {
                 if let Some(old) = replaced {
                     self.drop_call(idx, old);
                 }
+                let draining = self.stop.load(Ordering::Acquire);
                 let Some(Some(conn)) = self.conns.get_mut(idx) else {
                     return Ok(());
                 };
-                let metadata =
-                    match decode_metadata(&inbound.slot.bytes()[inbound.metadata.clone()]) {
-                        Ok(m) => m,
-                        Err(st) => {
-                            let Some(sc) = conn.calls.get_mut(call.slot() as usize) else {
-                                return Err(LinkError::Protocol(
-                                    "call slot beyond the call table".into(),
-                                ));
-                            };
-                            if sc.reads_in_flight() {
-                                sc.park_reads(&mut conn.link);
-                            }
-                            // In place: the slot's WRITEs in flight stay (see `writing`).
-                            sc.reset();
-                            sc.id = call;
-                            conn.fail(call, &st);
-                            return Ok(());
+                let metadata = if draining {
+                    // Sent before the client saw our GoAway: refused unexecuted, so the client
+                    // may safely send it elsewhere.
+                    Err(Status::unavailable(NOT_EXECUTED_DRAINING))
+                } else {
+                    decode_metadata(&inbound.slot.bytes()[inbound.metadata.clone()])
+                };
+                let metadata = match metadata {
+                    Ok(m) => m,
+                    Err(st) => {
+                        let Some(sc) = conn.calls.get_mut(call.slot() as usize) else {
+                            return Err(LinkError::Protocol(
+                                "call slot beyond the call table".into(),
+                            ));
+                        };
+                        if sc.reads_in_flight() {
+                            sc.park_reads(&mut conn.link);
                         }
-                    };
+                        // In place: the slot's WRITEs in flight stay (see `writing`).
+                        sc.reset();
+                        sc.id = call;
+                        conn.fail(call, &st);
+                        return Ok(());
+                    }
+                };
                 let Some(sc) = conn.calls.get_mut(call.slot() as usize) else {
                     return Err(LinkError::Protocol(
                         "call slot beyond the call table".into(),

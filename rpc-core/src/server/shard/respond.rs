@@ -67,10 +67,10 @@ impl<P: Provider> CallCtx for Reply<'_, P> {
         self.conn.send_stream(self.call, msg, metadata)
     }
 
-    fn finish_ok(&mut self, trailers: &Metadata) {
+    fn finish_ok(&mut self, metadata: &Metadata) {
         let mut ok = Status::new(crate::Code::Ok, "");
-        if !trailers.is_empty() {
-            *ok.metadata_mut() = trailers.clone();
+        if metadata.encoded_len() > 0 {
+            *ok.metadata_mut() = metadata.clone();
         }
         self.conn.fail(self.call, &ok);
     }

@@ -123,8 +123,7 @@ fn no_device() -> VerbsError {
 }
 
 impl Provider for Ib {
-    const NAME: &'static str = "ib";
-    const TAG: &'static str = "IB";
+    const KIND: super::ProviderKind = super::ProviderKind::Ib;
 
     type Context = IbContext;
     type Pd = IbPd;

@@ -194,6 +194,8 @@ pub(crate) struct Device {
     pub(crate) cq_slots: SlotAlloc,
     next_pd: AtomicU32,
     peers: Mutex<HashMap<u64, Weak<Peer>>>,
+    /// One liveness handle (a pidfd) per peer process, shared by every peer instance in it.
+    pub(crate) lives: Mutex<HashMap<u32, Weak<peer::Liveness>>>,
     pub(crate) watchdog: Watchdog,
     pub(crate) counters: Arc<counters::DeviceCounters>,
 }
@@ -294,6 +296,7 @@ impl Device {
             cq_slots: SlotAlloc::new(layout::MAX_CQ, 8),
             next_pd: AtomicU32::new(1),
             peers: Mutex::new(HashMap::new()),
+            lives: Mutex::new(HashMap::new()),
             watchdog: Watchdog::new()
                 .map_err(|e| os_err(verb, e, "soft RNIC: cannot create the watchdog eventfd"))?,
             counters: counters::DeviceCounters::register(),
@@ -368,8 +371,7 @@ impl SoftContext {
 }
 
 impl Provider for Soft {
-    const NAME: &'static str = "soft";
-    const TAG: &'static str = "SOFT";
+    const KIND: super::ProviderKind = super::ProviderKind::Soft;
 
     type Context = SoftContext;
     type Pd = SoftPd;

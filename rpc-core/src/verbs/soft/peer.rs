@@ -21,6 +21,53 @@ pub(crate) struct Liveness {
 }
 
 impl Liveness {
+    /// The liveness of process `pid`: the handle the device already holds for it (one pidfd
+    /// per peer process, however many connections it opens), or a new one (`true`: the
+    /// caller has the watchdog watch it).
+    fn of(dev: &Device, pid: u32) -> Result<(Arc<Liveness>, bool)> {
+        let mut lives = dev.lives.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = lives.get(&pid).and_then(Weak::upgrade)
+            && !l.is_dead()
+            && !l.exited()
+        {
+            return Ok((l, false));
+        }
+        lives.retain(|_, w| w.upgrade().is_some_and(|l| !l.is_dead()));
+        let pidfd = shm::pidfd_open(pid).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ESRCH) {
+                bad_ep(format!(
+                    "soft endpoint names process {pid}, which does not exist (the peer exited, \
+                     or the endpoint is stale or forged)"
+                ))
+            } else {
+                VerbsError::from_errno(
+                    Verb::Connect,
+                    e.raw_os_error().unwrap_or(libc::EIO),
+                    format!("pidfd_open({pid}) failed: cannot reach the soft peer"),
+                )
+            }
+        })?;
+        let live = Arc::new(Liveness {
+            pidfd,
+            dead: AtomicBool::new(false),
+        });
+        lives.insert(pid, Arc::downgrade(&live));
+        Ok((live, true))
+    }
+
+    /// Whether the process exited, asked now (its pidfd is readable), for a handle about to be
+    /// shared: a process that exited and whose pid was reused must not lend its handle.
+    fn exited(&self) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&self.pidfd),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout; the descriptor is open while `self` lives.
+        let r = unsafe { libc::poll(&mut pfd, 1, 0) };
+        r != 0
+    }
+
     /// Whether the peer is gone (one atomic load).
     #[inline]
     pub(crate) fn is_dead(&self) -> bool {
@@ -59,6 +106,20 @@ fn bad_ep(detail: String) -> VerbsError {
     VerbsError::new(Verb::Connect, ErrorKind::InvalidEndpoint, detail)
 }
 
+/// The error for a descriptor we could not take because this process has too many open: a
+/// limit of ours, not a bad endpoint.
+fn out_of_fds(e: &std::io::Error) -> Option<VerbsError> {
+    let errno = e.raw_os_error()?;
+    (errno == libc::EMFILE || errno == libc::ENFILE).then(|| {
+        VerbsError::from_errno(
+            Verb::Connect,
+            errno,
+            "out of file descriptors while mapping a soft peer: raise RLIMIT_NOFILE (ulimit -n) \
+             or hold fewer connections",
+        )
+    })
+}
+
 impl Peer {
     /// Finds, maps and validates the soft RNIC named by (`pid`, `fd`, `nonce`).
     pub(crate) fn attach(dev: &Arc<Device>, pid: u32, fd: u32, nonce: u64) -> Result<Peer> {
@@ -68,25 +129,8 @@ impl Peer {
                  ({pid}/{fd}): it is forged"
             )));
         }
-        let pidfd = shm::pidfd_open(pid).map_err(|e| {
-            if e.raw_os_error() == Some(libc::ESRCH) {
-                bad_ep(format!(
-                    "soft endpoint names process {pid}, which does not exist (the peer exited, \
-                     or the endpoint is stale or forged)"
-                ))
-            } else {
-                VerbsError::from_errno(
-                    Verb::Connect,
-                    e.raw_os_error().unwrap_or(libc::EIO),
-                    format!("pidfd_open({pid}) failed: cannot reach the soft peer"),
-                )
-            }
-        })?;
         let same_process = pid == dev.pid;
-        let live = Arc::new(Liveness {
-            pidfd,
-            dead: AtomicBool::new(false),
-        });
+        let (live, fresh) = Liveness::of(dev, pid)?;
 
         if nonce == dev.nonce {
             // Loopback within one context: our own segments.
@@ -103,10 +147,12 @@ impl Peer {
         }
 
         let pub_fd = shm::pidfd_getfd(live.pidfd.as_fd(), pid, fd).map_err(|e| {
-            bad_ep(format!(
-                "process {pid} has no soft RNIC control segment at descriptor {fd} ({e}): the \
-                 endpoint is stale or forged"
-            ))
+            out_of_fds(&e).unwrap_or_else(|| {
+                bad_ep(format!(
+                    "process {pid} has no soft RNIC control segment at descriptor {fd} ({e}): \
+                     the endpoint is stale or forged"
+                ))
+            })
         })?;
         let size = shm::file_size(pub_fd.as_fd()).unwrap_or(0);
         if size < layout::PUB_LEN as u64
@@ -147,9 +193,11 @@ impl Peer {
         }
         let in_fd_num = rd32(&pub_map, hdr::INBOX_FD);
         let in_fd = shm::pidfd_getfd(live.pidfd.as_fd(), pid, in_fd_num).map_err(|e| {
-            bad_ep(format!(
-                "cannot reach the inbox of the soft RNIC in process {pid} ({e})"
-            ))
+            out_of_fds(&e).unwrap_or_else(|| {
+                bad_ep(format!(
+                    "cannot reach the inbox of the soft RNIC in process {pid} ({e})"
+                ))
+            })
         })?;
         if shm::file_size(in_fd.as_fd()).unwrap_or(0) < layout::INBOX_LEN as u64
             || shm::seals(in_fd.as_fd()).unwrap_or(0) & libc::F_SEAL_SHRINK == 0
@@ -170,7 +218,7 @@ impl Peer {
                 "the inbox of the soft RNIC in process {pid} does not match its control segment"
             )));
         }
-        if !same_process {
+        if fresh && !same_process {
             dev.watchdog.watch(live.clone());
         }
         Ok(Peer {
@@ -376,9 +424,10 @@ fn run(shared: &WatchShared) {
         let next = fire_deadlines(shared);
         {
             let mut peers = shared.peers.lock().unwrap_or_else(|e| e.into_inner());
-            // Forget peers nobody else references, and those already dead.
-            peers.retain(|l| Arc::strong_count(l) > 1 && !l.is_dead());
+            // Forget peers nobody else references (our own clones of the last round are
+            // dropped first, or they would count), and those already dead.
             lives.clear();
+            peers.retain(|l| Arc::strong_count(l) > 1 && !l.is_dead());
             lives.extend(peers.iter().cloned());
         }
         fds.clear();
