@@ -3,11 +3,17 @@
 # host (clippy, docs, unit tests), then run the ib test binaries and rpc-doctor inside the
 # Soft-RoCE VM (softroce/vm.sh, two rxe devices) and fail when any of them fails.
 #
-#   softroce/ci.sh [--install] [--vm-only]
+#   softroce/ci.sh [--install] [--vm-only] [--pair-only | --no-pair]
 #
 # --install  apt-get install what is missing (qemu-system-x86, libibverbs-dev, librdmacm-dev,
 #            libclang, pkg-config); needs root or password-less sudo.
 # --vm-only  skip the host checks (clippy, docs, unit tests): only build and run in the VM.
+# --pair-only  only the two-VM phase (below); --no-pair: only the one-VM phase.
+#
+# Phases in VMs: one VM with rxe0 + rxe1 runs the ib tests, the RPC suites and rpc-doctor;
+# then two VMs joined by a virtual cable (softroce/vm.sh pair) run the suites across hosts
+# (server in VM A, client in VM B, MTU 4096), an MTU-mismatch case and the wire faults
+# (tc netem loss/reorder/delay on VM B's NIC, link down for 2 s and for good).
 #
 # Exit codes: 0 all passed; 77 skipped because qemu cannot be installed here (the only
 # reason to skip); anything else is a failure.
@@ -35,12 +41,14 @@ missing_pkgs() {
   echo "${out[@]}"
 }
 
-INSTALL= VM_ONLY=
+INSTALL= VM_ONLY= ONE=1 PAIR=1
 for a in "$@"; do
   case "$a" in
     --install) INSTALL=1 ;;
     --vm-only) VM_ONLY=1 ;;
-    *) echo "usage: softroce/ci.sh [--install] [--vm-only]" >&2; exit 2 ;;
+    --pair-only) ONE= ;;
+    --no-pair) PAIR= ;;
+    *) echo "usage: softroce/ci.sh [--install] [--vm-only] [--pair-only | --no-pair]" >&2; exit 2 ;;
   esac
 done
 
@@ -110,6 +118,7 @@ RXE_SKIPS=(local_protection_pd recv_too_small)
 # of the overrides below).
 # (`env` is the program then: the test binary goes into the guest through SOFTROCE_EXTRA.)
 batch=() extra=()
+# ib_pair:: needs a second host (the two-VM phase runs it).
 for e in "${exes[@]}"; do
   case "$(basename "$e")" in
     rpc_*|interop*) batch+=(/usr/bin/env RPC_IB_HCA=rxe0) extra+=("$e") ;;
@@ -117,6 +126,7 @@ for e in "${exes[@]}"; do
   batch+=("$e")
   if [[ "$(basename "$e")" == conformance_ib-* ]]; then
     for k in "${RXE_SKIPS[@]}"; do batch+=(--skip "$k"); done
+    batch+=(--skip ib_pair::)
     echo "softroce/ci: NOTE: skipping the conformance cases ${RXE_SKIPS[*]} on Soft-RoCE (rxe deviations)"
   fi
   batch+=(":::")
@@ -127,11 +137,29 @@ smoke=$(printf '%s\n' "${exes[@]}" | grep '/ib_smoke-' | head -1 || true)
 batch+=("$doctor" --iters 200)
 t_vm=$SECONDS
 rc=0
-# cargo runs test binaries in the package directory; so do we.
-(cd "$ROOT/rpc-core" && SOFTROCE_EXTRA="${SOFTROCE_EXTRA:-} ${extra[*]}" SOFTROCE_RXE=2 RPC_PROVIDER=ib "$ROOT/softroce/vm.sh" batch "${batch[@]}") || rc=$?
-phase "VM step took $((SECONDS - t_vm)) s; exit code $rc"
-if [[ $rc -ne 0 ]]; then
-  echo "softroce/ci: FAILED: a program failed inside the Soft-RoCE VM (exit $rc)" >&2
-  exit "$rc"
+if [[ -n "$ONE" ]]; then
+  # cargo runs test binaries in the package directory; so do we.
+  (cd "$ROOT/rpc-core" && SOFTROCE_EXTRA="${SOFTROCE_EXTRA:-} ${extra[*]}" SOFTROCE_RXE=2 RPC_PROVIDER=ib "$ROOT/softroce/vm.sh" batch "${batch[@]}") || rc=$?
+  phase "VM step took $((SECONDS - t_vm)) s; exit code $rc"
+  if [[ $rc -ne 0 ]]; then
+    echo "softroce/ci: FAILED: a program failed inside the Soft-RoCE VM (exit $rc)" >&2
+    exit "$rc"
+  fi
 fi
-echo "softroce/ci: passed (${#exes[@]} test binaries + rpc-doctor in the VM, total $((SECONDS - t_start)) s)"
+
+if [[ -n "$PAIR" ]]; then
+  phase "VM pair: the suites across two hosts, MTU mismatch, wire faults"
+  t_pair=$SECONDS
+  out=$(mktemp "${TMPDIR:-/tmp}/softroce-pair.XXXXXX")
+  prc=0
+  (cd "$ROOT/rpc-core" && "$ROOT/softroce/pair.sh" "${exes[@]}") 2>&1 | tee "$out" || prc=${PIPESTATUS[0]}
+  phase "VM pair step took $((SECONDS - t_pair)) s; exit code $prc"
+  echo "softroce/ci: wire figures (tc netem on VM B's NIC; every call must succeed):"
+  sed -n 's/^\[b\] \(test [^ ]* \.\.\. \)\{0,1\}\(NETEM\|LINK\|MTU\) | /\2 | /p' "$out"
+  rm -f "$out"
+  if [[ $prc -ne 0 ]]; then
+    echo "softroce/ci: FAILED: the two-VM phase failed (exit $prc)" >&2
+    exit "$prc"
+  fi
+fi
+echo "softroce/ci: passed (VM steps $((SECONDS - t_vm)) s, total $((SECONDS - t_start)) s)"

@@ -9,6 +9,13 @@
 #                                           boot once, run the programs in turn; exit 0 when
 #                                           all pass, else the first failure's exit code
 #   softroce/vm.sh shell                    interactive guest shell with the rxe devices up
+#   softroce/vm.sh pair A-PROGRAMS... --vm-b B-PROGRAMS...
+#                                           two VMs joined by a virtual Ethernet cable (qemu
+#                                           stream netdev, virtio-net, MTU 9000), rxe0 on eth0
+#                                           of each: A (192.0.2.1) starts its programs at once
+#                                           (servers: stdin closes when B is done), B
+#                                           (192.0.2.2) runs its programs in turn (batch
+#                                           syntax); exit B's first failure, else A's
 #
 # cargo runner:  CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/softroce/vm.sh run" \
 #                  cargo test -p rpc-core --features ibverbs --test ib_smoke
@@ -21,6 +28,11 @@
 # Guest network: no NIC at all. dummy0 carries 192.0.2.1 (TEST-NET-1) and rxe0; with
 # SOFTROCE_RXE=2 also dummy1/192.0.2.2/rxe1. GID index 1 of each is the IPv4-mapped RoCE v2 GID.
 # Tests see SOFTROCE=1, SOFTROCE_DEVICES="rxe0 rxe1", SOFTROCE_GID_INDEX=1, SOFTROCE_IP.
+# `pair`: no dummy NIC; eth0 (virtio) with 192.0.2.1 (A) / 192.0.2.2 (B), rxe0 on it; programs
+# also see SOFTROCE_PEER_IP (the other VM), SOFTROCE_PAIR_ROLE (a|b), SOFTROCE_NETDEV=eth0.
+# Network namespaces cannot replace the second VM: rxe in Linux 6.1 keeps its UDP socket in
+# the initial namespace, so RoCE packets that arrive in another one are lost (tried: QPs on
+# both ends of a veth pair, one end in a namespace, exchange nothing).
 #
 # Exit codes: the program's; 124 the VM timed out; 125 the VM died without reporting (the
 # console is printed); 126 guest setup failed (modprobe / rdma link); 130 interrupted.
@@ -36,17 +48,24 @@
 #   SOFTROCE_PASS_ENV  more variable names to pass (RUST_*, CARGO_*, RPC_*, SOFTROCE_* pass)
 #   SOFTROCE_VERBOSE=1 print the guest console afterwards
 #   SOFTROCE_KERNEL_PKG  pin the kernel package (default: what linux-image-amd64 depends on)
+#   SOFTROCE_NET_MTU   pair: eth0's MTU in both VMs (default 9000: rxe's active MTU 4096)
+#   SOFTROCE_NET_MTU_B pair: eth0's MTU in VM B only (an MTU-mismatch set-up)
+#   SOFTROCE_PAIR_GRACE  pair: seconds VM A may take to finish after VM B (default 120)
 set -uo pipefail
 
 SELF=$(realpath "${BASH_SOURCE[0]}")
 CACHE=${SOFTROCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rdma-rpc/softroce}
 # Bump when the image recipe below changes: a cache of another version is rebuilt.
-RECIPE=5
+RECIPE=6
 
 GUEST_PKGS=(busybox-static libc6 libgcc-s1 libibverbs1 ibverbs-providers librdmacm1
-            libnl-3-200 libnl-route-3-200 ibverbs-utils iproute2 libmnl0 libbsd0 libmd0 libcap2)
-# modules rxe needs (modprobe resolves the order from modules.dep)
-GUEST_MODS=(crc32_generic udp_tunnel ip6_udp_tunnel ib_core ib_uverbs rdma_rxe dummy)
+            libnl-3-200 libnl-route-3-200 ibverbs-utils iproute2 libmnl0 libbsd0 libmd0 libcap2
+            libbpf1 libelf1 libxtables12 zlib1g)
+# modules rxe needs (modprobe resolves the order from modules.dep), the virtio NIC of `pair`,
+# veth and netem (tc qdisc ... netem) for fault injection
+GUEST_MODS=(crc32_generic udp_tunnel ip6_udp_tunnel ib_core ib_uverbs rdma_rxe dummy
+            virtio virtio_ring virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci
+            failover net_failover virtio_net veth sch_netem)
 
 say() { printf 'softroce: %s\n' "$*" >&2; }
 die() { say "$*"; exit 125; }
@@ -127,7 +146,8 @@ prepare() {
   done
   rm -rf "$root"/usr/share/{doc,man,info,locale,lintian,bug,bash-completion,zsh} \
          "$root"/usr/include "$root"/usr/lib/x86_64-linux-gnu/gconv "$root"/etc/iproute2 "$root"/usr/lib/tc
-  for t in arpd genl bridge dcb devlink rtacct rtmon tc tipc vdpa ip ss ctstat lnstat nstat routel; do
+  # iproute2's `ip` (netns, veth, link down/up) and `tc` (netem) stay; busybox has neither.
+  for t in arpd genl bridge dcb devlink rtacct rtmon tipc vdpa ss ctstat lnstat nstat routel; do
     rm -f "$root"/{bin,sbin,usr/bin,usr/sbin}/$t
   done
   mkdir -p "$root"/{proc,sys,dev,tmp,run,root,bb,etc,softroce} "$root/lib/modules"
@@ -202,15 +222,32 @@ for m in crc32_generic ib_uverbs rdma_rxe dummy; do
 done
 ip link set lo up
 devs=
-i=0
-while [ "$i" -lt "$SOFTROCE_RXE" ]; do
-  ip link show "dummy$i" >/dev/null 2>&1 || ip link add "dummy$i" type dummy
-  ip link set "dummy$i" mtu 1500 up
-  ip addr add "192.0.2.$((i + 1))/24" dev "dummy$i"
-  rdma link add "rxe$i" type rxe netdev "dummy$i" || { log "rdma link add rxe$i failed"; bye 126; }
-  devs="$devs rxe$i"
-  i=$((i + 1))
-done
+if [ "${SOFTROCE_NET:-dummy}" = virtio ]; then
+  # `vm.sh pair`: a virtio NIC joined to the other VM; rxe0 on it.
+  for m in virtio_pci virtio_net sch_netem; do
+    modprobe "$m" || { log "modprobe $m failed"; bye 126; }
+  done
+  n=0
+  until ip link show eth0 >/dev/null 2>&1; do
+    n=$((n + 1)); [ "$n" -gt 500 ] && { log "no eth0 (virtio-net)"; bye 126; }
+    usleep 10000
+  done
+  ip link set eth0 mtu "$SOFTROCE_NET_MTU" || { log "eth0: MTU $SOFTROCE_NET_MTU refused"; bye 126; }
+  ip link set eth0 up
+  ip addr add "$SOFTROCE_NET_IP/24" dev eth0
+  rdma link add rxe0 type rxe netdev eth0 || { log "rdma link add rxe0 failed"; bye 126; }
+  devs=" rxe0"
+else
+  i=0
+  while [ "$i" -lt "$SOFTROCE_RXE" ]; do
+    ip link show "dummy$i" >/dev/null 2>&1 || ip link add "dummy$i" type dummy
+    ip link set "dummy$i" mtu 1500 up
+    ip addr add "192.0.2.$((i + 1))/24" dev "dummy$i"
+    rdma link add "rxe$i" type rxe netdev "dummy$i" || { log "rdma link add rxe$i failed"; bye 126; }
+    devs="$devs rxe$i"
+    i=$((i + 1))
+  done
+fi
 # The IPv4-mapped GID (index 1) shows up shortly after `rdma link add`.
 for d in $devs; do
   n=0
@@ -220,7 +257,8 @@ for d in $devs; do
     usleep 10000
   done
 done
-export SOFTROCE=1 SOFTROCE_DEVICES="${devs# }" SOFTROCE_GID_INDEX=1 SOFTROCE_IP=192.0.2.1
+export SOFTROCE=1 SOFTROCE_DEVICES="${devs# }" SOFTROCE_GID_INDEX=1 SOFTROCE_IP=${SOFTROCE_NET_IP:-192.0.2.1}
+[ -n "${SOFTROCE_NET_PEER:-}" ] && export SOFTROCE_PEER_IP="$SOFTROCE_NET_PEER" SOFTROCE_PAIR_ROLE SOFTROCE_NETDEV=eth0
 log "rdma up:$(for d in $devs; do printf ' %s' "$(rdma link show "$d/1" | cut -d' ' -f2,4,8)"; done)"
 if [ -n "${SOFTROCE_SHELL:-}" ]; then
   setsid cttyhack sh
@@ -267,23 +305,16 @@ stage_exe() {
 
 q() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
 
-# boot MODE ARGS...: MODE is run (one program and its arguments), batch (programs and their
-# arguments separated by `:::`) or shell.
-boot() {
+# parse_programs MODE ARGS...: the programs of one VM (batch syntax: `:::` between programs;
+# `run` takes one program and its arguments) into PLINES (shell-quoted command lines) and PNAMES.
+PLINES=() PNAMES=()
+parse_programs() {
   local mode=$1; shift
-  prepare
-  local work
-  work=$(mktemp -d "${TMPDIR:-/tmp}/softroce.XXXXXX") || die "mktemp failed"
-  # shellcheck disable=SC2064
-  trap "rm -rf '$work'" EXIT
-  STAGE="$work/stage"
-  mkdir -p "$STAGE/softroce" "$STAGE$PWD"
-
-  # Each program becomes one line of the guest script: the quoted executable and arguments.
-  local lines=() names=() line= want_exe=1 a e
+  PLINES=() PNAMES=()
+  local line= want_exe=1 a e
   for a in "$@" :::; do
     if [[ "$a" == ::: && "$mode" != run ]]; then
-      [[ -n "$line" ]] && lines+=("$line")
+      [[ -n "$line" ]] && PLINES+=("$line")
       line= want_exe=1
       continue
     fi
@@ -293,14 +324,105 @@ boot() {
       e=$(realpath -- "$e") || die "not found: $a"
       [[ -f "$e" && -x "$e" ]] || die "not an executable: $e"
       stage_exe "$e"
-      names+=("$(basename "$e")")
+      PNAMES+=("$(basename "$e")")
       line=$(q "$e") want_exe=
     elif [[ "$a" != ::: ]]; then
       line+=" $(q "$a")"
     fi
   done
-  [[ "$mode" == run && -n "$line" ]] && lines+=("$line")
-  [[ ${#lines[@]} -ge 1 ]] || die "no program to run"
+  [[ "$mode" == run && -n "$line" ]] && PLINES+=("$line")
+  [[ ${#PLINES[@]} -ge 1 ]] || die "no program to run"
+}
+
+# write_env FILE MARK [NAME=VALUE...]: the guest's /softroce/env.
+write_env() {
+  local file=$1 mark=$2; shift 2
+  {
+    echo "SOFTROCE_MARK=$mark"
+    echo "SOFTROCE_RXE=$(q "${SOFTROCE_RXE:-1}")"
+    echo "SOFTROCE_CWD=$(q "$PWD")"
+    local kv
+    for kv in "$@"; do echo "${kv%%=*}=$(q "${kv#*=}")"; done
+    local k pass=" ${SOFTROCE_PASS_ENV:-} "
+    for k in $(compgen -e); do
+      case "$k" in
+        RUST_*|CARGO_*|RPC_*) ;;
+        SOFTROCE_CACHE|SOFTROCE_RXE|SOFTROCE_MARK|SOFTROCE_SHELL|SOFTROCE_CWD|SOFTROCE_NET*) continue ;;
+        SOFTROCE_*) ;;
+        *) [[ "$pass" == *" $k "* ]] || continue ;;
+      esac
+      echo "export $k=$(q "${!k}")"
+    done
+  } >"$file"
+}
+
+# write_batch FILE: the guest script running PLINES in turn (exit: the first failure's code).
+write_batch() {
+  local tt=${SOFTROCE_TEST_TIMEOUT:-600} n=${#PLINES[@]} i
+  {
+    echo 'first=0 failed=0'
+    echo 'up() { cut -d" " -f1 /proc/uptime; }'
+    for i in "${!PLINES[@]}"; do
+      echo "echo \"=== softroce [$((i + 1))/$n] ${PNAMES[$i]} (guest t=\$(up)s)\" >&2"
+      echo "timeout -s KILL $tt ${PLINES[$i]}; rc=\$?"
+      echo "echo \"=== softroce [$((i + 1))/$n] ${PNAMES[$i]}: exit \$rc (guest t=\$(up)s)\" >&2"
+      echo '[ $rc -ne 0 ] && { failed=$((failed + 1)); [ $first -eq 0 ] && first=$rc; }'
+    done
+    echo "echo \"=== softroce: $n programs, \$failed failed\" >&2"
+  } >"$1"
+}
+
+# The `pair` control port: VM B tells VM A that its programs are done.
+PAIR_DONE_PORT=7999
+
+# write_servers FILE: VM A's script: every program of PLINES at once, in the background, with
+# stdin from a FIFO that stays open until VM B reports (over TCP) that its programs are done;
+# then the FIFO closes (the programs see EOF on stdin and finish) and each exit code is
+# collected (bounded).
+write_servers() {
+  local tt=${SOFTROCE_TEST_TIMEOUT:-600} n=${#PLINES[@]} i
+  {
+    echo 'first=0 failed=0 pids='
+    echo 'up() { cut -d" " -f1 /proc/uptime; }'
+    echo 'mkfifo /tmp/softroce-ctl && exec 3<>/tmp/softroce-ctl'
+    echo "timeout $tt nc -l -p $PAIR_DONE_PORT >/dev/null 3>&- </dev/null & done_pid=\$!"
+    for i in "${!PLINES[@]}"; do
+      echo "echo \"=== softroce-a [$((i + 1))/$n] ${PNAMES[$i]} starts (guest t=\$(up)s)\" >&2"
+      echo "timeout -s KILL $tt ${PLINES[$i]} </tmp/softroce-ctl 3>&- & pids=\"\$pids \$!\""
+    done
+    echo 'wait $done_pid'
+    echo 'echo "=== softroce-a: the client VM is done (guest t=$(up)s); closing stdin" >&2'
+    echo 'exec 3>&-'
+    echo 'i=0; for p in $pids; do i=$((i + 1)); wait $p; rc=$?'
+    echo "  echo \"=== softroce-a [\$i/$n]: exit \$rc (guest t=\$(up)s)\" >&2"
+    echo '  [ $rc -ne 0 ] && { failed=$((failed + 1)); [ $first -eq 0 ] && first=$rc; }'
+    echo 'done'
+    echo "echo \"=== softroce-a: $n programs, \$failed failed\" >&2"
+    echo 'exit $first'
+  } >"$1"
+}
+
+# boot MODE ARGS...: MODE is run (one program and its arguments), batch (programs and their
+# arguments separated by `:::`), shell, or pair (VM A's programs, `--vm-b`, VM B's programs).
+boot() {
+  local mode=$1; shift
+  prepare
+  local work
+  work=$(mktemp -d "${TMPDIR:-/tmp}/softroce.XXXXXX") || die "mktemp failed"
+  # shellcheck disable=SC2064
+  trap "rm -rf '$work'" EXIT
+  STAGE="$work/stage" WORK=$work
+  mkdir -p "$STAGE/softroce" "$STAGE$PWD"
+
+  local tt=${SOFTROCE_TEST_TIMEOUT:-600} a
+  local args_a=() args_b=() seen_b=
+  if [[ "$mode" == pair ]]; then
+    for a in "$@"; do
+      if [[ "$a" == --vm-b && -z "$seen_b" ]]; then seen_b=1; continue; fi
+      if [[ -n "$seen_b" ]]; then args_b+=("$a"); else args_a+=("$a"); fi
+    done
+    [[ -n "$seen_b" ]] || die "pair: VM B's programs follow --vm-b"
+  fi
 
   local x
   for x in ${SOFTROCE_EXTRA:-}; do
@@ -310,47 +432,107 @@ boot() {
     else say "warning: SOFTROCE_EXTRA entry $x does not exist"; fi
   done
 
-  local mark
-  mark=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
-  {
-    echo "SOFTROCE_MARK=$mark"
-    echo "SOFTROCE_RXE=$(q "${SOFTROCE_RXE:-1}")"
-    echo "SOFTROCE_CWD=$(q "$PWD")"
-    [[ "$mode" == shell ]] && echo "SOFTROCE_SHELL=1"
-    local k pass=" ${SOFTROCE_PASS_ENV:-} "
-    for k in $(compgen -e); do
-      case "$k" in
-        RUST_*|CARGO_*|RPC_*) ;;
-        SOFTROCE_CACHE|SOFTROCE_RXE|SOFTROCE_MARK|SOFTROCE_SHELL|SOFTROCE_CWD) continue ;;
-        SOFTROCE_*) ;;
-        *) [[ "$pass" == *" $k "* ]] || continue ;;
-      esac
-      echo "export $k=$(q "${!k}")"
-    done
-  } >"$STAGE/softroce/env"
-  local tt=${SOFTROCE_TEST_TIMEOUT:-600} n=${#lines[@]} i
-  {
+  if [[ "$mode" != pair ]]; then
+    parse_programs "$mode" "$@"
+    local mark
+    mark=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+    local extra_env=()
+    [[ "$mode" == shell ]] && extra_env+=(SOFTROCE_SHELL=1)
+    write_env "$STAGE/softroce/env" "$mark" "${extra_env[@]}"
     if [[ "$mode" != batch ]]; then
-      echo "exec timeout -s KILL $tt ${lines[0]}"
+      echo "exec timeout -s KILL $tt ${PLINES[0]}" >"$STAGE/softroce/cmd"
     else
-      echo 'first=0 failed=0'
-      echo 'up() { cut -d" " -f1 /proc/uptime; }'
-      for i in "${!lines[@]}"; do
-        echo "echo \"=== softroce [$((i + 1))/$n] ${names[$i]} (guest t=\$(up)s)\" >&2"
-        echo "timeout -s KILL $tt ${lines[$i]}; rc=\$?"
-        echo "echo \"=== softroce [$((i + 1))/$n] ${names[$i]}: exit \$rc (guest t=\$(up)s)\" >&2"
-        echo '[ $rc -ne 0 ] && { failed=$((failed + 1)); [ $first -eq 0 ] && first=$rc; }'
-      done
-      echo "echo \"=== softroce: $n programs, \$failed failed\" >&2"
-      echo 'exit $first'
+      write_batch "$STAGE/softroce/cmd"
+      echo 'exit $first' >>"$STAGE/softroce/cmd"
     fi
-  } >"$STAGE/softroce/cmd"
+    pack_run "$work/run.cpio"
+    cat "$CACHE/base.cpio" "$work/run.cpio" >"$work/initrd"
+    launch "$work" x "$work/initrd" "$mode" -nic none
+    finish_vm x
+    exit "$VM_RC"
+  fi
 
-  (cd "$STAGE" && find . | "$CACHE/busybox" cpio -o -H newc -R 0:0 2>/dev/null) >"$work/run.cpio" ||
+  # pair: two VMs, one virtio NIC each, joined by a qemu stream netdev over a unix socket
+  # (an Ethernet cable between them: nothing else is on it, and the host has no address on it).
+  local mtu=${SOFTROCE_NET_MTU:-9000} mtu_b=${SOFTROCE_NET_MTU_B:-${SOFTROCE_NET_MTU:-9000}}
+  parse_programs batch "${args_a[@]}"
+  write_servers "$work/cmd-a"
+  local names_a=("${PNAMES[@]}")
+  parse_programs batch "${args_b[@]}"
+  write_batch "$work/cmd-b"
+  {
+    echo "n=0; until echo done | timeout 10 nc $PAIR_IP_A $PAIR_DONE_PORT >/dev/null 2>&1; do"
+    echo '  n=$((n + 1)); [ $n -ge 30 ] && { echo "=== softroce-b: cannot tell VM A that we are done" >&2; break; }; sleep 1'
+    echo 'done'
+    echo 'exit $first'
+  } >>"$work/cmd-b"
+  pack_run "$work/run.cpio"
+  local side mark_a mark_b
+  mark_a=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+  mark_b=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+  for side in a b; do
+    local s="$work/side-$side"
+    mkdir -p "$s/softroce"
+    cp "$work/cmd-$side" "$s/softroce/cmd"
+    if [[ $side == a ]]; then
+      write_env "$s/softroce/env" "$mark_a" SOFTROCE_NET=virtio SOFTROCE_NET_IP=$PAIR_IP_A \
+        SOFTROCE_NET_PEER=$PAIR_IP_B SOFTROCE_NET_MTU="$mtu" SOFTROCE_PAIR_ROLE=a
+    else
+      write_env "$s/softroce/env" "$mark_b" SOFTROCE_NET=virtio SOFTROCE_NET_IP=$PAIR_IP_B \
+        SOFTROCE_NET_PEER=$PAIR_IP_A SOFTROCE_NET_MTU="$mtu_b" SOFTROCE_PAIR_ROLE=b
+    fi
+    (cd "$s" && find . | "$CACHE/busybox" cpio -o -H newc -R 0:0 2>/dev/null) >"$work/$side.cpio" ||
+      die "packing the run archive failed"
+    cat "$CACHE/base.cpio" "$work/run.cpio" "$work/$side.cpio" >"$work/initrd-$side"
+  done
+  local sock="$work/link.sock"
+  say "pair: VM A ($PAIR_IP_A, ${names_a[*]}) <-> VM B ($PAIR_IP_B, ${PNAMES[*]}), MTU $mtu/$mtu_b"
+  launch "$work" a "$work/initrd-a" pair \
+    -netdev "stream,id=n0,server=on,addr.type=unix,addr.path=$sock" \
+    -device "virtio-net-pci,netdev=n0,mac=52:54:00:00:02:01"
+  local n=0
+  until [[ -S "$sock" ]]; do
+    n=$((n + 1)); [[ $n -gt 300 ]] && die "pair: VM A's qemu did not open $sock"
+    kill -0 "${VM_PID[a]}" 2>/dev/null || die "pair: VM A's qemu exited at start"
+    sleep 0.1
+  done
+  launch "$work" b "$work/initrd-b" pair \
+    -netdev "stream,id=n0,server=off,addr.type=unix,addr.path=$sock" \
+    -device "virtio-net-pci,netdev=n0,mac=52:54:00:00:02:02"
+  finish_vm b
+  local rc_b=$VM_RC
+  # VM A ends when VM B's done message reaches it; give it a bounded grace period.
+  local grace=${SOFTROCE_PAIR_GRACE:-120}
+  n=0
+  while kill -0 "${VM_PID[a]}" 2>/dev/null && [[ $n -lt $((grace * 10)) ]]; do sleep 0.1; n=$((n + 1)); done
+  if kill -0 "${VM_PID[a]}" 2>/dev/null; then
+    say "pair: VM A did not finish within ${grace} s after VM B; stopping it"
+    kill -TERM "${VM_PID[a]}" 2>/dev/null
+  fi
+  finish_vm a
+  local rc_a=$VM_RC
+  say "pair: VM A exit $rc_a, VM B exit $rc_b"
+  [[ $rc_b -ne 0 ]] && exit "$rc_b"
+  exit "$rc_a"
+}
+
+PAIR_IP_A=192.0.2.1
+PAIR_IP_B=192.0.2.2
+
+pack_run() {  # the staged programs and files as a newc archive
+  (cd "$STAGE" && find . | "$CACHE/busybox" cpio -o -H newc -R 0:0 2>/dev/null) >"$1" ||
     die "packing the run archive failed"
-  # The kernel unpacks concatenated newc archives in order: base image, then this run.
-  cat "$CACHE/base.cpio" "$work/run.cpio" >"$work/initrd"
+}
 
+WORK=
+declare -A VM_PID VM_CATS VM_MODE VM_MARK_FILE
+VM_RC=0
+INTERRUPTED=
+
+# launch WORK NAME INITRD MODE QEMU-NET-ARGS...: starts one VM in the background; its program
+# output streams to our stdout/stderr (prefixed with `[NAME] ` in pair mode).
+launch() {
+  local work=$1 name=$2 initrd=$3 mode=$4; shift 4
   local accel=${SOFTROCE_ACCEL:-tcg}
   if [[ "$accel" == auto ]]; then
     # PVM hosts (kvm_pvm) open /dev/kvm but run a stock guest kernel far slower than TCG.
@@ -369,55 +551,76 @@ boot() {
   cmdline+=" nokaslr mitigations=off 8250.nr_uarts=3 i8042.noaux i8042.nokbd"
   cmdline+=" initcall_blacklist=crypto_kdf108_init,init_kprobe_trace"
 
-  # Program output: guest serial ports -> FIFOs -> cat processes holding our own stdout and
-  # stderr, so it streams live to whatever they are (tty, pipe or file).
-  mkfifo "$work/out" "$work/err"
-  cat "$work/out" &
-  local cat_out=$!
-  cat "$work/err" >&2 &
-  local cat_err=$!
-  local serial0=(-serial "file:$work/console")
+  # Program output: guest serial ports -> FIFOs -> cat (or sed) processes holding our own
+  # stdout and stderr, so it streams live to whatever they are (tty, pipe or file).
+  local d="$work/vm-$name"
+  mkdir -p "$d"
+  mkfifo "$d/out" "$d/err"
+  local c1 c2
+  if [[ "$mode" == pair ]]; then
+    sed -u "s/^/[$name] /" "$d/out" & c1=$!
+    sed -u "s/^/[$name] /" "$d/err" >&2 & c2=$!
+  else
+    cat "$d/out" & c1=$!
+    cat "$d/err" >&2 & c2=$!
+  fi
+  VM_CATS[$name]="$c1 $c2"
+  VM_MODE[$name]=$mode
+  local serial0=(-serial "file:$d/console")
   exec 5</dev/null
   if [[ "$mode" == shell ]]; then serial0=(-serial stdio); exec 5<&0; fi
 
   timeout -k 5 "${SOFTROCE_TIMEOUT:-900}" qemu-system-x86_64 "${acc[@]}" -M q35 \
     -m "${SOFTROCE_MEM:-2048M}" -smp "${SOFTROCE_SMP:-2}" \
-    -nodefaults -no-reboot -display none -vga none -nic none \
-    -kernel "$kernel" -initrd "$work/initrd" -append "$cmdline" \
+    -nodefaults -no-reboot -display none -vga none "$@" \
+    -kernel "$kernel" -initrd "$initrd" -append "$cmdline" \
     "${serial0[@]}" \
-    -chardev "file,id=out,path=$work/out" -serial chardev:out \
-    -chardev "file,id=err,path=$work/err" -serial chardev:err <&5 &
-  local qpid=$! qrc interrupted=
-  trap 'interrupted=1; kill -TERM $qpid 2>/dev/null' INT TERM HUP
-  wait $qpid; qrc=$?
-  while kill -0 $qpid 2>/dev/null; do wait $qpid; qrc=$?; done
-  trap - INT TERM HUP
+    -chardev "file,id=out,path=$d/out" -serial chardev:out \
+    -chardev "file,id=err,path=$d/err" -serial chardev:err <&5 &
+  VM_PID[$name]=$!
+  trap 'INTERRUPTED=1; for p in "${VM_PID[@]}"; do kill -TERM $p 2>/dev/null; done' INT TERM HUP
+}
+
+# finish_vm NAME: waits for that VM and sets VM_RC to its program's exit code.
+finish_vm() {
+  local name=$1
+  local d="$WORK/vm-$name"
+  local qpid=${VM_PID[$name]} qrc
+  wait "$qpid"; qrc=$?
+  while kill -0 "$qpid" 2>/dev/null; do wait "$qpid"; qrc=$?; done
   # If qemu died before opening the FIFOs, their readers still wait in open(): give each a
   # writer that closes at once.
-  local _
+  local _ c ok
   for _ in 1 2 3 4 5 6 7 8 9 10; do
-    kill -0 $cat_out 2>/dev/null || kill -0 $cat_err 2>/dev/null || break
-    exec 6<>"$work/out" 7<>"$work/err"; exec 6>&- 7>&-
+    ok=1
+    for c in ${VM_CATS[$name]}; do kill -0 "$c" 2>/dev/null && ok=; done
+    [[ -n "$ok" ]] && break
+    exec 6<>"$d/out" 7<>"$d/err"; exec 6>&- 7>&-
     sleep 0.1
   done
-  wait $cat_out $cat_err 2>/dev/null
+  # shellcheck disable=SC2086
+  wait ${VM_CATS[$name]} 2>/dev/null
 
-  [[ -n "$interrupted" ]] && { say "interrupted; VM stopped"; exit 130; }
-  [[ "$mode" == shell ]] && exit "$qrc"
-  local rc
-  rc=$(sed -n "s/^SOFTROCE_RC_${mark}=\([0-9]*\).*/\1/p" "$work/console" 2>/dev/null | tail -1)
+  [[ -n "$INTERRUPTED" ]] && { say "interrupted; VM stopped"; exit 130; }
+  [[ "${VM_MODE[$name]}" == shell ]] && exit "$qrc"
+  local rc mark
+  mark=$(sed -n 's/^SOFTROCE_MARK=//p' "$STAGE/softroce/env" 2>/dev/null)
+  [[ "${VM_MODE[$name]}" == pair ]] && mark=$(sed -n 's/^SOFTROCE_MARK=//p' "$WORK/side-$name/softroce/env")
+  rc=$(sed -n "s/^SOFTROCE_RC_${mark}=\([0-9]*\).*/\1/p" "$d/console" 2>/dev/null | tail -1)
+  local tag=
+  [[ "${VM_MODE[$name]}" == pair ]] && tag=" (VM $name)"
   if [[ -n "${SOFTROCE_VERBOSE:-}" || -z "$rc" || "$rc" == 126 ]]; then
-    say "----- guest console -----"
-    cat "$work/console" >&2 2>/dev/null
-    say "----- end of guest console -----"
+    say "----- guest console$tag -----"
+    cat "$d/console" >&2 2>/dev/null
+    say "----- end of guest console$tag -----"
   fi
   if [[ -z "$rc" ]]; then
     if [[ $qrc -eq 124 || $qrc -eq 137 ]]; then
-      say "VM timed out after ${SOFTROCE_TIMEOUT:-900} s"; exit 124
+      say "VM$tag timed out after ${SOFTROCE_TIMEOUT:-900} s"; VM_RC=124; return
     fi
-    say "the guest did not report an exit code (qemu exit $qrc)"; exit 125
+    say "the guest$tag did not report an exit code (qemu exit $qrc)"; VM_RC=125; return
   fi
-  exit "$rc"
+  VM_RC=$rc
 }
 
 usage() {
@@ -431,6 +634,7 @@ case "$cmd" in
   prepare) prepare; say "image: $CACHE (recipe $RECIPE)"; exit 0 ;;
   run) [[ $# -ge 1 ]] || usage; boot run "$@" ;;
   batch) [[ $# -ge 1 ]] || usage; boot batch "$@" ;;
+  pair) [[ $# -ge 1 ]] || usage; boot pair "$@" ;;
   shell) boot shell /bin/true ;;
   *) usage ;;
 esac

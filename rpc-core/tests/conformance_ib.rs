@@ -9,3 +9,13 @@ mod conformance;
 
 conformance::conformance_suite!(ib_threads, rpc_core::verbs::ib::Ib, Threads);
 conformance::conformance_suite!(ib_procs, rpc_core::verbs::ib::Ib, Processes);
+// Across two hosts (two VMs in softroce/ci.sh): side B on the other host, started by its
+// `serve_pair_peers`; skips without CONFORMANCE_REMOTE.
+conformance::conformance_suite!(ib_pair, rpc_core::verbs::ib::Ib, Remote);
+
+/// The peer server of `ib_pair` (in the other host, with `CONFORMANCE_SERVE=ip:port`).
+#[test]
+#[ignore = "the peer side of a two-host run (softroce/vm.sh pair sets CONFORMANCE_SERVE)"]
+fn serve_pair_peers() {
+    conformance::harness::serve_peers();
+}

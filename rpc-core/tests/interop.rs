@@ -4,6 +4,10 @@
 //! Each case follows the gRPC description; where our API differs from gRPC's (a call is
 //! cancelled by dropping it, trailers exist only with a non-OK status) the case says how it
 //! adapts. Every wait is bounded by [`HANG`].
+//!
+//! With `RPC_TEST_REMOTE` the cases run against the interop server of another host (two VMs
+//! in `softroce/ci.sh`, see `interop_service::remote`), except the three that read the
+//! server's probes.
 
 mod interop_service;
 
@@ -26,6 +30,13 @@ fn body_len(p: &Option<Payload>) -> usize {
         body.len()
     );
     body.len()
+}
+
+/// The server side of a two-host run, until stdin closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the server side of a two-host run (softroce/vm.sh pair sets RPC_TEST_SERVE)"]
+async fn serve_for_the_pair() {
+    remote::serve(&[SLOT], |addr, _| async move { bind(&addr).await.0 }).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,7 +159,8 @@ async fn empty_stream() {
 /// handler, free the call, and the client must drop the request stream it was pumping.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_after_begin() {
-    let env = Env::start().await;
+    // Reads the server's probes: always against a server in this process.
+    let env = Env::start_local().await;
     let (tx, requests) = channel_stream::<StreamingInputCallRequest>(1);
     let client = env.client.clone();
     let call = tokio::spawn(async move { client.streaming_input_call(requests).await });
@@ -182,7 +194,8 @@ async fn cancel_after_begin() {
 /// dropped; the server must drop the handler (its response stream) and free the call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_after_first_response() {
-    let env = Env::start().await;
+    // Reads the server's probes: always against a server in this process.
+    let env = Env::start_local().await;
     let (tx, requests) = channel_stream(1);
     let mut s = within("full_duplex_call", env.client.full_duplex_call(requests))
         .await
@@ -217,7 +230,8 @@ async fn cancel_after_first_response() {
 /// deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeout_on_sleeping_server() {
-    let env = Env::start().await;
+    // Reads the server's probes: always against a server in this process.
+    let env = Env::start_local().await;
     let (tx, requests) = channel_stream(1);
     let mut req = Request::new(requests);
     req.set_timeout(Duration::from_millis(100));

@@ -3,6 +3,10 @@
 //! other call), large messages inside streams (the bulk path), half-close, empty streams, a
 //! status in mid-stream, deadlines and early answers while the client's stream is idle, and
 //! the connection's poller modes. Against the provider `RPC_PROVIDER` names (soft when unset).
+//!
+//! With `RPC_TEST_REMOTE` the cases that need no server-side counter run against the flow
+//! server of another host (two VMs in `softroce/ci.sh`, see `interop_service::remote`); the
+//! others keep a server in this process.
 
 mod interop_service;
 
@@ -13,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_core::Stream;
-use interop_service::{HANG, channel_stream, intact, payload, within};
+use interop_service::{HANG, channel_stream, intact, payload, remote, within};
 use rpc_core::server::RunningServer;
 use rpc_core::{
     Channel, ClientPoller, Code, Metadata, Request, Response, Server, Status, Streaming,
@@ -293,8 +297,27 @@ impl flow_server::Flow for FlowSvc {
 
 // ----- harness ----------------------------------------------------------------------------------
 
+/// The flow server's slot across two hosts: one server, on the base port.
+const FLOW_SLOT: remote::Slot = remote::Slot {
+    offset: 0,
+    config: |b| b,
+};
+
+/// The server side of a two-host run, until stdin closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the server side of a two-host run (softroce/vm.sh pair sets RPC_TEST_SERVE)"]
+async fn serve_for_the_pair() {
+    remote::serve(
+        &[FLOW_SLOT],
+        |addr, _| async move { Env::bind(&addr).await.0 },
+    )
+    .await;
+}
+
 struct Env {
-    server: RunningServer,
+    /// The server, when it runs in this process (`None` across two hosts).
+    server: Option<RunningServer>,
+    addr: String,
     channel: Channel,
     client: flow_client::FlowClient,
     counters: Arc<Counters>,
@@ -323,7 +346,29 @@ impl Env {
         .into_inner()
     }
 
+    /// Connects to the remote flow server when `RPC_TEST_REMOTE` is set, else starts one here.
+    /// Its counters and gate are then this process's, which no handler touches: only the
+    /// cases that use neither start this way.
     async fn start() -> Env {
+        let Some(addr) = remote::remote_addr(&FLOW_SLOT) else {
+            return Env::start_local().await;
+        };
+        remote::wait_listening(&addr).await;
+        let channel = within("connect", Channel::connect(addr.clone()))
+            .await
+            .expect("connect to the remote flow server");
+        Env {
+            client: flow_client::FlowClient::new(channel.clone()),
+            channel,
+            server: None,
+            addr,
+            counters: Arc::default(),
+            gate: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
+
+    /// A flow server here, with its counters and gate.
+    async fn bind(addr: &str) -> (RunningServer, Arc<Counters>, Arc<tokio::sync::Semaphore>) {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_default_env()
@@ -338,34 +383,47 @@ impl Env {
         let (counters, gate) = (Arc::clone(&svc.counters), Arc::clone(&svc.gate));
         let server = Server::builder()
             .add_service(flow_server::FlowServer::new(svc))
-            .bind("127.0.0.1:0")
+            .bind(addr)
             .await
             .expect("bind the flow server");
-        let channel = within("connect", Channel::connect(server.local_addr().to_string()))
+        (server, counters, gate)
+    }
+
+    /// Starts a flow server here (also across two hosts) and connects to it.
+    async fn start_local() -> Env {
+        let (server, counters, gate) = Env::bind("127.0.0.1:0").await;
+        let addr = server.local_addr().to_string();
+        let channel = within("connect", Channel::connect(addr.clone()))
             .await
             .expect("connect");
         Env {
             client: flow_client::FlowClient::new(channel.clone()),
             channel,
-            server,
+            server: Some(server),
+            addr,
             counters,
             gate,
         }
     }
 
     async fn finish(self) {
-        let t0 = Instant::now();
-        while self.server.live_calls() != 0 {
-            assert!(
-                t0.elapsed() < HANG,
-                "the server still holds {} calls",
-                self.server.live_calls()
-            );
-            tokio::time::sleep(Duration::from_millis(2)).await;
+        // (A remote server checks its live calls when it ends.)
+        if let Some(server) = &self.server {
+            let t0 = Instant::now();
+            while server.live_calls() != 0 {
+                assert!(
+                    t0.elapsed() < HANG,
+                    "the server still holds {} calls",
+                    server.live_calls()
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
         }
         drop(self.client);
         drop(self.channel);
-        within("shutdown", self.server.shutdown()).await;
+        if let Some(server) = self.server {
+            within("shutdown", server.shutdown()).await;
+        }
     }
 }
 
@@ -412,7 +470,7 @@ async fn drain(s: &mut Streaming<Item>, mut each: impl AsyncFnMut(u64)) -> Resul
 /// so the producer is never more than one window ahead of what the client consumed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_consumer_slows_the_producer() {
-    let env = Env::start().await;
+    let env = Env::start_local().await; // reads the server's counters
     // Small messages, then large ones (the bulk path) under the same window.
     for (count, size) in [(200u64, 100u64), (60, 64 << 10)] {
         let svc_counters = Arc::clone(&env.counters);
@@ -449,7 +507,7 @@ async fn slow_consumer_slows_the_producer() {
 /// within the window in both directions, whatever the producer could make.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fast_producer_stays_bounded() {
-    let env = Env::start().await;
+    let env = Env::start_local().await; // reads the server's counters
     const N: u64 = 10_000;
 
     // Server -> client: the consumer starts 200 ms late, then sleeps every 1,000 messages.
@@ -508,7 +566,7 @@ async fn fast_producer_stays_bounded() {
 /// other streams in both directions complete meanwhile. Then the stalled streams resume.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_stream_blocks_no_other_call() {
-    let env = Env::start().await;
+    let env = Env::start_local().await; // reads the server's counters
     // A server stream nobody reads: its producer stops at one window.
     let mut stalled = env.produce(1000, vec![200], None).await;
     env.counters
@@ -674,7 +732,7 @@ async fn half_close_then_keep_receiving() {
 /// Empty streams each way: no request, no response, or neither.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_streams_both_ways() {
-    let env = Env::start().await;
+    let env = Env::start_local().await; // reads the server's counters
     // Server streaming with nothing to send.
     let mut s = within("produce 0", env.client.produce(Produce::default()))
         .await
@@ -810,7 +868,7 @@ async fn an_early_answer_ends_an_idle_client_stream() {
 /// the server frees the call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_stream_stops_its_producer() {
-    let env = Env::start().await;
+    let env = Env::start_local().await; // reads the server's counters
     let mut s = env.produce(100_000, vec![100], None).await;
     for i in 0..5 {
         let m = within("item", s.message())
@@ -865,7 +923,7 @@ async fn streams_with_the_caller_poller() {
     let env = Env::start().await;
     let ch = within(
         "connect",
-        Channel::builder(env.server.local_addr().to_string())
+        Channel::builder(env.addr.clone())
             .poller(ClientPoller::Caller)
             .connect(),
     )
@@ -908,7 +966,7 @@ async fn streams_with_the_caller_poller() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_stalled_streams_do_not_starve_the_connection() {
     const STREAMS: u64 = 10;
-    let env = Env::start().await;
+    let env = Env::start_local().await; // reads the server's counters
     // Server -> client: ten server streams nobody reads.
     let mut stalled = Vec::new();
     for _ in 0..STREAMS {
@@ -1015,12 +1073,9 @@ async fn cancelled_and_failed_streams_of_large_messages_leave_the_connection_cle
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_outlive_their_channel() {
     let env = Env::start().await;
-    let ch = within(
-        "connect",
-        Channel::connect(env.server.local_addr().to_string()),
-    )
-    .await
-    .expect("connect");
+    let ch = within("connect", Channel::connect(env.addr.clone()))
+        .await
+        .expect("connect");
     let client = flow_client::FlowClient::new(ch);
     let mut s = within(
         "produce",
@@ -1092,7 +1147,7 @@ async fn a_stream_failing_before_its_request_is_sent_ends() {
 /// DEADLINE_EXCEEDED, then the end; the server stops producing and frees the call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_ends_a_slow_server_stream() {
-    let env = Env::start().await;
+    let env = Env::start_local().await; // reads the server's counters
     let mut req = Request::new(Produce {
         count: 100_000,
         sizes: vec![100],
@@ -1120,7 +1175,8 @@ async fn a_deadline_ends_a_slow_server_stream() {
     );
     // The server expires its copy of the deadline and drops the handler...
     let t1 = Instant::now();
-    while env.server.live_calls() != 0 {
+    let server = env.server.as_ref().expect("a server in this process");
+    while server.live_calls() != 0 {
         assert!(t1.elapsed() < HANG, "the server kept the expired call");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }

@@ -1,6 +1,9 @@
 //! The RPC runtime through its public API: echo across the eager threshold and up to 64 MiB,
 //! concurrency, deadlines, cancellation, status codes and metadata, message limits, server
 //! restarts and the connection handshake. Runs on `RPC_PROVIDER` (soft by default).
+//!
+//! The tests that start their server through [`Target`] also run across two hosts
+//! (`RPC_TEST_REMOTE`, see `common::remote`): `softroce/ci.sh` runs them between two VMs.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -18,6 +21,34 @@ use rpc_core::{Channel, ClientPoller, Code, Request, Response, Status};
 static BIG: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const BIG_CALL: usize = 16 << 20;
+
+/// The smallest rings: 4 slots of 1 KiB each way.
+const SMALL_RINGS: rpc_core::Geometry = rpc_core::Geometry {
+    slot_size: 1024,
+    send_slots: 4,
+    recv_slots: 4,
+};
+
+/// The servers of the tests that also run across two hosts (`Target`).
+const DEFAULT: Slot = Slot {
+    offset: 0,
+    config: |b| b,
+};
+const RINGS: Slot = Slot {
+    offset: 1,
+    config: |b| b.geometry(SMALL_RINGS),
+};
+const SHARDS: Slot = Slot {
+    offset: 2,
+    config: |b| b.shards(3),
+};
+
+/// The server side of a two-host run: every slot above, until stdin closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the server side of a two-host run (softroce/vm.sh pair sets RPC_TEST_SERVE)"]
+async fn serve_for_the_pair() {
+    serve_lab(&[DEFAULT, RINGS, SHARDS]).await;
+}
 
 // ----- 1. echo across sizes ------------------------------------------------------------------
 
@@ -70,7 +101,7 @@ fn echo_cases() -> Vec<(String, Blob)> {
 }
 
 async fn echo_matrix(mode: ClientPoller, api: Api) {
-    let srv = TestServer::start().await;
+    let srv = Target::start(&DEFAULT).await;
     let ch = srv.channel(mode).await;
     for (label, blob) in echo_cases() {
         let n = blob.data.len();
@@ -89,16 +120,19 @@ async fn echo_matrix(mode: ClientPoller, api: Api) {
             if let Some(h) = hint {
                 req.set_response_size_hint(h);
             }
-            let zero_copy = srv.server.zero_copy_response_bytes();
+            let zero_copy = srv.local().map(|s| s.server.zero_copy_response_bytes());
             let r: Response<Blob> = call(&ch, api, &lab_server::ECHO, req)
                 .await
                 .unwrap_or_else(|e| panic!("{what}: {e:?}"));
             check_blob(r.get_ref(), seq, n, &what);
             // A large echo WRITTEN into the landing zone goes out from the buffer the request
             // was READ into: the payload is not copied on the server.
-            if hint.is_some() && n >= 64 << 10 {
+            if let (Some(s), Some(zero_copy)) = (srv.local(), zero_copy)
+                && hint.is_some()
+                && n >= 64 << 10
+            {
                 assert_eq!(
-                    srv.server.zero_copy_response_bytes() - zero_copy,
+                    s.server.zero_copy_response_bytes() - zero_copy,
                     n as u64,
                     "{what}: payload bytes sent without a copy"
                 );
@@ -130,7 +164,7 @@ async fn echo_matrix(mode: ClientPoller, api: Api) {
     }
     assert!(ch.is_connected());
     srv.settle("echo matrix: live calls back to 0").await;
-    within(Duration::from_secs(20), "shutdown", srv.server.shutdown()).await;
+    srv.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -428,7 +462,7 @@ fn sleep_req(seq: u64, ms: u64) -> SleepRequest {
 /// A handler slower than the deadline: DEADLINE_EXCEEDED in about the timeout, the server
 /// drops the handler, and the connection keeps working.
 async fn deadline_case(mode: ClientPoller, api: Api) {
-    let srv = TestServer::start().await;
+    let srv = Target::start(&DEFAULT).await;
     let ch = srv.channel(mode).await;
     let timeout = Duration::from_millis(300);
     for (i, (pad, reply)) in [(0, 0), (64 << 10, 0), (0, 64 << 10)]
@@ -453,15 +487,18 @@ async fn deadline_case(mode: ClientPoller, api: Api) {
             took >= timeout && took < timeout + Duration::from_secs(5),
             "{what}: failed after {took:?}, the timeout was {timeout:?}"
         );
-        let state = Arc::clone(&srv.state);
-        let n = i as u64 + 1;
-        wait_until(
-            Duration::from_secs(10),
-            &format!("{what}: handler dropped"),
-            || state.started.load(Ordering::Acquire) == n && state.sleeping() == 0,
-        )
-        .await;
-        assert_eq!(state.finished.load(Ordering::Acquire), 0, "{what}");
+        // The server dropped the handler (counted where the server runs here).
+        if let Some(local) = srv.local() {
+            let state = Arc::clone(&local.state);
+            let n = i as u64 + 1;
+            wait_until(
+                Duration::from_secs(10),
+                &format!("{what}: handler dropped"),
+                || state.started.load(Ordering::Acquire) == n && state.sleeping() == 0,
+            )
+            .await;
+            assert_eq!(state.finished.load(Ordering::Acquire), 0, "{what}");
+        }
         srv.settle(&format!("{what}: live calls back to 0")).await;
         // The connection keeps working.
         let r: Response<Blob> = call(
@@ -696,7 +733,7 @@ static NO_SUCH_SERVICE: rpc_core::MethodDesc =
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_method_is_unimplemented() {
-    let srv = TestServer::start().await;
+    let srv = Target::start(&DEFAULT).await;
     let ch = srv.channel(ClientPoller::Thread).await;
     for api in [Api::Async, Api::Blocking] {
         for m in [&NO_SUCH_METHOD, &NO_SUCH_SERVICE] {
@@ -724,7 +761,13 @@ async fn unknown_method_is_unimplemented() {
         }
     }
     srv.settle("live calls back to 0").await;
-    assert_eq!(srv.state.calls.load(Ordering::Acquire), 0, "no handler ran");
+    if let Some(local) = srv.local() {
+        assert_eq!(
+            local.state.calls.load(Ordering::Acquire),
+            0,
+            "no handler ran"
+        );
+    }
     let r: Response<Blob> = call(
         &ch,
         Api::Async,
@@ -743,7 +786,7 @@ async fn unknown_method_is_unimplemented() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_errors_arrive_with_code_message_and_trailers() {
-    let srv = TestServer::start().await;
+    let srv = Target::start(&DEFAULT).await;
     let ch = srv.channel(ClientPoller::Thread).await;
     for api in [Api::Async, Api::Blocking] {
         for code in 1..=16u8 {
@@ -790,7 +833,7 @@ async fn handler_errors_arrive_with_code_message_and_trailers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metadata_round_trips_on_every_path() {
-    let srv = TestServer::start().await;
+    let srv = Target::start(&DEFAULT).await;
     let ch = srv.channel(ClientPoller::Thread).await;
     let binary: Vec<u8> = (0..=255u8).collect();
     let long = vec![b'z'; 1500];
@@ -1078,7 +1121,7 @@ async fn server_shutdown_then_restart_blocking_calls_caller_poller() {
 // ----- 12b. pipelined calls (one thread, many in flight, no tasks) -----------------------------
 
 async fn pipeline_case(mode: ClientPoller) {
-    let srv = TestServer::start().await;
+    let srv = Target::start(&DEFAULT).await;
     let ch = srv.channel(mode).await;
     // Fewer calls in the Soft-RoCE VM (emulated: a round trip there takes ~0.2 ms).
     let n = if in_vm() { 300 } else { 3000 };
@@ -1575,12 +1618,8 @@ async fn mixed_load(ch: &Channel, tasks: u64, per_task: u64, base: u64) {
 /// out all the time and must always come back (no deadlock, nothing lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smallest_rings_under_load() {
-    let g = rpc_core::Geometry {
-        slot_size: 1024,
-        send_slots: 4,
-        recv_slots: 4,
-    };
-    let srv = TestServer::start_with(|b| b.geometry(g)).await;
+    let g = SMALL_RINGS;
+    let srv = Target::start(&RINGS).await;
     for mode in [ClientPoller::Thread, ClientPoller::Caller] {
         let ch = within(
             Duration::from_secs(20),
@@ -1649,7 +1688,7 @@ async fn caller_polled_channel_shared_by_threads_and_tasks() {
 /// Several shards, many connections of both poller modes, all busy at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_connections_over_several_shards() {
-    let srv = TestServer::start_with(|b| b.shards(3)).await;
+    let srv = Target::start(&SHARDS).await;
     // Under the Soft-RoCE VM's emulation, fewer connections and calls (the same shapes).
     let (conns, tasks, per_task) = if common::in_vm() {
         (4, 2, 8)

@@ -772,7 +772,10 @@ impl WcStatus {
             }
             WcStatus::LocQpOpErr => {
                 "the work request is invalid for this QP (inline data over max_inline_data, too \
-                 many SGEs, or an opcode the QP type does not support)"
+                 many SGEs, or an opcode the QP type does not support); Soft-RoCE (rxe) also \
+                 completes with it when it cannot route a packet to the peer: the link is down \
+                 or the netdev lost its address (check as for RETRY_EXC_ERR: link, MTU, GID, \
+                 PFC)"
             }
             WcStatus::LocProtErr => {
                 "an SGE points outside its memory region, the lkey is wrong or deregistered, or \

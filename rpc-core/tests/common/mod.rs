@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod proc;
+pub mod remote;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -355,6 +356,83 @@ impl TestServer {
         let server = &self.server;
         wait_until(Duration::from_secs(20), what, || server.live_calls() == 0).await;
     }
+}
+
+// ----- across two hosts (`softroce/vm.sh pair`, see `remote`) ---------------------------------
+
+pub use remote::Slot;
+
+/// Where a test's calls go: a server in this process, or the remote one of the same slot.
+pub struct Target {
+    local: Option<TestServer>,
+    addr: String,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target")
+            .field("addr", &self.addr)
+            .field("local", &self.local.is_some())
+            .finish()
+    }
+}
+
+impl Target {
+    /// The remote server of `slot` when `RPC_TEST_REMOTE` is set, else a local one started
+    /// with the slot's configuration.
+    pub async fn start(slot: &Slot) -> Target {
+        init_logs();
+        if let Some(addr) = remote::remote_addr(slot) {
+            remote::wait_listening(&addr).await;
+            return Target { local: None, addr };
+        }
+        let srv = TestServer::start_with(slot.config).await;
+        Target {
+            addr: srv.addr(),
+            local: Some(srv),
+        }
+    }
+
+    /// The server, when it runs in this process.
+    pub fn local(&self) -> Option<&TestServer> {
+        self.local.as_ref()
+    }
+
+    pub fn addr(&self) -> String {
+        self.addr.clone()
+    }
+
+    /// A channel builder for this server.
+    pub fn builder(&self) -> ChannelBuilder {
+        Channel::builder(self.addr())
+    }
+
+    /// A connected channel with `mode` (a remote server gets 60 s to come up).
+    pub async fn channel(&self, mode: ClientPoller) -> Channel {
+        remote::connect(self.builder().poller(mode)).await
+    }
+
+    /// Waits until no call is live on a local server (a remote one checks at its end).
+    pub async fn settle(&self, what: &str) {
+        if let Some(s) = &self.local {
+            s.settle(what).await;
+        }
+    }
+
+    /// Shuts a local server down (bounded).
+    pub async fn shutdown(self) {
+        if let Some(s) = self.local {
+            within(Duration::from_secs(20), "shutdown", s.server.shutdown()).await;
+        }
+    }
+}
+
+/// [`serve`] for suites of the `lab.Lab` test service.
+pub async fn serve_lab(slots: &[Slot]) {
+    remote::serve(slots, |addr, slot| async move {
+        TestServer::bind_with(&addr, slot.config).await.server
+    })
+    .await;
 }
 
 /// Logs at `RPC_TEST_LOG` level (warn by default), once per process.

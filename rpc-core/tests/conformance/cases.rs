@@ -645,9 +645,9 @@ pub fn many_qps_one_cq<P: Provider>(s: &mut Side<P>) {
 }
 
 /// A peer process killed (SIGKILL) while operations are outstanding: they fail with
-/// RETRY_EXC_ERR (the rest is flushed) instead of hanging. Two-process mode only.
+/// RETRY_EXC_ERR (the rest is flushed) instead of hanging. Two-process and two-host modes only.
 pub fn peer_killed<P: Provider>(s: &mut Side<P>) {
-    if s.mode != Mode::Processes {
+    if !matches!(s.mode, Mode::Processes | Mode::Remote) {
         return; // needs a process to kill
     }
     let mut o = rnr_attr(7);

@@ -1,5 +1,6 @@
-//! Runs a two-sided case with both sides in one process (two threads, two contexts) or in two
-//! processes (the test binary re-executes itself for side B), connected by a side channel.
+//! Runs a two-sided case with both sides in one process (two threads, two contexts), in two
+//! processes (the test binary re-executes itself for side B), or in two hosts (side B started
+//! by a peer server in the other host, see [`serve_peers`]), connected by a side channel.
 //!
 //! Every wait is bounded: side-channel reads time out, completion polls have deadlines, the
 //! child process is killed if it outlives its budget. A bug fails the test; it never hangs CI.
@@ -24,6 +25,10 @@ pub const CASE_TIMEOUT: Duration = Duration::from_secs(90);
 
 const ENV_ROLE: &str = "CONFORMANCE_PEER_ADDR";
 const ENV_CASE: &str = "CONFORMANCE_PEER_CASE";
+/// Side A of [`Mode::Remote`]: `ip:port` of the peer server in the other host.
+pub const ENV_REMOTE: &str = "CONFORMANCE_REMOTE";
+/// The peer server ([`serve_peers`]): the `ip:port` it listens on.
+pub const ENV_SERVE: &str = "CONFORMANCE_SERVE";
 
 /// Where side B runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +37,10 @@ pub enum Mode {
     Threads,
     /// Side B in a child process (the test binary re-executed).
     Processes,
+    /// Side B in a child process on another host: the peer server there ([`serve_peers`],
+    /// at `CONFORMANCE_REMOTE`) starts it, and it connects back to this side. Without
+    /// `CONFORMANCE_REMOTE` the cases of this mode skip (they need a second host).
+    Remote,
 }
 
 /// Which side a case body runs as.
@@ -94,6 +103,8 @@ pub struct Side<P: Provider> {
     pub ctx: P::Context,
     link: Link,
     child: Option<Child>,
+    /// [`Mode::Remote`]: the control connection to the peer server.
+    peer_ctl: Option<TcpStream>,
 }
 
 impl<P: Provider> Side<P> {
@@ -130,8 +141,17 @@ impl<P: Provider> Side<P> {
         RemoteMr::from_bytes(&self.recv()).expect("remote MR decodes")
     }
 
-    /// Kills the other side's process (SIGKILL). Only in [`Mode::Processes`], on side A.
+    /// Kills the other side's process (SIGKILL). Only in [`Mode::Processes`] and
+    /// [`Mode::Remote`], on side A.
     pub fn kill_peer(&mut self) {
+        if let Some(ctl) = self.peer_ctl.as_mut() {
+            ctl.write_all(b"kill\n")
+                .expect("tell the peer server to kill side B");
+            let st = read_line(ctl, CASE_TIMEOUT).expect("the peer server reports the kill");
+            assert!(st.starts_with("exit "), "peer server: {st}");
+            self.peer_ctl = None;
+            return;
+        }
         let mut c = self.child.take().expect("kill_peer needs a child process");
         c.kill().expect("SIGKILL the peer process");
         let _ = c.wait();
@@ -357,7 +377,196 @@ pub fn run<P: Provider>(mode: Mode, module: &str, name: &str, case: fn(&mut Side
     match mode {
         Mode::Threads => run_threads::<P>(ctx_a, case),
         Mode::Processes => run_processes::<P>(ctx_a, &test_path, case),
+        Mode::Remote => match std::env::var(ENV_REMOTE) {
+            Ok(peer) => run_remote::<P>(ctx_a, &test_path, &peer, case),
+            Err(_) => eprintln!(
+                "skipping: {ENV_REMOTE} is not set (side B runs on another host: \
+                 softroce/ci.sh runs these cases between two VMs)"
+            ),
+        },
     }
+}
+
+/// Reads one line from `s` within `limit` (without the newline).
+fn read_line(s: &mut TcpStream, limit: Duration) -> std::io::Result<String> {
+    s.set_read_timeout(Some(limit))?;
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    loop {
+        match s.read(&mut b)? {
+            0 => break,
+            _ if b[0] == b'\n' => break,
+            _ => line.push(b[0]),
+        }
+    }
+    Ok(String::from_utf8_lossy(&line).into_owned())
+}
+
+/// Side A of [`Mode::Remote`]: asks the peer server at `peer` to start side B of
+/// `test_path`, which connects back to a listener here; at the end the peer server reports
+/// side B's exit status.
+fn run_remote<P: Provider>(ctx_a: P::Context, test_path: &str, peer: &str, case: fn(&mut Side<P>)) {
+    let start = Instant::now();
+    let mut ctl = loop {
+        match TcpStream::connect(peer) {
+            Ok(c) => break c,
+            Err(e) => {
+                // The peer server in the other host starts at the same time as we do.
+                assert!(
+                    start.elapsed() < Duration::from_secs(60),
+                    "the peer server at {peer} does not answer: {e}"
+                );
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        }
+    };
+    let here = ctl.local_addr().expect("local addr").ip();
+    let listener = TcpListener::bind((here, 0)).expect("bind the side channel");
+    let addr = listener.local_addr().expect("local addr");
+    ctl.write_all(format!("run {test_path} {addr}\n").as_bytes())
+        .expect("ask the peer server to start side B");
+    listener
+        .set_nonblocking(true)
+        .expect("nonblocking listener");
+    let stream = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(
+                    start.elapsed() < LINK_TIMEOUT,
+                    "side B (on {peer}) did not connect within {LINK_TIMEOUT:?}"
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    stream.set_nonblocking(false).expect("blocking stream");
+    stream
+        .set_read_timeout(Some(LINK_TIMEOUT))
+        .expect("read timeout");
+    stream.set_nodelay(true).expect("nodelay");
+    let mut side = Side::<P> {
+        role: Role::A,
+        mode: Mode::Remote,
+        ctx: ctx_a,
+        link: Link::Tcp(stream),
+        child: None,
+        peer_ctl: Some(ctl),
+    };
+    let ra = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(&mut side)));
+    let ctl = side.peer_ctl.take();
+    drop(side); // closes the side channel: a waiting B fails fast
+    if let Err(p) = ra {
+        std::panic::resume_unwind(p); // the peer server kills B when `ctl` closes
+    }
+    let Some(mut ctl) = ctl else {
+        return; // the case killed side B
+    };
+    let st = read_line(&mut ctl, CASE_TIMEOUT).expect("the peer server reports side B's end");
+    assert_eq!(st, "exit 0", "side B (on {peer}) failed");
+}
+
+/// The peer server of [`Mode::Remote`] (run in the other host as an ignored test, with
+/// `CONFORMANCE_SERVE=ip:port`): for each `run TEST ADDR` request it starts this binary as side
+/// B of `TEST` connecting to `ADDR`, kills it on `kill` (or when the request's connection
+/// closes, or after [`CASE_TIMEOUT`]), and answers `exit CODE`. Serves until stdin closes.
+pub fn serve_peers() {
+    let Ok(addr) = std::env::var(ENV_SERVE) else {
+        eprintln!("serve_peers: {ENV_SERVE} is not set; nothing to serve");
+        return;
+    };
+    let listener = TcpListener::bind(&addr).expect("bind the peer server");
+    eprintln!("serve_peers: listening on {addr}");
+    let (tx, rx) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+        let _ = tx.send(());
+    });
+    listener
+        .set_nonblocking(true)
+        .expect("nonblocking listener");
+    let start = Instant::now();
+    let limit = Duration::from_secs(1500);
+    let mut served = 0u32;
+    let failed = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    loop {
+        match rx.try_recv() {
+            Ok(()) | Err(mpsc::TryRecvError::Disconnected) => break,
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+        assert!(
+            start.elapsed() < limit,
+            "serve_peers: still serving after {limit:?}"
+        );
+        match listener.accept() {
+            Ok((ctl, _)) => {
+                served += 1;
+                let failed = std::sync::Arc::clone(&failed);
+                std::thread::spawn(move || {
+                    if let Err(e) = serve_one(ctl) {
+                        eprintln!("serve_peers: {e}");
+                        failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("serve_peers: accept: {e}"),
+        }
+    }
+    eprintln!(
+        "serve_peers: served {served} cases ({} requests failed)",
+        failed.load(std::sync::atomic::Ordering::Relaxed)
+    );
+}
+
+fn serve_one(mut ctl: TcpStream) -> std::io::Result<()> {
+    ctl.set_nonblocking(false)?;
+    let req = read_line(&mut ctl, LINK_TIMEOUT)?;
+    let mut w = req.split(' ');
+    let (Some("run"), Some(test), Some(addr), None) = (w.next(), w.next(), w.next(), w.next())
+    else {
+        return Err(std::io::Error::other(format!("bad request {req:?}")));
+    };
+    let exe = std::env::current_exe()?;
+    let child = Command::new(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(ENV_ROLE, addr)
+        .env(ENV_CASE, test)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null()) // libtest's report of the child; failures go to stderr
+        .spawn()?;
+    let mut guard = KillOnDrop(Some(child));
+    // Poll the child and the control connection: `kill`, or the connection closing, kills it.
+    ctl.set_nonblocking(true)?;
+    let start = Instant::now();
+    let mut buf = [0u8; 64];
+    let status = loop {
+        let c = guard.0.as_mut().expect("child");
+        if let Some(st) = c.try_wait()? {
+            break st;
+        }
+        let kill = match ctl.read(&mut buf) {
+            Ok(0) => true,
+            Ok(n) => buf[..n].starts_with(b"kill"),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
+            Err(_) => true,
+        };
+        if kill || start.elapsed() > CASE_TIMEOUT {
+            let _ = c.kill();
+            break c.wait()?;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    guard.0 = None;
+    eprintln!("serve_peers: {test}: side B {status}");
+    ctl.set_nonblocking(false)?;
+    let code = status.code().unwrap_or(128 + 9);
+    let _ = ctl.write_all(format!("exit {code}\n").as_bytes());
+    Ok(())
 }
 
 fn run_threads<P: Provider>(ctx_a: P::Context, case: fn(&mut Side<P>)) {
@@ -377,6 +586,7 @@ fn run_threads<P: Provider>(ctx_a: P::Context, case: fn(&mut Side<P>)) {
                     rx: rx_ab,
                 },
                 child: None,
+                peer_ctl: None,
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(&mut side)));
             drop(side);
@@ -395,6 +605,7 @@ fn run_threads<P: Provider>(ctx_a: P::Context, case: fn(&mut Side<P>)) {
             rx: rx_ba,
         },
         child: None,
+        peer_ctl: None,
     };
     let ra = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(&mut side)));
     drop(side); // disconnects the channel: a waiting B fails fast
@@ -452,6 +663,7 @@ fn run_processes<P: Provider>(ctx_a: P::Context, test_path: &str, case: fn(&mut 
         ctx: ctx_a,
         link: Link::Tcp(stream),
         child: guard.0.take(),
+        peer_ctl: None,
     };
     let ra = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(&mut side)));
     let killed = side.child.is_none();
@@ -493,6 +705,7 @@ fn run_child<P: Provider>(addr: &str, case: fn(&mut Side<P>)) {
         ctx,
         link: Link::Tcp(stream),
         child: None,
+        peer_ctl: None,
     };
     case(&mut side);
 }

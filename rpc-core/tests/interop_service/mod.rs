@@ -13,6 +13,9 @@
 //!   of the suite, so the same binary runs on `ib` in the Soft-RoCE VM.
 #![allow(dead_code)]
 
+#[path = "../common/remote.rs"]
+pub mod remote;
+
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -469,54 +472,95 @@ impl test_service_server::TestService for Interop {
 
 /// A running interop server, a channel to it and its probes.
 pub struct Env {
-    pub server: RunningServer,
+    /// The server, when it runs in this process (`None` across two hosts).
+    pub server: Option<RunningServer>,
     pub channel: Channel,
     pub client: test_service_client::TestServiceClient,
     pub probes: Arc<Probes>,
 }
 
+/// The interop server's slot across two hosts (`remote`): one server, on the base port.
+pub const SLOT: remote::Slot = remote::Slot {
+    offset: 0,
+    config: |b| b,
+};
+
+fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// A server with the interop service on `addr`, and its probes.
+pub async fn bind(addr: &str) -> (RunningServer, Arc<Probes>) {
+    init_logs();
+    let svc = Interop::default();
+    let probes = Arc::clone(&svc.probes);
+    let server = Server::builder()
+        .add_service(test_service_server::TestServiceServer::new(svc))
+        .bind(addr)
+        .await
+        .expect("bind the interop server");
+    (server, probes)
+}
+
 impl Env {
-    /// Starts a server with the interop service on an ephemeral port and connects to it.
+    /// Connects to the interop server: the remote one when `RPC_TEST_REMOTE` is set (two
+    /// hosts, see `remote`), else one started here on an ephemeral port.
     pub async fn start() -> Env {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| "warn".into()),
-            )
-            .with_test_writer()
-            .try_init();
-        let svc = Interop::default();
-        let probes = Arc::clone(&svc.probes);
-        let server = Server::builder()
-            .add_service(test_service_server::TestServiceServer::new(svc))
-            .bind("127.0.0.1:0")
-            .await
-            .expect("bind the interop server");
+        init_logs();
+        if let Some(addr) = remote::remote_addr(&SLOT) {
+            remote::wait_listening(&addr).await;
+            let channel = within("connect", Channel::connect(addr))
+                .await
+                .expect("connect to the remote interop server");
+            return Env {
+                client: test_service_client::TestServiceClient::new(channel.clone()),
+                channel,
+                server: None,
+                probes: Arc::default(),
+            };
+        }
+        Env::start_local().await
+    }
+
+    /// Starts a server here (also across two hosts: for the cases that read the server's
+    /// [`Probes`]) and connects to it.
+    pub async fn start_local() -> Env {
+        let (server, probes) = bind("127.0.0.1:0").await;
         let channel = within("connect", Channel::connect(server.local_addr().to_string()))
             .await
             .expect("connect to the interop server");
         Env {
             client: test_service_client::TestServiceClient::new(channel.clone()),
             channel,
-            server,
+            server: Some(server),
             probes,
         }
     }
 
     /// Waits (bounded) until the server has no call left, then stops it.
     pub async fn finish(self) {
-        let t0 = std::time::Instant::now();
-        while self.server.live_calls() != 0 {
-            assert!(
-                t0.elapsed() < HANG,
-                "the server still holds {} calls",
-                self.server.live_calls()
-            );
-            tokio::time::sleep(Duration::from_millis(2)).await;
+        // (A remote server checks its live calls when it ends.)
+        if let Some(server) = &self.server {
+            let t0 = std::time::Instant::now();
+            while server.live_calls() != 0 {
+                assert!(
+                    t0.elapsed() < HANG,
+                    "the server still holds {} calls",
+                    server.live_calls()
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
         }
         drop(self.client);
         drop(self.channel);
-        within("shutdown", self.server.shutdown()).await;
+        if let Some(server) = self.server {
+            within("shutdown", server.shutdown()).await;
+        }
     }
 }
 
