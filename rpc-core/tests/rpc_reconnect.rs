@@ -1,7 +1,8 @@
 //! A client process that connects, calls and disconnects again and again costs the server no
 //! descriptor per connection: a server in a child process limited to 1024 open descriptors
-//! serves 1200 connections in a row (more than it may hold descriptors), and holds about as many descriptors at the end as at the
-//! start. (The soft provider once kept a pidfd per connection of a live client process.)
+//! serves 1200 connections in a row (more than it may hold descriptors), and holds about as
+//! many descriptors at the end as at the start. (The soft provider once kept a pidfd per
+//! connection of a live client process.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
