@@ -1271,6 +1271,31 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, Status> {
     Metadata::decode(bytes).map_err(|e| Status::internal(format!("bad metadata from peer: {e}")))
 }
 
+/// Reads up to 16 asynchronous events of `ctx` (never waits) and hands each to `on_event`
+/// with the status its connections fail with when it is fatal for them: the reading loop the
+/// client driver and the server shards share. `who` names the reader in the log line of a
+/// failed read. Stops early when `on_event` returns false.
+pub(crate) fn device_events<P: Provider>(
+    ctx: &P::Context,
+    who: &dyn std::fmt::Display,
+    mut on_event: impl FnMut(crate::verbs::AsyncEvent, Status) -> bool,
+) {
+    for _ in 0..16 {
+        let ev = match crate::verbs::Context::poll_async_event(ctx) {
+            Ok(Some(ev)) => ev,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("{who}: reading the device's events: {e}");
+                return;
+            }
+        };
+        let why = Status::unavailable(format!("the RDMA device reported: {} ({ev:?})", ev.cause()));
+        if !on_event(ev, why) {
+            return;
+        }
+    }
+}
+
 /// A response frame's metadata block (headers, then trailers after a separator), or the
 /// reason it is invalid.
 pub fn decode_response_metadata(bytes: &[u8]) -> Result<Metadata, Status> {

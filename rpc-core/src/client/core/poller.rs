@@ -282,15 +282,8 @@ impl<P: Provider> Driver<P> {
         if core.is_dead() {
             return;
         }
-        for _ in 0..16 {
-            let ev = match crate::verbs::Context::poll_async_event(&self.ctx) {
-                Ok(Some(ev)) => ev,
-                Ok(None) => return,
-                Err(e) => {
-                    warn!("{}: reading the device's events: {e}", core.describe);
-                    return;
-                }
-            };
+        let mut fatal = None;
+        crate::link::device_events::<P>(&self.ctx, &core.describe, |ev, why| {
             let ours = match ev {
                 AsyncEvent::DeviceFatal | AsyncEvent::CqError => true,
                 AsyncEvent::QpFatal { qp_num } => self.link.owns_qp(qp_num),
@@ -302,14 +295,14 @@ impl<P: Provider> Driver<P> {
                     core.describe,
                     ev.cause()
                 );
-                let why = Status::unavailable(format!(
-                    "the RDMA device reported: {} ({ev:?})",
-                    ev.cause()
-                ));
-                self.die(core, why);
-                return;
+                fatal = Some(why);
+                return false;
             }
             info!("{}: {} ({ev:?})", core.describe, ev.cause());
+            true
+        });
+        if let Some(why) = fatal {
+            self.die(core, why);
         }
     }
 }

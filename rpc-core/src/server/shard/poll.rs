@@ -360,17 +360,13 @@ impl<P: Provider> Shard<P> {
     /// connection, a failed QP its own. A port that went down is logged: its connections fail
     /// with `RETRY_EXC_ERR` when their retries run out, and recover if it comes back first.
     pub(super) fn async_events(&mut self) {
-        for _ in 0..16 {
-            let ev = match crate::verbs::Context::poll_async_event(&self.ctx) {
-                Ok(Some(ev)) => ev,
-                Ok(None) => return,
-                Err(e) => {
-                    warn!("shard {}: reading the device's events: {e}", self.id);
-                    return;
-                }
-            };
-            let why =
-                Status::unavailable(format!("the RDMA device reported: {} ({ev:?})", ev.cause()));
+        let mut events = Vec::new();
+        let who = format_args!("shard {}", self.id);
+        crate::link::device_events::<P>(&self.ctx, &who, |ev, why| {
+            events.push((ev, why));
+            true
+        });
+        for (ev, why) in events {
             let hit: Vec<_> = match ev {
                 AsyncEvent::DeviceFatal | AsyncEvent::CqError => {
                     self.conns.iter().flatten().map(|c| c.link.key()).collect()
