@@ -218,6 +218,12 @@ fn client_struct(
                 Self { inner }
             }
 
+            /// A client whose calls pass `f` before they are sent (tonic's
+            /// `with_interceptor`): see `Channel::with_interceptor`.
+            pub fn with_interceptor<F: #rt::Interceptor>(inner: #rt::Channel, f: F) -> Self {
+                Self { inner: inner.with_interceptor(f) }
+            }
+
             #methods
         }
 
@@ -586,6 +592,15 @@ fn server(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
                 /// Serves a shared `inner`.
                 pub fn from_arc(inner: #rt::Arc<#t>) -> Self {
                     Self { inner }
+                }
+
+                /// Serves `inner` with `f` run on every call's request metadata before its
+                /// handler (tonic's `with_interceptor`); a status from `f` ends the call.
+                pub fn with_interceptor<F: #rt::Interceptor>(
+                    inner: #t,
+                    f: F,
+                ) -> #rt::InterceptedService<Self, F> {
+                    #rt::InterceptedService::new(Self::new(inner), f)
                 }
             }
 

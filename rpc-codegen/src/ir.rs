@@ -75,10 +75,10 @@ impl CallKind {
 }
 
 /// Method names the generated clients use for their own associated functions (the
-/// constructors `new` and `connect`, as tonic's clients do). Everything else the generated code
+/// constructors `new`, `connect` and `with_interceptor`, as tonic's clients do). Everything else the generated code
 /// defines lives in its own namespace: blocking calls and pipelines on their own client types,
 /// the method list as an associated constant of the server type.
-pub const RESERVED_METHOD_NAMES: &[&str] = &["new", "connect"];
+pub const RESERVED_METHOD_NAMES: &[&str] = &["new", "connect", "with_interceptor"];
 
 /// A problem found in a [`ServiceDef`] before emitting it.
 #[derive(Clone, Debug, PartialEq, Eq)]

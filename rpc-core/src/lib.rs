@@ -98,6 +98,7 @@ pub mod client;
 pub mod codegen;
 mod connect;
 mod error;
+pub mod intercept;
 mod link;
 pub mod method;
 mod request;
@@ -127,6 +128,7 @@ pub use error::{Error, TransportErrorKind};
 /// The `Stream` trait streaming methods take and return (`futures_core::Stream`), re-exported
 /// so a streaming service needs no dependency beyond this crate.
 pub use futures_core::Stream;
+pub use intercept::Interceptor;
 pub use method::{CallKind, MethodDesc};
 pub use request::{
     IntoRequest, IntoStreamingRequest, InvalidMetadata, MAX_METADATA_LEN, Metadata, Request,

@@ -386,6 +386,11 @@ impl<T> Request<T> {
         self.timeout
     }
 
+    /// Sets or clears the timeout (what an interceptor returned).
+    pub(crate) fn replace_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
+    }
+
     /// Tells the runtime how large the response will be (bytes of the encoded message). When it
     /// is above the eager threshold, the client lends a landing zone of that size with the
     /// request, and the server RDMA-WRITEs the response straight into it (one copy, no extra

@@ -184,7 +184,8 @@ fn ping_request(i: u64, deadline: bool) -> Request<Scalars> {
 }
 
 /// `unary_blocking` (the caller polls) against a handler that is ready at once, with and
-/// without a deadline: after warm-up, no allocation anywhere in the process.
+/// without a deadline, and through a client interceptor that reads the metadata: after
+/// warm-up, no allocation anywhere in the process.
 #[test]
 fn zero_allocations_per_blocking_call() {
     let _g = serial();
@@ -199,7 +200,13 @@ fn zero_allocations_per_blocking_call() {
         (srv, ch)
     });
     let n = calls();
-    for deadline in [false, true] {
+    let intercepted = ch.with_interceptor(|req: Request<()>| {
+        if req.metadata().get("x-deny").is_some() {
+            return Err(rpc_core::Status::permission_denied("denied"));
+        }
+        Ok(req)
+    });
+    for (deadline, ch) in [(false, &ch), (true, &ch), (false, &intercepted)] {
         let run = |from: u64, n: u64| {
             for i in from..from + n {
                 let r = ch
@@ -208,16 +215,21 @@ fn zero_allocations_per_blocking_call() {
                 check_ping(i, &r);
             }
         };
+        let how = if std::ptr::eq(ch, &intercepted) {
+            "intercepted"
+        } else {
+            "plain"
+        };
         run(0, WARMUP);
         let ((), allocs, largest) = counted(|| run(WARMUP, n));
         println!(
-            "blocking calls (caller polls), deadline {deadline}: {allocs} allocations in \
-             {} calls (largest {largest} B)",
+            "blocking calls (caller polls), deadline {deadline}, {how}: {allocs} allocations \
+             in {} calls (largest {largest} B)",
             n
         );
         assert_eq!(
             allocs, 0,
-            "blocking calls, deadline {deadline}: {allocs} heap allocations in {} calls \
+            "blocking calls, deadline {deadline}, {how}: {allocs} heap allocations in {} calls \
              (RPC_ALLOC_TRACE=1 shows where)",
             n
         );

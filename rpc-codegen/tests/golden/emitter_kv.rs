@@ -21,6 +21,16 @@ pub(crate) mod kv_client {
         pub fn new(inner: crate::rt::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: crate::rt::codegen::Interceptor>(
+            inner: crate::rt::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `store.v1.Kv`.
         ///
         /// # Errors
@@ -117,6 +127,16 @@ pub(crate) mod kv_client {
         pub fn new(inner: crate::rt::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: crate::rt::codegen::Interceptor>(
+            inner: crate::rt::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Blocking variant of [`KvClient::get`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -166,6 +186,16 @@ pub(crate) mod kv_client {
         /// A pipeline client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: crate::rt::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: crate::rt::codegen::Interceptor>(
+            inner: crate::rt::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
         /// A pipeline of [`KvClient::get`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
@@ -273,6 +303,14 @@ pub(crate) mod kv_server {
         /// Serves a shared `inner`.
         pub fn from_arc(inner: crate::rt::codegen::Arc<T>) -> Self {
             Self { inner }
+        }
+        /// Serves `inner` with `f` run on every call's request metadata before its
+        /// handler (tonic's `with_interceptor`); a status from `f` ends the call.
+        pub fn with_interceptor<F: crate::rt::codegen::Interceptor>(
+            inner: T,
+            f: F,
+        ) -> crate::rt::codegen::InterceptedService<Self, F> {
+            crate::rt::codegen::InterceptedService::new(Self::new(inner), f)
         }
     }
     impl<T> ::core::clone::Clone for KvServer<T> {

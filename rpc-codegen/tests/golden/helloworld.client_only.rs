@@ -36,6 +36,16 @@ pub mod greeter_client {
         pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::my_reexport::rpc_core::codegen::Interceptor>(
+            inner: ::my_reexport::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `helloworld.Greeter`.
         ///
         /// # Errors
@@ -107,6 +117,16 @@ pub mod greeter_client {
         pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::my_reexport::rpc_core::codegen::Interceptor>(
+            inner: ::my_reexport::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Blocking variant of [`GreeterClient::say_hello`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -160,6 +180,16 @@ pub mod greeter_client {
         /// A pipeline client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::my_reexport::rpc_core::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::my_reexport::rpc_core::codegen::Interceptor>(
+            inner: ::my_reexport::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
         /// A pipeline of [`GreeterClient::say_hello`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///

@@ -40,6 +40,16 @@ pub mod route_guide_client {
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.RouteGuide`.
         ///
         /// # Errors
@@ -201,6 +211,16 @@ pub mod route_guide_client {
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Blocking variant of [`RouteGuideClient::get_feature`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -252,6 +272,16 @@ pub mod route_guide_client {
         /// A pipeline client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
         /// A pipeline of [`RouteGuideClient::get_feature`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
@@ -417,6 +447,14 @@ pub mod route_guide_server {
         pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
+        /// Serves `inner` with `f` run on every call's request metadata before its
+        /// handler (tonic's `with_interceptor`); a status from `f` ends the call.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: T,
+            f: F,
+        ) -> ::rpc_core::codegen::InterceptedService<Self, F> {
+            ::rpc_core::codegen::InterceptedService::new(Self::new(inner), f)
+        }
     }
     impl<T> ::core::clone::Clone for RouteGuideServer<T> {
         fn clone(&self) -> Self {
@@ -494,6 +532,16 @@ pub mod clock_client {
         /// A client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Clock`.
         ///
@@ -612,6 +660,16 @@ pub mod clock_client {
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Blocking variant of [`ClockClient::now`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -704,6 +762,16 @@ pub mod clock_client {
         /// A pipeline client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
         /// A pipeline of [`ClockClient::now`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
@@ -853,6 +921,14 @@ pub mod clock_server {
         pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
+        /// Serves `inner` with `f` run on every call's request metadata before its
+        /// handler (tonic's `with_interceptor`); a status from `f` ends the call.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: T,
+            f: F,
+        ) -> ::rpc_core::codegen::InterceptedService<Self, F> {
+            ::rpc_core::codegen::InterceptedService::new(Self::new(inner), f)
+        }
     }
     impl<T> ::core::clone::Clone for ClockServer<T> {
         fn clone(&self) -> Self {
@@ -924,6 +1000,16 @@ pub mod keywords_client {
         /// A client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Keywords`.
         ///
@@ -1107,6 +1193,16 @@ pub mod keywords_client {
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Blocking variant of [`KeywordsClient::type`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -1205,6 +1301,16 @@ pub mod keywords_client {
         /// A pipeline client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
         /// A pipeline of [`KeywordsClient::type`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
@@ -1394,6 +1500,14 @@ pub mod keywords_server {
         pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
         }
+        /// Serves `inner` with `f` run on every call's request metadata before its
+        /// handler (tonic's `with_interceptor`); a status from `f` ends the call.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: T,
+            f: F,
+        ) -> ::rpc_core::codegen::InterceptedService<Self, F> {
+            ::rpc_core::codegen::InterceptedService::new(Self::new(inner), f)
+        }
     }
     impl<T> ::core::clone::Clone for KeywordsServer<T> {
         fn clone(&self) -> Self {
@@ -1478,6 +1592,16 @@ pub mod nothing_client {
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.everything.Nothing`.
         ///
         /// # Errors
@@ -1513,6 +1637,16 @@ pub mod nothing_client {
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for NothingBlockingClient {
         fn from(inner: ::rpc_core::codegen::Channel) -> Self {
@@ -1538,6 +1672,16 @@ pub mod nothing_client {
         /// A pipeline client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
     }
     impl ::core::convert::From<::rpc_core::codegen::Channel> for NothingPipelineClient {
@@ -1587,6 +1731,14 @@ pub mod nothing_server {
         /// Serves a shared `inner`.
         pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
+        }
+        /// Serves `inner` with `f` run on every call's request metadata before its
+        /// handler (tonic's `with_interceptor`); a status from `f` ends the call.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: T,
+            f: F,
+        ) -> ::rpc_core::codegen::InterceptedService<Self, F> {
+            ::rpc_core::codegen::InterceptedService::new(Self::new(inner), f)
         }
     }
     impl<T> ::core::clone::Clone for NothingServer<T> {

@@ -85,6 +85,16 @@ pub mod well_known_client {
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Connects to the server at `addr` (`host:port`) and returns a client of `test.wkt.WellKnown`.
         ///
         /// # Errors
@@ -522,6 +532,16 @@ pub mod well_known_client {
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
         }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
+        }
         /// Blocking variant of [`WellKnownClient::forward`]: the calling thread polls the completion queue itself.
         ///
         /// # Errors
@@ -855,6 +875,16 @@ pub mod well_known_client {
         /// A pipeline client over `inner` (channels are cheap to clone and share).
         pub fn new(inner: ::rpc_core::codegen::Channel) -> Self {
             Self { inner }
+        }
+        /// A client whose calls pass `f` before they are sent (tonic's
+        /// `with_interceptor`): see `Channel::with_interceptor`.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: ::rpc_core::codegen::Channel,
+            f: F,
+        ) -> Self {
+            Self {
+                inner: inner.with_interceptor(f),
+            }
         }
         /// A pipeline of [`WellKnownClient::forward`]: many calls in flight from one thread without async tasks (see `Channel::pipeline`).
         ///
@@ -1358,6 +1388,14 @@ pub mod well_known_server {
         /// Serves a shared `inner`.
         pub fn from_arc(inner: ::rpc_core::codegen::Arc<T>) -> Self {
             Self { inner }
+        }
+        /// Serves `inner` with `f` run on every call's request metadata before its
+        /// handler (tonic's `with_interceptor`); a status from `f` ends the call.
+        pub fn with_interceptor<F: ::rpc_core::codegen::Interceptor>(
+            inner: T,
+            f: F,
+        ) -> ::rpc_core::codegen::InterceptedService<Self, F> {
+            ::rpc_core::codegen::InterceptedService::new(Self::new(inner), f)
         }
     }
     impl<T> ::core::clone::Clone for WellKnownServer<T> {

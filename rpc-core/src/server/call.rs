@@ -458,3 +458,48 @@ impl IncomingCall<'_> {
         &self.metadata
     }
 }
+
+/// A service whose calls pass an [`Interceptor`](crate::Interceptor) before they reach
+/// their handlers (tonic's `InterceptedService`): generated servers build one with
+/// `with_interceptor`. A refused call ends with the interceptor's status and never reaches a
+/// handler.
+#[derive(Clone, Debug)]
+pub struct InterceptedService<S, F> {
+    inner: S,
+    f: F,
+}
+
+impl<S, F> InterceptedService<S, F> {
+    /// Serves `inner`, running `f` first on every call.
+    pub fn new(inner: S, f: F) -> Self {
+        InterceptedService { inner, f }
+    }
+}
+
+impl<S: crate::server::Service, F: crate::Interceptor> crate::server::Service
+    for InterceptedService<S, F>
+{
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn methods(&self) -> &'static [crate::MethodDesc] {
+        self.inner.methods()
+    }
+
+    fn call(&self, method: u32, mut call: IncomingCall<'_>) -> Dispatched {
+        let metadata = std::mem::take(&mut call.metadata);
+        match self.f.call(Request::from_parts(metadata, (), call.timeout)) {
+            Ok(request) => {
+                let (metadata, (), timeout) = request.into_parts();
+                call.metadata = metadata;
+                call.timeout = timeout;
+                self.inner.call(method, call)
+            }
+            Err(status) => {
+                call.ctx.fail(&status);
+                Dispatched(())
+            }
+        }
+    }
+}

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
-pub use call::{CallCtx, CallFamily, Dispatched, IncomingCall};
+pub use call::{CallCtx, CallFamily, Dispatched, IncomingCall, InterceptedService};
 pub use peer::{BulkBuffer, BulkMem, Peer};
 
 use crate::Code;
