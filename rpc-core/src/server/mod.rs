@@ -73,6 +73,8 @@ pub(crate) struct ServerConfig {
     pub(crate) token: Option<Vec<u8>>,
     pub(crate) geometry: Geometry,
     pub(crate) max_conns_per_shard: u32,
+    /// Connections one peer address may hold at once (None: no limit of its own).
+    pub(crate) max_conns_per_peer: Option<u32>,
     pub(crate) tasks_per_shard: u32,
     pub(crate) max_message: u64,
     pub(crate) bulk_cache_bytes: usize,
@@ -114,6 +116,7 @@ impl Server {
                 token: None,
                 geometry: Geometry::default(),
                 max_conns_per_shard: 64,
+                max_conns_per_peer: None,
                 tasks_per_shard: 4096,
                 max_message: 256 << 20,
                 bulk_cache_bytes: 256 << 20,
@@ -204,6 +207,14 @@ impl ServerBuilder {
     /// Connections each shard accepts (default 64).
     pub fn max_connections_per_shard(mut self, n: u32) -> Self {
         self.cfg.max_conns_per_shard = n.max(1);
+        self
+    }
+
+    /// Connections one client address (IP) may hold at once (default: no limit of its own,
+    /// only the shards'): a peer that opens connections until the limit gets a clear
+    /// `RESOURCE_EXHAUSTED` refusal while the others keep being served.
+    pub fn max_connections_per_peer(mut self, n: u32) -> Self {
+        self.cfg.max_conns_per_peer = Some(n.max(1));
         self
     }
 
@@ -377,6 +388,7 @@ async fn accept_loop(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut next = 0usize;
+    let peers = Arc::new(PeerCounts::default());
     loop {
         let accepted = tokio::select! {
             r = listener.accept() => r,
@@ -393,13 +405,70 @@ async fn accept_loop(
         let _ = stream.set_nodelay(true);
         let shard = next % shards.len();
         next = next.wrapping_add(1);
-        tokio::spawn(serve_connection(
-            stream,
-            peer,
-            Arc::clone(&cfg),
-            Arc::clone(&shards),
-            shard,
-        ));
+        let held = PeerSlot::take(&peers, peer.ip(), cfg.max_conns_per_peer);
+        let cfg = Arc::clone(&cfg);
+        let shards = Arc::clone(&shards);
+        tokio::spawn(async move {
+            match held {
+                Ok(slot) => {
+                    serve_connection(stream, peer, cfg, shards, shard).await;
+                    drop(slot);
+                }
+                Err(limit) => {
+                    let mut stream = stream;
+                    let why = format!(
+                        "too many connections from {} (this server allows {limit} per peer \
+                         address)",
+                        peer.ip()
+                    );
+                    refuse(&mut stream, peer, Code::ResourceExhausted, &why).await;
+                }
+            }
+        });
+    }
+}
+
+/// Connections held per peer address (for `max_connections_per_peer`).
+#[derive(Default)]
+struct PeerCounts(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, u32>>);
+
+/// One connection of a peer address, counted until dropped.
+struct PeerSlot {
+    peers: Arc<PeerCounts>,
+    ip: std::net::IpAddr,
+}
+
+impl PeerSlot {
+    /// Counts a new connection from `ip`, or returns the limit it would exceed.
+    fn take(
+        peers: &Arc<PeerCounts>,
+        ip: std::net::IpAddr,
+        limit: Option<u32>,
+    ) -> Result<PeerSlot, u32> {
+        let mut m = peers.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if let Some(limit) = limit
+            && *n >= limit
+        {
+            return Err(limit);
+        }
+        *n += 1;
+        Ok(PeerSlot {
+            peers: Arc::clone(peers),
+            ip,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut m = self.peers.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
     }
 }
 
