@@ -1,6 +1,7 @@
 //! The client: a cheap `Clone + Send + Sync` [`Channel`] over a connection to a server shard,
 //! with a completion poller, futures and blocking calls.
 
+mod balance;
 mod core;
 mod region;
 mod registered;
@@ -135,12 +136,7 @@ impl ChannelBuilder {
         self.addr = server_addr(&self.addr)?;
         let conn = open(&self).await?;
         Ok(Channel {
-            shared: Arc::new(Shared {
-                builder: self,
-                conn: ArcSwap::new(Arc::new(conn)),
-                reconnect: tokio::sync::Mutex::new(()),
-                rt: tokio::runtime::Handle::current(),
-            }),
+            target: Target::One(Arc::new(Shared::new(self, conn))),
             interceptor: None,
         })
     }
@@ -359,6 +355,73 @@ struct Shared {
     rt: tokio::runtime::Handle,
 }
 
+impl Shared {
+    fn new(builder: ChannelBuilder, conn: Conn) -> Shared {
+        Shared {
+            builder,
+            conn: ArcSwap::new(Arc::new(conn)),
+            reconnect: tokio::sync::Mutex::new(()),
+            rt: tokio::runtime::Handle::current(),
+        }
+    }
+
+    /// The live connection for a blocking call: when it was lost, reconnects through the
+    /// runtime the channel was connected on (the calling thread waits; it is not a runtime
+    /// thread, see [`Channel::unary_blocking`]).
+    pub(crate) fn conn_blocking(self: &Arc<Self>) -> Result<Arc<Conn>, Status> {
+        let c = self.conn.load_full();
+        if c.is_usable() {
+            return Ok(c);
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let shared = Arc::clone(self);
+        // On a runtime that was shut down the task is dropped unrun, and so is `tx`.
+        self.rt.spawn(async move {
+            let _ = tx.send(shared.conn().await);
+        });
+        // The handshake after the TCP connect is bounded by the server; allow it some time.
+        let limit = self.builder.connect_timeout + Duration::from_secs(10);
+        match rx.recv_timeout(limit) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Status::unavailable(format!(
+                "connection to {} lost; reconnecting took longer than {limit:?}",
+                self.builder.addr
+            ))),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Err(Status::unavailable(format!(
+                    "connection to {} lost; cannot reconnect: the runtime the channel was \
+                     connected on has shut down",
+                    self.builder.addr
+                )))
+            }
+        }
+    }
+
+    /// The live connection, reconnecting once if it was lost.
+    pub(crate) async fn conn(self: &Arc<Self>) -> Result<Arc<Conn>, Status> {
+        let c = self.conn.load_full();
+        if c.is_usable() {
+            return Ok(c);
+        }
+        let _g = self.reconnect.lock().await;
+        let c = self.conn.load_full();
+        if c.is_usable() {
+            return Ok(c);
+        }
+        match open(&self.builder).await {
+            Ok(new) => {
+                let new = Arc::new(new);
+                self.conn.store(Arc::clone(&new));
+                Ok(new)
+            }
+            Err(e) => Err(Status::unavailable(format!(
+                "connection to {} lost and reconnecting failed: {e}",
+                self.builder.addr
+            ))),
+        }
+    }
+}
+
 /// A connection to a server, usable from many tasks and threads at once. Cloning is cheap.
 ///
 /// Calls up to [`ChannelBuilder::max_concurrent_calls`] run concurrently; more wait for a free
@@ -366,16 +429,27 @@ struct Shared {
 /// call reconnects.
 #[derive(Clone)]
 pub struct Channel {
-    shared: Arc<Shared>,
+    target: Target,
     /// Run on every call's request before it is sent ([`Channel::with_interceptor`]).
     interceptor: Option<Arc<dyn crate::Interceptor>>,
 }
 
+/// Where a channel's calls go: one server, or a set of replicas ([`Channel::balance_list`]).
+#[derive(Clone)]
+enum Target {
+    One(Arc<Shared>),
+    Many(Arc<balance::Balance>),
+}
+
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Channel")
-            .field("addr", &self.shared.builder.addr)
-            .finish()
+        match &self.target {
+            Target::One(s) => f
+                .debug_struct("Channel")
+                .field("addr", &s.builder.addr)
+                .finish(),
+            Target::Many(b) => f.debug_struct("Channel").field("balance", b).finish(),
+        }
     }
 }
 
@@ -387,7 +461,7 @@ impl Channel {
     #[must_use]
     pub fn with_interceptor(&self, f: impl crate::Interceptor) -> Channel {
         Channel {
-            shared: Arc::clone(&self.shared),
+            target: self.target.clone(),
             interceptor: Some(Arc::new(f)),
         }
     }
@@ -433,59 +507,35 @@ impl Channel {
         Channel::builder(addr.as_ref()).connect().await
     }
 
-    /// The live connection for a blocking call: when it was lost, reconnects through the
-    /// runtime the channel was connected on (the calling thread waits; it is not a runtime
-    /// thread, see [`Channel::unary_blocking`]).
-    fn conn_blocking(&self) -> Result<Arc<Conn>, Status> {
-        let c = self.shared.conn.load_full();
-        if c.is_usable() {
-            return Ok(c);
-        }
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let ch = self.clone();
-        // On a runtime that was shut down the task is dropped unrun, and so is `tx`.
-        self.shared.rt.spawn(async move {
-            let _ = tx.send(ch.conn().await);
-        });
-        // The handshake after the TCP connect is bounded by the server; allow it some time.
-        let limit = self.shared.builder.connect_timeout + Duration::from_secs(10);
-        match rx.recv_timeout(limit) {
-            Ok(r) => r,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Status::unavailable(format!(
-                "connection to {} lost; reconnecting took longer than {limit:?}",
-                self.shared.builder.addr
-            ))),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                Err(Status::unavailable(format!(
-                    "connection to {} lost; cannot reconnect: the runtime the channel was \
-                     connected on has shut down",
-                    self.shared.builder.addr
-                )))
+    /// The connection a call uses now (for a balanced channel: the replica it picked, and
+    /// the guard that counts the call in flight there).
+    async fn conn_for_call(&self) -> Result<(Arc<Conn>, Option<balance::Load>), Status> {
+        match &self.target {
+            Target::One(s) => Ok((s.conn().await?, None)),
+            Target::Many(b) => {
+                let (conn, load) = b.pick().await?;
+                Ok((conn, Some(load)))
             }
         }
     }
 
-    /// The live connection, reconnecting once if it was lost.
-    async fn conn(&self) -> Result<Arc<Conn>, Status> {
-        let c = self.shared.conn.load_full();
-        if c.is_usable() {
-            return Ok(c);
-        }
-        let _g = self.shared.reconnect.lock().await;
-        let c = self.shared.conn.load_full();
-        if c.is_usable() {
-            return Ok(c);
-        }
-        match open(&self.shared.builder).await {
-            Ok(new) => {
-                let new = Arc::new(new);
-                self.shared.conn.store(Arc::clone(&new));
-                Ok(new)
+    /// As [`Channel::conn_for_call`], for a blocking call.
+    fn conn_for_call_blocking(&self) -> Result<(Arc<Conn>, Option<balance::Load>), Status> {
+        match &self.target {
+            Target::One(s) => Ok((s.conn_blocking()?, None)),
+            Target::Many(b) => {
+                let (conn, load) = b.pick_blocking()?;
+                Ok((conn, Some(load)))
             }
-            Err(e) => Err(Status::unavailable(format!(
-                "connection to {} lost and reconnecting failed: {e}",
-                self.shared.builder.addr
-            ))),
+        }
+    }
+
+    /// The current connection, if the channel has one now (of a balanced channel: the first
+    /// replica's that is connected).
+    fn current(&self) -> Option<Arc<Conn>> {
+        match &self.target {
+            Target::One(s) => Some(s.conn.load_full()),
+            Target::Many(b) => b.current(),
         }
     }
 
@@ -515,7 +565,7 @@ impl Channel {
     /// `RESOURCE_EXHAUSTED` when the memory cannot be allocated or registered (RLIMIT_MEMLOCK
     /// on real RNICs); `UNAVAILABLE` when the connection is gone and cannot be re-established.
     pub async fn alloc_region(&self, len: usize) -> Result<Region, Status> {
-        let conn = self.conn().await?;
+        let (conn, _load) = self.conn_for_call().await?;
         let mem = with_any!(AnyCore, &conn.core, c => c.alloc_region(len))?;
         Ok(Region::new(mem, conn))
     }
@@ -534,37 +584,34 @@ impl Channel {
     /// above the largest bulk buffer (1 GiB); `UNAVAILABLE` when the connection is gone and
     /// cannot be re-established.
     pub async fn alloc_bytes(&self, len: usize) -> Result<RegisteredBytesMut, Status> {
-        let conn = self.conn().await?;
+        let (conn, _load) = self.conn_for_call().await?;
         with_any!(AnyCore, &conn.core, c => c.alloc_bytes(len))
     }
 
     /// Payload bytes of requests sent without a copy since the connection was made: the
     /// `bytes` fields that lay in memory from [`Channel::alloc_bytes`] (counted when posted).
     pub fn zero_copy_request_bytes(&self) -> u64 {
-        let c = self.shared.conn.load();
+        let Some(c) = self.current() else { return 0 };
         with_any!(AnyCore, &c.core, c => c.counters.zero_copy_request_bytes.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// RC queue pairs the current connection uses (see
     /// [`ChannelBuilder::qps_per_connection`]).
     pub fn qps_per_connection(&self) -> u32 {
-        self.shared.conn.load().qps
+        self.current().map_or(0, |c| c.qps)
     }
 
     /// Bytes of the current connection's one-sided transfers (rendezvous responses this
     /// client READ) that were striped over several QPs.
     pub fn striped_bytes(&self) -> u64 {
-        self.shared
-            .conn
-            .load()
-            .striped
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.current()
+            .map_or(0, |c| c.striped.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Whether the current connection is up (false after the server went away, until the next
     /// call reconnects).
     pub fn is_connected(&self) -> bool {
-        !self.shared.conn.load().is_dead()
+        self.current().is_some_and(|c| !c.is_dead())
     }
 
     /// A unary call.
@@ -587,7 +634,7 @@ impl Channel {
         Resp: Message + Default,
     {
         self.intercept(method, &mut request)?;
-        let conn = self.conn().await?;
+        let (conn, _load) = self.conn_for_call().await?;
         with_any!(AnyCore, &conn.core, c => c.unary(method, request).await)
             .map_err(|st| st.for_method(method.path))
     }
@@ -609,7 +656,7 @@ impl Channel {
         Resp: Message + Default,
     {
         self.intercept(method, &mut request)?;
-        let conn = self.conn_blocking()?;
+        let (conn, _load) = self.conn_for_call_blocking()?;
         with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
             .map_err(|st| st.for_method(method.path))
     }
@@ -633,8 +680,8 @@ impl Channel {
         Req: Message,
         Resp: Message + Default,
     {
-        let conn = self.conn_blocking()?;
-        let cap = self.shared.builder.max_calls as usize;
+        let (conn, _load) = self.conn_for_call_blocking()?;
+        let cap = with_any!(AnyCore, &conn.core, c => c.max_calls());
         Ok(Pipeline {
             unsent: 0,
             conn,
@@ -667,7 +714,7 @@ impl Channel {
         Resp: Message + Default + 'static,
     {
         self.intercept(method, &mut request)?;
-        let conn = self.conn().await?;
+        let (conn, _load) = self.conn_for_call().await?;
         let r = with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)
             .map_err(|st| st.for_method(method.path))?;
         Ok(r.map(|s| s.keep_alive(conn).for_method(method.path)))
@@ -692,7 +739,7 @@ impl Channel {
         Resp: Message + Default,
     {
         self.intercept(method, &mut request)?;
-        let conn = self.conn().await?;
+        let (conn, _load) = self.conn_for_call().await?;
         with_any!(AnyCore, &conn.core, c => c.client_streaming(method, request).await)
             .map_err(|st| st.for_method(method.path))
     }
@@ -718,7 +765,7 @@ impl Channel {
         Resp: Message + Default + 'static,
     {
         self.intercept(method, &mut request)?;
-        let conn = self.conn().await?;
+        let (conn, _load) = self.conn_for_call().await?;
         let r = with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
             .map_err(|st| st.for_method(method.path))?;
         Ok(r.map(|s| s.keep_alive(conn).for_method(method.path)))

@@ -92,7 +92,7 @@ async fn call_gen(ch: &Channel, seq: u64, len: usize) -> Result<Blob, Status> {
 /// The last rendezvous descriptor the channel's driver received (the driver is free between
 /// calls of a `ClientPoller::Caller` channel).
 fn last_bulk(ch: &Channel) -> Option<BulkDesc> {
-    let conn = ch.shared.conn.load();
+    let conn = ch.current().expect("a connection");
     let AnyCore::Soft(core) = &conn.core else {
         return None;
     };
@@ -110,7 +110,7 @@ fn last_bulk(ch: &Channel) -> Option<BulkDesc> {
 /// Posts `op` of `len` bytes through `desc` on the channel's own QP and returns the status of
 /// its completion.
 fn replay(ch: &Channel, desc: BulkDesc, write: bool, len: u32) -> WcStatus {
-    let conn = ch.shared.conn.load();
+    let conn = ch.current().expect("a connection");
     let AnyCore::Soft(core) = &conn.core else {
         panic!("soft provider expected");
     };

@@ -404,6 +404,11 @@ impl<P: Provider> ClientCore<P> {
     }
 
     /// Whether the connection is gone.
+    /// Calls this connection may have in flight at once (its call cells).
+    pub(crate) fn max_calls(&self) -> usize {
+        self.cells.len()
+    }
+
     pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
     }

@@ -1,0 +1,363 @@
+//! A channel over several replicas of a service ([`Channel::balance_list`],
+//! [`Channel::balance_channel`]): each call goes to the better of two replicas picked at
+//! random (fewer calls in flight: power of two choices); a replica that cannot be reached is
+//! ejected and tried again after an exponential back-off with jitter, and the call moves on to
+//! another replica (it provably reached no handler). Replicas come and go while calls run
+//! ([`Balancer::insert`], [`Balancer::remove`]). Each replica is an ordinary single-server
+//! connection, made on first use and remade after a loss.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+
+use super::{Channel, ChannelBuilder, Conn, Shared, Target, open};
+use crate::Status;
+
+/// First back-off after a replica could not be reached; each further failure multiplies it by
+/// 1.6 (gRPC's connection back-off), up to [`MAX_BACKOFF`], with ±20% jitter.
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The replicas of a balanced channel.
+pub(crate) struct Balance {
+    replicas: ArcSwap<Vec<Arc<Replica>>>,
+    /// Where blocking callers connect replicas (the runtime the channel was made on).
+    rt: tokio::runtime::Handle,
+    /// State of the picker's random numbers (xorshift).
+    seed: AtomicU64,
+}
+
+impl std::fmt::Debug for Balance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys: Vec<String> = self.replicas.load().iter().map(|r| r.key.clone()).collect();
+        f.debug_struct("Balance").field("replicas", &keys).finish()
+    }
+}
+
+/// One replica: its options, its connection once made, its load and its health.
+struct Replica {
+    key: String,
+    builder: ChannelBuilder,
+    shared: ArcSwapOption<Shared>,
+    /// Connecting the first time (one attempt at a time).
+    connecting: tokio::sync::Mutex<()>,
+    in_flight: AtomicUsize,
+    /// Not picked before this many nanoseconds after the channel's epoch (0: not ejected):
+    /// the per-call check is one load; `health` is locked only when this is set.
+    down_until_ns: AtomicU64,
+    health: Mutex<Health>,
+}
+
+#[derive(Default)]
+struct Health {
+    /// The next back-off.
+    backoff: Duration,
+    last_error: String,
+}
+
+/// Nanoseconds since the first use of a balanced channel in this process.
+fn now_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let e = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(e.elapsed().as_nanos())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// A call in flight on a replica (counted until dropped).
+pub(crate) struct Load(Arc<Replica>);
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Changes the replicas of a balanced channel while calls run (tower's `Change`).
+#[derive(Clone, Debug)]
+pub struct Balancer {
+    balance: Arc<Balance>,
+}
+
+impl Balancer {
+    /// Adds (or replaces) the replica `key`, connected on first use.
+    pub fn insert(&self, key: impl Into<String>, builder: ChannelBuilder) {
+        let key = key.into();
+        let replica = Arc::new(Replica::new(key.clone(), builder));
+        self.balance.replicas.rcu(|v| {
+            let mut v: Vec<Arc<Replica>> = v.iter().filter(|r| r.key != key).cloned().collect();
+            v.push(Arc::clone(&replica));
+            v
+        });
+    }
+
+    /// Removes the replica `key`: no new call goes there; calls in flight there finish.
+    pub fn remove(&self, key: &str) {
+        self.balance.replicas.rcu(|v| {
+            v.iter()
+                .filter(|r| r.key != key)
+                .cloned()
+                .collect::<Vec<_>>()
+        });
+    }
+
+    /// The replicas' keys.
+    pub fn keys(&self) -> Vec<String> {
+        self.balance
+            .replicas
+            .load()
+            .iter()
+            .map(|r| r.key.clone())
+            .collect()
+    }
+}
+
+impl Channel {
+    /// A channel over the replicas `addrs` (`host:port` or `http://host:port` each, with the
+    /// default options), as tonic's `Channel::balance_list`: see [`Channel::balance_channel`].
+    /// Must be called inside a tokio runtime.
+    pub fn balance_list<I, S>(addrs: I) -> Channel
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let (ch, balancer) = Channel::balance_channel();
+        for addr in addrs {
+            let addr = addr.into();
+            balancer.insert(addr.clone(), Channel::builder(addr));
+        }
+        ch
+    }
+
+    /// A balanced channel with no replica yet, and the [`Balancer`] that adds and removes
+    /// them. Each call goes to the better of two replicas picked at random (fewer calls in
+    /// flight); a replica that cannot be reached is ejected for an exponential back-off with
+    /// jitter and the call tries another. Calls fail `UNAVAILABLE` only when no replica can be
+    /// reached. Generated clients, blocking calls and pipelines (which stay on the replica
+    /// they started on) work on it unchanged. Must be called inside a tokio runtime.
+    pub fn balance_channel() -> (Channel, Balancer) {
+        let balance = Arc::new(Balance {
+            replicas: ArcSwap::from_pointee(Vec::new()),
+            rt: tokio::runtime::Handle::current(),
+            seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id())),
+        });
+        let ch = Channel {
+            target: Target::Many(Arc::clone(&balance)),
+            interceptor: None,
+        };
+        (ch, Balancer { balance })
+    }
+}
+
+impl Replica {
+    fn new(key: String, builder: ChannelBuilder) -> Replica {
+        Replica {
+            key,
+            builder,
+            shared: ArcSwapOption::empty(),
+            connecting: tokio::sync::Mutex::new(()),
+            in_flight: AtomicUsize::new(0),
+            down_until_ns: AtomicU64::new(0),
+            health: Mutex::new(Health::default()),
+        }
+    }
+
+    fn is_down(&self, now: u64) -> bool {
+        now < self.down_until_ns.load(Ordering::Acquire)
+    }
+
+    fn shared(&self) -> Option<Arc<Shared>> {
+        self.shared.load_full()
+    }
+
+    /// The replica's connection if it is up now (no connect, no wait).
+    fn ready(&self) -> Option<Arc<Conn>> {
+        let s = self.shared.load();
+        let c = s.as_ref()?.conn.load_full();
+        c.is_usable().then_some(c)
+    }
+
+    /// The replica's live connection: made on first use, remade after a loss.
+    async fn conn(&self) -> Result<Arc<Conn>, Status> {
+        if let Some(s) = self.shared() {
+            return s.conn().await;
+        }
+        let _one = self.connecting.lock().await;
+        if let Some(s) = self.shared() {
+            return s.conn().await;
+        }
+        let mut builder = self.builder.clone();
+        builder.addr =
+            super::server_addr(&builder.addr).map_err(|e| Status::unavailable(e.to_string()))?;
+        let conn = open(&builder)
+            .await
+            .map_err(|e| Status::unavailable(format!("{}: {e}", self.key)))?;
+        let shared = Arc::new(Shared::new(builder, conn));
+        let c = shared.conn.load_full();
+        self.shared.store(Some(shared));
+        Ok(c)
+    }
+
+    /// Reached: the back-off starts over.
+    fn healthy(&self) {
+        if self.down_until_ns.load(Ordering::Acquire) != 0 {
+            let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+            *h = Health::default();
+            self.down_until_ns.store(0, Ordering::Release);
+        }
+    }
+
+    /// Not reached: ejected for the next back-off (with `jitter` in -1..=1).
+    fn eject(&self, why: &Status, jitter: f64) {
+        let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        let base = if h.backoff.is_zero() {
+            FIRST_BACKOFF
+        } else {
+            h.backoff
+        };
+        let wait = base.mul_f64(1.0 + 0.2 * jitter);
+        let until = now_ns().saturating_add(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX));
+        self.down_until_ns.store(until, Ordering::Release);
+        h.backoff = base.mul_f64(1.6).min(MAX_BACKOFF);
+        h.last_error = why.message().to_owned();
+        tracing::warn!(
+            "replica {} ejected for {wait:?}: {}",
+            self.key,
+            why.message()
+        );
+    }
+}
+
+impl Balance {
+    /// A random number (xorshift64*): which replicas to compare, and jitter.
+    fn random(&self) -> u64 {
+        let mut x = self.seed.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.seed.store(x, Ordering::Relaxed);
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn jitter(&self) -> f64 {
+        (self.random() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    }
+
+    /// The replica to try next among those not `tried` (a bit per replica; replicas past the
+    /// 128th are never marked, the callers bound their attempts) and not ejected: the one with
+    /// fewer calls in flight of two picked at random. Allocates nothing.
+    fn choose(&self, replicas: &[Arc<Replica>], tried: u128) -> Option<usize> {
+        let now = now_ns();
+        let open = |i: usize| (i >= 128 || tried & (1 << i) == 0) && !replicas[i].is_down(now);
+        let n = (0..replicas.len()).filter(|&i| open(i)).count();
+        let nth = |k: usize| (0..replicas.len()).filter(|&i| open(i)).nth(k);
+        match n {
+            0 => None,
+            1 => nth(0),
+            n => {
+                let r = self.random();
+                let ka = (r % n as u64) as usize;
+                let mut kb = ((r >> 32) % (n as u64 - 1)) as usize;
+                if kb >= ka {
+                    kb += 1;
+                }
+                let (a, b) = (nth(ka)?, nth(kb)?);
+                let load = |i: usize| replicas[i].in_flight.load(Ordering::Relaxed);
+                Some(if load(b) < load(a) { b } else { a })
+            }
+        }
+    }
+
+    /// The connection of an up replica that needs no connect (the fast path of blocking
+    /// calls: no hand-off to the runtime), and its load guard.
+    fn pick_ready(&self) -> Option<(Arc<Conn>, Load)> {
+        let replicas = self.replicas.load();
+        let mut tried = 0u128;
+        for _ in 0..replicas.len() {
+            let i = self.choose(&replicas, tried)?;
+            if i < 128 {
+                tried |= 1 << i;
+            }
+            let r = &replicas[i];
+            if let Some(conn) = r.ready() {
+                r.in_flight.fetch_add(1, Ordering::Relaxed);
+                return Some((conn, Load(Arc::clone(r))));
+            }
+        }
+        None
+    }
+
+    /// Why no replica could take the call.
+    fn none_left(&self, replicas: &[Arc<Replica>], errors: &[String]) -> Status {
+        if replicas.is_empty() {
+            return Status::unavailable("the balanced channel has no replica");
+        }
+        let mut why: Vec<String> = errors.to_vec();
+        for r in replicas {
+            if r.down_until_ns.load(Ordering::Acquire) == 0
+                || errors.iter().any(|e| e.starts_with(&r.key))
+            {
+                continue;
+            }
+            let h = r.health.lock().unwrap_or_else(|e| e.into_inner());
+            why.push(format!("{}: ejected after: {}", r.key, h.last_error));
+        }
+        Status::unavailable(format!("no replica can be reached: {}", why.join("; ")))
+    }
+
+    /// A replica's connection for a call, and its load guard.
+    pub(crate) async fn pick(&self) -> Result<(Arc<Conn>, Load), Status> {
+        let replicas = self.replicas.load_full();
+        let mut tried = 0u128;
+        let mut errors = Vec::new();
+        for _ in 0..replicas.len() {
+            let Some(i) = self.choose(&replicas, tried) else {
+                break;
+            };
+            if i < 128 {
+                tried |= 1 << i;
+            }
+            let r = &replicas[i];
+            match r.conn().await {
+                Ok(conn) => {
+                    r.healthy();
+                    r.in_flight.fetch_add(1, Ordering::Relaxed);
+                    return Ok((conn, Load(Arc::clone(r))));
+                }
+                Err(st) => {
+                    r.eject(&st, self.jitter());
+                    errors.push(format!("{}: {}", r.key, st.message()));
+                }
+            }
+        }
+        Err(self.none_left(&replicas, &errors))
+    }
+
+    /// As [`Balance::pick`], from a thread that may block (not a runtime thread).
+    pub(crate) fn pick_blocking(self: &Arc<Self>) -> Result<(Arc<Conn>, Load), Status> {
+        if let Some(ready) = self.pick_ready() {
+            return Ok(ready);
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let me = Arc::clone(self);
+        self.rt.spawn(async move {
+            let _ = tx.send(me.pick().await);
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| {
+                Err(Status::unavailable(
+                    "no replica reached within 60 s (or the channel's runtime has shut down)",
+                ))
+            })
+    }
+
+    /// The first connected replica's current connection.
+    pub(crate) fn current(&self) -> Option<Arc<Conn>> {
+        self.replicas
+            .load()
+            .iter()
+            .find_map(|r| r.shared().map(|s| s.conn.load_full()))
+    }
+}
