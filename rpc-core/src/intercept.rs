@@ -1,9 +1,9 @@
 //! Interceptors in tonic's shape: a function over a call's request metadata (and timeout)
 //! that returns the request, changed or not, or a [`Status`] that ends the call before it
-//! goes further. On the server an [`InterceptedService`] runs it before the handler (statically
-//! dispatched: the wrapper is generic over the function); on the client
-//! [`Channel::with_interceptor`](crate::Channel::with_interceptor) runs it before each call
-//! is sent. Neither allocates unless the function does.
+//! goes further. On the server an [`InterceptedService`](crate::server::InterceptedService)
+//! runs it before the handler (statically dispatched: the wrapper is generic over the
+//! function); on the client [`Channel::with_interceptor`](crate::Channel::with_interceptor)
+//! runs it before each call is sent. Neither allocates unless the function does.
 
 use crate::{Request, Status};
 

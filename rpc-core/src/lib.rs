@@ -121,7 +121,7 @@ pub mod testing {
     pub use crate::link::{ParkedStats, SIGNAL_EVERY, parked_stats};
 }
 pub use client::{
-    Channel, ChannelBuilder, ClientPoller, Lease, Pipeline, Region, RegisteredBytes,
+    Balancer, Channel, ChannelBuilder, ClientPoller, Lease, Pipeline, Region, RegisteredBytes,
     RegisteredBytesMut,
 };
 pub use error::{Error, TransportErrorKind};

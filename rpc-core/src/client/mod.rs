@@ -28,6 +28,7 @@ use crate::verbs::{
 };
 use crate::wire::{self, Role};
 use crate::{Error, Request, Response, Status, TransportErrorKind};
+pub use balance::Balancer;
 use core::{CLIENT_LINK, ClientCore, Parts, epoch};
 pub use region::{Lease, Region};
 pub(crate) use registered::RegHandle;
