@@ -103,6 +103,7 @@ mod link;
 pub mod method;
 mod request;
 pub mod server;
+pub mod stats;
 mod status;
 pub mod streaming;
 pub mod verbs;

@@ -146,6 +146,7 @@ impl Channel {
         let ch = Channel {
             target: Target::Many(Arc::clone(&balance)),
             interceptor: None,
+            stats: None,
         };
         (ch, Balancer { balance })
     }
@@ -354,6 +355,14 @@ impl Balance {
     }
 
     /// The first connected replica's current connection.
+    pub(crate) fn each_shared(&self, f: &mut dyn FnMut(&Shared)) {
+        for r in self.replicas.load().iter() {
+            if let Some(s) = r.shared() {
+                f(&s);
+            }
+        }
+    }
+
     pub(crate) fn current(&self) -> Option<Arc<Conn>> {
         self.replicas
             .load()

@@ -7,6 +7,7 @@ mod region;
 mod registered;
 #[cfg(test)]
 mod rogue_tests;
+mod stats;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -139,6 +140,7 @@ impl ChannelBuilder {
         Ok(Channel {
             target: Target::One(Arc::new(Shared::new(self, conn))),
             interceptor: None,
+            stats: None,
         })
     }
 }
@@ -354,6 +356,8 @@ struct Shared {
     reconnect: tokio::sync::Mutex<()>,
     /// The runtime the channel was connected on: blocking calls reconnect through it.
     rt: tokio::runtime::Handle,
+    /// Connections made and attempts that failed.
+    counts: stats::ConnCounts,
 }
 
 impl Shared {
@@ -363,6 +367,10 @@ impl Shared {
             conn: ArcSwap::new(Arc::new(conn)),
             reconnect: tokio::sync::Mutex::new(()),
             rt: tokio::runtime::Handle::current(),
+            counts: stats::ConnCounts {
+                connects: 1.into(),
+                failed: 0.into(),
+            },
         }
     }
 
@@ -413,12 +421,20 @@ impl Shared {
             Ok(new) => {
                 let new = Arc::new(new);
                 self.conn.store(Arc::clone(&new));
+                self.counts
+                    .connects
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 Ok(new)
             }
-            Err(e) => Err(Status::unavailable(format!(
-                "connection to {} lost and reconnecting failed: {e}",
-                self.builder.addr
-            ))),
+            Err(e) => {
+                self.counts
+                    .failed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Err(Status::unavailable(format!(
+                    "connection to {} lost and reconnecting failed: {e}",
+                    self.builder.addr
+                )))
+            }
         }
     }
 }
@@ -433,6 +449,8 @@ pub struct Channel {
     target: Target,
     /// Run on every call's request before it is sent ([`Channel::with_interceptor`]).
     interceptor: Option<Arc<dyn crate::Interceptor>>,
+    /// Where calls are counted ([`Channel::with_stats`]).
+    stats: Option<Arc<crate::stats::Table>>,
 }
 
 /// Where a channel's calls go: one server, or a set of replicas ([`Channel::balance_list`]).
@@ -464,6 +482,7 @@ impl Channel {
         Channel {
             target: self.target.clone(),
             interceptor: Some(Arc::new(f)),
+            stats: self.stats.clone(),
         }
     }
 
@@ -635,9 +654,16 @@ impl Channel {
         Resp: Message + Default,
     {
         self.intercept(method, &mut request)?;
-        let (conn, _load) = self.conn_for_call().await?;
-        with_any!(AnyCore, &conn.core, c => c.unary(method, request).await)
-            .map_err(|st| st.for_method(method.path))
+        let started = self.stat_begin(method);
+        let r = match self.conn_for_call().await {
+            Ok((conn, _load)) => {
+                with_any!(AnyCore, &conn.core, c => c.unary(method, request).await)
+                    .map_err(|st| st.for_method(method.path))
+            }
+            Err(st) => Err(st),
+        };
+        stats::stat_end(started, &r);
+        r
     }
 
     /// A unary call that blocks the calling thread, which polls the completion queue itself:
@@ -657,9 +683,16 @@ impl Channel {
         Resp: Message + Default,
     {
         self.intercept(method, &mut request)?;
-        let (conn, _load) = self.conn_for_call_blocking()?;
-        with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
-            .map_err(|st| st.for_method(method.path))
+        let started = self.stat_begin(method);
+        let r = match self.conn_for_call_blocking() {
+            Ok((conn, _load)) => {
+                with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
+                    .map_err(|st| st.for_method(method.path))
+            }
+            Err(st) => Err(st),
+        };
+        stats::stat_end(started, &r);
+        r
     }
 
     /// A pipeline of unary calls to `method` from one thread: many calls in flight without
@@ -715,10 +748,17 @@ impl Channel {
         Resp: Message + Default + 'static,
     {
         self.intercept(method, &mut request)?;
-        let (conn, _load) = self.conn_for_call().await?;
-        let r = with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)
-            .map_err(|st| st.for_method(method.path))?;
-        Ok(r.map(|s| s.keep_alive(conn).for_method(method.path)))
+        let started = self.stat_begin(method);
+        let r = match self.conn_for_call().await {
+            Ok((conn, _load)) => {
+                with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)
+                    .map(|r| r.map(|s| s.keep_alive(conn).for_method(method.path)))
+                    .map_err(|st| st.for_method(method.path))
+            }
+            Err(st) => Err(st),
+        };
+        stats::stat_end(started, &r);
+        r
     }
 
     /// A client-streaming call: sends every message of the request stream (as the server's
@@ -740,9 +780,16 @@ impl Channel {
         Resp: Message + Default,
     {
         self.intercept(method, &mut request)?;
-        let (conn, _load) = self.conn_for_call().await?;
-        with_any!(AnyCore, &conn.core, c => c.client_streaming(method, request).await)
-            .map_err(|st| st.for_method(method.path))
+        let started = self.stat_begin(method);
+        let r = match self.conn_for_call().await {
+            Ok((conn, _load)) => {
+                with_any!(AnyCore, &conn.core, c => c.client_streaming(method, request).await)
+                    .map_err(|st| st.for_method(method.path))
+            }
+            Err(st) => Err(st),
+        };
+        stats::stat_end(started, &r);
+        r
     }
 
     /// A bidirectional-streaming call: the request stream is sent by a task of its own (as the
@@ -766,10 +813,17 @@ impl Channel {
         Resp: Message + Default + 'static,
     {
         self.intercept(method, &mut request)?;
-        let (conn, _load) = self.conn_for_call().await?;
-        let r = with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
-            .map_err(|st| st.for_method(method.path))?;
-        Ok(r.map(|s| s.keep_alive(conn).for_method(method.path)))
+        let started = self.stat_begin(method);
+        let r = match self.conn_for_call().await {
+            Ok((conn, _load)) => {
+                with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
+                    .map(|r| r.map(|s| s.keep_alive(conn).for_method(method.path)))
+                    .map_err(|st| st.for_method(method.path))
+            }
+            Err(st) => Err(st),
+        };
+        stats::stat_end(started, &r);
+        r
     }
 }
 

@@ -66,6 +66,7 @@ pub(crate) fn open<P: Provider>(
     let zero_copy_bytes = Arc::new(AtomicU64::new(0));
     let striped_bytes = Arc::new(AtomicU64::new(0));
     let bulk = BulkPool::new(Arc::clone(&pd), cfg.bulk_cache_bytes);
+    let stats = cfg.stats.then(|| Arc::new(crate::stats::Table::new()));
     let peer_api = PeerApi::new(Arc::clone(&doorbell), Arc::clone(&bulk));
     let n = cfg.max_conns_per_shard as usize;
     let max_inline = per_conn.max_inline_data;
@@ -85,6 +86,7 @@ pub(crate) fn open<P: Provider>(
         open_conns: Arc::clone(&open_conns),
         zero_copy_bytes: Arc::clone(&zero_copy_bytes),
         striped_bytes: Arc::clone(&striped_bytes),
+        stats: stats.clone(),
         thread: std::sync::Mutex::new(None),
     };
     let shard = Shard {
@@ -109,6 +111,7 @@ pub(crate) fn open<P: Provider>(
         open_conns,
         zero_copy_bytes,
         striped_bytes,
+        stats,
         max_qps,
         epoch,
         events_due: Instant::now(),
@@ -290,8 +293,22 @@ impl<P: Provider> Shard<P> {
             max_message: cfg.max_message,
             gather: link_gather,
             zero_copy_bytes: Arc::clone(&self.zero_copy_bytes),
+            stats: self.stats.clone(),
         });
+        if let Some(t) = &self.stats {
+            t.transport.connections.fetch_add(1, Ordering::Relaxed);
+        }
         Ok((welcome, key))
+    }
+
+    /// Closes a connection that failed (counted in the statistics).
+    pub(super) fn close_failed(&mut self, key: LinkKey, why: &Status) {
+        if let Some(t) = &self.stats {
+            t.transport
+                .connection_failures
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        self.close(key, why);
     }
 
     /// Closes a connection: drops its handlers and QP; its TCP connection is closed by the
@@ -315,6 +332,7 @@ impl<P: Provider> Shard<P> {
         };
         self.live.retain(|&i| i as usize != idx);
         self.open_conns.store(self.live.len(), Ordering::Release);
+        conn.stat_end_all(crate::Code::Unavailable);
         for c in conn.calls.iter_mut() {
             if let Some(t) = c.task.take() {
                 self.tasks.cancel(t);

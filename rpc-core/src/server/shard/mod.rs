@@ -29,7 +29,6 @@ use std::time::Instant;
 
 use crossbeam_queue::SegQueue;
 
-use crate::Metadata;
 use crate::buf::{BulkBuf, BulkPool, TaskId};
 use crate::call::{Calls, Ledger, Record, StreamIn};
 use crate::connect::{Hello, Welcome};
@@ -39,9 +38,11 @@ use crate::server::call::Tasks;
 use crate::server::notify::Doorbell;
 use crate::server::peer::PeerApi;
 use crate::server::router::Router;
+use crate::stats::Table;
 use crate::streaming::Inbox;
 use crate::verbs::{Provider, Wc};
 use crate::wire::{BulkDesc, CallId};
+use crate::{Code, Metadata, MethodDesc};
 
 /// Completions taken per `poll`.
 const POLL_BATCH: usize = 32;
@@ -72,6 +73,8 @@ pub(crate) struct ShardHandle {
     pub(crate) zero_copy_bytes: Arc<AtomicU64>,
     /// Bytes of one-sided transfers striped over several QPs (see `link::Lanes`).
     pub(crate) striped_bytes: Arc<AtomicU64>,
+    /// Call statistics ([`crate::ServerBuilder::stats`]).
+    pub(crate) stats: Option<Arc<Table>>,
     pub(crate) thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -120,6 +123,10 @@ struct SrvCall<P: Provider> {
     blocked: bool,
     /// The method's path (for messages).
     path: &'static str,
+    /// The method, while the call is counted in the statistics (taken when its end is).
+    stat: Option<&'static MethodDesc>,
+    /// When the call was dispatched (`stats::now_ns`), for its latency.
+    stat_start: u64,
 }
 
 /// A request buffer shared by the request's `bytes` fields and the call.
@@ -177,6 +184,7 @@ impl<P: Provider> Record<P> for SrvCall<P> {
         self.stream_bulks.clear();
         self.blocked = false;
         self.path = "?";
+        self.stat = None;
         // Not `writing` nor `stale_reads`: those follow the NIC's completions, not calls.
     }
 
@@ -214,6 +222,8 @@ impl<P: Provider> Record<P> for SrvCall<P> {
             stale_reads: 0,
             blocked: false,
             path: "?",
+            stat: None,
+            stat_start: 0,
         }
     }
 }
@@ -279,6 +289,8 @@ pub(crate) struct ServerConn<P: Provider> {
     /// The QP takes gather lists long enough for a zero-copy response.
     gather: bool,
     zero_copy_bytes: Arc<AtomicU64>,
+    /// The shard's call statistics, if kept.
+    stats: Option<Arc<Table>>,
 }
 
 /// The shard.
@@ -306,6 +318,7 @@ pub(crate) struct Shard<P: Provider> {
     open_conns: Arc<AtomicUsize>,
     zero_copy_bytes: Arc<AtomicU64>,
     striped_bytes: Arc<AtomicU64>,
+    stats: Option<Arc<Table>>,
     /// QPs per connection at most.
     max_qps: u32,
     epoch: Instant,
@@ -320,5 +333,52 @@ pub(crate) struct Shard<P: Provider> {
 impl<P: Provider> ServerConn<P> {
     fn slot(&mut self, call: CallId) -> Option<&mut SrvCall<P>> {
         self.calls.live(call)
+    }
+
+    /// Counts a stream message of `call` in the statistics.
+    fn stat_message(&mut self, call: CallId, bytes: usize, rendezvous: bool) {
+        let Some(table) = self.stats.as_deref() else {
+            return;
+        };
+        if let Some(desc) = self.calls.live(call).and_then(|c| c.stat)
+            && let Some(cell) = table.cell(desc)
+        {
+            cell.response(bytes, rendezvous);
+        }
+    }
+
+    /// Counts every call still counted as ended with `code` (the connection closes).
+    fn stat_end_all(&mut self, code: Code) {
+        if self.stats.is_none() {
+            return;
+        }
+        let ids: Vec<CallId> = self
+            .calls
+            .iter_mut()
+            .filter(|c| c.stat.is_some())
+            .map(|c| c.id)
+            .collect();
+        for call in ids {
+            self.stat_end(call, code, None);
+        }
+    }
+
+    /// Counts the end of `call` in the statistics (once: later ends of it are not counted),
+    /// with its response of `resp` bytes, by rendezvous or not.
+    fn stat_end(&mut self, call: CallId, code: Code, resp: Option<(usize, bool)>) {
+        let Some(table) = self.stats.as_deref() else {
+            return;
+        };
+        let now = crate::stats::now_ns();
+        let Some(c) = self.calls.live(call) else {
+            return;
+        };
+        let Some(desc) = c.stat.take() else { return };
+        if let Some(cell) = table.cell(desc) {
+            if let Some((bytes, rendezvous)) = resp {
+                cell.response(bytes, rendezvous);
+            }
+            cell.finish(code, now.saturating_sub(c.stat_start));
+        }
     }
 }

@@ -159,7 +159,7 @@ impl<P: Provider> Shard<P> {
         }
         if let Some((key, e)) = failed {
             warn!("connection failed: {e}");
-            self.close(key, &e.status());
+            self.close_failed(key, &e.status());
         }
     }
 
@@ -232,7 +232,7 @@ impl<P: Provider> Shard<P> {
         };
         if let Err(e) = result {
             warn!("connection failed: {e}");
-            self.close(key, &e.status());
+            self.close_failed(key, &e.status());
         }
     }
 
@@ -343,7 +343,7 @@ impl<P: Provider> Shard<P> {
         }
         if let Some((key, e)) = failed {
             warn!("connection failed: {e}");
-            self.close(key, &e.status());
+            self.close_failed(key, &e.status());
         }
         for &(idx, call) in &expired[..n_expired] {
             debug!(%call, "deadline exceeded on the server: handler dropped");
@@ -391,7 +391,7 @@ impl<P: Provider> Shard<P> {
                 info!("shard {}: {} ({ev:?})", self.id, ev.cause());
             }
             for key in hit {
-                self.close(key, &why);
+                self.close_failed(key, &why);
             }
         }
     }

@@ -244,7 +244,7 @@ impl<P: Provider> Shard<P> {
             // Some chunks may be posted: the buffer waits for the QPs' destruction.
             conn.link.park(buf);
             let key = conn.link.key();
-            self.close(key, &e.status());
+            self.close_failed(key, &e.status());
             return;
         }
         if let Some(c) = conn.calls.get_mut(call.slot() as usize) {
@@ -338,6 +338,19 @@ impl<P: Provider> Shard<P> {
         };
         match self.router.get(method) {
             Some((service, desc)) => {
+                if let Some(table) = reply.conn.stats.as_deref() {
+                    let (bytes, rendezvous) = match &payload {
+                        Payload::Slot { start, end, .. } => (end - start, false),
+                        Payload::Owned(b) => ((**b).as_ref().len(), true),
+                    };
+                    if let Some(cell) = table.cell(desc) {
+                        cell.start(bytes, rendezvous);
+                    }
+                    if let Some(c) = reply.conn.slot(call) {
+                        c.stat = Some(desc);
+                        c.stat_start = crate::stats::now_ns();
+                    }
+                }
                 let inbox = reply.conn.slot(call).and_then(|c| c.inbox.clone());
                 let incoming = IncomingCall {
                     inbox,

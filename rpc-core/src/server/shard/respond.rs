@@ -233,6 +233,7 @@ impl<P: Provider> ServerConn<P> {
                     }
                     None => self.link.park(hold),
                 }
+                self.stat_end(call, crate::Code::Ok, Some((len, true)));
                 self.link.wire.finish(call);
                 true
             }
@@ -311,7 +312,9 @@ impl<P: Provider> ServerConn<P> {
                     .map_err(|e| Status::internal(format!("stream message: {e:?}")))?;
                 self.link
                     .commit(st, |w, pl, ml| w.stream_message(call, pl, ml, None))
-                    .map_err(refused)
+                    .map_err(refused)?;
+                self.stat_message(call, len, false);
+                Ok(())
             }
             Transfer::Rendezvous => {
                 let mut buf = self
@@ -334,6 +337,7 @@ impl<P: Provider> ServerConn<P> {
                 if let Some(c) = self.slot(call) {
                     c.stream_bulks.lend(buf);
                 }
+                self.stat_message(call, len, true);
                 Ok(())
             }
             Transfer::TooLarge => Err(Status::resource_exhausted(format!(
@@ -392,13 +396,27 @@ impl<P: Provider> ServerConn<P> {
 
     /// Commits a staged terminal frame now, or queues it until a credit arrives.
     pub(super) fn commit_terminal(&mut self, d: Deferred) {
-        if !self.deferred.is_empty() {
-            self.deferred.push_back(d);
-            return;
+        match d {
+            Deferred::Response { call, staged, bulk } => {
+                let bytes = bulk.map_or(staged.payload_len, |b| b.len as usize);
+                self.stat_end(call, crate::Code::Ok, Some((bytes, bulk.is_some())));
+            }
+            Deferred::Status { call, code, .. } => {
+                self.stat_end(call, crate::Code::from_u8(code), None);
+            }
         }
-        if let Some(d) = self.try_commit(d) {
-            self.deferred.push_back(d);
+        let d = if self.deferred.is_empty() {
+            match self.try_commit(d) {
+                None => return,
+                Some(d) => d,
+            }
+        } else {
+            d
+        };
+        if let Some(t) = &self.stats {
+            t.transport.credit_stalls.fetch_add(1, Ordering::Relaxed);
         }
+        self.deferred.push_back(d);
     }
 
     /// Returns the frame back when there is no credit.
@@ -455,6 +473,7 @@ impl<P: Provider> ServerConn<P> {
 
     /// Forgets a call without a terminal frame (cancelled, expired, replaced).
     pub(super) fn end_call(&mut self, call: CallId) {
+        self.stat_end(call, crate::Code::Cancelled, None);
         let mut release = false;
         if let Some(c) = self.slot(call) {
             c.task = None;
