@@ -1,6 +1,6 @@
 //! Per-method call statistics, readable from code and exported through the `metrics` facade.
 //!
-//! Turned on with [`crate::ServerBuilder::stats`] and [`crate::ChannelBuilder::stats`]; off,
+//! Turned on with [`crate::ServerBuilder::stats`] and [`crate::Channel::with_stats`]; off,
 //! nothing is recorded and a call pays one branch. On, a call pays a few relaxed atomic adds
 //! into a table made when the server starts (one per shard, so shards never share a cache
 //! line) or, on a client, when a method is first called (a fixed open-addressed table: no
