@@ -106,6 +106,7 @@ pub mod server;
 pub mod stats;
 mod status;
 pub mod streaming;
+pub mod trace;
 pub mod verbs;
 // The sans-IO protocol core: public for the fuzz targets and the protocol's own tests only.
 #[doc(hidden)]

@@ -215,6 +215,7 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
     /// The call could not be started: `UNAVAILABLE` (connection lost), `RESOURCE_EXHAUSTED`
     /// (message over the limit), `DEADLINE_EXCEEDED` (no cell within the timeout).
     pub fn submit(&mut self, tag: u64, mut request: Request<Req>) -> Result<(), Status> {
+        crate::trace::carry(request.metadata_mut());
         if let Some(f) = &self.interceptor {
             crate::intercept::apply(&**f, &mut request)
                 .map_err(|st| st.for_method(self.method.path))?;
@@ -488,6 +489,7 @@ impl Channel {
 
     /// Runs the interceptor, if any, on `request`.
     fn intercept<T>(&self, method: &MethodDesc, request: &mut Request<T>) -> Result<(), Status> {
+        crate::trace::carry(request.metadata_mut());
         match &self.interceptor {
             Some(f) => {
                 crate::intercept::apply(&**f, request).map_err(|st| st.for_method(method.path))

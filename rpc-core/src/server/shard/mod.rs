@@ -127,6 +127,10 @@ struct SrvCall<P: Provider> {
     stat: Option<&'static MethodDesc>,
     /// When the call was dispatched (`stats::now_ns`), for its latency.
     stat_start: u64,
+    /// The call's trace context, when the request carried one (current while it runs).
+    trace: Option<crate::trace::TraceContext>,
+    /// The call's `rpc.server` span (disabled unless traced and a subscriber wants it).
+    span: tracing::Span,
 }
 
 /// A request buffer shared by the request's `bytes` fields and the call.
@@ -185,6 +189,9 @@ impl<P: Provider> Record<P> for SrvCall<P> {
         self.blocked = false;
         self.path = "?";
         self.stat = None;
+        if self.trace.take().is_some() {
+            self.span = tracing::Span::none();
+        }
         // Not `writing` nor `stale_reads`: those follow the NIC's completions, not calls.
     }
 
@@ -224,6 +231,8 @@ impl<P: Provider> Record<P> for SrvCall<P> {
             path: "?",
             stat: None,
             stat_start: 0,
+            trace: None,
+            span: tracing::Span::none(),
         }
     }
 }

@@ -245,6 +245,12 @@ impl<P: Provider> Shard<P> {
                 self.tasks.cancel(task);
                 continue;
             };
+            let (trace, span) = match conn.slot(call) {
+                Some(c) if c.trace.is_some() => (c.trace, c.span.clone()),
+                _ => (None, tracing::Span::none()),
+            };
+            let _trace = crate::trace::enter(trace);
+            let _span = span.enter();
             let mut reply = Reply {
                 conn,
                 call,

@@ -12,6 +12,7 @@ use crate::link::{Control, LinkError, Received, completion, decode_metadata};
 use crate::server::call::{CallCtx, IncomingCall, Payload};
 use crate::server::peer::ShardInbox;
 use crate::streaming::{Inbox, Item};
+use crate::trace::TraceContext;
 use crate::verbs::{Provider, Wc};
 use crate::wire::{self, BulkDesc, BulkMore, CallId, Event};
 use crate::{Metadata, Status};
@@ -352,6 +353,21 @@ impl<P: Provider> Shard<P> {
                     }
                 }
                 let inbox = reply.conn.slot(call).and_then(|c| c.inbox.clone());
+                let traced = TraceContext::from_metadata(&metadata).map(|parent| {
+                    let ctx = parent.child();
+                    (ctx, crate::trace::server_span(desc.path, &ctx, &parent))
+                });
+                let (_trace, span) = match traced {
+                    Some((ctx, span)) => {
+                        if let Some(c) = reply.conn.slot(call) {
+                            c.trace = Some(ctx);
+                            c.span = span.clone();
+                        }
+                        (crate::trace::enter(Some(ctx)), span)
+                    }
+                    None => (crate::trace::enter(None), tracing::Span::none()),
+                };
+                let _span = span.enter();
                 let incoming = IncomingCall {
                     inbox,
                     tasks: &mut self.tasks,
