@@ -18,6 +18,7 @@
 
 pub mod client;
 pub mod control;
+pub mod layers;
 pub mod measure;
 pub mod plot;
 pub mod raw;
@@ -67,6 +68,8 @@ enum Cmd {
     Server(server::ServerArgs),
     /// What revocable remote access costs per large call (bind + revoke against the READ).
     Windows(windows::WindowArgs),
+    /// What interceptors, call statistics, tracing and balancing cost a small call.
+    Layers(layers::LayerArgs),
 }
 
 /// Arguments of `rpc-bench serve`.
@@ -113,6 +116,7 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
         }),
         Some(Cmd::Server(s)) => server::run(&s),
         Some(Cmd::Windows(w)) => windows::run(&w),
+        Some(Cmd::Layers(l)) => layers::run(&l),
         Some(Cmd::Run(r)) => run_and_print(&r, command),
         None => match Cli::try_parse_from(["rpc-bench", "run"]) {
             Ok(Cli {

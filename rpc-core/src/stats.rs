@@ -31,14 +31,6 @@ const BUCKETS: usize = LINEAR as usize + (44 - 4) * (1 << SUB_BITS);
 /// Methods one table holds; calls to further methods are counted under none (logged once).
 const TABLE: usize = 128;
 
-/// Nanoseconds since the first call of this in the process: the clock of server-side
-/// latencies (a vDSO clock read, no syscall; the link's cached clock is too coarse for them).
-pub(crate) fn now_ns() -> u64 {
-    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    let e = *EPOCH.get_or_init(std::time::Instant::now);
-    u64::try_from(e.elapsed().as_nanos()).unwrap_or(u64::MAX)
-}
-
 /// The bucket of a latency of `ns` nanoseconds.
 fn bucket(ns: u64) -> usize {
     if ns < LINEAR {

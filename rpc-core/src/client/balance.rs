@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 
@@ -57,13 +57,9 @@ struct Health {
     last_error: String,
 }
 
-/// Nanoseconds since the first use of a balanced channel in this process.
+/// Nanoseconds since the process epoch (never 0: 0 marks a replica that is not ejected).
 fn now_ns() -> u64 {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    let e = *EPOCH.get_or_init(Instant::now);
-    u64::try_from(e.elapsed().as_nanos())
-        .unwrap_or(u64::MAX)
-        .max(1)
+    crate::link::now_ns().max(1)
 }
 
 /// A call in flight on a replica (counted until dropped).
@@ -250,8 +246,12 @@ impl Balance {
     /// 128th are never marked, the callers bound their attempts) and not ejected: the one with
     /// fewer calls in flight of two picked at random. Allocates nothing.
     fn choose(&self, replicas: &[Arc<Replica>], tried: u128) -> Option<usize> {
-        let now = now_ns();
-        let open = |i: usize| (i >= 128 || tried & (1 << i) == 0) && !replicas[i].is_down(now);
+        // The clock is read only when some replica is ejected (not on the fast path).
+        let now = std::cell::OnceCell::new();
+        let up = |r: &Replica| {
+            r.down_until_ns.load(Ordering::Acquire) == 0 || !r.is_down(*now.get_or_init(now_ns))
+        };
+        let open = |i: usize| (i >= 128 || tried & (1 << i) == 0) && up(&replicas[i]);
         let n = (0..replicas.len()).filter(|&i| open(i)).count();
         let nth = |k: usize| (0..replicas.len()).filter(|&i| open(i)).nth(k);
         match n {

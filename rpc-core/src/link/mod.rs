@@ -1267,6 +1267,18 @@ unsafe fn post_span<P: Provider>(
 }
 
 /// Metadata decoded from a frame, or the reason it is invalid.
+/// The process's epoch: every link's clock ([`Link::now`]) and the call statistics count
+/// nanoseconds from it, so their times compare.
+pub(crate) fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// Nanoseconds since [`epoch`] now (a vDSO clock read, no syscall).
+pub(crate) fn now_ns() -> u64 {
+    u64::try_from(epoch().elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
 pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, Status> {
     Metadata::decode(bytes).map_err(|e| Status::internal(format!("bad metadata from peer: {e}")))
 }

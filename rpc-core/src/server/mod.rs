@@ -18,7 +18,7 @@ mod shard;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
@@ -346,7 +346,7 @@ impl ProviderVisitor for StartShards {
     type Output = Result<Vec<ShardHandle>, Error>;
 
     fn visit<P: Provider>(self) -> Self::Output {
-        let epoch = Instant::now();
+        let epoch = crate::link::epoch();
         // Rails: the devices (and ports) to spread shards over; shard i uses rail i % n.
         let mut rails: Vec<Option<P::Context>> = match &self.cfg.device {
             Some(d) => vec![Some(P::open(Some(d))?)],

@@ -29,7 +29,6 @@ mod submit;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
 
@@ -451,10 +450,7 @@ pub(crate) const CLIENT_LINK: LinkKey = LinkKey {
 };
 
 /// Start time shared by every connection (the protocols' clock).
-pub(crate) fn epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
+pub(crate) use crate::link::epoch;
 
 #[cfg(test)]
 mod size_guard {

@@ -125,7 +125,8 @@ struct SrvCall<P: Provider> {
     path: &'static str,
     /// The method, while the call is counted in the statistics (taken when its end is).
     stat: Option<&'static MethodDesc>,
-    /// When the call was dispatched (`stats::now_ns`), for its latency.
+    /// When the call's request was taken from the CQ (the link's clock of that turn, from the
+    /// process epoch as `link::now_ns`), for its latency.
     stat_start: u64,
     /// The call's trace context, when the request carried one (current while it runs).
     trace: Option<crate::trace::TraceContext>,
@@ -378,7 +379,7 @@ impl<P: Provider> ServerConn<P> {
         let Some(table) = self.stats.as_deref() else {
             return;
         };
-        let now = crate::stats::now_ns();
+        let now = crate::link::now_ns();
         let Some(c) = self.calls.live(call) else {
             return;
         };

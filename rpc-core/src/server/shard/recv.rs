@@ -349,7 +349,7 @@ impl<P: Provider> Shard<P> {
                     }
                     if let Some(c) = reply.conn.slot(call) {
                         c.stat = Some(desc);
-                        c.stat_start = crate::stats::now_ns();
+                        c.stat_start = now;
                     }
                 }
                 let inbox = reply.conn.slot(call).and_then(|c| c.inbox.clone());
