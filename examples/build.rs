@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 format!("{proto}/greeter.proto"),
                 format!("{proto}/kv.proto"),
                 format!("{proto}/bulk.proto"),
+                format!("{proto}/mesh.proto"),
             ],
             &[proto],
         )?;

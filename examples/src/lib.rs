@@ -24,6 +24,11 @@ pub mod bulk {
     include!(concat!(env!("OUT_DIR"), "/bulk.rs"));
 }
 
+/// `proto/mesh.proto`: package `mesh` (the microservices example).
+pub mod mesh {
+    include!(concat!(env!("OUT_DIR"), "/mesh.rs"));
+}
+
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
