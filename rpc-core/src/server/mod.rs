@@ -38,9 +38,15 @@
 //!   implementation reached over RDMA by our clients and over TCP by any gRPC client, a
 //!   fallback for hosts without RDMA.
 //!
-//! gRPC connections count against [`ServerBuilder::max_connections_per_peer`]. The RDMA data
-//! path does not know about any of this: shards, frames and completions are the same with or
-//! without the feature.
+//! gRPC connections count against [`ServerBuilder::max_connections_per_peer`] (one past the
+//! limit is refused before its first bytes are looked at, so an HTTP/2 client sees our
+//! refusal as a protocol error). The RDMA data path does not know about any of this: shards,
+//! frames and completions are the same with or without the feature.
+//!
+//! Limits: cleartext HTTP/2 with prior knowledge only (what gRPC clients send on `http://`);
+//! no TLS, no HTTP/1.1 `Upgrade: h2c` (such a request gets the handshake's refusal). The tonic
+//! server runs with tonic's defaults (no HTTP/2 keep-alive, no per-request timeout, no stream
+//! limit of its own).
 
 mod call;
 mod detect;
