@@ -374,3 +374,38 @@ async fn a_bad_descriptor_set_or_a_duplicate_service_is_a_config_error() {
         .unwrap_err();
     assert!(e.to_string().contains("served by the server itself"), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_sees_not_serving_and_cannot_hold_the_shutdown() {
+    let srv = TestServer::start_with(|b| b.shutdown_grace(Duration::from_millis(300))).await;
+    let grpc = grpc_channel(&srv).await;
+    let mut watch = within(
+        LIMIT,
+        "watch",
+        HealthClient::new(grpc.clone()).watch(HealthCheckRequest {
+            service: "lab.Lab".into(),
+        }),
+    )
+    .await
+    .expect("watch starts")
+    .into_inner();
+    let first = within(LIMIT, "first status", watch.message()).await;
+    assert_eq!(
+        first.unwrap().unwrap().status(),
+        ServingStatus::Serving,
+        "the watch starts SERVING"
+    );
+    let start = std::time::Instant::now();
+    let shutdown = tokio::spawn(srv.server.shutdown());
+    let next = within(LIMIT, "status at the drain", watch.message()).await;
+    assert_eq!(next.unwrap().unwrap().status(), ServingStatus::NotServing);
+    // The stream never ends by itself: the server closes its connection after the grace.
+    within(LIMIT, "shutdown", shutdown).await.unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "an open watch held the shutdown for {:?}",
+        start.elapsed()
+    );
+    let end = within(LIMIT, "the watch ends", watch.message()).await;
+    assert!(!matches!(end, Ok(Some(_))), "{end:?}");
+}
