@@ -1,4 +1,5 @@
-//! Compiles every `.proto` under `proto/` (recursively), with tonic's code and adapters.
+//! Compiles every `.proto` under `proto/` (recursively), with tonic's code and adapters, and
+//! writes their encoded `FileDescriptorSet` to `$OUT_DIR/descriptors.bin` (for reflection).
 //!
 //! `proto/test/third_party/` is a second include root, as a vendored googleapis would be: its
 //! files are imported as `google/api/annotations.proto`, so they are compiled as imports of the
@@ -34,8 +35,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     protos(&root, &[third_party.clone(), rdma_only.clone()], &mut files)?;
     files.sort();
     println!("cargo:rerun-if-changed={}", root.display());
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
     rpc_codegen::configure()
         .emit_tonic(true)
+        .file_descriptor_set_path(out.join("descriptors.bin"))
         .bytes([".bench", ".kv"])
         .type_attribute(".test.common.Point", "#[derive(PartialOrd, Ord)]")
         .include_file("protos.rs")
@@ -44,7 +47,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut files = Vec::new();
     protos(&rdma_only, &[], &mut files)?;
     files.sort();
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
     rpc_codegen::configure()
         .extern_path(".test.collide", "crate::test::collide")
         .out_dir(out.join("rdma_only"))

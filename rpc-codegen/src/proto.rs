@@ -194,7 +194,22 @@ impl Builder {
         self
     }
 
-    /// Also writes the encoded `FileDescriptorSet` there (for reflection).
+    /// Also writes the encoded `FileDescriptorSet` there: every file compiled, its imports
+    /// included, with source info (comments). A server registers it for gRPC reflection on
+    /// its bootstrap port, as tonic-build's option of the same name is used:
+    ///
+    /// ```ignore
+    /// // build.rs
+    /// let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    /// rpc_codegen::configure()
+    ///     .file_descriptor_set_path(out.join("descriptors.bin"))
+    ///     .compile(&["proto/greeter.proto"], &["proto"])?;
+    /// // the server
+    /// const DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"));
+    /// Server::builder()
+    ///     .add_service(GreeterServer::new(imp))
+    ///     .register_file_descriptor_set(DESCRIPTORS)
+    /// ```
     pub fn file_descriptor_set_path(mut self, path: impl AsRef<Path>) -> Self {
         self.file_descriptor_set_path = Some(path.as_ref().to_owned());
         self
