@@ -129,7 +129,7 @@ pub use error::{Error, TransportErrorKind};
 /// so a streaming service needs no dependency beyond this crate.
 pub use futures_core::Stream;
 pub use intercept::Interceptor;
-pub use method::{CallKind, MethodDesc};
+pub use method::{CallKind, Idempotency, MethodDesc};
 pub use request::{
     IntoRequest, IntoStreamingRequest, InvalidMetadata, MAX_METADATA_LEN, Metadata, Request,
     Response,
