@@ -135,5 +135,5 @@ pub use request::{
     Response,
 };
 pub use server::{RunningServer, Server, ServerBuilder, ShardPolling};
-pub use status::{Code, MAX_STATUS_MESSAGE_LEN, STATUS_DETAILS_KEY, Status};
+pub use status::{Code, MAX_STATUS_MESSAGE_LEN, NOT_EXECUTED_KEY, STATUS_DETAILS_KEY, Status};
 pub use streaming::Streaming;
