@@ -649,7 +649,11 @@ impl RunningServer {
 
     /// Stops accepting, tells clients to start no new call here (GoAway), lets calls in flight
     /// finish for at most the grace period ([`ServerBuilder::shutdown_grace`]), then stops the
-    /// shards and closes every connection.
+    /// shards and closes every connection. Requests that arrive meanwhile (sent before the
+    /// client saw the GoAway) never reach a handler: they are refused `UNAVAILABLE` with the
+    /// not-executed trailer ([`Status::is_not_executed`](crate::Status::is_not_executed)), and
+    /// a shard lingers 100 ms (within the grace period) after its last call for those still on
+    /// the way, so the client can send them elsewhere.
     ///
     /// # Cancel safety
     /// Dropping the future leaves the shards stopping in the background.
@@ -657,6 +661,7 @@ impl RunningServer {
         let _ = self.stop_tx.send(true);
         self.acceptor.abort();
         for s in self.shards.iter() {
+            s.linger.store(true, Ordering::Release);
             s.stop.store(true, Ordering::Release);
             s.doorbell.ring_always();
         }
