@@ -122,7 +122,7 @@ pub mod testing {
 }
 pub use client::{
     Balancer, Channel, ChannelBuilder, ClientPoller, Lease, Pipeline, Region, RegisteredBytes,
-    RegisteredBytesMut,
+    RegisteredBytesMut, RetryPolicy,
 };
 pub use error::{Error, TransportErrorKind};
 /// The `Stream` trait streaming methods take and return (`futures_core::Stream`), re-exported

@@ -497,7 +497,13 @@ impl Shared {
 ///
 /// Calls up to [`ChannelBuilder::max_concurrent_calls`] run concurrently; more wait for a free
 /// call slot. When the connection is lost, calls in flight fail with `UNAVAILABLE` and the next
-/// call reconnects.
+/// call reconnects; when reconnecting fails, calls fail at once (`UNAVAILABLE`, naming the
+/// last error and when the next attempt is) until the reconnect back-off has passed: an
+/// exponential back-off with jitter from 200 ms up to 30 s, as gRPC's.
+///
+/// Failed calls are retried as [`RetryPolicy`] describes: those that provably reached no
+/// handler transparently ([`Status::is_not_executed`]), those that may have run only with a
+/// policy ([`Channel::with_retry_policy`]) and for methods declared idempotent.
 #[derive(Clone)]
 pub struct Channel {
     target: Target,
@@ -772,12 +778,13 @@ impl Channel {
         self.current().is_some_and(|c| !c.is_dead())
     }
 
-    /// A unary call.
+    /// A unary call, retried as [`RetryPolicy`] says (the request's timeout covers every
+    /// attempt).
     ///
     /// # Errors
-    /// The call's [`Status`]: the server's, or `UNAVAILABLE` when the connection is lost,
-    /// `DEADLINE_EXCEEDED` when the request's timeout passes, `RESOURCE_EXHAUSTED` for messages
-    /// over the limit.
+    /// The call's [`Status`] (of its last attempt): the server's, or `UNAVAILABLE` when the
+    /// connection is lost or cannot be made, `DEADLINE_EXCEEDED` when the request's timeout
+    /// passes, `RESOURCE_EXHAUSTED` for messages over the limit.
     ///
     /// # Cancel safety
     /// Dropping the future cancels the call: the server is told, and buffers return to their
