@@ -198,7 +198,7 @@ async fn lose_the_connection_under(
     ch: &Channel,
     method: &'static MethodDesc,
     req: Request<SleepRequest>,
-    servers: &mut Vec<Option<TestServer>>,
+    servers: &mut [Option<TestServer>],
 ) -> (Result<rpc_core::Response<Blob>, Status>, usize) {
     let call = {
         let ch = ch.clone();
