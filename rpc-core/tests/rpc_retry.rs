@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+mod interop_service;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -456,4 +457,69 @@ async fn the_reconnect_back_off_costs_one_connect_per_window_not_one_per_call() 
     })
     .await;
     counter.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stream_is_retried_only_before_its_first_message() {
+    use interop_service::{EchoStatus, StreamingOutputCallRequest, StreamingOutputCallResponse};
+    const OUT: MethodDesc = interop_service::test_service_server::STREAMING_OUTPUT_CALL;
+    const OUT_IDEM: MethodDesc = OUT.with_idempotency(Idempotency::NoSideEffects);
+    let (server, probes) = interop_service::bind("127.0.0.1:0").await;
+    let ch = within(
+        LIMIT,
+        "connect",
+        Channel::builder(server.local_addr().to_string()).connect(),
+    )
+    .await
+    .unwrap()
+    .with_retry_policy(quick_policy());
+    let req = |messages: &[usize]| {
+        Request::new(StreamingOutputCallRequest {
+            response_parameters: interop_service::sizes(messages),
+            payload: None,
+            response_status: Some(EchoStatus {
+                code: Code::Unavailable as i32,
+                message: "down on purpose".into(),
+            }),
+        })
+    };
+    // UNAVAILABLE before any message: every attempt runs, then the last status.
+    let st = within(
+        LIMIT,
+        "stream",
+        ch.server_streaming::<_, StreamingOutputCallResponse>(&OUT_IDEM, req(&[])),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert_eq!(probes.started(), 3);
+    // Not declared idempotent: once.
+    let st = within(
+        LIMIT,
+        "stream",
+        ch.server_streaming::<_, StreamingOutputCallResponse>(&OUT, req(&[])),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert_eq!(probes.started(), 4);
+    // After a message the stream is the caller's: its error is not retried.
+    let mut s = within(
+        LIMIT,
+        "stream",
+        ch.server_streaming::<_, StreamingOutputCallResponse>(&OUT_IDEM, req(&[8])),
+    )
+    .await
+    .unwrap()
+    .into_inner();
+    assert!(
+        within(LIMIT, "message", s.message())
+            .await
+            .unwrap()
+            .is_some()
+    );
+    let st = within(LIMIT, "end", s.message()).await.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert_eq!(probes.started(), 5);
+    within(LIMIT, "shutdown", server.shutdown()).await;
 }
