@@ -357,7 +357,7 @@ async fn the_deadline_bounds_the_attempts() {
     let srv = TestServer::start().await;
     let policy = RetryPolicy::new()
         .max_attempts(5)
-        .initial_backoff(Duration::from_millis(300))
+        .initial_backoff(Duration::from_millis(700))
         .backoff_multiplier(1.0)
         .jitter(0.0);
     let ch = srv
@@ -365,7 +365,7 @@ async fn the_deadline_bounds_the_attempts() {
         .await
         .with_retry_policy(policy);
     let mut req = failing(Code::Unavailable);
-    req.set_timeout(Duration::from_millis(500));
+    req.set_timeout(Duration::from_millis(1_200));
     let start = Instant::now();
     let st = within(LIMIT, "call", ch.unary::<_, Blob>(&FAIL_IDEM, req))
         .await
@@ -376,9 +376,11 @@ async fn the_deadline_bounds_the_attempts() {
         Code::Unavailable,
         "the last attempt's status: {st:?}"
     );
-    // 0 ms: fails; 300 ms: fails; a third attempt would start at 600 ms, past the deadline.
+    // 0 ms: fails; 700 ms: fails; a third attempt would start at 1400 ms, past the deadline,
+    // so it is not made (the call returns at once, not at the deadline).
     assert_eq!(calls(&srv), 2, "took {took:?}");
-    assert!(took >= Duration::from_millis(300), "{took:?}");
+    assert!(took >= Duration::from_millis(700), "{took:?}");
+    assert!(took < Duration::from_millis(1_200), "{took:?}");
 
     // A retried attempt gets only what is left of the timeout: the server sees less.
     let mut req = sleeper(1, 10_000);

@@ -871,7 +871,8 @@ impl Channel {
     /// everything. The fastest way to keep many small calls in flight from one thread.
     ///
     /// The pipeline keeps the connection it was made on: when that connection is lost its
-    /// calls fail with `UNAVAILABLE`, and a new pipeline reconnects.
+    /// calls fail with `UNAVAILABLE`, and a new pipeline reconnects. Its calls are never
+    /// retried ([`Status::is_not_executed`] tells which never left).
     ///
     /// # Errors
     /// `UNAVAILABLE` when there is no connection and reconnecting fails.
