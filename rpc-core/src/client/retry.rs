@@ -40,7 +40,7 @@ const _: () = assert!(TRANSPARENT_ATTEMPTS >= 1 && TRANSPARENT_ATTEMPTS <= MAX_A
 /// Every attempt after the first waits for the back-off (`initial_backoff`, times
 /// `backoff_multiplier` per attempt, at most `max_backoff`, each ±`jitter`); on a
 /// single-address channel whose reconnect is backing off, a policy's retry waits for the next
-/// connect attempt too. A request's timeout covers all attempts and waits: a retry that
+/// connect attempt too, if that comes within `max_backoff` (else the call fails at once). A request's timeout covers all attempts and waits: a retry that
 /// could not start before it passes is not made, and each attempt gets only what is left of
 /// it. The call fails with the last attempt's status.
 ///
@@ -215,7 +215,7 @@ impl<'a> Attempts<'a> {
                 // try before the channel's next connect (the attempt would fail the same).
                 None if connect_in.is_some() => return None,
                 None => Duration::ZERO,
-                Some(p) => self.wait(p, connect_in, random),
+                Some(p) => self.wait(p, connect_in, random)?,
             }
         } else {
             let p = self.policy?;
@@ -231,7 +231,7 @@ impl<'a> Attempts<'a> {
             {
                 return None;
             }
-            self.wait(p, connect_in, random)
+            self.wait(p, connect_in, random)?
         };
         if let Some((start, t)) = self.deadline
             && start.elapsed().saturating_add(wait) >= t
@@ -241,9 +241,16 @@ impl<'a> Attempts<'a> {
         Some(wait)
     }
 
-    fn wait(&self, p: &RetryPolicy, connect_in: Option<Duration>, random: f64) -> Duration {
+    /// The policy's back-off before the next attempt, or the channel's next connect if that
+    /// is later; `None` when the connect is further off than the policy's longest wait (a
+    /// long outage fails the call instead of holding it).
+    fn wait(&self, p: &RetryPolicy, connect_in: Option<Duration>, random: f64) -> Option<Duration> {
         let w = backoff::jittered(p.backoff(self.made), p.jitter, random);
-        connect_in.map_or(w, |c| w.max(c))
+        match connect_in {
+            Some(c) if c > p.max_backoff.max(w) => None,
+            Some(c) => Some(w.max(c)),
+            None => Some(w),
+        }
     }
 
     /// What is left of the request's timeout for the next attempt.
@@ -345,6 +352,12 @@ mod tests {
         let mut a = Attempts::new(Some(&p), &PLAIN, None);
         let c = Duration::from_millis(40);
         assert_eq!(a.retry(&refused(), Some(c), 0.0), Some(c));
+        // ... but not a connect further off than the longest back-off (1 s here).
+        let mut far = Attempts::new(Some(&p), &PLAIN, None);
+        assert_eq!(
+            far.retry(&refused(), Some(Duration::from_secs(5)), 0.0),
+            None
+        );
         assert_eq!(
             a.retry(&refused(), None, 0.0),
             Some(Duration::from_millis(20))
