@@ -3,7 +3,7 @@
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{format_ident, quote};
 
-use crate::ir::{CallKind, CodegenError, MethodDef, ServiceDef};
+use crate::ir::{CallKind, CodegenError, Idempotency, MethodDef, ServiceDef};
 
 /// What to emit and where the runtime lives.
 #[derive(Clone, Debug)]
@@ -333,7 +333,16 @@ fn client(service: &ServiceDef, options: &EmitOptions) -> TokenStream {
 fn method_desc(service: &ServiceDef, m: &MethodDef, rt: &TokenStream) -> TokenStream {
     let path = service.method_path(m);
     let kind = format_ident!("{}", m.kind().variant());
-    quote! { #rt::MethodDesc::new(#path, #rt::CallKind::#kind) }
+    match m.idempotency {
+        Idempotency::Unknown => quote! { #rt::MethodDesc::new(#path, #rt::CallKind::#kind) },
+        level => {
+            let level = format_ident!("{}", level.variant());
+            quote! {
+                #rt::MethodDesc::new(#path, #rt::CallKind::#kind)
+                    .with_idempotency(#rt::Idempotency::#level)
+            }
+        }
+    }
 }
 
 /// The method's docs, or one line naming its path when it has none.

@@ -47,6 +47,34 @@ pub struct MethodDef {
     /// Whether the method is deprecated (`option deprecated = true;`): client methods get
     /// `#[deprecated]`.
     pub deprecated: bool,
+    /// What running the method twice does (`option idempotency_level = ...;`, or
+    /// `#[rpc(idempotent)]` / `#[rpc(no_side_effects)]` in `#[service]`): the emitted
+    /// `MethodDesc` carries it, and clients retry calls of idempotent methods that may have
+    /// executed (see `rpc_core::RetryPolicy`).
+    pub idempotency: Idempotency,
+}
+
+/// A method's declared idempotency, protobuf's `MethodOptions.IdempotencyLevel`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Idempotency {
+    /// Not declared (`IDEMPOTENCY_UNKNOWN`).
+    #[default]
+    Unknown,
+    /// `IDEMPOTENT`: running it twice has the effect of running it once.
+    Idempotent,
+    /// `NO_SIDE_EFFECTS`: it changes nothing.
+    NoSideEffects,
+}
+
+impl Idempotency {
+    /// The variant's name in `rpc_core::codegen::Idempotency`.
+    pub fn variant(self) -> &'static str {
+        match self {
+            Idempotency::Unknown => "Unknown",
+            Idempotency::Idempotent => "Idempotent",
+            Idempotency::NoSideEffects => "NoSideEffects",
+        }
+    }
 }
 
 /// The four call kinds of gRPC.
@@ -384,6 +412,7 @@ mod tests {
             server_streaming: false,
             docs: vec![],
             deprecated: false,
+            idempotency: Idempotency::Unknown,
         }
     }
 

@@ -113,7 +113,7 @@ pub use emit::{EmitOptions, generate, message_bound, pretty, rebase};
 #[cfg(feature = "proto")]
 pub use error::{Error, Location, Problem};
 pub use ir::{
-    CallKind, CodegenError, MethodDef, RESERVED_METHOD_NAMES, ServiceDef, method_id,
+    CallKind, CodegenError, Idempotency, MethodDef, RESERVED_METHOD_NAMES, ServiceDef, method_id,
     tonic_snake_case,
 };
 #[cfg(feature = "proto")]

@@ -12,7 +12,7 @@ use quote::quote;
 use crate::docs::doc_lines;
 use crate::emit::{EmitOptions, generate, pretty};
 use crate::error::{Error, Location, Problem};
-use crate::ir::{CodegenError, MethodDef, ServiceDef};
+use crate::ir::{CodegenError, Idempotency, MethodDef, ServiceDef};
 
 /// A builder for `build.rs` in the spirit of tonic-build: configure, then
 /// [`compile`](Builder::compile).
@@ -630,6 +630,20 @@ fn push_pretty(
     }
 }
 
+/// A method's `option idempotency_level` as the IR has it (an unknown number, from a newer
+/// protobuf, counts as not declared: never retried after it may have run).
+fn idempotency(options: &prost_types::MethodOptions) -> Idempotency {
+    use prost_types::method_options::IdempotencyLevel;
+    match options
+        .idempotency_level
+        .and_then(|v| IdempotencyLevel::try_from(v).ok())
+    {
+        Some(IdempotencyLevel::Idempotent) => Idempotency::Idempotent,
+        Some(IdempotencyLevel::NoSideEffects) => Idempotency::NoSideEffects,
+        Some(IdempotencyLevel::IdempotencyUnknown) | None => Idempotency::Unknown,
+    }
+}
+
 /// Maps a prost-build service to the IR.
 ///
 /// # Errors
@@ -661,6 +675,7 @@ pub fn service_def(service: &prost_build::Service) -> Result<ServiceDef, Codegen
                 server_streaming: m.server_streaming,
                 docs: doc_lines(&m.comments.leading, &m.comments.trailing),
                 deprecated: m.options.deprecated(),
+                idempotency: idempotency(&m.options),
             })
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -127,6 +127,22 @@ fn tonic_snapshot() {
 }
 
 #[test]
+fn idempotency_levels_snapshot() {
+    let out = compile(
+        "idempotency",
+        &["test/idempotency.proto"],
+        rpc_codegen::configure(),
+    );
+    let code = read(&out, "test.idempotency.rs");
+    assert!(
+        code.contains(".with_idempotency(::rpc_core::codegen::Idempotency::NoSideEffects)")
+            && code.contains(".with_idempotency(::rpc_core::codegen::Idempotency::Idempotent)"),
+        "{code}"
+    );
+    assert_golden("test.idempotency.rs", &code);
+}
+
+#[test]
 fn emitter_snapshot_from_hand_built_ir() {
     let service = ServiceDef {
         name: "Kv".into(),
@@ -143,6 +159,7 @@ fn emitter_snapshot_from_hand_built_ir() {
                 server_streaming: false,
                 docs: vec![" Reads a key.".into()],
                 deprecated: false,
+                idempotency: rpc_codegen::Idempotency::NoSideEffects,
             },
             MethodDef {
                 name: "watch".into(),
@@ -153,6 +170,7 @@ fn emitter_snapshot_from_hand_built_ir() {
                 server_streaming: true,
                 docs: vec![],
                 deprecated: true,
+                idempotency: rpc_codegen::Idempotency::Unknown,
             },
         ],
     };

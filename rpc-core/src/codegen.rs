@@ -12,7 +12,7 @@ pub use prost::Message;
 pub use crate::Error as TransportError;
 pub use crate::Interceptor;
 pub use crate::client::{Channel, Pipeline};
-pub use crate::method::{CallKind, MethodDesc, method_id};
+pub use crate::method::{CallKind, Idempotency, MethodDesc, method_id};
 pub use crate::request::{IntoRequest, IntoStreamingRequest, Metadata, Request, Response};
 pub use crate::server::{Dispatched, IncomingCall, InterceptedService, Service};
 pub use crate::status::{Code, Status};

@@ -124,18 +124,18 @@ pub mod testing {
 }
 pub use client::{
     Balancer, Channel, ChannelBuilder, ClientPoller, Lease, Pipeline, Region, RegisteredBytes,
-    RegisteredBytesMut,
+    RegisteredBytesMut, RetryPolicy,
 };
 pub use error::{Error, TransportErrorKind};
 /// The `Stream` trait streaming methods take and return (`futures_core::Stream`), re-exported
 /// so a streaming service needs no dependency beyond this crate.
 pub use futures_core::Stream;
 pub use intercept::Interceptor;
-pub use method::{CallKind, MethodDesc};
+pub use method::{CallKind, Idempotency, MethodDesc};
 pub use request::{
     IntoRequest, IntoStreamingRequest, InvalidMetadata, MAX_METADATA_LEN, Metadata, Request,
     Response,
 };
 pub use server::{RunningServer, Server, ServerBuilder, ShardPolling};
-pub use status::{Code, MAX_STATUS_MESSAGE_LEN, STATUS_DETAILS_KEY, Status};
+pub use status::{Code, MAX_STATUS_MESSAGE_LEN, NOT_EXECUTED_KEY, STATUS_DETAILS_KEY, Status};
 pub use streaming::Streaming;

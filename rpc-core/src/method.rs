@@ -25,8 +25,33 @@ impl CallKind {
     }
 }
 
+/// What running a method twice does: protobuf's `MethodOptions.idempotency_level`
+/// (`option idempotency_level = IDEMPOTENT;` in a `.proto`, `#[rpc(idempotent)]` in
+/// `#[service]`). A client retries a call that may have reached a handler only when its
+/// method says it is safe to ([`Idempotency::is_retry_safe`]; see
+/// [`RetryPolicy`](crate::RetryPolicy)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Idempotency {
+    /// Nothing is declared: running the method twice may do something twice (never retried
+    /// once it may have executed).
+    #[default]
+    Unknown,
+    /// Running it twice has the effect of running it once (`IDEMPOTENT`).
+    Idempotent,
+    /// It has no side effects at all (`NO_SIDE_EFFECTS`, e.g. a read).
+    NoSideEffects,
+}
+
+impl Idempotency {
+    /// Whether a call that may have executed can be sent again (`Idempotent` or
+    /// `NoSideEffects`).
+    pub const fn is_retry_safe(self) -> bool {
+        !matches!(self, Idempotency::Unknown)
+    }
+}
+
 /// A method of a service: its path (`/package.Service/Method`), the stable 32-bit id derived
-/// from the path that travels in every frame, and its call kind.
+/// from the path that travels in every frame, its call kind and its declared idempotency.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MethodDesc {
     /// Stable id: [`method_id`] of `path`.
@@ -35,16 +60,27 @@ pub struct MethodDesc {
     pub path: &'static str,
     /// Call kind.
     pub kind: CallKind,
+    /// What running it twice does ([`Idempotency::Unknown`] unless declared): set with
+    /// [`MethodDesc::with_idempotency`]. Local only: it does not travel on the wire.
+    pub idempotency: Idempotency,
 }
 
 impl MethodDesc {
-    /// The descriptor of `path`.
+    /// The descriptor of `path` (of unknown idempotency).
     pub const fn new(path: &'static str, kind: CallKind) -> MethodDesc {
         MethodDesc {
             id: method_id(path),
             path,
             kind,
+            idempotency: Idempotency::Unknown,
         }
+    }
+
+    /// This descriptor with its idempotency declared (usable in a `const`).
+    #[must_use]
+    pub const fn with_idempotency(mut self, idempotency: Idempotency) -> MethodDesc {
+        self.idempotency = idempotency;
+        self
     }
 
     /// The service part of the path (`package.Service`).
@@ -87,5 +123,11 @@ mod tests {
         assert_eq!(D.service(), "helloworld.Greeter");
         assert_eq!(D.method(), "SayHello");
         assert_ne!(D.id, 0);
+        assert_eq!(D.idempotency, Idempotency::Unknown);
+        const E: MethodDesc =
+            MethodDesc::new("/a.B/C", CallKind::Unary).with_idempotency(Idempotency::NoSideEffects);
+        assert!(E.idempotency.is_retry_safe());
+        assert!(!Idempotency::Unknown.is_retry_safe());
+        assert_eq!(E.id, method_id("/a.B/C"));
     }
 }

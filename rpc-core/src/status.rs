@@ -120,12 +120,21 @@ pub(crate) const UNKNOWN_METHOD: &str = "the server has no such method";
 /// The metadata key of a status's details (gRPC's rich error model, `google.rpc.Status`).
 pub const STATUS_DETAILS_KEY: &str = "grpc-status-details-bin";
 
+/// The trailer by which a server's runtime says a call reached no handler (it drains: see
+/// [`Status::is_not_executed`]). Reserved: the server strips it from every status and trailer
+/// its handlers send, so a handler cannot pass on one it got from a call of its own (it ran);
+/// a client honours it only on an `UNAVAILABLE` status with the value `1`, and removes it.
+pub const NOT_EXECUTED_KEY: &str = "rpc-not-executed";
+
 /// A call's outcome other than success: a [`Code`] and a message, plus optional metadata sent
 /// back with it (trailers), binary details ([`Status::with_details`]) and, on the side that
-/// made it, the error that caused it ([`Status::from_error`], not sent).
+/// made it, the error that caused it ([`Status::from_error`], not sent) and whether the call
+/// provably reached no handler ([`Status::is_not_executed`], not sent as such).
 #[derive(Clone)]
 pub struct Status {
     code: Code,
+    /// The call reached no handler (local: see [`Status::is_not_executed`]).
+    not_executed: bool,
     message: String,
     metadata: crate::Metadata,
     source: Option<std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>>,
@@ -145,6 +154,7 @@ impl Status {
     pub fn new(code: Code, message: impl Into<String>) -> Status {
         Status {
             code,
+            not_executed: false,
             message: message.into(),
             metadata: crate::Metadata::new(),
             source: None,
@@ -209,6 +219,39 @@ impl Status {
         source: std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>,
     ) -> &mut Status {
         self.source = Some(source);
+        self
+    }
+
+    /// Whether the call provably reached no handler, so sending it again cannot run anything
+    /// twice: the client could not connect or finish the handshake, the connection was lost
+    /// (or the server had said GoAway) before the request was posted, or the server refused
+    /// it unexecuted because it drains (the trailer [`NOT_EXECUTED_KEY`], which only the
+    /// server's runtime sets). Channels retry such calls on their own
+    /// ([`RetryPolicy`](crate::RetryPolicy)); a caller with its own retry loop may retry them
+    /// whatever the method. `false` whenever the call may have run, including a request lost
+    /// with its connection after it was posted.
+    ///
+    /// The mark is local: a status a handler returns is sent without it, even when the
+    /// handler got it from a call of its own.
+    pub fn is_not_executed(&self) -> bool {
+        self.not_executed
+    }
+
+    /// This status, marked as one of a call that reached no handler.
+    pub(crate) fn not_executed(mut self) -> Status {
+        self.not_executed = true;
+        self
+    }
+
+    /// The status of a terminal frame from the server: the not-executed trailer (only on
+    /// `UNAVAILABLE`, only with the value `1`) becomes the local mark and is removed.
+    pub(crate) fn recognise_not_executed(mut self) -> Status {
+        if self.metadata.get(NOT_EXECUTED_KEY).is_some() {
+            let honoured =
+                self.code == Code::Unavailable && self.metadata.get(NOT_EXECUTED_KEY) == Some(b"1");
+            self.metadata.remove(NOT_EXECUTED_KEY);
+            self.not_executed = honoured;
+        }
         self
     }
 
@@ -305,6 +348,9 @@ impl fmt::Debug for Status {
         if !self.metadata.is_empty() {
             d.field("metadata", &self.metadata);
         }
+        if self.not_executed {
+            d.field("not_executed", &true);
+        }
         d.finish()
     }
 }
@@ -347,6 +393,34 @@ impl From<std::io::Error> for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_not_executed_trailer_is_honoured_only_as_the_runtime_sends_it() {
+        let with = |code: Code, value: &str| {
+            let mut st = Status::new(code, "m");
+            st.metadata_mut().insert(NOT_EXECUTED_KEY, value).unwrap();
+            st.metadata_mut().insert("other", "kept").unwrap();
+            st.recognise_not_executed()
+        };
+        let st = with(Code::Unavailable, "1");
+        assert!(st.is_not_executed());
+        assert!(st.metadata().get(NOT_EXECUTED_KEY).is_none(), "removed");
+        assert_eq!(st.metadata().get_str("other"), Some("kept"));
+        // Another code or value: not honoured, and still removed.
+        for st in [with(Code::Internal, "1"), with(Code::Unavailable, "yes")] {
+            assert!(!st.is_not_executed(), "{st:?}");
+            assert!(st.metadata().get(NOT_EXECUTED_KEY).is_none());
+        }
+        assert!(
+            !Status::unavailable("x")
+                .recognise_not_executed()
+                .is_not_executed()
+        );
+        // The mark is local: not compared, not in the metadata.
+        let marked = Status::unavailable("x").not_executed();
+        assert!(marked.is_not_executed() && marked.metadata().is_empty());
+        assert_eq!(marked, Status::unavailable("x"));
+    }
 
     #[test]
     fn codes_round_trip_through_their_numbers() {

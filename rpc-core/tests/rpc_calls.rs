@@ -1082,11 +1082,24 @@ async fn restart_case(mode: ClientPoller, graceful: bool, api: Api) {
             &format!("{what}: call with no server"),
         );
     }
-    // A new server on the same port: the same channel reconnects.
+    // A new server on the same port: the same channel reconnects, once the reconnect
+    // back-off after the failed attempt has passed (calls in the window fail at once, not
+    // executed, saying when the next attempt is).
     let srv2 = rebind(&addr).await;
-    let r = echo(3)
-        .await
-        .unwrap_or_else(|e| panic!("{what}: call after restart: {e:?}"));
+    let t0 = Instant::now();
+    let r = loop {
+        match echo(3).await {
+            Err(st)
+                if st.message().contains("next attempt")
+                    && t0.elapsed() < Duration::from_secs(20) =>
+            {
+                assert!(st.is_not_executed(), "{what}: {st:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            r => break r,
+        }
+    };
+    let r = r.unwrap_or_else(|e| panic!("{what}: call after restart: {e:?}"));
     check_blob(r.get_ref(), 3, 50, &what);
     assert!(ch.is_connected());
     srv2.settle("live calls back to 0").await;

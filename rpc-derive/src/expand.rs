@@ -11,7 +11,7 @@ use syn::{
     TraitItemType, Type, TypeParamBound,
 };
 
-use rpc_codegen::{EmitOptions, MethodDef, ServiceDef};
+use rpc_codegen::{EmitOptions, Idempotency, MethodDef, ServiceDef};
 
 /// `#[service(..)]` arguments.
 struct Args {
@@ -52,15 +52,27 @@ struct Method {
     stream: Option<Ident>,
     docs: Vec<String>,
     deprecated: bool,
+    idempotency: Idempotency,
 }
 
 pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> TokenStream {
     match try_expand(attr, item.clone()) {
         Ok(tokens) => tokens,
         Err(e) => {
-            // Keep the trait so that its uses do not add errors of their own.
+            // Keep the trait so that its uses do not add errors of their own (without our
+            // `#[rpc(..)]` attributes, which rustc does not know).
             let errors = e.to_compile_error();
-            quote! { #item #errors }
+            match syn::parse2::<ItemTrait>(item.clone()) {
+                Ok(mut t) => {
+                    for it in &mut t.items {
+                        if let TraitItem::Fn(f) = it {
+                            f.attrs.retain(|a| !a.path().is_ident("rpc"));
+                        }
+                    }
+                    quote! { #t #errors }
+                }
+                Err(_) => quote! { #item #errors },
+            }
         }
     }
 }
@@ -167,6 +179,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                 server_streaming: m.stream.is_some(),
                 docs: without_code_blocks(&m.docs, &format!("{}::{}", item.ident, m.ident.unraw())),
                 deprecated: m.deprecated,
+                idempotency: m.idempotency,
             })
             .collect(),
         docs: without_code_blocks(&docs(&item.attrs), &item.ident.to_string()),
@@ -485,6 +498,7 @@ fn check_method(
         },
     };
 
+    let idempotency = rpc_attrs(&f.attrs, errors, &mut failed);
     if failed {
         return None;
     }
@@ -496,7 +510,43 @@ fn check_method(
         stream,
         docs: docs(&f.attrs),
         deprecated: f.attrs.iter().any(|a| a.path().is_ident("deprecated")),
+        idempotency,
     })
+}
+
+/// The method's `#[rpc(..)]` options: `idempotent` or `no_side_effects` (protobuf's
+/// `idempotency_level`), at most one. Anything else is an error naming what is accepted.
+fn rpc_attrs(attrs: &[syn::Attribute], errors: &mut Errors, failed: &mut bool) -> Idempotency {
+    const EXPECTED: &str = "expected `idempotent` or `no_side_effects`, as in `#[rpc(idempotent)]`";
+    let mut level = Idempotency::Unknown;
+    for a in attrs.iter().filter(|a| a.path().is_ident("rpc")) {
+        let r = a.parse_nested_meta(|meta| {
+            let this = if meta.path.is_ident("idempotent") {
+                Idempotency::Idempotent
+            } else if meta.path.is_ident("no_side_effects") {
+                Idempotency::NoSideEffects
+            } else {
+                let name = meta
+                    .path
+                    .get_ident()
+                    .map_or_else(|| "..".to_owned(), ToString::to_string);
+                return Err(meta.error(format!("unknown #[rpc] option `{name}`; {EXPECTED}")));
+            };
+            if level != Idempotency::Unknown {
+                return Err(meta.error(
+                    "a method has one idempotency level: give `idempotent` or \
+                     `no_side_effects`, not both",
+                ));
+            }
+            level = this;
+            Ok(())
+        });
+        if let Err(e) = r {
+            *failed = true;
+            errors.push(e);
+        }
+    }
+    level
 }
 
 /// Checks (by shape) that `ty` can be a protobuf message: `()` or a path to a type without
@@ -666,6 +716,8 @@ fn rewrite_trait(item: &ItemTrait) -> TokenStream {
                 t.bounds.push(syn::parse_quote!('static));
             }
             TraitItem::Fn(f) => {
+                // `#[rpc(..)]` is ours (read by `rpc_attrs`), not an attribute rustc knows.
+                f.attrs.retain(|a| !a.path().is_ident("rpc"));
                 f.sig.asyncness = None;
                 let output = match &f.sig.output {
                     ReturnType::Type(_, ty) => quote!(#ty),

@@ -34,6 +34,11 @@
 //! The service name is the trait name; the package comes from `package = ".."` (none by
 //! default); `crate = "::path::to::rpc_core"` overrides the runtime path.
 //!
+//! A method may declare what running it twice does, as `.proto`'s `option idempotency_level`:
+//! `#[rpc(idempotent)]` (`IDEMPOTENT`) or `#[rpc(no_side_effects)]` (`NO_SIDE_EFFECTS`). The
+//! method's `MethodDesc` carries it (`rpc_core::Idempotency`), and a client with a
+//! `rpc_core::RetryPolicy` may retry such a call even when it may have reached a handler.
+//!
 //! # Errors
 //!
 //! Problems are reported together, each at its span, and the macro never panics: methods that

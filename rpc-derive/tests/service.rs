@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures_core::Stream;
-use rpc_core::codegen::{CallKind, Service};
+use rpc_core::codegen::{CallKind, Idempotency, Service};
 use rpc_core::{Code, Request, Response, Status, Streaming};
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -38,6 +38,7 @@ pub struct Change {
 #[rpc_derive::service(package = "kv")]
 pub trait Kv {
     /// Reads a key.
+    #[rpc(no_side_effects)]
     async fn get(&self, request: GetRequest) -> Result<GetReply, Status>;
 
     /// Stores many keys.
@@ -50,6 +51,7 @@ pub trait Kv {
     async fn watch(&self, request: GetRequest) -> Result<Self::Changes, Status>;
 
     /// With a default body.
+    #[rpc(idempotent)]
     async fn ping(&self, _request: ()) -> Result<(), Status> {
         Ok(())
     }
@@ -104,6 +106,19 @@ fn the_generated_modules_describe_the_service() {
         ]
     );
     assert_eq!(kv_server::GET.id, rpc_core::method::method_id("/kv.Kv/Get"));
+    let levels: Vec<Idempotency> = kv_server::KvServer::<Store>::METHODS
+        .iter()
+        .map(|m| m.idempotency)
+        .collect();
+    assert_eq!(
+        levels,
+        [
+            Idempotency::NoSideEffects,
+            Idempotency::Unknown,
+            Idempotency::Unknown,
+            Idempotency::Idempotent,
+        ]
+    );
     let server = kv_server::KvServer::new(Store);
     assert_eq!(server.name(), "kv.Kv");
     assert_eq!(server.methods().len(), 4);

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use rpc_core::{Balancer, Channel, Request, Response, Server, Status};
+use rpc_core::{Balancer, Channel, Request, Response, RetryPolicy, Server, Status};
 use rpc_examples::mesh::backend_client::BackendClient;
 use rpc_examples::mesh::backend_server::{Backend, BackendServer};
 use rpc_examples::mesh::frontend_client::FrontendClient;
@@ -60,7 +60,11 @@ struct Front {
 
 impl Frontend for Front {
     async fn handle(&self, request: Request<Query>) -> Result<Response<Answer>, Status> {
-        let s = self.backends.score(request.into_inner()).await?.into_inner();
+        let s = self
+            .backends
+            .score(request.into_inner())
+            .await?
+            .into_inner();
         Ok(Response::new(Answer {
             id: s.id,
             score: s.score,
@@ -177,7 +181,10 @@ async fn main() -> Result<()> {
     for r in &replicas {
         r.add_to(&balancer);
     }
-    let to_backends = to_backends.with_stats();
+    // Calls that may have run are retried (Score is idempotent); refused ones always are.
+    let to_backends = to_backends
+        .with_retry_policy(RetryPolicy::new().max_attempts(4))
+        .with_stats();
     let frontend = Server::builder()
         .add_service(FrontendServer::new(Front {
             backends: BackendClient::new(to_backends.clone()),
@@ -250,8 +257,14 @@ async fn main() -> Result<()> {
     report("stopped");
 
     println!("\n{}\n", frontend.stats());
-    println!("{}  (the frontend's calls to the backends)\n", to_backends.stats());
-    println!("{}  (the client's calls to the frontend)\n", client_channel.stats());
+    println!(
+        "{}  (the frontend's calls to the backends)\n",
+        to_backends.stats()
+    );
+    println!(
+        "{}  (the client's calls to the frontend)\n",
+        client_channel.stats()
+    );
 
     b3.signal(libc::SIGTERM);
     b4.signal(libc::SIGTERM);

@@ -360,3 +360,27 @@ async fn client_calls_type_check() -> Result<(), Box<dyn std::error::Error>> {
     let _ = bare.poke(rpc_codegen_check::Poke { n: 1 }).await?;
     Ok(())
 }
+
+#[test]
+fn descriptors_carry_idempotency_levels() {
+    use rpc_core::Idempotency::*;
+    let levels: Vec<(&str, rpc_core::Idempotency)> =
+        test::idempotency::store_server::StoreServer::<()>::METHODS
+            .iter()
+            .map(|m| (m.method(), m.idempotency))
+            .collect();
+    assert_eq!(
+        levels,
+        [
+            ("Get", NoSideEffects),
+            ("Delete", Idempotent),
+            ("Append", Unknown),
+            ("Touch", Unknown),
+            ("Watch", NoSideEffects),
+        ]
+    );
+    assert_eq!(
+        test::idempotency::store_server::GET.idempotency,
+        NoSideEffects
+    );
+}

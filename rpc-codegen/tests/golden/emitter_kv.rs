@@ -62,9 +62,10 @@ pub(crate) mod kv_client {
             crate::rt::codegen::Status,
         > {
             const METHOD: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
-                "/store.v1.Kv/Get",
-                crate::rt::codegen::CallKind::Unary,
-            );
+                    "/store.v1.Kv/Get",
+                    crate::rt::codegen::CallKind::Unary,
+                )
+                .with_idempotency(crate::rt::codegen::Idempotency::NoSideEffects);
             self.inner
                 .unary(
                     &METHOD,
@@ -150,9 +151,10 @@ pub(crate) mod kv_client {
             crate::rt::codegen::Status,
         > {
             const METHOD: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
-                "/store.v1.Kv/Get",
-                crate::rt::codegen::CallKind::Unary,
-            );
+                    "/store.v1.Kv/Get",
+                    crate::rt::codegen::CallKind::Unary,
+                )
+                .with_idempotency(crate::rt::codegen::Idempotency::NoSideEffects);
             self.inner
                 .unary_blocking(
                     &METHOD,
@@ -208,9 +210,10 @@ pub(crate) mod kv_client {
             crate::rt::codegen::Status,
         > {
             const METHOD: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
-                "/store.v1.Kv/Get",
-                crate::rt::codegen::CallKind::Unary,
-            );
+                    "/store.v1.Kv/Get",
+                    crate::rt::codegen::CallKind::Unary,
+                )
+                .with_idempotency(crate::rt::codegen::Idempotency::NoSideEffects);
             self.inner.pipeline(&METHOD)
         }
     }
@@ -245,9 +248,10 @@ pub(crate) mod kv_server {
     )]
     /// `/store.v1.Kv/Get`.
     pub const GET: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
-        "/store.v1.Kv/Get",
-        crate::rt::codegen::CallKind::Unary,
-    );
+            "/store.v1.Kv/Get",
+            crate::rt::codegen::CallKind::Unary,
+        )
+        .with_idempotency(crate::rt::codegen::Idempotency::NoSideEffects);
     /// `/store.v1.Kv/Watch`.
     pub const WATCH: crate::rt::codegen::MethodDesc = crate::rt::codegen::MethodDesc::new(
         "/store.v1.Kv/Watch",

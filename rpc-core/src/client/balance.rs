@@ -6,19 +6,15 @@
 //! ([`Balancer::insert`], [`Balancer::remove`]). Each replica is an ordinary single-server
 //! connection, made on first use and remade after a loss.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 
+use super::backoff::{Reconnect, now_ns, unit};
 use super::{Channel, ChannelBuilder, Conn, Shared, Target, open};
 use crate::Status;
-
-/// First back-off after a replica could not be reached; each further failure multiplies it by
-/// 1.6 (gRPC's connection back-off), up to [`MAX_BACKOFF`], with ±20% jitter.
-const FIRST_BACKOFF: Duration = Duration::from_millis(200);
-const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 /// The replicas of a balanced channel.
 pub(crate) struct Balance {
@@ -37,33 +33,26 @@ impl std::fmt::Debug for Balance {
 }
 
 /// One replica: its options, its connection once made, its load and its health.
-struct Replica {
+pub(crate) struct Replica {
     key: String,
     builder: ChannelBuilder,
     shared: ArcSwapOption<Shared>,
     /// Connecting the first time (one attempt at a time).
     connecting: tokio::sync::Mutex<()>,
     in_flight: AtomicUsize,
-    /// Not picked before this many nanoseconds after the channel's epoch (0: not ejected):
-    /// the per-call check is one load; `health` is locked only when this is set.
-    down_until_ns: AtomicU64,
-    health: Mutex<Health>,
-}
-
-#[derive(Default)]
-struct Health {
-    /// The next back-off.
-    backoff: Duration,
-    last_error: String,
-}
-
-/// Nanoseconds since the process epoch (never 0: 0 marks a replica that is not ejected).
-fn now_ns() -> u64 {
-    crate::link::now_ns().max(1)
+    /// Ejected (not picked) until its reconnect back-off has passed.
+    health: Reconnect,
 }
 
 /// A call in flight on a replica (counted until dropped).
 pub(crate) struct Load(Arc<Replica>);
+
+impl Load {
+    /// The replica the call went to (a retry goes elsewhere if it can).
+    pub(crate) fn replica(&self) -> Arc<Replica> {
+        Arc::clone(&self.0)
+    }
+}
 
 impl Drop for Load {
     fn drop(&mut self) {
@@ -142,6 +131,7 @@ impl Channel {
         let ch = Channel {
             target: Target::Many(Arc::clone(&balance)),
             interceptor: None,
+            retry: None,
             stats: None,
         };
         (ch, Balancer { balance })
@@ -156,13 +146,12 @@ impl Replica {
             shared: ArcSwapOption::empty(),
             connecting: tokio::sync::Mutex::new(()),
             in_flight: AtomicUsize::new(0),
-            down_until_ns: AtomicU64::new(0),
-            health: Mutex::new(Health::default()),
+            health: Reconnect::new(),
         }
     }
 
     fn is_down(&self, now: u64) -> bool {
-        now < self.down_until_ns.load(Ordering::Acquire)
+        self.health.is_down(now)
     }
 
     fn shared(&self) -> Option<Arc<Shared>> {
@@ -190,8 +179,9 @@ impl Replica {
             super::server_addr(&builder.addr).map_err(|e| Status::unavailable(e.to_string()))?;
         let conn = open(&builder)
             .await
-            .map_err(|e| Status::unavailable(format!("{}: {e}", self.key)))?;
-        let shared = Arc::new(Shared::new(builder, conn));
+            .map_err(|e| Status::unavailable(format!("{}: {e}", self.key)).not_executed())?;
+        // The replica's own back-off (ejection) gates its reconnects: none in `Shared`.
+        let shared = Arc::new(Shared::new(builder, conn, false));
         let c = shared.conn.load_full();
         self.shared.store(Some(shared));
         Ok(c)
@@ -199,26 +189,12 @@ impl Replica {
 
     /// Reached: the back-off starts over.
     fn healthy(&self) {
-        if self.down_until_ns.load(Ordering::Acquire) != 0 {
-            let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
-            *h = Health::default();
-            self.down_until_ns.store(0, Ordering::Release);
-        }
+        self.health.succeeded();
     }
 
     /// Not reached: ejected for the next back-off (with `jitter` in -1..=1).
     fn eject(&self, why: &Status, jitter: f64) {
-        let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
-        let base = if h.backoff.is_zero() {
-            FIRST_BACKOFF
-        } else {
-            h.backoff
-        };
-        let wait = base.mul_f64(1.0 + 0.2 * jitter);
-        let until = now_ns().saturating_add(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX));
-        self.down_until_ns.store(until, Ordering::Release);
-        h.backoff = base.mul_f64(1.6).min(MAX_BACKOFF);
-        h.last_error = why.message().to_owned();
+        let wait = self.health.failed(why.message(), jitter);
         tracing::warn!(
             "replica {} ejected for {wait:?}: {}",
             self.key,
@@ -239,7 +215,7 @@ impl Balance {
     }
 
     fn jitter(&self) -> f64 {
-        (self.random() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        unit(self.random())
     }
 
     /// The replica to try next among those not `tried` (a bit per replica; replicas past the
@@ -248,9 +224,7 @@ impl Balance {
     fn choose(&self, replicas: &[Arc<Replica>], tried: u128) -> Option<usize> {
         // The clock is read only when some replica is ejected (not on the fast path).
         let now = std::cell::OnceCell::new();
-        let up = |r: &Replica| {
-            r.down_until_ns.load(Ordering::Acquire) == 0 || !r.is_down(*now.get_or_init(now_ns))
-        };
+        let up = |r: &Replica| !r.health.has_failed() || !r.is_down(*now.get_or_init(now_ns));
         let open = |i: usize| (i >= 128 || tried & (1 << i) == 0) && up(&replicas[i]);
         let n = (0..replicas.len()).filter(|&i| open(i)).count();
         let nth = |k: usize| (0..replicas.len()).filter(|&i| open(i)).nth(k);
@@ -273,9 +247,9 @@ impl Balance {
 
     /// The connection of an up replica that needs no connect (the fast path of blocking
     /// calls: no hand-off to the runtime), and its load guard.
-    fn pick_ready(&self) -> Option<(Arc<Conn>, Load)> {
+    fn pick_ready(&self, avoid: Option<&Arc<Replica>>) -> Option<(Arc<Conn>, Load)> {
         let replicas = self.replicas.load();
-        let mut tried = 0u128;
+        let mut tried = Self::avoid_mask(&replicas, avoid);
         for _ in 0..replicas.len() {
             let i = self.choose(&replicas, tried)?;
             if i < 128 {
@@ -297,25 +271,53 @@ impl Balance {
         }
         let mut why: Vec<String> = errors.to_vec();
         for r in replicas {
-            if r.down_until_ns.load(Ordering::Acquire) == 0
-                || errors.iter().any(|e| e.starts_with(&r.key))
-            {
+            if !r.health.has_failed() || errors.iter().any(|e| e.starts_with(&r.key)) {
                 continue;
             }
-            let h = r.health.lock().unwrap_or_else(|e| e.into_inner());
-            why.push(format!("{}: ejected after: {}", r.key, h.last_error));
+            why.push(format!(
+                "{}: ejected after: {}",
+                r.key,
+                r.health.last_error()
+            ));
         }
-        Status::unavailable(format!("no replica can be reached: {}", why.join("; ")))
+        Status::unavailable(format!("no replica can be reached: {}", why.join("; "))).not_executed()
     }
 
-    /// A replica's connection for a call, and its load guard.
-    pub(crate) async fn pick(&self) -> Result<(Arc<Conn>, Load), Status> {
+    /// The bit of `avoid` among `replicas` (the replica a call's last attempt went to), when
+    /// some other replica could take the call: a retry goes elsewhere if it can.
+    fn avoid_mask(replicas: &[Arc<Replica>], avoid: Option<&Arc<Replica>>) -> u128 {
+        let Some(a) = avoid else { return 0 };
+        if replicas.len() < 2 {
+            return 0;
+        }
+        match replicas.iter().position(|r| Arc::ptr_eq(r, a)) {
+            Some(i) if i < 128 => 1 << i,
+            _ => 0,
+        }
+    }
+
+    /// A replica's connection for a call, and its load guard: not `avoid` (where the call's
+    /// last attempt went) unless no other replica is left.
+    pub(crate) async fn pick(
+        &self,
+        avoid: Option<&Arc<Replica>>,
+    ) -> Result<(Arc<Conn>, Load), Status> {
         let replicas = self.replicas.load_full();
-        let mut tried = 0u128;
+        let avoided = Self::avoid_mask(&replicas, avoid);
+        let mut tried = avoided;
         let mut errors = Vec::new();
-        for _ in 0..replicas.len() {
-            let Some(i) = self.choose(&replicas, tried) else {
-                break;
+        for _ in 0..=replicas.len() {
+            let i = match self.choose(&replicas, tried) {
+                Some(i) => i,
+                // Only the avoided replica is left: it may take the call after all.
+                None if tried & avoided != 0 => {
+                    tried &= !avoided;
+                    match self.choose(&replicas, tried) {
+                        Some(i) => i,
+                        None => break,
+                    }
+                }
+                None => break,
             };
             if i < 128 {
                 tried |= 1 << i;
@@ -337,20 +339,24 @@ impl Balance {
     }
 
     /// As [`Balance::pick`], from a thread that may block (not a runtime thread).
-    pub(crate) fn pick_blocking(self: &Arc<Self>) -> Result<(Arc<Conn>, Load), Status> {
-        if let Some(ready) = self.pick_ready() {
+    pub(crate) fn pick_blocking(
+        self: &Arc<Self>,
+        avoid: Option<Arc<Replica>>,
+    ) -> Result<(Arc<Conn>, Load), Status> {
+        if let Some(ready) = self.pick_ready(avoid.as_ref()) {
             return Ok(ready);
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let me = Arc::clone(self);
         self.rt.spawn(async move {
-            let _ = tx.send(me.pick().await);
+            let _ = tx.send(me.pick(avoid.as_ref()).await);
         });
         rx.recv_timeout(Duration::from_secs(60))
             .unwrap_or_else(|_| {
                 Err(Status::unavailable(
                     "no replica reached within 60 s (or the channel's runtime has shut down)",
-                ))
+                )
+                .not_executed())
             })
     }
 

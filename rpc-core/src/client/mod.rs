@@ -1,10 +1,12 @@
 //! The client: a cheap `Clone + Send + Sync` [`Channel`] over a connection to a server shard,
 //! with a completion poller, futures and blocking calls.
 
+mod backoff;
 mod balance;
 mod core;
 mod region;
 mod registered;
+mod retry;
 #[cfg(test)]
 mod rogue_tests;
 mod stats;
@@ -34,6 +36,8 @@ use core::{CLIENT_LINK, ClientCore, Parts, epoch};
 pub use region::{Lease, Region};
 pub(crate) use registered::RegHandle;
 pub use registered::{RegisteredBytes, RegisteredBytesMut};
+use retry::Attempts;
+pub use retry::{MAX_ATTEMPTS, RetryPolicy, TRANSPARENT_ATTEMPTS};
 
 /// Who polls the connection's completion queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -61,6 +65,7 @@ pub struct ChannelBuilder {
     max_message: u64,
     connect_timeout: Duration,
     qps_per_connection: Option<u32>,
+    retry: Option<RetryPolicy>,
 }
 
 impl ChannelBuilder {
@@ -123,6 +128,14 @@ impl ChannelBuilder {
         self
     }
 
+    /// How the channel retries failed calls (default: none, only the transparent retry of
+    /// calls that provably reached no handler; see [`RetryPolicy`]). A balanced channel takes
+    /// its policy from [`Channel::with_retry_policy`]; its replicas' builders' is not used.
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.retry = Some(policy);
+        self
+    }
+
     /// Connects.
     ///
     /// # Errors
@@ -137,9 +150,11 @@ impl ChannelBuilder {
         }
         self.addr = server_addr(&self.addr)?;
         let conn = open(&self).await?;
+        let retry = self.retry;
         Ok(Channel {
-            target: Target::One(Arc::new(Shared::new(self, conn))),
+            target: Target::One(Arc::new(Shared::new(self, conn, true))),
             interceptor: None,
+            retry,
             stats: None,
         })
     }
@@ -355,6 +370,10 @@ struct Shared {
     builder: ChannelBuilder,
     conn: ArcSwap<Conn>,
     reconnect: tokio::sync::Mutex<()>,
+    /// The reconnect back-off (a single-address channel's; a balanced channel's replicas
+    /// eject themselves instead): after a failed reconnect, calls fail at once until the next
+    /// attempt is due, instead of each dialling.
+    backoff: Option<backoff::Reconnect>,
     /// The runtime the channel was connected on: blocking calls reconnect through it.
     rt: tokio::runtime::Handle,
     /// Connections made and attempts that failed.
@@ -362,17 +381,41 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(builder: ChannelBuilder, conn: Conn) -> Shared {
+    fn new(builder: ChannelBuilder, conn: Conn, backs_off: bool) -> Shared {
         Shared {
             builder,
             conn: ArcSwap::new(Arc::new(conn)),
             reconnect: tokio::sync::Mutex::new(()),
+            backoff: backs_off.then(backoff::Reconnect::new),
             rt: tokio::runtime::Handle::current(),
             counts: stats::ConnCounts {
                 connects: 1.into(),
                 failed: 0.into(),
             },
         }
+    }
+
+    /// When the reconnect is backing off: the status of a call that comes too early (the
+    /// last error and when the next attempt is; not executed).
+    fn backing_off(&self) -> Option<Status> {
+        let b = self.backoff.as_ref()?;
+        if !b.is_down(backoff::now_ns()) {
+            return None;
+        }
+        let wait = b.wait_left()?;
+        Some(
+            Status::unavailable(format!(
+                "connection to {} is down, the next attempt is in {wait:?}: {}",
+                self.builder.addr,
+                b.last_error()
+            ))
+            .not_executed(),
+        )
+    }
+
+    /// How long until the next reconnect attempt, while backing off.
+    fn connect_in(&self) -> Option<Duration> {
+        self.backoff.as_ref()?.wait_left()
     }
 
     /// The live connection for a blocking call: when it was lost, reconnects through the
@@ -382,6 +425,9 @@ impl Shared {
         let c = self.conn.load_full();
         if c.is_usable() {
             return Ok(c);
+        }
+        if let Some(st) = self.backing_off() {
+            return Err(st);
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let shared = Arc::clone(self);
@@ -396,32 +442,45 @@ impl Shared {
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Status::unavailable(format!(
                 "connection to {} lost; reconnecting took longer than {limit:?}",
                 self.builder.addr
-            ))),
+            ))
+            .not_executed()),
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                 Err(Status::unavailable(format!(
                     "connection to {} lost; cannot reconnect: the runtime the channel was \
                      connected on has shut down",
                     self.builder.addr
-                )))
+                ))
+                .not_executed())
             }
         }
     }
 
-    /// The live connection, reconnecting once if it was lost.
+    /// The live connection, reconnecting once if it was lost: one attempt at a time, and
+    /// none while the reconnect backs off (the call fails at once, not executed).
     pub(crate) async fn conn(self: &Arc<Self>) -> Result<Arc<Conn>, Status> {
         let c = self.conn.load_full();
         if c.is_usable() {
             return Ok(c);
+        }
+        if let Some(st) = self.backing_off() {
+            return Err(st);
         }
         let _g = self.reconnect.lock().await;
         let c = self.conn.load_full();
         if c.is_usable() {
             return Ok(c);
         }
+        // Callers that queued behind a failed attempt fail with it, and dial no more.
+        if let Some(st) = self.backing_off() {
+            return Err(st);
+        }
         match open(&self.builder).await {
             Ok(new) => {
                 let new = Arc::new(new);
                 self.conn.store(Arc::clone(&new));
+                if let Some(b) = &self.backoff {
+                    b.succeeded();
+                }
                 self.counts
                     .connects
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -431,10 +490,19 @@ impl Shared {
                 self.counts
                     .failed
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                Err(Status::unavailable(format!(
+                let why = format!(
                     "connection to {} lost and reconnecting failed: {e}",
                     self.builder.addr
-                )))
+                );
+                let wait = self
+                    .backoff
+                    .as_ref()
+                    .map(|b| b.failed(&why, backoff::random_unit()));
+                Err(match wait {
+                    Some(w) => Status::unavailable(format!("{why}; the next attempt is in {w:?}")),
+                    None => Status::unavailable(why),
+                }
+                .not_executed())
             }
         }
     }
@@ -444,12 +512,20 @@ impl Shared {
 ///
 /// Calls up to [`ChannelBuilder::max_concurrent_calls`] run concurrently; more wait for a free
 /// call slot. When the connection is lost, calls in flight fail with `UNAVAILABLE` and the next
-/// call reconnects.
+/// call reconnects; when reconnecting fails, calls fail at once (`UNAVAILABLE`, naming the
+/// last error and when the next attempt is) until the reconnect back-off has passed: an
+/// exponential back-off with jitter from 200 ms up to 30 s, as gRPC's.
+///
+/// Failed calls are retried as [`RetryPolicy`] describes: those that provably reached no
+/// handler transparently ([`Status::is_not_executed`]), those that may have run only with a
+/// policy ([`Channel::with_retry_policy`]) and for methods declared idempotent.
 #[derive(Clone)]
 pub struct Channel {
     target: Target,
     /// Run on every call's request before it is sent ([`Channel::with_interceptor`]).
     interceptor: Option<Arc<dyn crate::Interceptor>>,
+    /// How failed calls are retried ([`Channel::with_retry_policy`]).
+    retry: Option<RetryPolicy>,
     /// Where calls are counted ([`Channel::with_stats`]).
     stats: Option<Arc<crate::stats::Table>>,
 }
@@ -483,8 +559,27 @@ impl Channel {
         Channel {
             target: self.target.clone(),
             interceptor: Some(Arc::new(f)),
+            retry: self.retry,
             stats: self.stats.clone(),
         }
+    }
+
+    /// This channel (the same connection or replicas) with failed calls retried by `policy`
+    /// (see [`RetryPolicy`]); replaces the policy set before. Calls that provably reached no
+    /// handler are retried transparently even without one.
+    #[must_use]
+    pub fn with_retry_policy(&self, policy: RetryPolicy) -> Channel {
+        Channel {
+            target: self.target.clone(),
+            interceptor: self.interceptor.clone(),
+            retry: Some(policy),
+            stats: self.stats.clone(),
+        }
+    }
+
+    /// The retry policy calls on this channel use, if any.
+    pub fn retry_policy(&self) -> Option<&RetryPolicy> {
+        self.retry.as_ref()
     }
 
     /// Runs the interceptor, if any, on `request`.
@@ -514,6 +609,7 @@ impl Channel {
             max_message: 256 << 20,
             connect_timeout: Duration::from_secs(5),
             qps_per_connection: None,
+            retry: None,
         }
     }
 
@@ -532,24 +628,90 @@ impl Channel {
     /// The connection a call uses now (for a balanced channel: the replica it picked, and
     /// the guard that counts the call in flight there).
     async fn conn_for_call(&self) -> Result<(Arc<Conn>, Option<balance::Load>), Status> {
+        self.conn_avoiding(None).await
+    }
+
+    /// As [`Channel::conn_for_call`], for a retry: on a balanced channel not the replica
+    /// `avoid` the last attempt went to, if another can take the call.
+    async fn conn_avoiding(
+        &self,
+        avoid: Option<Arc<balance::Replica>>,
+    ) -> Result<(Arc<Conn>, Option<balance::Load>), Status> {
         match &self.target {
             Target::One(s) => Ok((s.conn().await?, None)),
             Target::Many(b) => {
-                let (conn, load) = b.pick().await?;
+                let (conn, load) = b.pick(avoid.as_ref()).await?;
                 Ok((conn, Some(load)))
             }
         }
     }
 
-    /// As [`Channel::conn_for_call`], for a blocking call.
-    fn conn_for_call_blocking(&self) -> Result<(Arc<Conn>, Option<balance::Load>), Status> {
+    /// As [`Channel::conn_avoiding`], for a blocking call.
+    fn conn_for_call_blocking(
+        &self,
+        avoid: Option<Arc<balance::Replica>>,
+    ) -> Result<(Arc<Conn>, Option<balance::Load>), Status> {
         match &self.target {
             Target::One(s) => Ok((s.conn_blocking()?, None)),
             Target::Many(b) => {
-                let (conn, load) = b.pick_blocking()?;
+                let (conn, load) = b.pick_blocking(avoid)?;
                 Ok((conn, Some(load)))
             }
         }
+    }
+
+    /// A connection for a call whose request cannot be sent twice (a client stream): getting
+    /// it is retried (connect and handshake failures, the reconnect back-off) as the call's
+    /// attempts allow; the request's timeout is set to what is left of it.
+    async fn conn_retrying<T>(
+        &self,
+        method: &'static MethodDesc,
+        request: &mut Request<T>,
+    ) -> Result<(Arc<Conn>, Option<balance::Load>), Status> {
+        let mut attempts = Attempts::new(self.retry.as_ref(), method, request.timeout());
+        loop {
+            match self.conn_for_call().await {
+                Ok(c) => return Ok(c),
+                Err(st) => match self.next_attempt(&mut attempts, &st, request) {
+                    None => return Err(st.for_method(method.path)),
+                    Some(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
+                    Some(_) => {}
+                },
+            }
+        }
+    }
+
+    /// How long until a single-address channel's next connect attempt, while its reconnect
+    /// backs off (a balanced channel moves calls to other replicas instead).
+    fn connect_in(&self) -> Option<Duration> {
+        match &self.target {
+            Target::One(s) => s.connect_in(),
+            Target::Many(_) => None,
+        }
+    }
+
+    /// After a failed attempt: the wait before the next one, or `None` to give up; sets the
+    /// request's timeout to what is left of it.
+    fn next_attempt<T>(
+        &self,
+        attempts: &mut Attempts<'_>,
+        status: &Status,
+        request: &mut Request<T>,
+    ) -> Option<Duration> {
+        let wait = attempts.retry(status, self.connect_in(), backoff::random_unit())?;
+        if let Some(left) = attempts.timeout_left() {
+            request.replace_timeout(Some(left));
+        }
+        tracing::debug!(
+            "retrying after {wait:?} ({}): {}",
+            if status.is_not_executed() {
+                "not executed"
+            } else {
+                "idempotent"
+            },
+            status.message()
+        );
+        Some(wait)
     }
 
     /// The current connection, if the channel has one now (of a balanced channel: the first
@@ -636,12 +798,13 @@ impl Channel {
         self.current().is_some_and(|c| !c.is_dead())
     }
 
-    /// A unary call.
+    /// A unary call, retried as [`RetryPolicy`] says (the request's timeout covers every
+    /// attempt).
     ///
     /// # Errors
-    /// The call's [`Status`]: the server's, or `UNAVAILABLE` when the connection is lost,
-    /// `DEADLINE_EXCEEDED` when the request's timeout passes, `RESOURCE_EXHAUSTED` for messages
-    /// over the limit.
+    /// The call's [`Status`] (of its last attempt): the server's, or `UNAVAILABLE` when the
+    /// connection is lost or cannot be made, `DEADLINE_EXCEEDED` when the request's timeout
+    /// passes, `RESOURCE_EXHAUSTED` for messages over the limit.
     ///
     /// # Cancel safety
     /// Dropping the future cancels the call: the server is told, and buffers return to their
@@ -657,13 +820,31 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
-        let r = match self.conn_for_call().await {
-            Ok((conn, _load)) => {
-                with_any!(AnyCore, &conn.core, c => c.unary(method, request).await)
-                    .map_err(|st| st.for_method(method.path))
+        let r = async {
+            // The request stays ours until the outcome is known: a retry sends it again by
+            // reference (no clone, and nothing allocated when no retry happens).
+            let mut attempts = Attempts::new(self.retry.as_ref(), method, request.timeout());
+            let mut avoid = None;
+            loop {
+                let (status, load) = match self.conn_avoiding(avoid.take()).await {
+                    Ok((conn, load)) => {
+                        match with_any!(AnyCore, &conn.core, c => c.unary(method, &mut request).await) {
+                            Ok(r) => return Ok(r),
+                            Err(st) => (st, load),
+                        }
+                    }
+                    Err(st) => (st, None),
+                };
+                let Some(wait) = self.next_attempt(&mut attempts, &status, &mut request) else {
+                    return Err(status.for_method(method.path));
+                };
+                avoid = load.map(|l| l.replica());
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
             }
-            Err(st) => Err(st),
-        };
+        }
+        .await;
         stats::stat_end(started, &r);
         r
     }
@@ -686,13 +867,30 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
-        let r = match self.conn_for_call_blocking() {
-            Ok((conn, _load)) => {
-                with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, request))
-                    .map_err(|st| st.for_method(method.path))
+        let r = (|| {
+            // As `unary`: the request is sent again by reference if the call is retried.
+            let mut attempts = Attempts::new(self.retry.as_ref(), method, request.timeout());
+            let mut avoid = None;
+            loop {
+                let (status, load) = match self.conn_for_call_blocking(avoid.take()) {
+                    Ok((conn, load)) => {
+                        match with_any!(AnyCore, &conn.core, c => c.unary_blocking(method, &mut request))
+                        {
+                            Ok(r) => return Ok(r),
+                            Err(st) => (st, load),
+                        }
+                    }
+                    Err(st) => (st, None),
+                };
+                let Some(wait) = self.next_attempt(&mut attempts, &status, &mut request) else {
+                    return Err(status.for_method(method.path));
+                };
+                avoid = load.map(|l| l.replica());
+                if !wait.is_zero() {
+                    std::thread::sleep(wait);
+                }
             }
-            Err(st) => Err(st),
-        };
+        })();
         stats::stat_end(started, &r);
         r
     }
@@ -704,7 +902,8 @@ impl Channel {
     /// everything. The fastest way to keep many small calls in flight from one thread.
     ///
     /// The pipeline keeps the connection it was made on: when that connection is lost its
-    /// calls fail with `UNAVAILABLE`, and a new pipeline reconnects.
+    /// calls fail with `UNAVAILABLE`, and a new pipeline reconnects. Its calls are never
+    /// retried ([`Status::is_not_executed`] tells which never left).
     ///
     /// # Errors
     /// `UNAVAILABLE` when there is no connection and reconnecting fails.
@@ -716,7 +915,7 @@ impl Channel {
         Req: Message,
         Resp: Message + Default,
     {
-        let (conn, _load) = self.conn_for_call_blocking()?;
+        let (conn, _load) = self.conn_for_call_blocking(None)?;
         let cap = with_any!(AnyCore, &conn.core, c => c.max_calls());
         Ok(Pipeline {
             unsent: 0,
@@ -751,14 +950,31 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
-        let r = match self.conn_for_call().await {
-            Ok((conn, _load)) => {
-                with_any!(AnyCore, &conn.core, c => c.server_streaming(method, request).await)
-                    .map(|r| r.map(|s| s.keep_alive(conn).for_method(method.path)))
-                    .map_err(|st| st.for_method(method.path))
+        let r = async {
+            // As `unary`, until the call returns with its first message.
+            let mut attempts = Attempts::new(self.retry.as_ref(), method, request.timeout());
+            let mut avoid = None;
+            loop {
+                let (status, load) = match self.conn_avoiding(avoid.take()).await {
+                    Ok((conn, load)) => {
+                        let r = with_any!(AnyCore, &conn.core, c => c.server_streaming(method, &mut request).await);
+                        match r {
+                            Ok(r) => return Ok(r.map(|s| s.keep_alive(conn).for_method(method.path))),
+                            Err(st) => (st, load),
+                        }
+                    }
+                    Err(st) => (st, None),
+                };
+                let Some(wait) = self.next_attempt(&mut attempts, &status, &mut request) else {
+                    return Err(status.for_method(method.path));
+                };
+                avoid = load.map(|l| l.replica());
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
             }
-            Err(st) => Err(st),
-        };
+        }
+        .await;
         stats::stat_end(started, &r);
         r
     }
@@ -783,13 +999,12 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
-        let r = match self.conn_for_call().await {
-            Ok((conn, _load)) => {
-                with_any!(AnyCore, &conn.core, c => c.client_streaming(method, request).await)
-                    .map_err(|st| st.for_method(method.path))
-            }
-            Err(st) => Err(st),
-        };
+        let r = async {
+            let (conn, _load) = self.conn_retrying(method, &mut request).await?;
+            with_any!(AnyCore, &conn.core, c => c.client_streaming(method, request).await)
+                .map_err(|st| st.for_method(method.path))
+        }
+        .await;
         stats::stat_end(started, &r);
         r
     }
@@ -816,14 +1031,13 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
-        let r = match self.conn_for_call().await {
-            Ok((conn, _load)) => {
-                with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
-                    .map(|r| r.map(|s| s.keep_alive(conn).for_method(method.path)))
-                    .map_err(|st| st.for_method(method.path))
-            }
-            Err(st) => Err(st),
-        };
+        let r = async {
+            let (conn, _load) = self.conn_retrying(method, &mut request).await?;
+            let r = with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
+                .map_err(|st| st.for_method(method.path))?;
+            Ok(r.map(|s| s.keep_alive(conn).for_method(method.path)))
+        }
+        .await;
         stats::stat_end(started, &r);
         r
     }

@@ -856,7 +856,11 @@ impl RunningServer {
 
     /// Stops accepting, tells clients to start no new call here (GoAway), lets calls in flight
     /// finish for at most the grace period ([`ServerBuilder::shutdown_grace`]), then stops the
-    /// shards and closes every connection.
+    /// shards and closes every connection. Requests that arrive meanwhile (sent before the
+    /// client saw the GoAway) never reach a handler: they are refused `UNAVAILABLE` with the
+    /// not-executed trailer ([`Status::is_not_executed`](crate::Status::is_not_executed)), and
+    /// a shard lingers 100 ms (within the grace period) after its last call for those still on
+    /// the way, so the client can send them elsewhere.
     ///
     /// With the `grpc` feature, first every health status goes `NOT_SERVING`; during the
     /// drain the port keeps accepting, serving gRPC (so probes see `NOT_SERVING`) and refusing
@@ -889,6 +893,7 @@ impl RunningServer {
 
     async fn stop_shards(&self) {
         for s in self.shards.iter() {
+            s.linger.store(true, Ordering::Release);
             s.stop.store(true, Ordering::Release);
             s.doorbell.ring_always();
         }

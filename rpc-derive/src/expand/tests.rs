@@ -18,6 +18,7 @@ fn expansion_snapshot() {
             /// A key-value store.
             pub trait Kv {
                 /// Reads a key.
+                #[rpc(no_side_effects)]
                 async fn get(&self, request: GetRequest) -> Result<GetReply, Status>;
                 /// Stores many keys.
                 async fn put_many(&self, request: Streaming<PutRequest>) -> Result<(), Status>;

@@ -90,9 +90,10 @@ pub mod kv_client {
             super::GetReply: ::rpc_core::codegen::RpcMessage,
         {
             const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
-                "/kv.Kv/Get",
-                ::rpc_core::codegen::CallKind::Unary,
-            );
+                    "/kv.Kv/Get",
+                    ::rpc_core::codegen::CallKind::Unary,
+                )
+                .with_idempotency(::rpc_core::codegen::Idempotency::NoSideEffects);
             self.inner
                 .unary(
                     &METHOD,
@@ -218,9 +219,10 @@ pub mod kv_client {
             super::GetReply: ::rpc_core::codegen::RpcMessage,
         {
             const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
-                "/kv.Kv/Get",
-                ::rpc_core::codegen::CallKind::Unary,
-            );
+                    "/kv.Kv/Get",
+                    ::rpc_core::codegen::CallKind::Unary,
+                )
+                .with_idempotency(::rpc_core::codegen::Idempotency::NoSideEffects);
             self.inner
                 .unary_blocking(
                     &METHOD,
@@ -280,9 +282,10 @@ pub mod kv_client {
             super::GetReply: ::rpc_core::codegen::RpcMessage,
         {
             const METHOD: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
-                "/kv.Kv/Get",
-                ::rpc_core::codegen::CallKind::Unary,
-            );
+                    "/kv.Kv/Get",
+                    ::rpc_core::codegen::CallKind::Unary,
+                )
+                .with_idempotency(::rpc_core::codegen::Idempotency::NoSideEffects);
             self.inner.pipeline(&METHOD)
         }
     }
@@ -317,9 +320,10 @@ pub mod kv_server {
     )]
     /// `/kv.Kv/Get`.
     pub const GET: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
-        "/kv.Kv/Get",
-        ::rpc_core::codegen::CallKind::Unary,
-    );
+            "/kv.Kv/Get",
+            ::rpc_core::codegen::CallKind::Unary,
+        )
+        .with_idempotency(::rpc_core::codegen::Idempotency::NoSideEffects);
     /// `/kv.Kv/PutMany`.
     pub const PUT_MANY: ::rpc_core::codegen::MethodDesc = ::rpc_core::codegen::MethodDesc::new(
         "/kv.Kv/PutMany",

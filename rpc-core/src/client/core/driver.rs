@@ -116,8 +116,9 @@ impl<P: Provider> Driver<P> {
             Err(e) => {
                 core.arena.release_send(sub.staged.slot);
                 let status = match e {
+                    // The server said GoAway before this request left: it ran nowhere.
                     wire::StartError::GoingAway => {
-                        Status::unavailable("server is shutting down (GoAway)")
+                        Status::unavailable("server is shutting down (GoAway)").not_executed()
                     }
                     e => Status::internal(format!("cannot start call: {e}")),
                 };
@@ -427,9 +428,13 @@ impl<P: Provider> Driver<P> {
         while let Some(ss) = core.stream_sends.pop() {
             self.discard(ss);
         }
+        // Requests that were never posted (queued for a credit or a call slot, or not taken
+        // from their cells yet) reached no handler: their status says so, and the channel may
+        // send them elsewhere. The calls above were posted: they may have run.
+        let unsent = status.clone().not_executed();
         while let Some((idx, generation, _call, sub)) = self.pending.pop_front() {
             core.arena.release_send(sub.staged.slot);
-            self.fail_unsent(core, idx, generation, sub.inbox, status.clone());
+            self.fail_unsent(core, idx, generation, sub.inbox, unsent.clone());
             n += 1;
         }
         while let Some((idx, generation)) = core.submitted.pop() {
@@ -437,7 +442,7 @@ impl<P: Provider> Driver<P> {
             match core.cells[idx as usize].mb.take() {
                 Taken::Run(sub) => {
                     core.arena.release_send(sub.staged.slot);
-                    self.fail_unsent(core, idx, generation, sub.inbox, status.clone());
+                    self.fail_unsent(core, idx, generation, sub.inbox, unsent.clone());
                 }
                 Taken::Cancelled(sub) => {
                     core.arena.release_send(sub.staged.slot);

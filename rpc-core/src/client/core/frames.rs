@@ -158,6 +158,8 @@ impl<P: Provider> Driver<P> {
                     }
                     None => Status::new(crate::Code::from_u8(code), ""),
                 };
+                // The server's runtime may say the call reached no handler (it drains).
+                let status = status.recognise_not_executed();
                 drop(slot);
                 if code == 0
                     && let Some(inbox) = &self.calls[s].inbox

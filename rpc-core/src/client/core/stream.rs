@@ -188,16 +188,22 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) async fn server_streaming<Req, Resp>(
         self: &Arc<Self>,
         method: &'static MethodDesc,
-        mut request: Request<Req>,
+        request: &mut Request<Req>,
     ) -> Result<Response<Streaming<Resp>>, Status>
     where
         Req: Message,
         Resp: Message + Default,
     {
         let registered = request.take_registered();
-        let (metadata, msg, timeout) = request.into_parts();
+        let timeout = request.timeout();
         let (_, _, streaming) = self
-            .start_stream::<Resp>(method, &metadata, &msg, timeout, registered)
+            .start_stream::<Resp>(
+                method,
+                request.metadata(),
+                request.get_ref(),
+                timeout,
+                registered,
+            )
             .await?;
         let streaming = streaming.ok_or_else(|| Status::internal("no stream"))?;
         // Return with the response headers, as tonic does: they come with the first message

@@ -30,11 +30,12 @@ impl<P: Provider> ClientCore<P> {
         g
     }
 
-    /// A free call cell; waits (without spinning) when all are in flight.
+    /// A free call cell; waits (without spinning) when all are in flight. Fails with the
+    /// connection's status, marked not executed, once it is dead (nothing was handed over).
     pub(super) async fn acquire(&self) -> Result<(u32, u32), Status> {
         loop {
             if self.is_dead() {
-                return Err(self.dead_status());
+                return Err(self.dead_status().not_executed());
             }
             if let Some(idx) = self.free.pop() {
                 return Ok((idx, self.claim_async(idx)));
@@ -61,7 +62,7 @@ impl<P: Provider> ClientCore<P> {
         let mut spins = 0u32;
         loop {
             if self.is_dead() {
-                return Err(self.dead_status());
+                return Err(self.dead_status().not_executed());
             }
             if let Some(idx) = self.free.pop() {
                 return Ok((idx, self.claim(idx)));
@@ -103,7 +104,7 @@ impl<P: Provider> ClientCore<P> {
     pub(super) async fn send_slot(&self) -> Result<SlotLoan<'_, P>, Status> {
         loop {
             if self.is_dead() {
-                return Err(self.dead_status());
+                return Err(self.dead_status().not_executed());
             }
             if let Some(slot) = self.arena.take_send() {
                 return Ok(SlotLoan { core: self, slot });
@@ -143,7 +144,7 @@ impl<P: Provider> ClientCore<P> {
                 return Ok(SlotLoan { core: self, slot });
             }
             if self.is_dead() {
-                return Err(self.dead_status());
+                return Err(self.dead_status().not_executed());
             }
             self.progress();
             spins = backoff(spins);
@@ -199,11 +200,13 @@ impl<P: Provider> ClientCore<P> {
         Ok(())
     }
 
-    /// A unary call from an async task.
+    /// A unary call from an async task. The request is borrowed, not consumed: the channel
+    /// keeps it until the outcome is known, to send it again if the call is retried (its
+    /// registered region, if any, is taken: a retry copies the payload).
     pub(crate) async fn unary<Req, Resp>(
         self: &Arc<Self>,
         method: &'static MethodDesc,
-        mut request: Request<Req>,
+        request: &mut Request<Req>,
     ) -> Result<Response<Resp>, Status>
     where
         Req: Message,
@@ -211,7 +214,8 @@ impl<P: Provider> ClientCore<P> {
     {
         let hint = request.response_size_hint();
         let registered = request.take_registered();
-        let (metadata, msg, timeout) = request.into_parts();
+        let timeout = request.timeout();
+        let (metadata, msg) = (request.metadata(), request.get_ref());
         // The deadline covers the wait for a free call cell; the rest of it goes on the wire.
         let (idx, generation, timeout) = match timeout {
             None => {
@@ -236,8 +240,7 @@ impl<P: Provider> ClientCore<P> {
         };
         let mut guard = CellGuard::new(self, idx, generation, false);
         let slot = self.send_slot().await?;
-        let sub = self.prepare(slot, method, &metadata, &msg, timeout, hint, registered)?;
-        drop(msg);
+        let sub = self.prepare(slot, method, metadata, msg, timeout, hint, registered)?;
         self.submit(idx, generation, sub)?;
         guard.submitted = true;
         let outcome = self.outcome(idx).await;
@@ -258,7 +261,7 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) fn unary_blocking<Req, Resp>(
         self: &Arc<Self>,
         method: &'static MethodDesc,
-        request: Request<Req>,
+        request: &mut Request<Req>,
     ) -> Result<Response<Resp>, Status>
     where
         Req: Message,
@@ -287,9 +290,9 @@ impl<P: Provider> ClientCore<P> {
     pub(crate) fn start_unary<Req: Message>(
         &self,
         method: &'static MethodDesc,
-        request: Request<Req>,
+        mut request: Request<Req>,
     ) -> Result<(u32, u32), Status> {
-        let guard = self.hand_over_blocking(method, request)?;
+        let guard = self.hand_over_blocking(method, &mut request)?;
         // No kick: the pipeline's owner drives the connection (or the poller thread does),
         // so the requests of a burst go out together at the next turn.
         if self.mode == ClientPoller::Thread {
@@ -307,11 +310,12 @@ impl<P: Provider> ClientCore<P> {
     pub(super) fn hand_over_blocking<Req: Message>(
         &self,
         method: &'static MethodDesc,
-        mut request: Request<Req>,
+        request: &mut Request<Req>,
     ) -> Result<CellGuard<'_, P>, Status> {
         let hint = request.response_size_hint();
         let registered = request.take_registered();
-        let (metadata, msg, timeout) = request.into_parts();
+        let timeout = request.timeout();
+        let (metadata, msg) = (request.metadata(), request.get_ref());
         let (idx, generation, timeout) = match self.free.pop() {
             Some(idx) if !self.is_dead() => (idx, self.claim(idx), timeout),
             other => {
@@ -326,7 +330,7 @@ impl<P: Provider> ClientCore<P> {
         };
         let mut guard = CellGuard::new(self, idx, generation, false);
         let slot = self.send_slot_blocking()?;
-        let sub = self.prepare(slot, method, &metadata, &msg, timeout, hint, registered)?;
+        let sub = self.prepare(slot, method, metadata, msg, timeout, hint, registered)?;
         self.hand_over(idx, generation, sub)?;
         guard.submitted = true;
         Ok(guard)

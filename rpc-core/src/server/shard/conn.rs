@@ -61,6 +61,7 @@ pub(crate) fn open<P: Provider>(
     let tasks = Tasks::new(cfg.tasks_per_shard, ShardNotify(Arc::clone(&doorbell)));
     let inbox = Arc::new(SegQueue::new());
     let stop = Arc::new(AtomicBool::new(false));
+    let linger = Arc::new(AtomicBool::new(false));
     let live_calls = Arc::new(AtomicUsize::new(0));
     let open_conns = Arc::new(AtomicUsize::new(0));
     let zero_copy_bytes = Arc::new(AtomicU64::new(0));
@@ -82,6 +83,7 @@ pub(crate) fn open<P: Provider>(
         inbox: Arc::clone(&inbox),
         doorbell: Arc::clone(&doorbell),
         stop: Arc::clone(&stop),
+        linger: Arc::clone(&linger),
         live_calls: Arc::clone(&live_calls),
         open_conns: Arc::clone(&open_conns),
         zero_copy_bytes: Arc::clone(&zero_copy_bytes),
@@ -107,6 +109,7 @@ pub(crate) fn open<P: Provider>(
         inbox,
         doorbell,
         stop,
+        linger,
         live_calls,
         open_conns,
         zero_copy_bytes,

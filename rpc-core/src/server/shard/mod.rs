@@ -66,6 +66,9 @@ pub(crate) struct ShardHandle {
     pub(crate) inbox: Arc<SegQueue<ShardMsg>>,
     pub(crate) doorbell: Arc<Doorbell>,
     pub(crate) stop: Arc<AtomicBool>,
+    /// Set by a graceful shutdown (not by dropping the server): the drain lingers for
+    /// requests still on the way (see `DRAIN_LINGER`).
+    pub(crate) linger: Arc<AtomicBool>,
     pub(crate) live_calls: Arc<AtomicUsize>,
     /// Connections the shard holds open.
     pub(crate) open_conns: Arc<AtomicUsize>,
@@ -324,6 +327,7 @@ pub(crate) struct Shard<P: Provider> {
     inbox: Arc<SegQueue<ShardMsg>>,
     doorbell: Arc<Doorbell>,
     stop: Arc<AtomicBool>,
+    linger: Arc<AtomicBool>,
     live_calls: Arc<AtomicUsize>,
     open_conns: Arc<AtomicUsize>,
     zero_copy_bytes: Arc<AtomicU64>,

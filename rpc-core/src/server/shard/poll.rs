@@ -32,6 +32,12 @@ const EVENTS_EVERY: Duration = Duration::from_millis(10);
 /// Longest sleep, so shutdown and deadlines are noticed.
 const MAX_SLEEP: Duration = Duration::from_millis(50);
 
+/// How long a draining shard goes on after its last call finished (within the grace period):
+/// requests a client posted before it saw our GoAway are still in flight then, and are
+/// refused unexecuted (the client sends them elsewhere) instead of being lost with the
+/// connection, which would leave the client unable to tell whether they ran.
+const DRAIN_LINGER: Duration = Duration::from_millis(100);
+
 impl<P: Provider> Shard<P> {
     /// Runs the poll loop until the server stops and every call has finished.
     pub(crate) fn run(mut self, rt: tokio::runtime::Handle) {
@@ -40,7 +46,7 @@ impl<P: Provider> Shard<P> {
             pin_to_core(core);
         }
         let mut idle: u32 = 0;
-        let mut stop_at: Option<Instant> = None;
+        let mut stop_at: Option<(Instant, Instant)> = None;
         loop {
             let mut work = self.poll_cq();
             work += self.run_ready();
@@ -69,10 +75,20 @@ impl<P: Provider> Shard<P> {
                 if self.stop.load(Ordering::Acquire) {
                     // Draining: stop once every call finished, or when the grace period is up
                     // (the handlers still running are then dropped with their connections).
-                    let deadline =
-                        *stop_at.get_or_insert_with(|| Instant::now() + self.cfg.shutdown_grace);
+                    // A graceful shutdown lingers a little after the last call, while
+                    // connections are open (see DRAIN_LINGER); dropping the server does not.
+                    let now = Instant::now();
+                    let (linger, deadline) = *stop_at.get_or_insert_with(|| {
+                        let grace = now + self.cfg.shutdown_grace;
+                        let linger = if self.linger.load(Ordering::Acquire) {
+                            DRAIN_LINGER
+                        } else {
+                            Duration::ZERO
+                        };
+                        ((now + linger).min(grace), grace)
+                    });
                     let live = self.live_calls.load(Ordering::Acquire);
-                    if live == 0 {
+                    if live == 0 && (now >= linger || self.live.is_empty()) {
                         break;
                     }
                     if Instant::now() >= deadline {

@@ -60,9 +60,9 @@ impl<P: Provider> Shard<P> {
                 let metadata = if draining {
                     // Sent before the client saw our GoAway: refused unexecuted, so the client
                     // may safely send it elsewhere.
-                    Err(Status::unavailable(NOT_EXECUTED_DRAINING))
+                    Err(None)
                 } else {
-                    decode_metadata(&inbound.slot.bytes()[inbound.metadata.clone()])
+                    decode_metadata(&inbound.slot.bytes()[inbound.metadata.clone()]).map_err(Some)
                 };
                 let metadata = match metadata {
                     Ok(m) => m,
@@ -78,7 +78,10 @@ impl<P: Provider> Shard<P> {
                         // In place: the slot's WRITEs in flight stay (see `writing`).
                         sc.reset();
                         sc.id = call;
-                        conn.fail(call, &st);
+                        match st {
+                            Some(st) => conn.fail(call, &st),
+                            None => conn.refuse_not_executed(call, NOT_EXECUTED_DRAINING),
+                        }
                         return Ok(());
                     }
                 };

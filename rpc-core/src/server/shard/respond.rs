@@ -347,7 +347,28 @@ impl<P: Provider> ServerConn<P> {
         }
     }
 
+    /// Ends `call` with `status` (a handler's, or one of the runtime's). The reserved
+    /// not-executed trailer is never passed on: a handler that returns a status it got from a
+    /// call of its own has run (see [`crate::NOT_EXECUTED_KEY`]).
     pub(super) fn fail(&mut self, call: CallId, status: &Status) {
+        if status.metadata().get(crate::NOT_EXECUTED_KEY).is_some() {
+            let mut st = status.clone();
+            st.metadata_mut().remove(crate::NOT_EXECUTED_KEY);
+            return self.send_status(call, &st);
+        }
+        self.send_status(call, status);
+    }
+
+    /// Refuses `call`, which reached no handler (the server drains), with `UNAVAILABLE` and
+    /// the not-executed trailer: the client may send it elsewhere whatever its method.
+    pub(super) fn refuse_not_executed(&mut self, call: CallId, message: &str) {
+        let mut st = Status::unavailable(message);
+        // A short ASCII key and value: within the metadata limits.
+        let _ = st.metadata_mut().insert(crate::NOT_EXECUTED_KEY, "1");
+        self.send_status(call, &st);
+    }
+
+    fn send_status(&mut self, call: CallId, status: &Status) {
         // As much of the message as the frame holds beside the header and the trailers, up
         // to MAX_STATUS_MESSAGE_LEN, never cut inside a character.
         let room = (self.link.wire.config().eager_limit as usize)
