@@ -113,6 +113,7 @@ pub(crate) struct TransportCells {
     pub(crate) connection_failures: AtomicU64,
     pub(crate) reconnects: AtomicU64,
     pub(crate) credit_stalls: AtomicU64,
+    pub(crate) retries: AtomicU64,
 }
 
 /// One table of methods: an open-addressed array keyed by method id (ids are never 0).
@@ -198,6 +199,7 @@ impl Table {
         into.transport.connection_failures += ld(&t.connection_failures);
         into.transport.reconnects += ld(&t.reconnects);
         into.transport.credit_stalls += ld(&t.credit_stalls);
+        into.transport.retries += ld(&t.retries);
         into.methods.sort_by(|a, b| a.path.cmp(b.path));
     }
 }
@@ -225,6 +227,8 @@ pub struct Transport {
     pub reconnects: u64,
     /// Terminal frames that waited for a send credit (the peer's receive ring was full).
     pub credit_stalls: u64,
+    /// Client: attempts after the first of retried calls ([`crate::RetryPolicy`]).
+    pub retries: u64,
 }
 
 /// One method's figures.
@@ -340,7 +344,8 @@ impl Snapshot {
     /// `rpc_response_bytes_total`, `rpc_rendezvous_total{direction}`, the latency as gauges
     /// `rpc_latency_seconds{quantile="0.5"|"0.9"|"0.99"|"0.999"}`, all labelled with `side`
     /// and `method`; and `rpc_connections_total`, `rpc_connection_failures_total`,
-    /// `rpc_reconnects_total`, `rpc_credit_stalls_total` labelled with `side`.
+    /// `rpc_reconnects_total`, `rpc_credit_stalls_total`, `rpc_retries_total` labelled with
+    /// `side`.
     pub fn export(&self) {
         let side = self.side;
         for m in &self.methods {
@@ -371,6 +376,7 @@ impl Snapshot {
             ("rpc_connection_failures_total", t.connection_failures),
             ("rpc_reconnects_total", t.reconnects),
             ("rpc_credit_stalls_total", t.credit_stalls),
+            ("rpc_retries_total", t.retries),
         ] {
             metrics::counter!(name, "side" => side).absolute(v);
         }
@@ -408,8 +414,8 @@ impl std::fmt::Display for Snapshot {
         let t = &self.transport;
         write!(
             f,
-            "connections {} (failed {}, reconnects {}), credit stalls {}",
-            t.connections, t.connection_failures, t.reconnects, t.credit_stalls
+            "connections {} (failed {}, reconnects {}), credit stalls {}, retries {}",
+            t.connections, t.connection_failures, t.reconnects, t.credit_stalls, t.retries
         )
     }
 }

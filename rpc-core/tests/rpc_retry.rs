@@ -272,7 +272,8 @@ async fn retryable_codes_and_attempts_are_respected() {
     let ch = srv
         .channel(ClientPoller::Thread)
         .await
-        .with_retry_policy(quick_policy());
+        .with_retry_policy(quick_policy())
+        .with_stats();
     let mut ran = 0;
     let mut expect = |what: &str, runs: u64| {
         ran += runs;
@@ -287,6 +288,11 @@ async fn retryable_codes_and_attempts_are_respected() {
     assert_eq!(st.code(), Code::Unavailable);
     assert!(st.message().contains("on purpose"), "{st:?}");
     expect("three attempts", 3);
+    // The channel's statistics count the call once and its two retries.
+    let s = ch.stats();
+    assert_eq!(s.transport.retries, 2, "{s}");
+    let m = s.method(FAIL_IDEM.path).unwrap();
+    assert_eq!((m.started, m.count(Code::Unavailable)), (1, 1), "{s}");
     // Not a retryable code: once.
     let st = ch
         .unary::<_, Blob>(&FAIL_IDEM, failing(Code::Internal))

@@ -193,13 +193,17 @@ impl Replica {
     }
 
     /// Not reached: ejected for the next back-off (with `jitter` in -1..=1).
+    /// Logged once per ejection (calls that fail within it add nothing).
     fn eject(&self, why: &Status, jitter: f64) {
+        let was_down = self.health.is_down(now_ns());
         let wait = self.health.failed(why.message(), jitter);
-        tracing::warn!(
-            "replica {} ejected for {wait:?}: {}",
-            self.key,
-            why.message()
-        );
+        if !was_down {
+            tracing::warn!(
+                "replica {} ejected for {wait:?}: {}",
+                self.key,
+                why.message()
+            );
+        }
     }
 }
 

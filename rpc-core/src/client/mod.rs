@@ -699,6 +699,11 @@ impl Channel {
         request: &mut Request<T>,
     ) -> Option<Duration> {
         let wait = attempts.retry(status, self.connect_in(), backoff::random_unit())?;
+        if let Some(t) = &self.stats {
+            t.transport
+                .retries
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if let Some(left) = attempts.timeout_left() {
             request.replace_timeout(Some(left));
         }
