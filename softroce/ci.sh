@@ -19,8 +19,9 @@
 # reason to skip); anything else is a failure.
 #
 # Environment: SOFTROCE_TESTS  regex of the rpc-core test targets run in the VM (default
-#              '^(ib_|conformance_ib|rpc_|interop)': the ib tests, the conformance suite on ib, and the
-#              RPC integration tests, which run on ib there because the VM step sets
+#              '^(ib_|conformance_ib|rpc_|interop|grpc_port)': the ib tests, the conformance suite on
+#              ib, and the RPC integration tests (gRPC on the bootstrap port among them: its RDMA
+#              side on ib), which run on ib there because the VM step sets
 #              RPC_PROVIDER=ib; the library's unit tests stay on the host);
 #              every softroce/vm.sh variable (SOFTROCE_CACHE, ...).
 set -euo pipefail
@@ -28,7 +29,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 HOST_PKGS=(qemu-system-x86 libibverbs-dev librdmacm-dev libclang1-14 libclang-common-14-dev pkg-config)
-TESTS=${SOFTROCE_TESTS:-'^(ib_|conformance_ib|rpc_|interop)'}
+TESTS=${SOFTROCE_TESTS:-'^(ib_|conformance_ib|rpc_|interop|grpc_port)'}
 
 t_start=$SECONDS
 phase() { printf '\n--- softroce/ci: %s (t=%ss)\n' "$*" "$((SECONDS - t_start))"; }
@@ -121,7 +122,7 @@ batch=() extra=()
 # ib_pair:: needs a second host (the two-VM phase runs it).
 for e in "${exes[@]}"; do
   case "$(basename "$e")" in
-    rpc_*|interop*) batch+=(/usr/bin/env RPC_IB_HCA=rxe0) extra+=("$e") ;;
+    rpc_*|interop*|grpc_port*) batch+=(/usr/bin/env RPC_IB_HCA=rxe0) extra+=("$e") ;;
   esac
   batch+=("$e")
   if [[ "$(basename "$e")" == conformance_ib-* ]]; then

@@ -89,6 +89,33 @@ impl ChildProc {
         }
     }
 
+    /// Waits for the child's report `key` (returns its value, or `None` when the child exited
+    /// first) and hands every other report to `other`; panics after `limit`.
+    pub fn collect_until(
+        &mut self,
+        key: &str,
+        limit: Duration,
+        mut other: impl FnMut(&str, &str),
+    ) -> Option<String> {
+        let end = Instant::now() + limit;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
+                Ok(line) => {
+                    let (k, v) = line.split_once(' ').unwrap_or((line.as_str(), ""));
+                    if k == key {
+                        return Some(v.to_owned());
+                    }
+                    other(k, v);
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("child did not report `{key}` within {limit:?}")
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+    }
+
     /// Sends a line to the child's stdin.
     pub fn tell(&mut self, line: &str) {
         if let Some(s) = self.stdin.as_mut() {
@@ -126,6 +153,11 @@ pub fn report(key: &str, value: impl std::fmt::Display) {
 
 /// In a child: exits the process when the parent closes stdin (or dies), or after `limit`.
 pub fn exit_with_parent(limit: Duration) {
+    exit_with_parent_and(limit, |_| {});
+}
+
+/// As [`exit_with_parent`], handing every line the parent tells to `on_line`.
+pub fn exit_with_parent_and(limit: Duration, on_line: impl Fn(&str) + Send + 'static) {
     let (tx, rx) = mpsc::channel::<()>();
     std::thread::spawn(move || {
         let mut line = String::new();
@@ -134,7 +166,7 @@ pub fn exit_with_parent(limit: Duration) {
             line.clear();
             match stdin.lock().read_line(&mut line) {
                 Ok(0) | Err(_) => break,
-                Ok(_) => {}
+                Ok(_) => on_line(line.trim()),
             }
         }
         let _ = tx.send(());
