@@ -245,14 +245,13 @@ async fn a_re_resolution_that_drops_an_address_removes_it_while_calls_run() {
     fake.set(Ok(vec![s[0].addr(), s[1].addr()]));
     wait_until("the replica is removed", || balancer.keys().len() == 2).await;
     assert!(!balancer.keys().contains(&key(s[2].addr())));
-    // Calls in flight there have finished (their response counted) once a few more ran.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Calls in flight there have finished (their response counted) once more ran elsewhere.
+    let others = || s[0].calls() + s[1].calls();
+    let before = others();
+    wait_until("calls go on elsewhere", || others() >= before + 100).await;
     let gone = s[2].calls();
-    let before = s[0].calls() + s[1].calls();
-    wait_until("calls go on elsewhere", || {
-        s[0].calls() + s[1].calls() >= before + 100
-    })
-    .await;
+    let before = others();
+    wait_until("more calls go on elsewhere", || others() >= before + 200).await;
     let made = callers.stop().await;
     assert_eq!(s[2].calls(), gone, "no call goes to a removed address");
     assert!(made > 100);
