@@ -1,7 +1,9 @@
 //! A channel over replicas (`Channel::balance_list`, `Channel::balance_channel`): calls
 //! spread over the replicas, a replica that goes away is ejected and the calls move on with
 //! none failing, replicas are added and removed while calls run, and blocking calls,
-//! pipelines and generated clients work on it. Runs on every provider.
+//! pipelines and generated clients work on it; a DNS name (`localhost:PORT`) stands for the
+//! replicas of its addresses, dialled by IP, and a name that does not resolve fails calls
+//! with a clear not-executed UNAVAILABLE. Runs on every provider.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -11,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{Blob, TestServer, lab_server, pattern, within};
-use rpc_core::{Channel, Code, Request};
+use rpc_core::{Channel, Code, Request, Status};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -152,4 +154,70 @@ async fn replicas_come_and_go_while_calls_run() {
     echo(&ch, 401).await.unwrap();
     assert_eq!(served(&c), 1);
     drop(addr_b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dns_name_is_the_replicas_of_its_addresses() {
+    let a = TestServer::start().await;
+    let b = TestServer::start().await;
+    let port = a.server.local_addr().port();
+    let name = format!("localhost:{port}");
+    let ch = Channel::balance_list([format!("http://{name}"), b.addr()]);
+    // The first call waits for the name's first lookup (here a blocking one).
+    let bch = ch.clone();
+    let r = tokio::task::spawn_blocking(move || {
+        bch.unary_blocking::<_, Blob>(&lab_server::ECHO, blob(1))
+    });
+    assert_eq!(
+        within(LIMIT, "blocking", r)
+            .await
+            .unwrap()
+            .unwrap()
+            .get_ref()
+            .seq,
+        1
+    );
+    // localhost may also resolve to ::1, where nothing listens: that replica is ejected
+    // harmlessly and no call fails.
+    for i in 0..200 {
+        echo(&ch, 100 + i).await.unwrap();
+    }
+    assert_eq!(served(&a) + served(&b), 201);
+    assert!(
+        served(&a) >= 20,
+        "the name's replica takes calls: {}",
+        served(&a)
+    );
+    let dbg = format!("{ch:?}");
+    assert!(
+        dbg.contains(&format!("{name}/127.0.0.1:{port}")),
+        "one replica per address, dialled by IP: {dbg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_that_does_not_resolve_fails_calls_not_executed() {
+    let (ch, balancer) = Channel::balance_channel();
+    let name = "no-such-host.invalid:50051";
+    balancer
+        .resolve(
+            Channel::builder(name).connect_timeout(Duration::from_secs(2)),
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    let r: Result<(), Status> = echo(&ch, 1).await;
+    let st = r.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert!(st.is_not_executed(), "{st:?}");
+    assert!(
+        st.message().contains(name),
+        "the status names the name: {st:?}"
+    );
+    assert!(balancer.keys().is_empty());
+    // Not an address at all: refused at once.
+    assert!(
+        balancer
+            .resolve(Channel::builder("https://h:1"), Duration::from_secs(30))
+            .is_err()
+    );
 }

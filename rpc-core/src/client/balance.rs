@@ -4,7 +4,8 @@
 //! ejected and tried again after an exponential back-off with jitter, and the call moves on to
 //! another replica (it provably reached no handler). Replicas come and go while calls run
 //! ([`Balancer::insert`], [`Balancer::remove`]). Each replica is an ordinary single-server
-//! connection, made on first use and remade after a loss.
+//! connection, made on first use and remade after a loss. A DNS name becomes one replica per
+//! address it resolves to, re-resolved while the channel lives ([`Balancer::resolve`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,35 +14,51 @@ use std::time::Duration;
 use arc_swap::{ArcSwap, ArcSwapOption};
 
 use super::backoff::{Reconnect, now_ns, unit};
+use super::dns::{self, Names};
 use super::{Channel, ChannelBuilder, Conn, Shared, Target, open};
-use crate::Status;
+use crate::{Error, Status};
 
 /// The replicas of a balanced channel.
 pub(crate) struct Balance {
-    replicas: ArcSwap<Vec<Arc<Replica>>>,
-    /// Where blocking callers connect replicas (the runtime the channel was made on).
-    rt: tokio::runtime::Handle,
+    pub(super) replicas: ArcSwap<Vec<Arc<Replica>>>,
+    /// Where blocking callers connect replicas (the runtime the channel was made on), and
+    /// where names are resolved.
+    pub(super) rt: tokio::runtime::Handle,
     /// State of the picker's random numbers (xorshift).
     seed: AtomicU64,
+    /// The DNS names resolved into replicas (off the call path).
+    pub(super) names: Names,
+}
+
+impl Drop for Balance {
+    fn drop(&mut self) {
+        // The names' tasks end now rather than at their next lookup.
+        self.names.nudge();
+    }
 }
 
 impl std::fmt::Debug for Balance {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let keys: Vec<String> = self.replicas.load().iter().map(|r| r.key.clone()).collect();
-        f.debug_struct("Balance").field("replicas", &keys).finish()
+        f.debug_struct("Balance")
+            .field("replicas", &keys)
+            .field("names", &self.names)
+            .finish()
     }
 }
 
 /// One replica: its options, its connection once made, its load and its health.
 pub(crate) struct Replica {
-    key: String,
+    pub(super) key: String,
+    /// An address of a DNS name (its ejection may make the name be looked up again).
+    named: bool,
     builder: ChannelBuilder,
     shared: ArcSwapOption<Shared>,
     /// Connecting the first time (one attempt at a time).
     connecting: tokio::sync::Mutex<()>,
     in_flight: AtomicUsize,
     /// Ejected (not picked) until its reconnect back-off has passed.
-    health: Reconnect,
+    pub(super) health: Reconnect,
 }
 
 /// A call in flight on a replica (counted until dropped).
@@ -69,17 +86,57 @@ pub struct Balancer {
 impl Balancer {
     /// Adds (or replaces) the replica `key`, connected on first use.
     pub fn insert(&self, key: impl Into<String>, builder: ChannelBuilder) {
-        let key = key.into();
-        let replica = Arc::new(Replica::new(key.clone(), builder));
-        self.balance.replicas.rcu(|v| {
-            let mut v: Vec<Arc<Replica>> = v.iter().filter(|r| r.key != key).cloned().collect();
-            v.push(Arc::clone(&replica));
-            v
-        });
+        self.balance.insert(key.into(), builder);
+    }
+
+    /// Resolves the DNS name of `builder`'s address (`host:port` or `http://host:port`) into
+    /// one replica per address, each with `builder`'s options and keyed `host:port/ip:port`
+    /// (dialled by IP), and keeps resolving it while the channel lives: a Kubernetes
+    /// headless service (one address per ready pod) then needs no more code.
+    ///
+    /// The name is looked up again every `every` (at least one second; [`Channel::balance_list`]
+    /// uses 30 s), and sooner, at most once a second, when a call found every replica of the
+    /// name unreachable. Addresses that appeared become replicas; replicas whose address is
+    /// gone are removed as by [`Balancer::remove`] (calls in flight there finish). A failed
+    /// lookup keeps the replicas of the last one that succeeded (and is logged once per streak
+    /// of failures). Lookups run in a background task on the channel's runtime, which ends
+    /// when the channel and its balancers are dropped; calls never wait for DNS, except one
+    /// made while the channel has no replica at all and a name's first lookup is under way:
+    /// it waits for that lookup, at most `builder`'s connect timeout, and fails `UNAVAILABLE`
+    /// (not executed: [`Status::is_not_executed`]) naming the name and the lookup's error if
+    /// no replica came of it.
+    ///
+    /// An IP literal (`10.0.0.7:50051`, `[::1]:50051`) is one replica keyed by the address
+    /// as given, as [`Balancer::insert`] makes it. Resolving a name again replaces its
+    /// earlier resolution; [`Balancer::remove`] of the name (`host:port`) stops it and
+    /// removes its replicas. Removing one of its replicas by key lasts until the next lookup.
+    ///
+    /// # Errors
+    /// When the address is not `host:port` or `http://host:port` (nothing is added).
+    pub fn resolve(&self, builder: ChannelBuilder, every: Duration) -> Result<(), Error> {
+        self.balance.resolve_with(
+            builder,
+            every.max(dns::MIN_GAP),
+            dns::MIN_GAP,
+            dns::system_lookup(),
+        )
     }
 
     /// Removes the replica `key`: no new call goes there; calls in flight there finish.
+    /// `key` may also be a name given to [`Balancer::resolve`] (as `host:port`): its
+    /// resolution stops and its replicas are removed.
     pub fn remove(&self, key: &str) {
+        if let Ok(dial) = super::server_addr(key)
+            && self.balance.names.remove(&dial)
+        {
+            let prefix = format!("{dial}/");
+            self.balance.replicas.rcu(|v| {
+                v.iter()
+                    .filter(|r| !r.key.starts_with(&prefix))
+                    .cloned()
+                    .collect::<Vec<_>>()
+            });
+        }
         self.balance.replicas.rcu(|v| {
             v.iter()
                 .filter(|r| r.key != key)
@@ -102,7 +159,9 @@ impl Balancer {
 impl Channel {
     /// A channel over the replicas `addrs` (`host:port` or `http://host:port` each, with the
     /// default options), as tonic's `Channel::balance_list`: see [`Channel::balance_channel`].
-    /// Must be called inside a tokio runtime.
+    /// An address whose host is a DNS name stands for every address the name resolves to, and
+    /// is re-resolved every 30 s (and sooner when its replicas are all unreachable): see
+    /// [`Balancer::resolve`]. Must be called inside a tokio runtime.
     pub fn balance_list<I, S>(addrs: I) -> Channel
     where
         I: IntoIterator<Item = S>,
@@ -111,7 +170,11 @@ impl Channel {
         let (ch, balancer) = Channel::balance_channel();
         for addr in addrs {
             let addr = addr.into();
-            balancer.insert(addr.clone(), Channel::builder(addr));
+            let builder = Channel::builder(addr.clone());
+            if balancer.resolve(builder, dns::DEFAULT_REFRESH).is_err() {
+                // Not an address: the calls say why (as before names were resolved).
+                balancer.insert(addr.clone(), Channel::builder(addr));
+            }
         }
         ch
     }
@@ -127,6 +190,7 @@ impl Channel {
             replicas: ArcSwap::from_pointee(Vec::new()),
             rt: tokio::runtime::Handle::current(),
             seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id())),
+            names: Names::default(),
         });
         let ch = Channel {
             target: Target::Many(Arc::clone(&balance)),
@@ -142,11 +206,20 @@ impl Replica {
     fn new(key: String, builder: ChannelBuilder) -> Replica {
         Replica {
             key,
+            named: false,
             builder,
             shared: ArcSwapOption::empty(),
             connecting: tokio::sync::Mutex::new(()),
             in_flight: AtomicUsize::new(0),
             health: Reconnect::new(),
+        }
+    }
+
+    /// A replica for an address of a DNS name.
+    pub(super) fn named(key: String, builder: ChannelBuilder) -> Replica {
+        Replica {
+            named: true,
+            ..Replica::new(key, builder)
         }
     }
 
@@ -208,6 +281,16 @@ impl Replica {
 }
 
 impl Balance {
+    /// Adds (or replaces) the replica `key`.
+    pub(super) fn insert(&self, key: String, builder: ChannelBuilder) {
+        let replica = Arc::new(Replica::new(key.clone(), builder));
+        self.replicas.rcu(|v| {
+            let mut v: Vec<Arc<Replica>> = v.iter().filter(|r| r.key != key).cloned().collect();
+            v.push(Arc::clone(&replica));
+            v
+        });
+    }
+
     /// A random number (xorshift64*): which replicas to compare, and jitter.
     fn random(&self) -> u64 {
         let mut x = self.seed.load(Ordering::Relaxed);
@@ -271,7 +354,14 @@ impl Balance {
     /// Why no replica could take the call.
     fn none_left(&self, replicas: &[Arc<Replica>], errors: &[String]) -> Status {
         if replicas.is_empty() {
-            return Status::unavailable("the balanced channel has no replica");
+            if self.names.is_empty() {
+                return Status::unavailable("the balanced channel has no replica");
+            }
+            return Status::unavailable(format!(
+                "the balanced channel has no replica: {}",
+                self.names.why_none().join("; ")
+            ))
+            .not_executed();
         }
         let mut why: Vec<String> = errors.to_vec();
         for r in replicas {
@@ -306,7 +396,14 @@ impl Balance {
         &self,
         avoid: Option<&Arc<Replica>>,
     ) -> Result<(Arc<Conn>, Load), Status> {
-        let replicas = self.replicas.load_full();
+        let mut replicas = self.replicas.load_full();
+        if replicas.is_empty() && self.names.pending() {
+            // The first lookup of a name is under way: wait for it (bounded).
+            self.names
+                .wait_first(|| self.replicas.load().is_empty())
+                .await;
+            replicas = self.replicas.load_full();
+        }
         let avoided = Self::avoid_mask(&replicas, avoid);
         let mut tried = avoided;
         let mut errors = Vec::new();
@@ -335,10 +432,15 @@ impl Balance {
                 }
                 Err(st) => {
                     r.eject(&st, self.jitter());
+                    if r.named {
+                        // Its name may have moved: looked up again if all its replicas fail.
+                        self.names.nudge();
+                    }
                     errors.push(format!("{}: {}", r.key, st.message()));
                 }
             }
         }
+        self.names.nudge();
         Err(self.none_left(&replicas, &errors))
     }
 

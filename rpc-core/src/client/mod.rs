@@ -4,6 +4,9 @@
 mod backoff;
 mod balance;
 mod core;
+mod dns;
+#[cfg(test)]
+mod dns_tests;
 mod region;
 mod registered;
 mod retry;
