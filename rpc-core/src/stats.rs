@@ -114,6 +114,9 @@ pub(crate) struct TransportCells {
     pub(crate) reconnects: AtomicU64,
     pub(crate) credit_stalls: AtomicU64,
     pub(crate) retries: AtomicU64,
+    pub(crate) flushed: AtomicU64,
+    pub(crate) retry_exceeded: AtomicU64,
+    pub(crate) failed_completions: AtomicU64,
 }
 
 /// One table of methods: an open-addressed array keyed by method id (ids are never 0).
@@ -124,6 +127,19 @@ pub(crate) struct Table {
 }
 
 impl Table {
+    /// A work completion that did not succeed: flushed (its QP had failed), the NIC's
+    /// transport or RNR retries exhausted, or another error.
+    pub(crate) fn count_failed_completion(&self, status: crate::verbs::WcStatus) {
+        use crate::verbs::WcStatus;
+        let t = &self.transport;
+        match status {
+            WcStatus::WrFlushErr => &t.flushed,
+            WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr => &t.retry_exceeded,
+            _ => &t.failed_completions,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn new() -> Table {
         Table {
             cells: (0..TABLE).map(|_| Cell::new()).collect(),
@@ -200,6 +216,9 @@ impl Table {
         into.transport.reconnects += ld(&t.reconnects);
         into.transport.credit_stalls += ld(&t.credit_stalls);
         into.transport.retries += ld(&t.retries);
+        into.transport.flushed += ld(&t.flushed);
+        into.transport.retry_exceeded += ld(&t.retry_exceeded);
+        into.transport.failed_completions += ld(&t.failed_completions);
         into.methods.sort_by(|a, b| a.path.cmp(b.path));
     }
 }
@@ -229,6 +248,14 @@ pub struct Transport {
     pub credit_stalls: u64,
     /// Client: attempts after the first of retried calls ([`crate::RetryPolicy`]).
     pub retries: u64,
+    /// Server: work completions flushed because their QP had failed (`IBV_WC_WR_FLUSH_ERR`).
+    pub flushed: u64,
+    /// Server: work requests whose transport or RNR retries ran out (`IBV_WC_RETRY_EXC_ERR`,
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`: the peer or the path was gone, or its receive queue stayed
+    /// empty); the NIC's retries themselves are not visible through verbs.
+    pub retry_exceeded: u64,
+    /// Server: other failed work completions (protection, length, remote access errors).
+    pub failed_completions: u64,
 }
 
 /// One method's figures.
@@ -344,8 +371,9 @@ impl Snapshot {
     /// `rpc_response_bytes_total`, `rpc_rendezvous_total{direction}`, the latency as gauges
     /// `rpc_latency_seconds{quantile="0.5"|"0.9"|"0.99"|"0.999"}`, all labelled with `side`
     /// and `method`; and `rpc_connections_total`, `rpc_connection_failures_total`,
-    /// `rpc_reconnects_total`, `rpc_credit_stalls_total`, `rpc_retries_total` labelled with
-    /// `side`.
+    /// `rpc_reconnects_total`, `rpc_credit_stalls_total`, `rpc_retries_total`,
+    /// `rpc_flushed_completions_total`, `rpc_retry_exceeded_total`,
+    /// `rpc_failed_completions_total` labelled with `side`.
     pub fn export(&self) {
         let side = self.side;
         for m in &self.methods {
@@ -377,6 +405,9 @@ impl Snapshot {
             ("rpc_reconnects_total", t.reconnects),
             ("rpc_credit_stalls_total", t.credit_stalls),
             ("rpc_retries_total", t.retries),
+            ("rpc_flushed_completions_total", t.flushed),
+            ("rpc_retry_exceeded_total", t.retry_exceeded),
+            ("rpc_failed_completions_total", t.failed_completions),
         ] {
             metrics::counter!(name, "side" => side).absolute(v);
         }
@@ -414,8 +445,16 @@ impl std::fmt::Display for Snapshot {
         let t = &self.transport;
         write!(
             f,
-            "connections {} (failed {}, reconnects {}), credit stalls {}, retries {}",
-            t.connections, t.connection_failures, t.reconnects, t.credit_stalls, t.retries
+            "connections {} (failed {}, reconnects {}), credit stalls {}, retries {}, \
+             completions flushed {}, retries exceeded {}, other failed {}",
+            t.connections,
+            t.connection_failures,
+            t.reconnects,
+            t.credit_stalls,
+            t.retries,
+            t.flushed,
+            t.retry_exceeded,
+            t.failed_completions
         )
     }
 }
@@ -472,6 +511,29 @@ mod tests {
         let b = s.method("/t.S/B").unwrap();
         assert_eq!((b.started, b.in_flight()), (1, 1));
         assert!(s.to_string().contains("/t.S/A"));
+    }
+
+    #[test]
+    fn failed_completions_are_counted_by_kind() {
+        use crate::verbs::WcStatus;
+        let t = Table::new();
+        for st in [
+            WcStatus::WrFlushErr,
+            WcStatus::WrFlushErr,
+            WcStatus::RetryExcErr,
+            WcStatus::RnrRetryExcErr,
+            WcStatus::LocProtErr,
+        ] {
+            t.count_failed_completion(st);
+        }
+        let mut s = Snapshot::new("server");
+        t.add_to(&mut s);
+        let x = s.transport;
+        assert_eq!(
+            (x.flushed, x.retry_exceeded, x.failed_completions),
+            (2, 2, 1)
+        );
+        assert!(s.to_string().contains("completions flushed 2"));
     }
 
     #[test]

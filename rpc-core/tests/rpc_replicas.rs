@@ -165,7 +165,11 @@ async fn replicas_killed_and_drained_under_load_lose_and_repeat_nothing() {
     stop.store(true, Ordering::Relaxed);
     let mut outcomes = Vec::new();
     for t in tasks {
-        outcomes.extend(within(Duration::from_secs(60), "a task ends", t).await.unwrap());
+        outcomes.extend(
+            within(Duration::from_secs(60), "a task ends", t)
+                .await
+                .unwrap(),
+        );
     }
     // Every report of every replica: r0's until it died, r1's and r2's up to a sync.
     tokio::task::block_in_place(|| {

@@ -127,3 +127,49 @@ async fn a_trace_follows_the_request_through_nested_calls() {
     assert_eq!(r.metadata().get_str("front-ctx"), None);
     assert_eq!(r.metadata().get_str("backend-saw"), None);
 }
+
+/// Names of the spans opened while it is the thread's subscriber.
+#[derive(Clone, Default)]
+struct Spans(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Spans {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(attrs.metadata().name().to_owned());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_call_runs_in_its_own_span() {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let backend = TestServer::start().await;
+    let ch = backend.channel(ClientPoller::Thread).await;
+    let spans = Spans::default();
+    let seen = spans.clone();
+    tokio::task::spawn_blocking(move || {
+        let subscriber = tracing_subscriber::registry()
+            .with(spans)
+            .with(tracing_subscriber::filter::LevelFilter::DEBUG);
+        tracing::subscriber::with_default(subscriber, || {
+            ch.unary_blocking::<_, Blob>(
+                &lab_server::ECHO,
+                Request::new(Blob {
+                    seq: 1,
+                    data: pattern(8, 1),
+                }),
+            )
+            .unwrap();
+        });
+    })
+    .await
+    .unwrap();
+    let names = seen.0.lock().unwrap().clone();
+    assert!(names.iter().any(|n| n == "rpc.client"), "{names:?}");
+}

@@ -21,7 +21,7 @@ use arc_swap::ArcSwap;
 use futures_core::Stream;
 use prost::Message;
 use tokio::net::TcpStream;
-use tracing::{info, warn};
+use tracing::{Instrument as _, info, warn};
 
 use crate::buf::{BulkPool, Geometry, SlotArena};
 use crate::connect::{self, Hello, Message as Handshake};
@@ -828,6 +828,7 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
+        let span = call_span(method);
         let r = async {
             // The request stays ours until the outcome is known: a retry sends it again by
             // reference (no clone, and nothing allocated when no retry happens).
@@ -852,6 +853,7 @@ impl Channel {
                 }
             }
         }
+        .instrument(span)
         .await;
         stats::stat_end(started, &r);
         r
@@ -875,7 +877,7 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
-        let r = (|| {
+        let r = call_span(method).in_scope(|| {
             // As `unary`: the request is sent again by reference if the call is retried.
             let mut attempts = Attempts::new(self.retry.as_ref(), method, request.timeout());
             let mut avoid = None;
@@ -898,7 +900,7 @@ impl Channel {
                     std::thread::sleep(wait);
                 }
             }
-        })();
+        });
         stats::stat_end(started, &r);
         r
     }
@@ -958,6 +960,7 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
+        let span = call_span(method);
         let r = async {
             // As `unary`, until the call returns with its first message.
             let mut attempts = Attempts::new(self.retry.as_ref(), method, request.timeout());
@@ -982,6 +985,7 @@ impl Channel {
                 }
             }
         }
+        .instrument(span)
         .await;
         stats::stat_end(started, &r);
         r
@@ -1007,11 +1011,13 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
+        let span = call_span(method);
         let r = async {
             let (conn, _load) = self.conn_retrying(method, &mut request).await?;
             with_any!(AnyCore, &conn.core, c => c.client_streaming(method, request).await)
                 .map_err(|st| st.for_method(method.path))
         }
+        .instrument(span)
         .await;
         stats::stat_end(started, &r);
         r
@@ -1039,16 +1045,24 @@ impl Channel {
     {
         self.intercept(method, &mut request)?;
         let started = self.stat_begin(method);
+        let span = call_span(method);
         let r = async {
             let (conn, _load) = self.conn_retrying(method, &mut request).await?;
             let r = with_any!(AnyCore, &conn.core, c => c.streaming(method, request).await)
                 .map_err(|st| st.for_method(method.path))?;
             Ok(r.map(|s| s.keep_alive(conn).for_method(method.path)))
         }
+        .instrument(span)
         .await;
         stats::stat_end(started, &r);
         r
     }
+}
+
+/// The client's span of a call (DEBUG, target `rpc_core::call`, the server's is `rpc.server`):
+/// entered while the call runs, disabled (and free) unless a subscriber wants it.
+fn call_span(method: &MethodDesc) -> tracing::Span {
+    tracing::debug_span!(target: "rpc_core::call", "rpc.client", method = method.path)
 }
 
 async fn open(b: &ChannelBuilder) -> Result<Conn, Error> {

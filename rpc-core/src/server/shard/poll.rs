@@ -14,7 +14,7 @@ use crate::link::{Control, LinkError, WrKind, completion, split_wr_id};
 use crate::server::ShardPolling;
 use crate::server::call::{CallCtx, panicked};
 use crate::server::notify::wait_readable;
-use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider, Wc};
+use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider, Wc, WcStatus};
 use crate::wire::CallId;
 
 use super::respond::Reply;
@@ -206,6 +206,11 @@ impl<P: Provider> Shard<P> {
     }
 
     pub(super) fn on_completion(&mut self, wc: &Wc) {
+        if wc.status != WcStatus::Success
+            && let Some(t) = &self.stats
+        {
+            t.count_failed_completion(wc.status);
+        }
         let (key, kind, aux) = split_wr_id(wc.wr_id);
         let idx = key.idx as usize;
         let live = matches!(self.conns.get(idx), Some(Some(c)) if c.link.key() == key);
