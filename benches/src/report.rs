@@ -14,6 +14,10 @@ use crate::measure::{LatencyRun, Machine, Plan, RateRun};
 pub enum System {
     /// (a) rdma-rpc.
     Rpc,
+    /// (a') rdma-rpc with default options only: large payloads from ordinary memory (no
+    /// `Channel::alloc_bytes`) and no response size hint. Measured from 16 KiB on (below that
+    /// it is the same as `Rpc`).
+    RpcPlain,
     /// (b) tonic, current-thread runtimes.
     TonicCt,
     /// (b) tonic, multi-thread runtimes.
@@ -27,6 +31,7 @@ impl System {
     pub fn name(self) -> &'static str {
         match self {
             System::Rpc => "rdma-rpc",
+            System::RpcPlain => "rpc-plain",
             System::TonicCt => "tonic-ct",
             System::TonicMt => "tonic-mt",
             System::Raw => "raw",
@@ -428,7 +433,18 @@ pub fn targets(rows: &[Row], ratios: &[Ratio], i3: &Issue3) -> Vec<Target> {
         _ => None,
     };
     let _ = r16;
-    vec![
+    // Issue 16 item 5: default options against the opt-ins, same run.
+    let plain = |size: usize, f: fn(&Row) -> Option<f64>| {
+        let of = |sys: System| rows.iter().find(|r| r.size == size && r.system == sys);
+        match (
+            of(System::RpcPlain).and_then(f),
+            of(System::Rpc).and_then(f),
+        ) {
+            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+            _ => None,
+        }
+    };
+    let mut out = vec![
         Target::new(3, "32 B, 1 outstanding: p50 (µs)", i3.p50_us, 3.0, false),
         Target::new(3, "32 B, 1 outstanding: p99 (µs)", i3.p99_us, 10.0, false),
         Target::new(
@@ -483,7 +499,22 @@ pub fn targets(rows: &[Row], ratios: &[Ratio], i3: &Issue3) -> Vec<Target> {
             3.0,
             false,
         ),
-    ]
+    ];
+    for (size, name) in [(1 << 20, "1 MiB"), (16 << 20, "16 MiB")] {
+        if rows
+            .iter()
+            .any(|r| r.size == size && r.system == System::RpcPlain)
+        {
+            out.push(Target::new(
+                16,
+                &format!("{name} p50: rpc-plain / rdma-rpc (opt-ins)"),
+                plain(size, |r| r.p50_us),
+                1.2,
+                false,
+            ));
+        }
+    }
+    out
 }
 
 /// Everything a run produced: what the JSON file holds.
@@ -581,6 +612,13 @@ pub fn table(report: &Report, ks: &[usize], large_from: usize) -> String {
          than the best tonic configuration (tonic/rdma-rpc for times, rdma-rpc/tonic for rates).",
         report.config["reps"]
     );
+    if report.rows.iter().any(|r| r.system == System::RpcPlain) {
+        let _ = writeln!(
+            s,
+            "rpc-plain: rdma-rpc with default options (payloads in ordinary memory, no \
+             Channel::alloc_bytes; no response size hint); rdma-rpc uses both from 16 KiB."
+        );
+    }
     let mut head = format!(
         "{:<8} {:<9} {:>8} {:>8} {:>8} {:>8}",
         "size", "system", "p50", "p99", "p99.9", "mean"

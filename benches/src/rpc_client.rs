@@ -16,6 +16,8 @@
 //! once per size and channel, a `Bytes` clone per call): the API a performance user of
 //! rdma-rpc would use (eRPC's and UCX's message buffers), so the client sends the request
 //! without copying it. tonic has no equivalent; it serializes the payload as always.
+//! `System::RpcPlain` is the same client with neither opt-in: payloads in ordinary memory and
+//! no response size hint, what a user who reads no documentation gets.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -61,29 +63,48 @@ struct RpcClient {
     poller: Option<(tokio::runtime::Runtime, Generated)>,
     /// Registered payloads by size and channel (`true`: the poller's).
     regions: HashMap<(usize, bool), RegisteredBytes>,
+    /// Use `alloc_bytes` and response size hints.
+    opt_ins: bool,
+}
+
+/// How to connect.
+#[derive(Clone, Copy, Debug)]
+pub struct Opts {
+    /// The provider.
+    pub provider: ProviderKind,
+    /// How the many-outstanding phases drive calls.
+    pub mode: AsyncMode,
+    /// The timeout of every call.
+    pub deadline: Option<Duration>,
+    /// Build large payloads in registered memory (`Channel::alloc_bytes`) and give response
+    /// size hints; false: default options only.
+    pub opt_ins: bool,
 }
 
 /// Payloads at least this large are built in registered memory (smaller ones go eagerly,
 /// copied into the send slot either way).
-const REGISTERED_MIN: usize = 16 << 10;
+pub const REGISTERED_MIN: usize = 16 << 10;
 
 /// A request payload: its bytes and, when they lie in registered memory, the region.
 #[derive(Clone)]
 struct Payload {
     bytes: Bytes,
     region: Option<RegisteredBytes>,
+    /// Give the response size as a hint.
+    hint: bool,
 }
 
-/// Connects to the rdma-rpc server at `addr`. Calls carry `deadline` as their timeout.
+/// Connects to the rdma-rpc server at `addr`. Calls carry `opts.deadline` as their timeout.
 ///
 /// # Errors
 /// When the connection or handshake fails.
-pub fn connect(
-    addr: SocketAddr,
-    provider: ProviderKind,
-    mode: AsyncMode,
-    deadline: Option<Duration>,
-) -> Result<Box<dyn BenchClient>> {
+pub fn connect(addr: SocketAddr, opts: &Opts) -> Result<Box<dyn BenchClient>> {
+    let Opts {
+        provider,
+        mode,
+        deadline,
+        opt_ins,
+    } = *opts;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -108,6 +129,7 @@ pub fn connect(
         client,
         poller,
         regions: HashMap::new(),
+        opt_ins,
     }))
 }
 
@@ -136,7 +158,9 @@ fn request(payload: &Payload, deadline: Option<Duration>) -> Request<EchoRequest
     }
     // Large replies land straight in a zone the client lends (one RDMA WRITE); the hint is
     // ignored below the eager threshold. Payload plus protobuf framing.
-    r.set_response_size_hint(payload.bytes.len() + 16);
+    if payload.hint {
+        r.set_response_size_hint(payload.bytes.len() + 16);
+    }
     r
 }
 
@@ -161,10 +185,11 @@ impl RpcClient {
     /// registered memory of that channel from `REGISTERED_MIN` on, allocated once.
     fn payload(&mut self, size: usize, poller: bool) -> Result<Payload> {
         let bytes = client::payload(size);
-        if size < REGISTERED_MIN {
+        if size < REGISTERED_MIN || !self.opt_ins {
             return Ok(Payload {
                 bytes,
                 region: None,
+                hint: self.opt_ins,
             });
         }
         let (rt, ch) = match (&self.poller, poller) {
@@ -184,6 +209,7 @@ impl RpcClient {
         Ok(Payload {
             bytes: region.bytes(),
             region: Some(region),
+            hint: true,
         })
     }
 

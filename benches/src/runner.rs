@@ -69,7 +69,7 @@ pub struct RunArgs {
         long,
         value_delimiter = ',',
         value_enum,
-        default_value = "rpc,tonic-ct,tonic-mt,raw"
+        default_value = "rpc,rpc-plain,tonic-ct,tonic-mt,raw"
     )]
     pub systems: Vec<System>,
     /// Where the JSON results go.
@@ -192,7 +192,7 @@ fn server_args(cfg: &Cfg, system: System, size: usize) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
     match system {
-        System::Rpc => push(&[
+        System::Rpc | System::RpcPlain => push(&[
             "--system",
             "rpc",
             "--provider",
@@ -260,10 +260,19 @@ fn connect(
     size: usize,
 ) -> Result<Box<dyn BenchClient>> {
     match system {
-        System::Rpc if cfg.rpc_async == AsyncMode::Poller => {
-            unpinned(|| crate::rpc_client::connect(addr, cfg.provider, cfg.rpc_async, cfg.deadline))
+        System::Rpc | System::RpcPlain => {
+            let opts = crate::rpc_client::Opts {
+                provider: cfg.provider,
+                mode: cfg.rpc_async,
+                deadline: cfg.deadline,
+                opt_ins: system == System::Rpc,
+            };
+            if cfg.rpc_async == AsyncMode::Poller {
+                unpinned(|| crate::rpc_client::connect(addr, &opts))
+            } else {
+                crate::rpc_client::connect(addr, &opts)
+            }
         }
-        System::Rpc => crate::rpc_client::connect(addr, cfg.provider, cfg.rpc_async, cfg.deadline),
         System::TonicCt => tonic_client::connect(addr, Flavor::Ct, cfg.window, cfg.deadline),
         System::TonicMt => {
             unpinned(|| tonic_client::connect(addr, Flavor::Mt, cfg.window, cfg.deadline))
@@ -417,7 +426,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         args.systems
             .iter()
             .copied()
-            .filter(|&s| s != System::Raw)
+            .filter(|&s| s != System::Raw && s != System::RpcPlain)
             .collect()
     };
     let stream_sizes = if stream_systems.is_empty() {
@@ -496,9 +505,13 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         .map_or(0, |d| d.as_secs());
 
     let issue3 = !args.no_issue3 && args.systems.contains(&System::Rpc);
-    let per_rep = sizes.len() * args.systems.len()
-        + if issue3 { 2 } else { 0 }
-        + stream_sizes.len() * stream_systems.len();
+    let unary_cells = sizes
+        .iter()
+        .flat_map(|&size| args.systems.iter().map(move |&s| (size, s)))
+        .filter(|&(size, s)| s != System::RpcPlain || size >= crate::rpc_client::REGISTERED_MIN)
+        .count();
+    let per_rep =
+        unary_cells + if issue3 { 2 } else { 0 } + stream_sizes.len() * stream_systems.len();
     let bar = if args.no_progress {
         ProgressBar::hidden()
     } else {
@@ -518,6 +531,10 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
     for rep in 0..reps {
         for &size in &sizes {
             for &system in &args.systems {
+                if system == System::RpcPlain && size < crate::rpc_client::REGISTERED_MIN {
+                    // The same as rdma-rpc there: nothing is opted into below this size.
+                    continue;
+                }
                 bar.set_message(format!(
                     "rep {}/{reps}: {} {}",
                     rep + 1,

@@ -449,7 +449,8 @@ fn registered_requests_are_copied_by_the_nic_only() {
 }
 
 /// For echoes of N bytes (eager, rendezvous with the response READ, rendezvous with the
-/// response written into a landing zone), the soft RNICs of the process (client and server)
+/// response written into a landing zone the caller asked for or the channel learned), the soft
+/// RNICs of the process (client and server)
 /// copy about 2N bytes per call: the request once and the response once, no other copy by
 /// the NIC. And no heap allocation as large as the payload happens during a call: the
 /// runtime stages no intermediate copy of it (encode into registered memory, zero-copy
@@ -461,9 +462,18 @@ fn soft_rnic_copies_each_payload_once() {
         "soft_rnic_copies_each_payload_once",
         Duration::from_secs(600),
     );
-    let Some((rt, srv, ch)) = soft_counting_setup() else {
+    let Some((rt, srv, learning)) = soft_counting_setup() else {
         return;
     };
+    // Responses READ every time: no zone unless asked for.
+    let reading = rt
+        .block_on(
+            srv.builder()
+                .poller(ClientPoller::Thread)
+                .learn_response_sizes(false)
+                .connect(),
+        )
+        .expect("connect");
     const K: u64 = 20;
     // Data lengths whose blob (sequence number = length) encodes to exactly the largest
     // eager message and one byte more.
@@ -474,22 +484,40 @@ fn soft_rnic_copies_each_payload_once() {
             .expect("a length encoding to enc")
     };
     let (at_max, over_max) = (encoding_to(EAGER_MAX), encoding_to(EAGER_MAX + 1));
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+    enum Zone {
+        /// No hint, learning off: the response is READ.
+        Read,
+        /// A size hint.
+        Hinted,
+        /// No hint: the channel lends what the method's last response needed.
+        Learned,
+    }
     let cases = [
-        ("eager", 100usize, false),
-        ("eager", 4000, false),
-        ("eager max", at_max, false),
-        ("eager max + 1", over_max, false),
-        ("rendezvous, READ", EAGER_MAX + 100, false),
-        ("rendezvous, READ", 64 << 10, false),
-        ("rendezvous, READ", 1 << 20, false),
-        ("rendezvous, landing", 64 << 10, true),
-        ("rendezvous, landing", 1 << 20, true),
-        ("rendezvous, READ", scaled(8 << 20), false),
-        ("rendezvous, landing", scaled(8 << 20), true),
+        ("eager", 100usize, Zone::Read),
+        ("eager", 4000, Zone::Read),
+        ("eager max", at_max, Zone::Read),
+        ("eager max + 1", over_max, Zone::Read),
+        ("rendezvous, READ", EAGER_MAX + 100, Zone::Read),
+        ("rendezvous, READ", 64 << 10, Zone::Read),
+        ("rendezvous, READ", 1 << 20, Zone::Read),
+        ("rendezvous, landing", 64 << 10, Zone::Hinted),
+        ("rendezvous, landing", 1 << 20, Zone::Hinted),
+        ("rendezvous, learned", 64 << 10, Zone::Learned),
+        ("rendezvous, learned", 1 << 20, Zone::Learned),
+        ("rendezvous, READ", scaled(8 << 20), Zone::Read),
+        ("rendezvous, landing", scaled(8 << 20), Zone::Hinted),
+        ("rendezvous, learned", scaled(8 << 20), Zone::Learned),
     ];
     let mut failures = Vec::new();
     let mut ops_of = std::collections::HashMap::new();
-    for (label, n, hint) in cases {
+    for (label, n, zone) in cases {
+        let hint = zone == Zone::Hinted;
+        let ch = if zone == Zone::Learned {
+            &learning
+        } else {
+            &reading
+        };
         let seq = n as u64;
         let payload = pattern(n, seq);
         let request = || {
@@ -502,7 +530,7 @@ fn soft_rnic_copies_each_payload_once() {
             }
             req
         };
-        let run = |k: u64| echo_calls(&rt, &ch, k, n, &request);
+        let run = |k: u64| echo_calls(&rt, ch, k, n, &request);
         run(3);
         let before = settled_counters();
         let ((), _allocs, largest) = counted(|| run(K));
@@ -519,7 +547,7 @@ fn soft_rnic_copies_each_payload_once() {
             copied as i64 - two_n as i64,
             copied as f64 / two_n as f64,
         );
-        ops_of.insert((n, hint), ops);
+        ops_of.insert((n, zone), ops);
         if copied < two_n || copied > two_n + PER_CALL_OVERHEAD {
             failures.push(format!(
                 "{label} {n} B: {copied} B copied per call, expected 2N = {two_n} plus at \
@@ -535,20 +563,24 @@ fn soft_rnic_copies_each_payload_once() {
     }
     // The threshold is where it should be: one encoded byte more turns both messages into
     // rendezvous transfers (READs and a release frame).
-    if ops_of[&(at_max, false)] >= ops_of[&(over_max, false)] {
+    if ops_of[&(at_max, Zone::Read)] >= ops_of[&(over_max, Zone::Read)] {
         failures.push(format!(
             "eager threshold: {} work requests at {EAGER_MAX} encoded bytes, {} at one more",
-            ops_of[&(at_max, false)],
-            ops_of[&(over_max, false)]
+            ops_of[&(at_max, Zone::Read)],
+            ops_of[&(over_max, Zone::Read)]
         ));
     }
-    // The size hint really selects the landing-zone WRITE: no response READ, no release frame.
+    // The size hint really selects the landing-zone WRITE: no response READ, no release
+    // frame; and a channel that learned the size does the same without the hint.
     for n in [64 << 10, 1 << 20, scaled(8 << 20)] {
-        let (read, landing) = (ops_of[&(n, false)], ops_of[&(n, true)]);
-        if landing >= read {
-            failures.push(format!(
-                "{n} B: {landing} work requests per call with a landing zone, {read} without"
-            ));
+        let read = ops_of[&(n, Zone::Read)];
+        for zone in [Zone::Hinted, Zone::Learned] {
+            let landing = ops_of[&(n, zone)];
+            if landing >= read {
+                failures.push(format!(
+                    "{n} B: {landing} work requests per call {zone:?}, {read} when READ"
+                ));
+            }
         }
     }
     rt.block_on(srv.settle("live calls back to 0"));

@@ -102,7 +102,9 @@ fn echo_cases() -> Vec<(String, Blob)> {
 
 async fn echo_matrix(mode: ClientPoller, api: Api) {
     let srv = Target::start(&DEFAULT).await;
-    let ch = srv.channel(mode).await;
+    // Unhinted calls here take the READ path every time (`learned_landing_zones` covers the
+    // zones a channel lends by itself).
+    let ch = remote::connect(srv.builder().poller(mode).learn_response_sizes(false)).await;
     for (label, blob) in echo_cases() {
         let n = blob.data.len();
         let enc = blob.encoded_len();
@@ -376,6 +378,102 @@ async fn landing_zone_too_small_or_too_large() {
         .unwrap();
     check_blob(r.get_ref(), 7, 10, "small response with a large hint");
     srv.settle("live calls back to 0").await;
+}
+
+// ----- 1b. landing zones the channel lends by itself -----------------------------------------
+
+/// Without a hint, the first large response of a method is READ and the channel remembers its
+/// size: the method's next calls lend a zone that large and the server WRITEs into it. A
+/// response that outgrows the zone falls back to the READ (and is learned); one that comes
+/// eagerly stops the lending; methods learn apart; a channel with learning off always READs.
+/// Every response is checked byte for byte, through both APIs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn learned_landing_zones() {
+    let srv = Target::start(&DEFAULT).await;
+    let (mib, two) = (scaled(1 << 20), scaled(2 << 20));
+    for (mode, api) in [
+        (ClientPoller::Thread, Api::Async),
+        (ClientPoller::Caller, Api::Blocking),
+    ] {
+        let ch = srv.channel(mode).await;
+        let mut seq = 7_000u64;
+        // One GENERATE call of `len` bytes; returns how many responses were written so far.
+        let generate = async |ch: &Channel, seq: &mut u64, len: usize| {
+            *seq += 1;
+            let what = format!("{mode:?}/{api:?} generate {len} B, no hint");
+            let req = Request::new(GenRequest {
+                seq: *seq,
+                len: len as u64,
+            });
+            let r: Response<Blob> = call(ch, api, &lab_server::GENERATE, req)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+            check_blob(r.get_ref(), *seq, len, &what);
+            ch.written_responses()
+        };
+        let what = format!("{mode:?}/{api:?}");
+        assert_eq!(
+            generate(&ch, &mut seq, mib).await,
+            0,
+            "{what}: the first is READ"
+        );
+        for i in 1..=3 {
+            assert_eq!(
+                generate(&ch, &mut seq, mib).await,
+                i,
+                "{what}: learned, call {i}"
+            );
+        }
+        // Larger than the zone: READ once, then written again.
+        assert_eq!(
+            generate(&ch, &mut seq, two).await,
+            3,
+            "{what}: outgrew the zone"
+        );
+        assert_eq!(
+            generate(&ch, &mut seq, two).await,
+            4,
+            "{what}: the new size"
+        );
+        // Smaller still fits.
+        assert_eq!(
+            generate(&ch, &mut seq, mib).await,
+            5,
+            "{what}: a smaller one fits"
+        );
+        // A small response: no zone for the next large one.
+        assert_eq!(generate(&ch, &mut seq, 100).await, 5, "{what}: small");
+        assert_eq!(generate(&ch, &mut seq, mib).await, 5, "{what}: forgotten");
+        assert_eq!(
+            generate(&ch, &mut seq, mib).await,
+            6,
+            "{what}: learned again"
+        );
+        // Another method learns on its own: the first large echo is READ.
+        let blob = Blob {
+            seq: 99,
+            data: pattern(mib, 99),
+        };
+        for want in [6, 7] {
+            let r: Response<Blob> = call(&ch, api, &lab_server::ECHO, Request::new(blob.clone()))
+                .await
+                .unwrap_or_else(|e| panic!("{what}: echo: {e:?}"));
+            check_blob(r.get_ref(), 99, mib, &what);
+            assert_eq!(ch.written_responses(), want, "{what}: echo learns apart");
+        }
+        // Off: every large response is READ.
+        let off = remote::connect(srv.builder().poller(mode).learn_response_sizes(false)).await;
+        for _ in 0..3 {
+            assert_eq!(
+                generate(&off, &mut seq, mib).await,
+                0,
+                "{what}: learning off"
+            );
+        }
+    }
+    srv.settle("learned landing zones: live calls back to 0")
+        .await;
+    srv.shutdown().await;
 }
 
 // ----- 2. concurrency ------------------------------------------------------------------------

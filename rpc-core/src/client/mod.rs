@@ -69,6 +69,7 @@ pub struct ChannelBuilder {
     connect_timeout: Duration,
     qps_per_connection: Option<u32>,
     retry: Option<RetryPolicy>,
+    learn_response_sizes: bool,
 }
 
 impl ChannelBuilder {
@@ -122,6 +123,16 @@ impl ChannelBuilder {
     /// READ/WRITE of 256 KiB or more), like `NCCL_IB_QPS_PER_CONNECTION`.
     pub fn qps_per_connection(mut self, n: u32) -> Self {
         self.qps_per_connection = Some(n.clamp(1, crate::verbs::MAX_QPS_PER_CONNECTION));
+        self
+    }
+
+    /// Whether a call without [`Request::set_response_size_hint`] lends a landing zone as large
+    /// as its method's last large response (default true): large responses are then written
+    /// into place (one RDMA WRITE) instead of fetched with an extra round trip (an RDMA READ),
+    /// without the caller knowing their size. Each such call borrows a bulk buffer of that size
+    /// while in flight; off, only hinted calls lend one.
+    pub fn learn_response_sizes(mut self, on: bool) -> Self {
+        self.learn_response_sizes = on;
         self
     }
 
@@ -613,6 +624,7 @@ impl Channel {
             connect_timeout: Duration::from_secs(5),
             qps_per_connection: None,
             retry: None,
+            learn_response_sizes: true,
         }
     }
 
@@ -785,6 +797,14 @@ impl Channel {
     pub fn zero_copy_request_bytes(&self) -> u64 {
         let Some(c) = self.current() else { return 0 };
         with_any!(AnyCore, &c.core, c => c.counters.zero_copy_request_bytes.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Large responses of the current connection that the server wrote into a landing zone
+    /// the call lent (a response size hint, or a size learned per method: see
+    /// [`ChannelBuilder::learn_response_sizes`]); the other large responses were READ.
+    pub fn written_responses(&self) -> u64 {
+        let Some(c) = self.current() else { return 0 };
+        with_any!(AnyCore, &c.core, c => c.counters.landing_responses.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// RC queue pairs the current connection uses (see
@@ -1258,6 +1278,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         mode: b.poller,
         eager_limit,
         max_message: b.max_message,
+        learn_sizes: b.learn_response_sizes,
         describe,
     })?;
     if b.poller == ClientPoller::Caller {

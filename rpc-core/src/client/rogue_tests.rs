@@ -170,8 +170,10 @@ async fn ended_loans_are_closed_to_every_peer_and_the_victim_sees_no_corruption(
         .expect("bind");
     let addr = server.local_addr().to_string();
     let connect = |addr: String| async move {
+        // Every response by rendezvous (READ), so that its keys can be taken.
         Channel::builder(addr)
             .poller(ClientPoller::Caller)
+            .learn_response_sizes(false)
             .connect()
             .await
             .expect("connect")

@@ -176,6 +176,7 @@ impl<P: Provider> Driver<P> {
                 let c = &mut self.calls[slot];
                 c.reset();
                 c.id = call;
+                c.method = sub.method;
                 c.cell = Some((idx, generation));
                 c.lent_bulk = bulk.map(|b| Lent {
                     _buf: b,

@@ -10,7 +10,7 @@ use crate::buf::{BulkBuf, EncodeMsg, Gather, NoMsg, Piece, encode::MAX_PIECES};
 use crate::call::desc;
 use crate::client::RegHandle;
 use crate::link::Staged;
-use crate::method::MethodDesc;
+use crate::method::{CallKind, MethodDesc};
 use crate::verbs::{Access, Mr, Provider};
 use crate::wire::{BulkDesc, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Status};
@@ -87,6 +87,12 @@ impl<P: Provider> ClientCore<P> {
             self.counters.bulk_requests.fetch_add(1, Ordering::Relaxed);
             self.stage(slot, metadata, &NoMsg)?
         };
+        // Without the caller's hint, what the method's last large response needed (only calls
+        // with one response: a stream's messages never use the zone).
+        let landing_hint = landing_hint.or_else(|| match method.kind {
+            CallKind::Unary | CallKind::ClientStreaming => self.sizes.hint(method.id),
+            _ => None,
+        });
         let landing = match landing_hint {
             // No zone for a response the caller could not accept anyway.
             Some(n) if MAX_HEADER_LEN + n > self.eager_limit && n as u64 <= self.max_message => {

@@ -84,6 +84,8 @@ impl<P: Provider> Driver<P> {
                 drop(slot);
                 self.calls[s].lent_bulk = None;
                 self.calls[s].landing = None;
+                // The next call of the method lends a zone this large ([`super::sizes`]).
+                core.sizes.record(self.calls[s].method, desc.len);
                 let got = if desc.len > core.max_message {
                     Err(format!(
                         "response of {} bytes exceeds the {} byte message limit",
@@ -120,6 +122,10 @@ impl<P: Provider> Driver<P> {
                 ..
             } => {
                 let s = call.slot() as usize;
+                if self.calls[s].landing.is_some() {
+                    // A zone was lent for a response that came eagerly: stop lending them.
+                    core.sizes.forget(self.calls[s].method);
+                }
                 if let Some(slot) = slot {
                     self.deliver(core, s, Outcome::Frame { slot, md, payload });
                 }
@@ -268,6 +274,7 @@ impl<P: Provider> Driver<P> {
                 "landing write for an unknown call".into(),
             ));
         };
+        let c_method = c.method;
         let Some(mut buf) = c.landing.take() else {
             return Err(LinkError::Protocol(
                 "landing write for a call without a landing zone".into(),
@@ -286,6 +293,7 @@ impl<P: Provider> Driver<P> {
                 core.counters
                     .landing_responses
                     .fetch_add(1, Ordering::Relaxed);
+                core.sizes.record(c_method, payload.len() as u64);
                 let outcome = if payload.len() as u64 > core.max_message {
                     Outcome::Failed(Status::resource_exhausted(format!(
                         "response of {} bytes exceeds the {} byte message limit",

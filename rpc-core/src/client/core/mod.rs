@@ -23,6 +23,7 @@ mod driver;
 mod encode;
 mod frames;
 mod poller;
+mod sizes;
 mod stream;
 mod submit;
 
@@ -137,6 +138,8 @@ struct Cell<P: Provider> {
 /// The driver's record of a call on the wire.
 struct DrvCall<P: Provider> {
     id: CallId,
+    /// The method's id (what [`sizes`] learns by).
+    method: u32,
     /// The caller's cell, until the outcome is delivered or the caller gave up.
     cell: Option<(u32, u32)>,
     lent_bulk: Option<Lent<P>>,
@@ -161,6 +164,7 @@ impl<P: Provider> Record<P> for DrvCall<P> {
     fn empty() -> DrvCall<P> {
         DrvCall {
             id: CallId(0),
+            method: 0,
             cell: None,
             lent_bulk: None,
             landing: None,
@@ -180,6 +184,7 @@ impl<P: Provider> Record<P> for DrvCall<P> {
 
     fn reset(&mut self) {
         self.id = CallId(0);
+        self.method = 0;
         self.cell = None;
         self.lent_bulk = None;
         self.landing = None;
@@ -288,6 +293,8 @@ pub(crate) struct ClientCore<P: Provider> {
     pd: Arc<P::Pd>,
     /// The peer explicit regions are lent to (`Region::lend`).
     window_target: crate::verbs::WindowTarget,
+    /// Response sizes per method, for landing zones nobody asked for ([`sizes`]).
+    sizes: sizes::LearnedSizes,
 }
 
 impl<P: Provider> std::fmt::Debug for ClientCore<P> {
@@ -310,6 +317,8 @@ pub(crate) struct Parts<P: Provider> {
     pub(crate) mode: ClientPoller,
     pub(crate) eager_limit: usize,
     pub(crate) max_message: u64,
+    /// Lend landing zones sized from each method's last large response.
+    pub(crate) learn_sizes: bool,
     pub(crate) describe: String,
     pub(crate) stream_window: u32,
 }
@@ -377,6 +386,7 @@ impl<P: Provider> ClientCore<P> {
             max_message: parts.max_message,
             counters: Counters::default(),
             describe: parts.describe,
+            sizes: sizes::LearnedSizes::new(parts.learn_sizes),
             pd,
             window_target,
         }))
