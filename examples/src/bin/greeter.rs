@@ -57,8 +57,9 @@ async fn main() -> anyhow::Result<()> {
         reply.get_ref().message
     );
 
-    // A quick latency figure (not a benchmark: see benches/ for that).
-    const CALLS: usize = 1000;
+    // A quick latency figure (not a benchmark: see benches/ for that): async calls as above,
+    // then blocking calls from one thread, on the same channel.
+    const CALLS: usize = 2000;
     let mut samples = Vec::with_capacity(CALLS);
     for i in 0..CALLS {
         let t = Instant::now();
@@ -69,13 +70,28 @@ async fn main() -> anyhow::Result<()> {
             .await?;
         samples.push(t.elapsed());
     }
-    samples.sort();
-    let p = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
-    println!(
-        "client: {CALLS} calls, p50 {:?}, p99 {:?}",
-        p(0.50),
-        p(0.99)
-    );
+    let blocking = GreeterBlockingClient::from(client.clone());
+    let blocking_samples = tokio::task::spawn_blocking(move || {
+        let mut samples = Vec::with_capacity(CALLS);
+        for i in 0..CALLS {
+            let t = Instant::now();
+            blocking.say_hello(HelloRequest {
+                name: format!("#{i}"),
+            })?;
+            samples.push(t.elapsed());
+        }
+        Ok::<_, rpc_core::Status>(samples)
+    })
+    .await??;
+    for (what, mut samples) in [("async", samples), ("blocking", blocking_samples)] {
+        samples.sort();
+        let p = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+        println!(
+            "client: {CALLS} {what} calls, p50 {:?}, p99 {:?}",
+            p(0.50),
+            p(0.99)
+        );
+    }
 
     tokio::time::timeout(Duration::from_secs(10), server.shutdown()).await?;
     println!("server: shut down");
