@@ -100,6 +100,7 @@ mod connect;
 mod error;
 pub mod intercept;
 mod link;
+mod poll_policy;
 pub mod method;
 mod request;
 pub mod server;
