@@ -149,6 +149,16 @@ impl<P: Provider> Shard<P> {
     /// Sleeps on the doorbell and the completion channel until something comes or the next
     /// deadline; returns the timeout it slept with, `None` when work came first.
     pub(super) fn sleep(&mut self) -> Option<Duration> {
+        // First the idle upkeep a spinning shard does every MAINTAIN_EVERY idle turns:
+        // receive slots waiting for a batch, credits to return, deferred frames. A shard that
+        // sleeps after a few idle turns (Event, or contended) would otherwise leave them
+        // until the next wake-up, and the client, out of credits or of posted receives,
+        // waits for a timeout instead.
+        let upkeep = self.drain_inbox() + self.start_bulk_ops() + self.maintain(true);
+        self.flush_sends();
+        if upkeep > 0 {
+            return None;
+        }
         self.doorbell.prepare_sleep();
         let _ = self.cq.req_notify(false);
         // Anything that arrived before the doorbell flag was visible is seen by this re-check.
