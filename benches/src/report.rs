@@ -581,6 +581,14 @@ pub fn table(report: &Report, ks: &[usize], large_from: usize) -> String {
          than the best tonic configuration (tonic/rdma-rpc for times, rdma-rpc/tonic for rates).",
         report.config["reps"]
     );
+    if let Some(n) = report.config["background_load"].as_u64().filter(|&n| n > 0) {
+        let _ = writeln!(
+            s,
+            "Background load: {n} busy thread{} (not pinned) spinning through every phase of \
+             every system: a shared host.",
+            if n == 1 { "" } else { "s" }
+        );
+    }
     let mut head = format!(
         "{:<8} {:<9} {:>8} {:>8} {:>8} {:>8}",
         "size", "system", "p50", "p99", "p99.9", "mean"

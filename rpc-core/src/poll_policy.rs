@@ -312,7 +312,11 @@ mod tests {
         c.advance(Duration::from_millis(3));
         let w = turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
         assert!(s.is_contended());
-        assert_eq!(w, Wait::Sleep, "a phase already past the contended budget sleeps");
+        assert_eq!(
+            w,
+            Wait::Sleep,
+            "a phase already past the contended budget sleeps"
+        );
         // The next phases spin briefly, then sleep.
         s.work();
         assert_eq!(turns(&mut s, &b, &mut c, CONTENDED_SPIN, TURN), Wait::Spin);
@@ -365,7 +369,10 @@ mod tests {
         s.work();
         assert_eq!(turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN), Wait::Spin);
         assert!(!s.is_contended());
-        assert_eq!(turns(&mut s, &b, &mut c, 1000 - CLOCK_EVERY, TURN), Wait::Spin);
+        assert_eq!(
+            turns(&mut s, &b, &mut c, 1000 - CLOCK_EVERY, TURN),
+            Wait::Spin
+        );
         assert_eq!(turns(&mut s, &b, &mut c, 1, TURN), Wait::Sleep);
     }
 

@@ -124,7 +124,10 @@ async fn every_kind_of_call(poll: ShardPolling) {
     pipelined(&srv, ClientPoller::Thread, 200, 16).await;
     async_calls(&srv, ClientPoller::Thread, 200).await;
     async_calls(&srv, ClientPoller::Caller, 200).await;
-    assert!(started.elapsed() < LIMIT, "calls beside busy threads: too slow to be bounded");
+    assert!(
+        started.elapsed() < LIMIT,
+        "calls beside busy threads: too slow to be bounded"
+    );
     srv.settle("live calls back to 0").await;
 }
 
