@@ -586,7 +586,6 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         }
     }
     bar.finish_and_clear();
-    drop(check_load);
     drop(load);
     drop(remote);
 
