@@ -19,6 +19,7 @@
 pub mod client;
 pub mod control;
 pub mod layers;
+pub mod load;
 pub mod measure;
 pub mod plot;
 pub mod raw;
@@ -70,6 +71,9 @@ enum Cmd {
     Windows(windows::WindowArgs),
     /// What interceptors, call statistics, tracing and balancing cost a small call.
     Layers(layers::LayerArgs),
+    /// Busy threads for `run --background-load` (started by `run`).
+    #[command(hide = true)]
+    Load(load::LoadArgs),
 }
 
 /// Arguments of `rpc-bench serve`.
@@ -117,6 +121,7 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
         Some(Cmd::Server(s)) => server::run(&s),
         Some(Cmd::Windows(w)) => windows::run(&w),
         Some(Cmd::Layers(l)) => layers::run(&l),
+        Some(Cmd::Load(l)) => load::run(&l),
         Some(Cmd::Run(r)) => run_and_print(&r, command),
         None => match Cli::try_parse_from(["rpc-bench", "run"]) {
             Ok(Cli {

@@ -619,6 +619,14 @@ pub fn table(report: &Report, ks: &[usize], large_from: usize) -> String {
              Channel::alloc_bytes; no response size hint); rdma-rpc uses both from 16 KiB."
         );
     }
+    if let Some(n) = report.config["background_load"].as_u64().filter(|&n| n > 0) {
+        let _ = writeln!(
+            s,
+            "Background load: {n} busy thread{} (not pinned) spinning through every phase of \
+             every system: a shared host.",
+            if n == 1 { "" } else { "s" }
+        );
+    }
     let mut head = format!(
         "{:<8} {:<9} {:>8} {:>8} {:>8} {:>8}",
         "size", "system", "p50", "p99", "p99.9", "mean"

@@ -17,6 +17,7 @@ use rpc_core::verbs::ProviderKind;
 
 use crate::client::{BenchClient, MAX_OUTSTANDING, Probe, Snapshot};
 use crate::control::{self, Remote};
+use crate::load::BackgroundLoad;
 use crate::measure::{self, Machine, Plan};
 use crate::report::{self, Cell, Issue3, LatencyFig, RateFig, Report, System};
 use crate::rpc_client::AsyncMode;
@@ -128,6 +129,11 @@ pub struct RunArgs {
     /// Skip the issue-3 extras (32 outstanding, 4 MiB echo, memcpy).
     #[arg(long)]
     pub no_issue3: bool,
+    /// Busy threads spinning through every measured phase of every system, in a process of
+    /// their own and not pinned (they compete with the benchmark for every core): a shared
+    /// host. 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub background_load: usize,
     /// Abort the whole run after this many seconds (default 300 quick, 1800 full).
     #[arg(long)]
     pub max_secs: Option<u64>,
@@ -504,6 +510,17 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
 
+    // Started before the first phase and stopped after the last: every phase of every system
+    // runs beside it. It stops by itself with the run's watchdog, and with this process.
+    let mut load = BackgroundLoad::start(args.background_load, max_secs)?;
+    let mut load_lost = false;
+    let mut check_load = |bar: &ProgressBar| {
+        if args.background_load > 0 && !load_lost && !load.running() {
+            load_lost = true;
+            bar.suspend(|| eprintln!("rpc-bench: the background load stopped early"));
+        }
+    };
+
     let issue3 = !args.no_issue3 && args.systems.contains(&System::Rpc);
     let unary_cells = sizes
         .iter()
@@ -550,6 +567,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
                     bar.suspend(|| eprintln!("rpc-bench: {e}"));
                 }
                 cells.push(cell);
+                check_load(&bar);
                 bar.inc(1);
             }
         }
@@ -579,11 +597,13 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
                     bar.suspend(|| eprintln!("rpc-bench: {e}"));
                 }
                 stream_cells.push(cell);
+                check_load(&bar);
                 bar.inc(1);
             }
         }
     }
     bar.finish_and_clear();
+    drop(load);
     drop(remote);
 
     let rows = report::summarize(&cells);
@@ -629,6 +649,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         .chain(&bulk_cells)
         .filter_map(|c| c.error.clone())
         .chain(streaming.iter().flat_map(|s| s.errors.iter().cloned()))
+        .chain(load_lost.then(|| "the background load stopped before the run ended".into()))
         .collect();
     cells.extend(bulk_cells);
     let config = serde_json::json!({
@@ -649,6 +670,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         "max_inflight": cfg.max_inflight,
         "call_timeout_s": cfg.deadline.map(|d| d.as_secs_f64()),
         "quick": quick,
+        "background_load": args.background_load,
     });
     let report = Report {
         command,

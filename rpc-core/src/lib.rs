@@ -101,6 +101,7 @@ mod error;
 pub mod intercept;
 mod link;
 pub mod method;
+mod poll_policy;
 mod request;
 pub mod server;
 pub mod stats;

@@ -252,22 +252,19 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
         let method = self.method;
         // Our own finished calls may hold every cell: set them aside (their responses stay
         // ours) until a cell is free; others' calls free theirs as they finish.
-        let mut spins = 0u32;
-        while !self.in_flight.is_empty()
-            && !with_any!(AnyCore, &self.conn.core, c => c.has_free_cell())
-        {
-            match self.poll_in_flight() {
-                Some(done) => self.ready.push_back(done),
-                None => {
-                    spins = spins.saturating_add(1);
-                    if spins < 2_000 {
-                        std::hint::spin_loop();
-                    } else {
-                        std::thread::yield_now();
+        crate::poll_policy::with_thread_spinner(|spin| {
+            while !self.in_flight.is_empty()
+                && !with_any!(AnyCore, &self.conn.core, c => c.has_free_cell())
+            {
+                match self.poll_in_flight() {
+                    Some(done) => {
+                        spin.work();
+                        self.ready.push_back(done);
                     }
+                    None => with_any!(AnyCore, &self.conn.core, c => c.wait_turn(spin)),
                 }
             }
-        }
+        });
         let (idx, generation) =
             with_any!(AnyCore, &self.conn.core, c => c.start_unary(method, request))?;
         self.in_flight.push_back((tag, idx, generation));
@@ -305,21 +302,19 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
     }
 
     /// Waits (spinning, then yielding the CPU, driving the connection) for the next call to
-    /// finish; `None` when nothing is in flight. A call's own deadline bounds the wait.
+    /// finish; `None` when nothing is in flight. A call's own deadline bounds the wait. On a
+    /// host where this thread has no core to itself it spins only briefly, then sleeps until
+    /// a completion arrives (see [`ShardPolling`](crate::ShardPolling) for the detection).
     pub fn wait(&mut self) -> Option<(u64, Result<Response<Resp>, Status>)> {
-        let mut spins = 0u32;
-        while !self.in_flight.is_empty() || !self.ready.is_empty() {
-            if let Some(r) = self.poll() {
-                return Some(r);
+        crate::poll_policy::with_thread_spinner(|spin| {
+            while !self.in_flight.is_empty() || !self.ready.is_empty() {
+                if let Some(r) = self.poll() {
+                    return Some(r);
+                }
+                with_any!(AnyCore, &self.conn.core, c => c.wait_turn(spin));
             }
-            spins = spins.saturating_add(1);
-            if spins < 2_000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-        None
+            None
+        })
     }
 
     /// Calls submitted whose responses were not collected yet.

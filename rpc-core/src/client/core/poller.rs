@@ -11,28 +11,15 @@ use tracing::{info, warn};
 
 use crate::Status;
 use crate::client::ClientPoller;
+use crate::poll_policy::{Budget, CLOCK_EVERY, Spinner, Wait};
 use crate::server::notify::wait_readable;
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
 use super::{ClientCore, Driver};
 
-/// Idle turns a poller thread spins before it sleeps.
-const SPIN_ITERS: u32 = 20_000;
-
-/// Idle turns it spins while the machine is contended (see [`ClientCore::run_poller`]).
-const CONTENDED_SPIN_ITERS: u32 = 2 * CLOCK_EVERY;
-
-/// A spinning poller reads the clock every this many idle turns, to notice preemption.
-const CLOCK_EVERY: u32 = 16;
-
-/// A gap this long between two clock reads of a spinning poller (a few idle turns take a
-/// few microseconds, tens in a debug build) means the scheduler took its core.
-const PREEMPTED: Duration = Duration::from_micros(200);
-
-/// How long a poller that was preempted while spinning spins only briefly.
-const CONTENDED_FOR: Duration = Duration::from_millis(100);
-
-const _: () = assert!(CONTENDED_SPIN_ITERS > CLOCK_EVERY && CONTENDED_SPIN_ITERS < SPIN_ITERS);
+/// How a poller thread waits while idle: spins, then sleeps (no yields: it has the doorbell
+/// and the completion channel to sleep on); briefly when the host is contended.
+const POLLER: Budget = Budget::adaptive(20_000, 0);
 
 const MAX_SLEEP: Duration = Duration::from_millis(20);
 
@@ -52,6 +39,9 @@ impl<P: Provider> ClientCore<P> {
                 if self.async_calls.load(Ordering::Acquire) <= 1 {
                     self.progress();
                 }
+                // A blocking caller of this connection may be asleep holding the driver (it
+                // sleeps only on a contended host; the doorbell is written only then).
+                self.doorbell.ring();
                 self.drive.notify_one();
             }
         }
@@ -126,17 +116,14 @@ impl<P: Provider> ClientCore<P> {
     /// away (several pollers and busy servers on few cores: a client of two servers), a
     /// spinner keeps a core from the threads that have work (the server, the caller's
     /// runtime, the poller of the connection in use), and each of them waits a time slice
-    /// for it: milliseconds per call. So a poller that sees it was preempted while spinning
-    /// sleeps at once and spins only briefly for [`CONTENDED_FOR`]: a sleeper woken by an
-    /// event gets a core back at once.
+    /// for it: milliseconds per call. So a poller that sees it was preempted while spinning,
+    /// or woke late from a sleep, sleeps at once and spins only briefly for a while (see
+    /// [`crate::poll_policy`]): a sleeper woken by an event gets a core back at once.
     pub(crate) fn run_poller(self: Arc<Self>) {
-        let mut idle = 0u32;
-        let mut budget = SPIN_ITERS;
-        let mut last = None::<Instant>;
-        let mut contended_until = None::<Instant>;
+        let mut spin = Spinner::new();
         while !self.stop.load(Ordering::Acquire) {
             if self.progress() > 0 {
-                idle = 0;
+                spin.work();
                 continue;
             }
             if self.is_dead() && self.free.len() == self.cells.len() {
@@ -144,34 +131,19 @@ impl<P: Provider> ClientCore<P> {
                 wait_readable(&[self.doorbell.fd()], MAX_SLEEP);
                 continue;
             }
-            if idle == 0 {
-                // A new idle phase (not per call: this is the poller's thread).
-                let now = Instant::now();
-                budget = match contended_until {
-                    Some(t) if now < t => CONTENDED_SPIN_ITERS,
-                    _ => SPIN_ITERS,
-                };
-                last = Some(now);
-            }
-            idle += 1;
-            if idle < budget {
-                if idle.is_multiple_of(CLOCK_EVERY) {
-                    let now = Instant::now();
-                    if last.is_some_and(|l| now.duration_since(l) > PREEMPTED) {
-                        contended_until = Some(now + CONTENDED_FOR);
-                        idle = budget;
-                    }
-                    last = Some(now);
+            match spin.idle(&POLLER, Instant::now) {
+                Wait::Spin => std::hint::spin_loop(),
+                Wait::Yield => std::thread::yield_now(),
+                Wait::Sleep => {
+                    let Some(mut d) = self.driver.try_lock() else {
+                        continue;
+                    };
+                    let started = Instant::now();
+                    let asked = d.sleep(&self, MAX_SLEEP);
+                    drop(d);
+                    spin.woke(started, asked.unwrap_or(Duration::ZERO), Instant::now());
                 }
-                std::hint::spin_loop();
-                continue;
             }
-            let Some(mut d) = self.driver.try_lock() else {
-                continue;
-            };
-            d.sleep(&self);
-            drop(d);
-            idle = 0;
         }
     }
 }
@@ -198,8 +170,9 @@ impl<P: Provider> Driver<P> {
     /// look once more (queues and the CQ) and sleep only if nothing came. A completion that
     /// landed between the last poll and the arming rang nobody (the soft RNIC and a real one
     /// alike signal only completions that arrive after `req_notify`): without the second look
-    /// it waits for the next event or the timeout. Returns whether it slept.
-    pub(super) fn sleep(&mut self, core: &ClientCore<P>) -> bool {
+    /// it waits for the next event or the timeout (at most `max`). Returns the timeout it
+    /// slept with, `None` when it did not sleep.
+    pub(super) fn sleep(&mut self, core: &ClientCore<P>, max: Duration) -> Option<Duration> {
         self.device_events(core);
         core.doorbell.prepare_sleep();
         let _ = self.cq.req_notify(false);
@@ -208,18 +181,16 @@ impl<P: Provider> Driver<P> {
         // ringers' and the RNIC's checks SeqCst loads).
         if !core.submitted.is_empty() || !core.cancelled.is_empty() || self.progress(core) > 0 {
             core.doorbell.awake();
-            return false;
+            return None;
         }
         let deadline = self.link.wire.poll_timeout().map(|t| {
             Duration::from_nanos(t.saturating_sub(self.link.now())).max(Duration::from_micros(50))
         });
-        wait_readable(
-            &[core.doorbell.fd(), self.channel.fd()],
-            deadline.unwrap_or(MAX_SLEEP).min(MAX_SLEEP),
-        );
+        let timeout = deadline.unwrap_or(max).min(max);
+        wait_readable(&[core.doorbell.fd(), self.channel.fd()], timeout);
         let _ = self.channel.drain();
         core.doorbell.awake();
-        true
+        Some(timeout)
     }
 
     pub(super) fn progress(&mut self, core: &ClientCore<P>) -> usize {

@@ -11,6 +11,7 @@ use crate::buf::SlotReader;
 use crate::client::ClientPoller;
 use crate::link::decode_response_metadata;
 use crate::method::MethodDesc;
+use crate::poll_policy::{Budget, Spinner, Wait, with_thread_spinner};
 use crate::verbs::Provider;
 use crate::{Request, Response, Status};
 
@@ -59,20 +60,21 @@ impl<P: Provider> ClientCore<P> {
     }
 
     pub(super) fn acquire_blocking(&self, deadline: Option<Instant>) -> Result<(u32, u32), Status> {
-        let mut spins = 0u32;
-        loop {
-            if self.is_dead() {
-                return Err(self.dead_status().not_executed());
+        with_thread_spinner(|spin| {
+            loop {
+                if self.is_dead() {
+                    return Err(self.dead_status().not_executed());
+                }
+                if let Some(idx) = self.free.pop() {
+                    return Ok((idx, self.claim(idx)));
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(queued_too_long());
+                }
+                self.progress();
+                self.short_wait_turn(spin);
             }
-            if let Some(idx) = self.free.pop() {
-                return Ok((idx, self.claim(idx)));
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(queued_too_long());
-            }
-            self.progress();
-            spins = backoff(spins);
-        }
+        })
     }
 
     /// Claims a cell for an async call.
@@ -123,6 +125,8 @@ impl<P: Provider> ClientCore<P> {
                     ClientPoller::Thread => self.doorbell.ring(),
                     ClientPoller::Caller => {
                         self.progress();
+                        // A blocking caller may be asleep holding the driver.
+                        self.doorbell.ring();
                         self.drive.notify_one();
                     }
                 }
@@ -138,17 +142,18 @@ impl<P: Provider> ClientCore<P> {
     /// A send slot for a blocking caller: drives the connection, spinning, yielding, then
     /// sleeping a little, until one is free.
     pub(super) fn send_slot_blocking(&self) -> Result<SlotLoan<'_, P>, Status> {
-        let mut spins = 0;
-        loop {
-            if let Some(slot) = self.arena.take_send() {
-                return Ok(SlotLoan { core: self, slot });
+        with_thread_spinner(|spin| {
+            loop {
+                if let Some(slot) = self.arena.take_send() {
+                    return Ok(SlotLoan { core: self, slot });
+                }
+                if self.is_dead() {
+                    return Err(self.dead_status().not_executed());
+                }
+                self.progress();
+                self.short_wait_turn(spin);
             }
-            if self.is_dead() {
-                return Err(self.dead_status().not_executed());
-            }
-            self.progress();
-            spins = backoff(spins);
-        }
+        })
     }
 
     /// Wakes async callers waiting for a send slot if one is free (after a driver turn that
@@ -270,15 +275,18 @@ impl<P: Provider> ClientCore<P> {
         let mut guard = self.hand_over_blocking(method, request)?;
         self.kick();
         let idx = guard.idx;
-        let mut spins = 0;
-        let outcome = loop {
-            if let Some(o) = self.cells[idx as usize].mb.try_done() {
-                break o;
+        let outcome = with_thread_spinner(|spin| {
+            loop {
+                if let Some(o) = self.cells[idx as usize].mb.try_done() {
+                    break o;
+                }
+                if self.progress() == 0 {
+                    self.wait_turn(spin);
+                } else {
+                    spin.work();
+                }
             }
-            if self.progress() == 0 {
-                spins = spin_then_yield(spins);
-            }
-        };
+        });
         guard.submitted = false;
         let r = decode_outcome::<P, Resp>(outcome);
         drop(guard);
@@ -295,9 +303,9 @@ impl<P: Provider> ClientCore<P> {
         let guard = self.hand_over_blocking(method, &mut request)?;
         // No kick: the pipeline's owner drives the connection (or the poller thread does),
         // so the requests of a burst go out together at the next turn.
-        if self.mode == ClientPoller::Thread {
-            self.doorbell.ring();
-        }
+        // (A caller asleep on the connection, contended, is woken: the doorbell is only
+        // written when someone sleeps.)
+        self.doorbell.ring();
         let cell = (guard.idx, guard.generation);
         std::mem::forget(guard);
         Ok(cell)
@@ -371,27 +379,60 @@ pub(super) fn queued_too_long() -> Status {
     Status::deadline_exceeded("deadline exceeded while waiting for a free call slot")
 }
 
-/// Spins, then yields (never sleeps): how a blocking call waits for its own response, so a
-/// long call does not lose its core to a sleep.
-pub(super) fn spin_then_yield(spins: u32) -> u32 {
-    if spins < 2_000 {
-        std::hint::spin_loop();
-    } else {
-        std::thread::yield_now();
-    }
-    spins.saturating_add(1)
-}
+/// How a blocking call or a pipeline waits for its responses: spins, then yields; never
+/// sleeps on a quiet host, so a long call does not lose its core to a sleep. Contended, it
+/// spins briefly, then sleeps on the connection's completion channel ([`ClientCore::wait_turn`]).
+const CALLER_WAIT: Budget = Budget::adaptive(2_000, u32::MAX);
 
-/// Spins, then yields, then sleeps a little: for waits that should be short.
-pub(super) fn backoff(spins: u32) -> u32 {
-    if spins < 2_000 {
-        std::hint::spin_loop();
-    } else if spins < 2_200 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(50));
+/// Waits that should be short (a free call cell, a send slot): spins, yields, then sleeps a
+/// little ([`SHORT_SLEEP`]).
+const SHORT_WAIT: Budget = Budget::adaptive(2_000, 200);
+
+/// The sleep of a short wait, and of a contended caller that cannot sleep on the completion
+/// channel (a poller thread drives the connection, or another caller holds the driver).
+const SHORT_SLEEP: Duration = Duration::from_micros(50);
+
+/// The longest sleep of a contended caller on the completion channel. Other threads'
+/// submissions ring the doorbell, so it is only a bound for what rings no one.
+const CALLER_MAX_SLEEP: Duration = Duration::from_millis(2);
+
+impl<P: Provider> ClientCore<P> {
+    /// One idle turn of a thread that waits by driving the connection itself (blocking calls,
+    /// pipelines) for responses, as `spin` says under [`CALLER_WAIT`] (see
+    /// [`crate::poll_policy`]): spin, yield, or, contended, sleep on the completion channel
+    /// and the doorbell when it drives the connection (`ClientPoller::Caller`, the driver
+    /// free), [`SHORT_SLEEP`] otherwise.
+    pub(crate) fn wait_turn(&self, spin: &mut Spinner) {
+        self.turn(spin, &CALLER_WAIT, true);
     }
-    spins.saturating_add(1)
+
+    /// One idle turn of a short wait (see [`ClientCore::wait_turn`]).
+    fn short_wait_turn(&self, spin: &mut Spinner) {
+        self.turn(spin, &SHORT_WAIT, false);
+    }
+
+    fn turn(&self, spin: &mut Spinner, budget: &Budget, on_channel: bool) {
+        match spin.idle(budget, Instant::now) {
+            Wait::Spin => std::hint::spin_loop(),
+            Wait::Yield => std::thread::yield_now(),
+            Wait::Sleep => {
+                let started = Instant::now();
+                if on_channel
+                    && self.mode == ClientPoller::Caller
+                    && let Some(mut d) = self.driver.try_lock()
+                {
+                    match d.sleep(self, CALLER_MAX_SLEEP) {
+                        Some(asked) => spin.woke(started, asked, Instant::now()),
+                        // Work came while it got ready to sleep.
+                        None => spin.work(),
+                    }
+                    return;
+                }
+                std::thread::sleep(SHORT_SLEEP);
+                spin.woke(started, SHORT_SLEEP, Instant::now());
+            }
+        }
+    }
 }
 
 /// A send slot a caller took and has not staged yet: back to the arena (waking a waiter)
@@ -448,6 +489,7 @@ impl<P: Provider> Drop for CellGuard<'_, P> {
                         ClientPoller::Thread => self.core.doorbell.ring(),
                         ClientPoller::Caller => {
                             self.core.progress();
+                            self.core.doorbell.ring();
                         }
                     }
                 }

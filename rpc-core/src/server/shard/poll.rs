@@ -11,6 +11,7 @@ use crate::Status;
 use crate::buf::Polled;
 use crate::call;
 use crate::link::{Control, LinkError, WrKind, completion, split_wr_id};
+use crate::poll_policy::{Budget, Spinner, Wait};
 use crate::server::ShardPolling;
 use crate::server::call::{CallCtx, panicked};
 use crate::server::notify::wait_readable;
@@ -24,6 +25,8 @@ use super::{Shard, retire};
 const SPIN_ITERS: u32 = 20_000;
 /// Empty loop iterations spent yielding before sleeping (adaptive mode).
 const YIELD_ITERS: u32 = 200;
+/// How an idle shard waits in each mode ([`ShardPolling`]; `Event` sleeps at once).
+const ADAPTIVE: Budget = Budget::adaptive(SPIN_ITERS, YIELD_ITERS);
 /// Idle iterations between two passes over the connections (reposts, credits, deadlines,
 /// inbox) when nothing happens; after any work the pass runs at once.
 const MAINTAIN_EVERY: u32 = 64;
@@ -46,6 +49,7 @@ impl<P: Provider> Shard<P> {
             pin_to_core(core);
         }
         let mut idle: u32 = 0;
+        let mut spin = Spinner::new();
         let mut stop_at: Option<(Instant, Instant)> = None;
         loop {
             let mut work = self.poll_cq();
@@ -102,16 +106,28 @@ impl<P: Provider> Shard<P> {
             }
             if work > 0 {
                 idle = 0;
+                spin.work();
                 continue;
             }
             idle = idle.saturating_add(1);
-            match self.cfg.poll_mode {
-                ShardPolling::Busy => std::hint::spin_loop(),
-                ShardPolling::Adaptive if idle < SPIN_ITERS => std::hint::spin_loop(),
-                ShardPolling::Adaptive if idle < SPIN_ITERS + YIELD_ITERS => {
-                    std::thread::yield_now()
+            // Busy and Adaptive spin while the shard has its core; once it sees it has not
+            // (clock gaps while spinning, late wake-ups), both spin only briefly and sleep on
+            // the completion channel until the host is quiet again (see `ShardPolling`).
+            let wait = match self.cfg.poll_mode {
+                ShardPolling::Busy => spin.idle(&Budget::BUSY, Instant::now),
+                ShardPolling::Adaptive => spin.idle(&ADAPTIVE, Instant::now),
+                ShardPolling::Event => Wait::Sleep,
+            };
+            match wait {
+                Wait::Spin => std::hint::spin_loop(),
+                Wait::Yield => std::thread::yield_now(),
+                Wait::Sleep => {
+                    let started = Instant::now();
+                    match self.sleep() {
+                        Some(asked) => spin.woke(started, asked, Instant::now()),
+                        None => spin.work(),
+                    }
                 }
-                _ => self.sleep(),
             }
         }
         // Close what is left (calls past the grace period, bulk operations and READs in
@@ -130,7 +146,19 @@ impl<P: Provider> Shard<P> {
         );
     }
 
-    pub(super) fn sleep(&mut self) {
+    /// Sleeps on the doorbell and the completion channel until something comes or the next
+    /// deadline; returns the timeout it slept with, `None` when work came first.
+    pub(super) fn sleep(&mut self) -> Option<Duration> {
+        // First the idle upkeep a spinning shard does every MAINTAIN_EVERY idle turns:
+        // receive slots waiting for a batch, credits to return, deferred frames. A shard that
+        // sleeps after a few idle turns (Event, or contended) would otherwise leave them
+        // until the next wake-up, and the client, out of credits or of posted receives,
+        // waits for a timeout instead.
+        let upkeep = self.drain_inbox() + self.start_bulk_ops() + self.maintain(true);
+        self.flush_sends();
+        if upkeep > 0 {
+            return None;
+        }
         self.doorbell.prepare_sleep();
         let _ = self.cq.req_notify(false);
         // Anything that arrived before the doorbell flag was visible is seen by this re-check.
@@ -142,13 +170,14 @@ impl<P: Provider> Shard<P> {
         {
             self.flush_sends();
             self.doorbell.awake();
-            return;
+            return None;
         }
         self.async_events();
         let timeout = self.next_deadline().map_or(MAX_SLEEP, |d| d.min(MAX_SLEEP));
         wait_readable(&[self.doorbell.fd(), self.channel.fd()], timeout);
         let _ = self.channel.drain();
         self.doorbell.awake();
+        Some(timeout)
     }
 
     pub(super) fn next_deadline(&self) -> Option<Duration> {

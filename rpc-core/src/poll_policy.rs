@@ -1,0 +1,432 @@
+//! How a polling loop waits when it finds nothing to do: spin while it has a core to itself,
+//! back off when it does not. One detector for every loop that polls a completion queue (the
+//! server's shards, the client's poller thread, callers that drive their own connection).
+//!
+//! Spinning pays only while the spinner owns a core. On a shared host (more runnable threads
+//! than cores) the scheduler takes the core away for a time slice, milliseconds: a spinner
+//! then keeps a core from the threads that have work (the peer that must answer, the caller
+//! that must read the answer), and each of them waits a slice for it. A sleeper woken by an
+//! event gets its core back at once (the scheduler favours threads that slept). So a loop that
+//! sees it has no core to itself spins only briefly and then sleeps on its completion channel
+//! and doorbell, the sleep paths it already has.
+//!
+//! How it notices, without a system call on the quiet path:
+//! - **Clock gaps while spinning.** The loop reads the clock (`Instant`, a vDSO call) every
+//!   [`CLOCK_EVERY`] idle turns. A few idle turns take microseconds (tens in a debug build);
+//!   a gap over [`PREEMPTED`] between two reads means the thread was off its core. The first
+//!   read of an idle phase is only a reference point, so the time between two phases (the
+//!   work done in between) is never taken for a gap; a phase shorter than [`CLOCK_EVERY`]
+//!   turns reads no clock at all.
+//! - **Late wake-ups.** A yield or a sleep that returns [`PREEMPTED`] later than it asked for
+//!   (measured by the caller around a call that is a system call anyway).
+//!
+//! Once it noticed, the loop is *contended* for a while ([`CONTENDED_FOR`], doubled up to
+//! [`MAX_CONTENDED_FOR`] when contention comes back right after it ended): it spins only
+//! [`Budget::contended_spin`] turns, then sleeps. With no new evidence it returns to full
+//! spinning when that time is up, so a quiet host gets full spinning back within
+//! [`MAX_CONTENDED_FOR`].
+//!
+//! [`Spinner`] is a plain state machine: it is given the clock (a closure, read only when it
+//! needs it) and returns what to do; the tests drive it with synthetic clocks.
+
+use std::time::{Duration, Instant};
+
+/// A spinning loop reads the clock every this many idle turns.
+pub(crate) const CLOCK_EVERY: u32 = 16;
+
+/// A gap this long between two clock reads of a spinning loop, or a yield or sleep that
+/// returns this much later than asked, means the scheduler took the core.
+pub(crate) const PREEMPTED: Duration = Duration::from_micros(200);
+
+/// How long a loop that was preempted stays contended (spins only briefly).
+pub(crate) const CONTENDED_FOR: Duration = Duration::from_millis(100);
+
+/// The longest contended period: contention seen again within one period of the last one's
+/// end doubles the next, up to this.
+pub(crate) const MAX_CONTENDED_FOR: Duration = Duration::from_millis(1600);
+
+/// Idle turns a contended loop spins before it sleeps: enough for two clock reads, so a
+/// contended phase can renew the evidence.
+pub(crate) const CONTENDED_SPIN: u32 = 2 * CLOCK_EVERY;
+
+const _: () = assert!(CONTENDED_SPIN >= 2 * CLOCK_EVERY);
+const _: () = assert!(CONTENDED_FOR.as_nanos() < MAX_CONTENDED_FOR.as_nanos());
+const _: () = assert!(PREEMPTED.as_nanos() * 10 < CONTENDED_FOR.as_nanos());
+
+/// What a loop does on an idle turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// `std::hint::spin_loop()` and look again.
+    Spin,
+    /// Give the core to another thread (`std::thread::yield_now()`), then look again.
+    Yield,
+    /// Sleep on the loop's completion channel and doorbell (or, for a loop that has none, a
+    /// short sleep), then tell the spinner with [`Spinner::woke`].
+    Sleep,
+}
+
+/// How long a loop spins and yields on a quiet host, and spins on a contended one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Budget {
+    /// Idle turns spinning on a quiet host (`u32::MAX`: forever).
+    pub(crate) spin: u32,
+    /// Then idle turns yielding before it sleeps (`u32::MAX`: never sleeps on a quiet host).
+    pub(crate) yields: u32,
+    /// Idle turns spinning on a contended host, before it sleeps (no yields: a yield on a
+    /// contended core gives it away for a time slice).
+    pub(crate) contended_spin: u32,
+}
+
+impl Budget {
+    /// Spin forever on a quiet host (`ShardPolling::Busy`).
+    pub(crate) const BUSY: Budget = Budget {
+        spin: u32::MAX,
+        yields: 0,
+        contended_spin: CONTENDED_SPIN,
+    };
+
+    /// Spin, yield a little, then sleep (`ShardPolling::Adaptive`, the poller thread).
+    pub(crate) const fn adaptive(spin: u32, yields: u32) -> Budget {
+        Budget {
+            spin,
+            yields,
+            contended_spin: CONTENDED_SPIN,
+        }
+    }
+}
+
+/// The detector's state for one polling thread (see the module docs). `Copy` and small: a
+/// thread keeps it across calls (blocking callers, in a thread-local).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Spinner {
+    /// Idle turns of this idle phase (0: the next idle turn starts one).
+    idle: u32,
+    /// Idle turns since the last clock read.
+    since_clock: u32,
+    /// The last clock read of this phase.
+    last: Option<Instant>,
+    /// Contended until then (as of the last clock read).
+    until: Option<Instant>,
+    /// Whether `until` was in the future at the last clock read (no clock read needed to know
+    /// it between reads).
+    contended: bool,
+    /// The current contended period.
+    hold: Duration,
+}
+
+impl Default for Spinner {
+    fn default() -> Self {
+        Spinner::new()
+    }
+}
+
+impl Spinner {
+    /// A spinner on a host not (yet) seen contended.
+    pub(crate) const fn new() -> Spinner {
+        Spinner {
+            idle: 0,
+            since_clock: 0,
+            last: None,
+            until: None,
+            contended: false,
+            hold: CONTENDED_FOR,
+        }
+    }
+
+    /// The loop did work: the next idle turn starts a new idle phase.
+    pub(crate) fn work(&mut self) {
+        self.idle = 0;
+    }
+
+    /// Whether the loop counts as contended (as of its last clock read).
+    #[cfg(test)]
+    pub(crate) fn is_contended(&self) -> bool {
+        self.contended
+    }
+
+    /// One idle turn under `budget`: what to do now. `clock` is called every
+    /// [`CLOCK_EVERY`] idle turns, never more often.
+    pub(crate) fn idle(&mut self, budget: &Budget, clock: impl FnOnce() -> Instant) -> Wait {
+        if self.idle == 0 {
+            self.last = None;
+            self.since_clock = 0;
+        }
+        self.idle = self.idle.saturating_add(1);
+        self.since_clock += 1;
+        if self.since_clock >= CLOCK_EVERY {
+            self.since_clock = 0;
+            let now = clock();
+            match self.last {
+                Some(last) if now.saturating_duration_since(last) > PREEMPTED => {
+                    self.preempted(now);
+                }
+                _ => self.refresh(now),
+            }
+            self.last = Some(now);
+        }
+        if self.contended {
+            if self.idle <= budget.contended_spin {
+                Wait::Spin
+            } else {
+                Wait::Sleep
+            }
+        } else if self.idle <= budget.spin {
+            Wait::Spin
+        } else if self.idle - budget.spin <= budget.yields {
+            Wait::Yield
+        } else {
+            Wait::Sleep
+        }
+    }
+
+    /// The loop slept (or yielded) from `started` to `now`, asking for at most `asked`: a
+    /// return [`PREEMPTED`] later than that is a late wake-up, evidence of contention. Starts
+    /// a new idle phase.
+    pub(crate) fn woke(&mut self, started: Instant, asked: Duration, now: Instant) {
+        self.idle = 0;
+        if now.saturating_duration_since(started) > asked.saturating_add(PREEMPTED) {
+            self.preempted(now);
+        } else {
+            self.refresh(now);
+        }
+    }
+
+    fn preempted(&mut self, now: Instant) {
+        self.hold = match self.until {
+            // Still contended: renew for the same period.
+            Some(until) if now < until => self.hold,
+            // Back right after it ended: the host is busy for longer than one period.
+            Some(until) if now.saturating_duration_since(until) < self.hold => {
+                self.hold.saturating_mul(2).min(MAX_CONTENDED_FOR)
+            }
+            _ => CONTENDED_FOR,
+        };
+        self.until = Some(now + self.hold);
+        self.contended = true;
+    }
+
+    fn refresh(&mut self, now: Instant) {
+        self.contended = self.until.is_some_and(|t| now < t);
+    }
+}
+
+thread_local! {
+    /// The detector of a thread that waits by driving a connection itself (blocking calls,
+    /// pipelines): kept across its calls, so that contention seen in one call counts for the
+    /// next.
+    static THREAD_SPINNER: std::cell::Cell<Spinner> = const { std::cell::Cell::new(Spinner::new()) };
+}
+
+/// Runs `f` with this thread's [`Spinner`], starting a new idle phase (no allocation, no
+/// system call: a const-initialised thread-local).
+pub(crate) fn with_thread_spinner<T>(f: impl FnOnce(&mut Spinner) -> T) -> T {
+    let mut s = THREAD_SPINNER.with(std::cell::Cell::get);
+    s.work();
+    let r = f(&mut s);
+    THREAD_SPINNER.with(|c| c.set(s));
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A synthetic clock: starts at a real instant, moves only when told.
+    struct Clock {
+        now: Instant,
+        reads: u32,
+    }
+
+    impl Clock {
+        fn new() -> Clock {
+            Clock {
+                now: Instant::now(),
+                reads: 0,
+            }
+        }
+        fn advance(&mut self, d: Duration) {
+            self.now += d;
+        }
+    }
+
+    /// `n` idle turns, the clock moving `step` per turn; returns the last decision.
+    fn turns(s: &mut Spinner, b: &Budget, c: &mut Clock, n: u32, step: Duration) -> Wait {
+        let mut w = Wait::Spin;
+        for _ in 0..n {
+            c.advance(step);
+            w = s.idle(b, || {
+                c.reads += 1;
+                c.now
+            });
+        }
+        w
+    }
+
+    const TURN: Duration = Duration::from_nanos(50);
+
+    #[test]
+    fn quiet_host_spins_then_yields_then_sleeps() {
+        let b = Budget::adaptive(100, 10);
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        assert_eq!(turns(&mut s, &b, &mut c, 100, TURN), Wait::Spin);
+        assert_eq!(turns(&mut s, &b, &mut c, 1, TURN), Wait::Yield);
+        assert_eq!(turns(&mut s, &b, &mut c, 9, TURN), Wait::Yield);
+        assert_eq!(turns(&mut s, &b, &mut c, 1, TURN), Wait::Sleep);
+        assert!(!s.is_contended());
+        // The clock is read every CLOCK_EVERY turns, no more.
+        assert_eq!(c.reads, 111 / CLOCK_EVERY);
+        // Work starts a new phase with the full spin budget.
+        s.work();
+        assert_eq!(turns(&mut s, &b, &mut c, 100, TURN), Wait::Spin);
+    }
+
+    #[test]
+    fn busy_spins_forever_on_a_quiet_host() {
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        for _ in 0..100 {
+            assert_eq!(
+                turns(&mut s, &Budget::BUSY, &mut c, 10_000, TURN),
+                Wait::Spin
+            );
+        }
+        assert!(!s.is_contended());
+    }
+
+    #[test]
+    fn short_phases_read_no_clock() {
+        let b = Budget::BUSY;
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        for _ in 0..1000 {
+            turns(&mut s, &b, &mut c, CLOCK_EVERY - 1, TURN);
+            s.work();
+        }
+        assert_eq!(c.reads, 0);
+    }
+
+    #[test]
+    fn a_clock_gap_while_spinning_means_contended() {
+        let b = Budget::BUSY;
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        assert_eq!(turns(&mut s, &b, &mut c, 1000, TURN), Wait::Spin);
+        // Off the core for 3 ms in the middle of the next CLOCK_EVERY turns.
+        c.advance(Duration::from_millis(3));
+        let w = turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+        assert!(s.is_contended());
+        assert_eq!(
+            w,
+            Wait::Sleep,
+            "a phase already past the contended budget sleeps"
+        );
+        // The next phases spin briefly, then sleep.
+        s.work();
+        assert_eq!(turns(&mut s, &b, &mut c, CONTENDED_SPIN, TURN), Wait::Spin);
+        assert_eq!(turns(&mut s, &b, &mut c, 1, TURN), Wait::Sleep);
+    }
+
+    #[test]
+    fn a_gap_just_under_the_threshold_is_not_contention() {
+        let b = Budget::BUSY;
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+        c.advance(PREEMPTED - TURN * (CLOCK_EVERY + 1));
+        turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+        assert!(!s.is_contended());
+    }
+
+    #[test]
+    fn time_between_phases_is_not_a_gap() {
+        let b = Budget::BUSY;
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        for _ in 0..10 {
+            turns(&mut s, &b, &mut c, 3 * CLOCK_EVERY, TURN);
+            s.work();
+            // 10 ms of work (or of waiting for the next call) between two idle phases.
+            c.advance(Duration::from_millis(10));
+        }
+        assert!(!s.is_contended());
+    }
+
+    #[test]
+    fn contention_ends_when_the_host_is_quiet_again() {
+        let b = Budget::adaptive(1000, 0);
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+        c.advance(Duration::from_millis(1));
+        turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+        assert!(s.is_contended());
+        // Quiet phases (each shorter than the contended budget, then a sleep that was woken
+        // in time) for a little less than CONTENDED_FOR: still contended.
+        let start = c.now;
+        while c.now.duration_since(start) < CONTENDED_FOR - Duration::from_millis(2) {
+            s.work();
+            turns(&mut s, &b, &mut c, CONTENDED_SPIN, TURN);
+            let t0 = c.now;
+            c.advance(Duration::from_micros(20));
+            s.woke(t0, Duration::from_millis(20), c.now);
+        }
+        assert!(s.is_contended());
+        c.advance(Duration::from_millis(3));
+        s.work();
+        assert_eq!(turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN), Wait::Spin);
+        assert!(!s.is_contended());
+        assert_eq!(
+            turns(&mut s, &b, &mut c, 1000 - CLOCK_EVERY, TURN),
+            Wait::Spin
+        );
+        assert_eq!(turns(&mut s, &b, &mut c, 1, TURN), Wait::Sleep);
+    }
+
+    #[test]
+    fn a_late_wake_up_means_contended() {
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        let t0 = c.now;
+        // A yield (asked: nothing) that came back after 2 ms.
+        c.advance(Duration::from_millis(2));
+        s.woke(t0, Duration::ZERO, c.now);
+        assert!(s.is_contended());
+
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        // A 20 ms sleep that ran its full time, and one woken early: not late.
+        let t0 = c.now;
+        c.advance(Duration::from_millis(20) + PREEMPTED / 2);
+        s.woke(t0, Duration::from_millis(20), c.now);
+        let t0 = c.now;
+        c.advance(Duration::from_micros(5));
+        s.woke(t0, Duration::from_millis(20), c.now);
+        assert!(!s.is_contended());
+        // One that ran 3 ms over.
+        let t0 = c.now;
+        c.advance(Duration::from_millis(23));
+        s.woke(t0, Duration::from_millis(20), c.now);
+        assert!(s.is_contended());
+    }
+
+    #[test]
+    fn contention_that_keeps_coming_back_lasts_longer() {
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        let late = |s: &mut Spinner, c: &mut Clock| {
+            let t0 = c.now;
+            c.advance(Duration::from_millis(1));
+            s.woke(t0, Duration::ZERO, c.now);
+        };
+        late(&mut s, &mut c);
+        assert_eq!(s.hold, CONTENDED_FOR);
+        // Renewed while contended: same period.
+        c.advance(CONTENDED_FOR / 2);
+        late(&mut s, &mut c);
+        assert_eq!(s.hold, CONTENDED_FOR);
+        // Back right after it ended: doubled, up to the cap.
+        let mut expect = CONTENDED_FOR;
+        for _ in 0..10 {
+            c.advance(s.hold + Duration::from_millis(1));
+            late(&mut s, &mut c);
+            expect = (expect * 2).min(MAX_CONTENDED_FOR);
+            assert_eq!(s.hold, expect);
+        }
+        assert_eq!(s.hold, MAX_CONTENDED_FOR);
+        // Back long after: the first period again.
+        c.advance(s.hold * 3);
+        late(&mut s, &mut c);
+        assert_eq!(s.hold, CONTENDED_FOR);
+    }
+}
