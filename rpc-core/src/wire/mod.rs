@@ -86,8 +86,8 @@ pub use conn::{
 };
 pub use error::{ProtocolError, SendError, StartError, WireError};
 pub use frame::{
-    BASE_HEADER_LEN, BulkDesc, BulkMore, Frame, FrameFlags, FrameHeader, FrameKind,
-    MAX_BULK_PIECES, MAX_HEADER_LEN, WIRE_VERSION, decode,
+    BASE_HEADER_LEN, Batch, BulkDesc, BulkMore, Frame, FrameFlags, FrameHeader, FrameKind,
+    MAX_BULK_PIECES, MAX_HEADER_LEN, WIRE_VERSION, decode, mark_more, next_in_batch,
 };
 
 #[cfg(test)]

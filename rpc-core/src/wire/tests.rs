@@ -1729,3 +1729,88 @@ proptest! {
         fuzz::conn_events(&data);
     }
 }
+
+/// Frames built while [`Conn::set_joining`] is on go in the SEND before them: the sender
+/// spends one credit for the whole batch, the receiver counts one receive slot for it.
+#[test]
+fn a_batch_spends_one_credit_and_fills_one_slot() {
+    let mut l = Link::new(Config {
+        stream_window: 8,
+        ..cfg()
+    });
+    let call =
+        l.c.start_call(M, CallKind::ServerStreaming, None, l.now)
+            .unwrap();
+    let h = l.c.request(call, 1, 0, None, None, l.now).unwrap();
+    l.send_c(h, &[], b"n");
+    l.deliver_to_server().unwrap();
+    let credits = l.s.send_credits();
+    // Five stream messages and the final status in one SEND: the first takes a credit, the
+    // others join it.
+    let mut send = Vec::new();
+    for i in 0..5u8 {
+        l.s.set_joining(i > 0);
+        let h = l.s.stream_message(call, 1, 0, None).unwrap();
+        l.s.set_joining(false);
+        if !send.is_empty() {
+            let last: &mut Vec<u8> = &mut send;
+            let at = last.len() - (BASE_HEADER_LEN + 1);
+            mark_more(&mut last[at..]).unwrap();
+        }
+        send.extend_from_slice(&encode(&h, &[], &[i]));
+    }
+    assert_eq!(l.s.send_credits(), credits - 1, "one credit for the SEND");
+    l.s.set_joining(true);
+    let h = l.s.status(call, 0, 0, 0).unwrap();
+    l.s.set_joining(false);
+    assert_eq!(l.s.send_credits(), credits - 1);
+    let at = send.len() - (BASE_HEADER_LEN + 1);
+    mark_more(&mut send[at..]).unwrap();
+    send.extend_from_slice(&encode(&h, &[], &[]));
+
+    // The client: six frames, one slot.
+    let mut got = Vec::new();
+    for r in Batch::new(&send) {
+        let (_, f) = r.unwrap();
+        got.push(l.c.handle_frame(&f.header, l.now).unwrap());
+    }
+    assert_eq!(got.len(), 6);
+    for (i, ev) in got[..5].iter().enumerate() {
+        assert_eq!(
+            *ev,
+            Event::StreamMessage {
+                call,
+                seq: i as u32,
+                bulk: None
+            }
+        );
+    }
+    assert_eq!(got[5], Event::Status { call, code: 0 });
+    // One slot to re-post, not six.
+    assert!(l.c.recv_reposted(2).is_err(), "one slot was filled");
+    l.c.recv_reposted(1).unwrap();
+    l.check();
+}
+
+/// A frame after a batch's last one fills a new slot: the receiver's count goes back to one
+/// slot per SEND, and a peer that sends past its credits by batching wrongly is caught.
+#[test]
+fn batch_accounting_resumes_after_the_last_frame() {
+    let mut l = Link::new(cfg()); // recv_depth = 8
+    l.auto_repost = false;
+    let mut more = FrameHeader::new(FrameKind::CreditUpdate, 0);
+    more.flags = FrameFlags::MORE;
+    let last = FrameHeader::new(FrameKind::CreditUpdate, 0);
+    // Eight SENDs of two frames each use all eight slots the client posted for the server.
+    for _ in 0..8 {
+        l.c.handle_frame(&more, l.now).unwrap();
+        l.c.handle_frame(&last, l.now).unwrap();
+    }
+    assert_eq!(
+        l.c.handle_frame(&last, l.now),
+        Err(ProtocolError::NoCredit),
+        "a ninth SEND had no slot"
+    );
+    l.c.recv_reposted(8).unwrap();
+    l.check();
+}
