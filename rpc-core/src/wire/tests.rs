@@ -1695,6 +1695,40 @@ proptest! {
         fuzz::frame_decode(&buf);
     }
 
+    /// The `frame_decode` fuzz target over batches of valid frames (MORE on all but the
+    /// last) with a few bytes changed, cut short or extended.
+    #[test]
+    fn fuzz_frame_decode_mutated_batches(
+        hs in proptest::collection::vec(super::frame::tests::arb_valid_header(), 1..5),
+        flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..3),
+        cut in 0usize..8,
+        extra in 0usize..8,
+    ) {
+        let mut buf = Vec::new();
+        let n = hs.len();
+        for (i, mut h) in hs.into_iter().enumerate() {
+            h.flags = h.flags.with(FrameFlags::WRITTEN, false);
+            h.metadata_len %= 8;
+            h.payload_len %= 16;
+            let md = vec![3u8; usize::from(h.metadata_len)];
+            let pl = vec![4u8; h.payload_len as usize];
+            let at = buf.len();
+            buf.extend_from_slice(&encode(&h, &md, &pl));
+            if i + 1 < n {
+                mark_more(&mut buf[at..]).unwrap();
+            }
+        }
+        // Unchanged, the batch decodes to its end.
+        prop_assert_eq!(Batch::new(&buf).filter(|r| r.is_ok()).count(), n);
+        for (i, b) in flips {
+            let len = buf.len();
+            buf[i % len] ^= b;
+        }
+        buf.truncate(buf.len().saturating_sub(cut));
+        buf.resize(buf.len() + extra, 0);
+        fuzz::frame_decode(&buf);
+    }
+
     /// The `metadata_decode` fuzz target over joined blocks (headers, separator, trailers)
     /// with a few bytes changed.
     #[test]
