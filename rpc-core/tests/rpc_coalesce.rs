@@ -7,7 +7,6 @@
 //! The tests of this binary run one at a time: the soft RNIC's counters are process-wide.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -28,7 +27,7 @@ static ECHO: MethodDesc = MethodDesc::new("/t.C/Echo", CallKind::Streaming);
 static METHODS: [MethodDesc; 2] = [COUNT, ECHO];
 
 /// One test at a time (process-wide counters).
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -141,7 +140,7 @@ fn settled() -> rpc_core::verbs::soft::CounterSnapshot {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_stream_messages_share_sends_and_arrive_complete_in_order() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let (server, ch) = serve().await;
     count(&ch, 100, 32).await; // warm up: connection, pools
     const N: u64 = 20_000;
@@ -170,7 +169,7 @@ async fn small_stream_messages_share_sends_and_arrive_complete_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn borrowed_messages_of_a_shared_slot_keep_their_bytes() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let (server, ch) = serve().await;
     // 600-byte `bytes` fields borrow their receive slot (512 B and up) while the lending
     // budget allows, and several of them share a slot. Keep every message of several calls:
