@@ -1150,6 +1150,12 @@ impl<P: Provider> Link<P> {
         LinkError,
     > {
         let frame = wire::decode(bytes).map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        if frame.header.flags.contains(wire::FrameFlags::MORE) {
+            // The protocol would count the next received frame as part of a batch.
+            return Err(LinkError::Protocol(
+                "a frame outside a receive slot says another follows it (MORE)".into(),
+            ));
+        }
         let base = bytes.as_ptr() as usize;
         let md_start = frame.metadata.as_ptr() as usize - base;
         let pl_start = frame.payload.as_ptr() as usize - base;
