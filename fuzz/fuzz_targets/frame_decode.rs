@@ -1,4 +1,5 @@
-//! Decodes arbitrary bytes as a frame; whatever decodes must re-encode to the same bytes.
+//! Decodes arbitrary bytes as the frames of one SEND (a batch); whatever decodes must
+//! re-encode to the same bytes and tile the SEND.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

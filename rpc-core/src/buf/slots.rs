@@ -11,7 +11,10 @@
 //!   polled;
 //! - a **receive slot** is owned by the NIC while its RECV is posted; its completion hands it to
 //!   a [`RecvSlot`] guard; dropping the guard (on any thread) puts the index on the repost
-//!   queue, and the connection's driver posts the RECV again in its next batch.
+//!   queue, and the connection's driver posts the RECV again in its next batch. A slot that
+//!   holds several frames (a batch, see [`crate::wire::frame`]) gets one guard per frame
+//!   ([`RecvSlot::share`]): the slot goes back to the ring when the last of them drops, and it
+//!   counts once in the lending budget however many of its frames are kept.
 //!
 //! Both queues are lock-free (`crossbeam-queue`); nothing here allocates after construction.
 
@@ -77,7 +80,15 @@ pub struct SlotArena<P: Provider> {
     lent: AtomicU32,
     /// Most receive slots that may be lent at once ([`lending_budget`]).
     lend_max: u32,
+    /// Per receive slot shared by several guards (a batch): the live guards, and [`LENT`]
+    /// when the slot is counted in `lent`. Zero, untouched, for a slot with one guard.
+    shares: Box<[AtomicU32]>,
 }
+
+/// In a receive slot's share count: the slot is counted in the lending budget.
+const LENT: u32 = 1 << 31;
+/// In a receive slot's share count: the number of live guards.
+const GUARDS: u32 = LENT - 1;
 
 /// How many of a connection's `recv_slots` receive slots received data may keep out of the
 /// ring at once: half of them, so the other half keeps serving every call whatever the user
@@ -123,6 +134,9 @@ impl<P: Provider> SlotArena<P> {
             repost,
             lent: AtomicU32::new(0),
             lend_max: lending_budget(geometry.recv_slots),
+            shares: (0..geometry.recv_slots)
+                .map(|_| AtomicU32::new(0))
+                .collect(),
         }))
     }
 
@@ -246,6 +260,7 @@ impl<P: Provider> SlotArena<P> {
             idx,
             len,
             lent: false,
+            shared: false,
         }
     }
 
@@ -276,6 +291,8 @@ pub trait Repost: Send + Sync + 'static {
     fn try_lend(&self) -> bool;
     /// Uncounts a slot counted by [`Repost::try_lend`].
     fn unlend(&self);
+    /// The share count of receive slot `idx` (guards and [`LENT`]; see [`RecvSlot::share`]).
+    fn shares(&self, idx: u32) -> &AtomicU32;
 }
 
 impl<P: Provider> Repost for SlotArena<P> {
@@ -299,6 +316,10 @@ impl<P: Provider> Repost for SlotArena<P> {
     fn unlend(&self) {
         self.lent.fetch_sub(1, Ordering::AcqRel);
     }
+
+    fn shares(&self, idx: u32) -> &AtomicU32 {
+        &self.shares[idx as usize]
+    }
 }
 
 /// A received frame's slot, owned by the runtime until dropped. Dropping it (on any thread)
@@ -310,8 +331,12 @@ pub struct RecvSlot {
     ptr: *const u8,
     idx: u32,
     len: u32,
-    /// Counted in the arena's lending budget (uncounted on drop).
+    /// Counted in the arena's lending budget (uncounted on drop); for a shared slot, the slot
+    /// is counted (once, by its share count's [`LENT`]).
     lent: bool,
+    /// Other guards of the same slot may exist ([`RecvSlot::share`]): the slot's share count
+    /// decides who reposts it and who uncounts its loan.
+    shared: bool,
 }
 
 // SAFETY: the guard owns its slot's bytes exclusively (the RECV is not reposted while it
@@ -334,10 +359,50 @@ impl RecvSlot {
     /// true when it may (counted until the guard drops; asking again is free), false past the
     /// budget, when the caller must copy what it keeps and drop the guard.
     pub fn try_lend(&mut self) -> bool {
-        if !self.lent {
-            self.lent = self.owner.try_lend();
+        if self.lent {
+            return true;
         }
-        self.lent
+        if !self.shared {
+            self.lent = self.owner.try_lend();
+            return self.lent;
+        }
+        // A slot several guards share counts once, whichever of them asks first.
+        let count = self.owner.shares(self.idx);
+        if count.load(Ordering::Acquire) & LENT == 0 {
+            if !self.owner.try_lend() {
+                return false;
+            }
+            if count.fetch_or(LENT, Ordering::AcqRel) & LENT != 0 {
+                // Another guard counted it meanwhile.
+                self.owner.unlend();
+            }
+        }
+        self.lent = true;
+        true
+    }
+
+    /// Another guard of this slot, for the next frame of a batch in it: the slot is reposted
+    /// when the last guard drops, and counted once in the lending budget (see
+    /// [`RecvSlot::try_lend`]). One atomic operation on the slot's share count (a store, the
+    /// first time).
+    pub fn share(&mut self) -> RecvSlot {
+        let count = self.owner.shares(self.idx);
+        if self.shared {
+            // We hold a guard, so the count cannot reach zero meanwhile.
+            count.fetch_add(1, Ordering::Relaxed);
+        } else {
+            // The only guard: nobody else reads or writes the count now.
+            count.store(2 | if self.lent { LENT } else { 0 }, Ordering::Relaxed);
+            self.shared = true;
+        }
+        RecvSlot {
+            owner: Arc::clone(&self.owner),
+            ptr: self.ptr,
+            idx: self.idx,
+            len: self.len,
+            lent: self.lent,
+            shared: true,
+        }
     }
 }
 
@@ -349,7 +414,19 @@ impl AsRef<[u8]> for RecvSlot {
 
 impl Drop for RecvSlot {
     fn drop(&mut self) {
-        if self.lent {
+        if self.shared {
+            let count = self.owner.shares(self.idx);
+            // AcqRel: every other guard's reads of the bytes happen before the repost below.
+            let before = count.fetch_sub(1, Ordering::AcqRel);
+            if before & GUARDS != 1 {
+                return;
+            }
+            // The last guard: nobody else touches the count until the slot is received again.
+            count.store(0, Ordering::Relaxed);
+            if before & LENT != 0 {
+                self.owner.unlend();
+            }
+        } else if self.lent {
             self.owner.unlend();
         }
         self.owner.repost(self.idx);
@@ -362,6 +439,7 @@ impl fmt::Debug for RecvSlot {
             .field("idx", &self.idx)
             .field("len", &self.len)
             .field("lent", &self.lent)
+            .field("shared", &self.shared)
             .finish()
     }
 }
@@ -376,4 +454,137 @@ fn prefetch(p: *const u8) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::soft::Soft;
+    use crate::verbs::{Context, Provider};
+
+    fn arena(recv_slots: u32) -> Arc<SlotArena<Soft>> {
+        let ctx = Soft::open(None).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let a = SlotArena::new(
+            &pd,
+            Geometry {
+                slot_size: 256,
+                send_slots: 1,
+                recv_slots,
+            },
+        )
+        .unwrap();
+        // Every slot starts on the repost queue: take them off, as posting would.
+        while a.take_repost().is_some() {}
+        a
+    }
+
+    #[test]
+    fn a_shared_slot_is_reposted_when_its_last_guard_drops() {
+        let a = arena(4);
+        // SAFETY: slot 1 is not posted (taken off the repost queue) and has no other guard.
+        let mut first = unsafe { a.recv_slot(1, 100) };
+        let mut second = first.share();
+        let third = second.share();
+        assert_eq!(third.bytes().len(), 100);
+        assert_eq!(third.bytes().as_ptr(), first.bytes().as_ptr());
+        drop(second);
+        drop(first);
+        assert!(!a.has_reposts(), "a guard still holds the slot");
+        drop(third);
+        assert_eq!(a.take_repost(), Some(1));
+        assert!(!a.has_reposts(), "reposted once");
+        assert_eq!(
+            a.shares(1).load(Ordering::Relaxed),
+            0,
+            "count reset for the next use"
+        );
+        // The next use of the slot starts unshared and shares again from scratch.
+        // SAFETY: as above, slot 1 was taken off the repost queue again.
+        let mut again = unsafe { a.recv_slot(1, 10) };
+        let other = again.share();
+        drop(again);
+        drop(other);
+        assert_eq!(a.take_repost(), Some(1));
+    }
+
+    #[test]
+    fn a_shared_slot_counts_once_in_the_lending_budget() {
+        let a = arena(4); // budget: 2 slots
+        // SAFETY: slots 0 and 1 are not posted and have no other guard.
+        let mut s0 = unsafe { a.recv_slot(0, 64) };
+        let mut s0b = s0.share();
+        let mut s0c = s0b.share();
+        assert!(s0.try_lend());
+        assert!(s0b.try_lend(), "the slot is already counted");
+        assert!(s0c.try_lend());
+        assert_eq!(a.lent.load(Ordering::Relaxed), 1, "three borrows, one slot");
+        // SAFETY: as above.
+        let mut s1 = unsafe { a.recv_slot(1, 64) };
+        assert!(s1.try_lend());
+        // SAFETY: as above (slot 2).
+        let mut s2 = unsafe { a.recv_slot(2, 64) };
+        let mut s2b = s2.share();
+        assert!(!s2b.try_lend(), "past the budget: copy instead");
+        assert!(!s2.try_lend());
+        drop((s2, s2b));
+        assert_eq!(a.lent.load(Ordering::Relaxed), 2);
+        drop(s0);
+        drop(s0c);
+        assert_eq!(
+            a.lent.load(Ordering::Relaxed),
+            2,
+            "one guard still borrows slot 0"
+        );
+        drop(s0b);
+        assert_eq!(a.lent.load(Ordering::Relaxed), 1);
+        drop(s1);
+        assert_eq!(a.lent.load(Ordering::Relaxed), 0);
+        // A guard lent before it was shared carries its loan to the slot.
+        // SAFETY: as above (slot 3).
+        let mut s3 = unsafe { a.recv_slot(3, 64) };
+        assert!(s3.try_lend());
+        let s3b = s3.share();
+        drop(s3);
+        assert_eq!(
+            a.lent.load(Ordering::Relaxed),
+            1,
+            "the other guard keeps the loan"
+        );
+        drop(s3b);
+        assert_eq!(a.lent.load(Ordering::Relaxed), 0);
+        let mut reposted: Vec<u32> = std::iter::from_fn(|| a.take_repost()).collect();
+        reposted.sort_unstable();
+        assert_eq!(reposted, [0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn guards_of_one_slot_drop_on_many_threads() {
+        let a = arena(2);
+        for round in 0..50u32 {
+            // SAFETY: slot 0 is off the repost queue and has no guard (the previous round's
+            // last guard reposted it and we took it off again).
+            let mut g = unsafe { a.recv_slot(0, 64) };
+            let guards: Vec<RecvSlot> = (0..8).map(|_| g.share()).collect();
+            let threads: Vec<_> = guards
+                .into_iter()
+                .enumerate()
+                .map(|(i, mut s)| {
+                    std::thread::spawn(move || {
+                        if i % 2 == 0 {
+                            let _ = s.try_lend();
+                        }
+                        drop(s);
+                    })
+                })
+                .collect();
+            drop(g);
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert_eq!(a.take_repost(), Some(0), "round {round}");
+            assert!(!a.has_reposts());
+            assert_eq!(a.lent.load(Ordering::Relaxed), 0);
+        }
+    }
 }

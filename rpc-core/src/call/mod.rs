@@ -28,6 +28,6 @@ use crate::verbs::{Provider, Wc};
 /// goes back to the arena; a failed SEND fails the link.
 #[inline]
 pub(crate) fn send_done<P: Provider>(link: &Link<P>, wc: &Wc, slot: u32) -> Result<(), LinkError> {
-    link.arena.release_send(slot);
+    link.release_sends(slot);
     completion(wc)
 }

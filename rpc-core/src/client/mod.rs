@@ -1132,7 +1132,8 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
             .saturating_add(16)
             .min(ctx.caps().max_qp_wr),
         max_recv_wr: b.geometry.recv_slots,
-        max_send_sge: 1,
+        // Coalesced SENDs: one gather entry per frame.
+        max_send_sge: (crate::link::BATCH_FRAMES as u32).min(ctx.caps().max_sge),
         max_recv_sge: 1,
         max_inline_data: ctx.caps().max_inline.min(256),
     };

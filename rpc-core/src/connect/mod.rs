@@ -21,8 +21,10 @@ use crate::{Error, TransportErrorKind};
 
 /// Magic at the start of every handshake message.
 pub const MAGIC: [u8; 4] = *b"RRPC";
-/// Handshake protocol version (2: data QP endpoints).
-pub const VERSION: u16 = 2;
+/// Handshake protocol version (2: data QP endpoints; 3: wire format 2, several frames per
+/// SEND, so a peer of an older release is refused at the handshake with this version in the
+/// message, before any frame).
+pub const VERSION: u16 = 3;
 /// Largest handshake message.
 pub const MAX_MESSAGE: usize = 1024;
 /// Most data QPs (besides the primary) one connection may have.
@@ -456,6 +458,14 @@ mod tests {
         m[4] = 9;
         let e = Message::decode(&m).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
+        // A peer of the release before batched SENDs (handshake 2, wire format 1).
+        m[4] = 2;
+        let e = Message::decode(&m).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("version 2 not supported (this side speaks 3)"),
+            "{e}"
+        );
         let good = Message::Hello(Hello {
             provider: 1,
             endpoint: ep(),

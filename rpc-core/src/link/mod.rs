@@ -21,6 +21,27 @@
 //! one doorbell on an RNIC, one ring of the peer's CQ on the soft provider, and the peer polls
 //! them side by side. Inline SENDs are signaled only every [`SIGNAL_EVERY`]-th time.
 //!
+//! # Coalescing: several frames in one SEND
+//!
+//! A frame committed while an earlier frame of the same turn still waits in the queue joins
+//! that SEND instead of taking a work request and a receive slot of the peer of its own, as
+//! long as the SEND stays within the peer's receive slot (the eager limit, counting the
+//! longest header for the new frame) and within [`BATCH_FRAMES`] frames (the QP's gather
+//! list): its header and body stay in its own send slot, where they were encoded, and the
+//! SEND's scatter/gather list gets one more entry, so the NIC gathers the frames back to back
+//! into one receive slot (no copy by the CPU). The frame before it is marked
+//! [`FrameFlags::MORE`](wire::FrameFlags::MORE), and the frame spends no credit
+//! ([`wire::Conn::set_joining`]). Only what is already queued coalesces: nothing waits for
+//! company, so a lone frame (a ping-pong message) goes out at the end of its turn as before.
+//! A server-streaming handler that yields several messages in one turn, the responses to a
+//! burst of requests, the window updates and credits riding along: each turn's frames leave
+//! in as few SENDs as fit. The send slots of a SEND are chained ([`Link::release_sends`]) and
+//! all return to the free queue with its completion (at the flush for an inline SEND).
+//!
+//! On the receiving side [`Link::on_recv`] hands over the first frame of a receive slot and
+//! [`Link::next_batched`] the ones after it, each with its own guard of the slot
+//! ([`RecvSlot::share`]): the slot goes back to the ring when the last frame's guard drops.
+//!
 //! Work-request ids name the link (`key`, with a generation so completions of a closed link are
 //! ignored), the kind of work and a slot or call index.
 //!
@@ -60,12 +81,27 @@ pub const SEND_BATCH: usize = 16;
 /// next signaled completion, as on every RC QP).
 pub const SIGNAL_EVERY: u32 = 16;
 
-/// A frame waiting in the link's send queue for [`Link::flush_sends`].
+/// Most frames coalesced into one SEND (one entry of its gather list each): the QPs ask for
+/// this many send SGEs (less where the device has fewer; see [`Link::new`]).
+pub const BATCH_FRAMES: usize = 8;
+
+/// No next slot in a SEND's chain of send slots.
+const NO_SLOT: u32 = u32::MAX;
+
+/// A SEND waiting in the link's send queue for [`Link::flush_sends`]: one frame, or several
+/// coalesced ones, each in its own send slot.
 #[derive(Clone, Copy, Debug, Default)]
 struct QueuedSend {
-    sge: Sge,
+    sges: [Sge; BATCH_FRAMES],
+    nsge: u8,
+    /// Bytes of the SEND.
+    len: u32,
+    /// The first frame's send slot (its chain names the others).
     slot: u32,
-    inline: bool,
+    /// The last frame's send slot and where its header starts in it (to mark it
+    /// [`MORE`](wire::FrameFlags::MORE) when another frame joins).
+    last: u32,
+    last_header: u32,
 }
 
 /// The frames of one turn of the poll loop, posted together: one doorbell on an RNIC, one ring
@@ -293,6 +329,14 @@ pub struct Link<P: Provider> {
     expiry_turns: u32,
     backlog: std::collections::VecDeque<Control>,
     sends: SendQueue,
+    /// Frames one SEND may carry: [`BATCH_FRAMES`] or the QP's gather limit.
+    gather: usize,
+    /// The send slots of a coalesced SEND, chained: the slot of the frame after each (or
+    /// [`NO_SLOT`]); read when the SEND's completion releases them.
+    chain: Box<[u32]>,
+    /// The rest of a receive slot whose first frames were handed over: the slot and where its
+    /// next frame starts ([`Link::next_batched`]).
+    batch: Option<(RecvSlot, usize)>,
     /// Buffers of posted work requests (and lent to the peer) of a failed or closed link.
     /// Declared after `qp` and `lanes` on purpose: fields drop in declaration order, so
     /// these are freed only after every QP of the link is destroyed (see [`owned`]).
@@ -341,8 +385,13 @@ impl<P: Provider> Link<P> {
             expiry_turns: 0,
             backlog: std::collections::VecDeque::new(),
             sends: SendQueue::default(),
+            gather: 1,
+            chain: Box::new([]),
+            batch: None,
             graveyard: Graveyard::default(),
         };
+        link.gather = (link.qp.caps().max_send_sge as usize).clamp(1, BATCH_FRAMES);
+        link.chain = vec![NO_SLOT; link.arena.geometry().send_slots as usize].into_boxed_slice();
         link.tick();
         link.post_recvs(false)?;
         Ok(link)
@@ -546,12 +595,14 @@ impl<P: Provider> Link<P> {
     }
 
     /// Writes `header` right before the body of send slot `slot` and queues the SEND; it goes
-    /// to the QP with the next [`Link::flush_sends`] (or at once when the queue is full). The
-    /// slot returns to the free queue when the send completes (at the flush for inline sends).
+    /// to the QP with the next [`Link::flush_sends`] (or at once when the queue is full). With
+    /// `join` (the frame was built joining, see [`Link::can_join`]) the frame is appended to
+    /// the last queued SEND instead. The slot returns to the free queue when the send
+    /// completes (at the flush for inline sends).
     ///
     /// # Errors
     /// When the header does not fit, or a full queue's `post_send` fails.
-    pub fn post_frame(&mut self, slot: u32, header: &FrameHeader) -> Result<(), LinkError> {
+    fn post_frame(&mut self, slot: u32, header: &FrameHeader, join: bool) -> Result<(), LinkError> {
         let hlen = header.encoded_len();
         let body = header.metadata_len as usize + header.payload_len as usize;
         let start = MAX_HEADER_LEN - hlen;
@@ -573,19 +624,67 @@ impl<P: Provider> Link<P> {
             .send_sge(slot, MAX_HEADER_LEN as u32 + body as u32);
         sge.addr += start as u64;
         sge.length = len;
+        self.chain[slot as usize] = NO_SLOT;
+        if join && let Some(open) = self.sends.n.checked_sub(1).map(|i| &mut self.sends.q[i]) {
+            debug_assert!((open.nsge as usize) < self.gather);
+            // SAFETY: `open.last` is a send slot of a queued, not yet posted SEND: ours.
+            let prev = unsafe { self.arena.send_buf(open.last) };
+            if let Err(e) = wire::mark_more(&mut prev[open.last_header as usize..]) {
+                self.arena.release_send(slot);
+                return Err(LinkError::Protocol(format!("batch: {e}")));
+            }
+            self.chain[open.last as usize] = slot;
+            open.sges[open.nsge as usize] = sge;
+            open.nsge += 1;
+            open.len += len;
+            open.last = slot;
+            open.last_header = start as u32;
+            return Ok(());
+        }
         if self.sends.n == SEND_BATCH
             && let Err(e) = self.flush_sends()
         {
             self.arena.release_send(slot);
             return Err(e);
         }
+        let mut sges = [Sge::default(); BATCH_FRAMES];
+        sges[0] = sge;
         self.sends.q[self.sends.n] = QueuedSend {
-            sge,
+            sges,
+            nsge: 1,
+            len,
             slot,
-            inline: len <= self.max_inline,
+            last: slot,
+            last_header: start as u32,
         };
         self.sends.n += 1;
         Ok(())
+    }
+
+    /// Whether a frame of `body` bytes (metadata and payload) may join the last queued SEND:
+    /// one is queued, its gather list has room, and with the frame (counted with the longest
+    /// header) it still fits the peer's receive slot.
+    fn can_join(&self, body: usize) -> bool {
+        let Some(open) = self.sends.n.checked_sub(1).map(|i| &self.sends.q[i]) else {
+            return false;
+        };
+        (open.nsge as usize) < self.gather
+            && open.len as usize + MAX_HEADER_LEN + body <= self.wire.config().eager_limit as usize
+    }
+
+    /// Returns the send slots of a SEND whose first frame is in `slot` (its completion was
+    /// polled, or it was never posted) to the free queue.
+    pub fn release_sends(&self, slot: u32) {
+        let mut s = slot;
+        // A chain never holds more than a SEND's frames; bounded all the same.
+        for _ in 0..BATCH_FRAMES {
+            let next = self.chain.get(s as usize).copied().unwrap_or(NO_SLOT);
+            self.arena.release_send(s);
+            if next == NO_SLOT {
+                return;
+            }
+            s = next;
+        }
     }
 
     /// Whether SENDs wait for [`Link::flush_sends`].
@@ -595,7 +694,8 @@ impl<P: Provider> Link<P> {
 
     /// Posts the queued SENDs, in order, with one `post_send`. The poll loops call it once per
     /// turn, after handling what the turn polled; every other post on the QP calls it first,
-    /// so the QP sees frames and one-sided operations in the order they were made.
+    /// so the QP sees frames and one-sided operations in the order they were made (and no
+    /// frame joins a SEND across a one-sided operation).
     ///
     /// # Errors
     /// When `post_send` fails (the slots of the requests it did not take are released).
@@ -607,8 +707,10 @@ impl<P: Provider> Link<P> {
         self.sends.n = 0;
         let mut ids = [0u64; SEND_BATCH];
         let mut flags = [SendFlags::NONE; SEND_BATCH];
+        let mut inline = [false; SEND_BATCH];
         for (i, s) in self.sends.q[..n].iter().enumerate() {
-            if s.inline {
+            inline[i] = s.len <= self.max_inline;
+            if inline[i] {
                 ids[i] = wr_id(self.key, WrKind::Nop, s.slot);
                 self.sends.unsignaled += 1;
                 flags[i] = if self.sends.unsignaled >= SIGNAL_EVERY {
@@ -627,20 +729,20 @@ impl<P: Provider> Link<P> {
         let wrs: [SendWr<'_>; SEND_BATCH] = std::array::from_fn(|i| SendWr {
             wr_id: ids[i],
             op: WrOp::Send,
-            sg_list: std::slice::from_ref(&q[i].sge),
+            sg_list: &q[i].sges[..q[i].nsge as usize],
             flags: flags[i],
         });
         // SAFETY: each SGE covers bytes of a send slot we own, inside the arena's MR, valid
-        // until the send completes (the slot is released only by its completion, or right
-        // after an inline post, when the NIC has already copied the bytes).
+        // until the send completes (the slots of a SEND are released only by its completion,
+        // or right after an inline post, when the NIC has already copied the bytes).
         let r = unsafe { self.qp.post_send(&wrs[..n]) };
         let posted = match &r {
             Ok(()) => n,
             Err(e) => e.posted.min(n),
         };
         for (i, s) in self.sends.q[..n].iter().enumerate() {
-            if s.inline || i >= posted {
-                self.arena.release_send(s.slot);
+            if inline[i] || i >= posted {
+                self.release_sends(s.slot);
             }
         }
         r.map_err(|e| post_err("post_send(SEND)", &e))
@@ -669,7 +771,7 @@ impl<P: Provider> Link<P> {
     }
 
     /// Builds the header of a staged frame with `build` (which commits the frame in the
-    /// protocol state, spending a credit) and posts it.
+    /// protocol state, spending a credit unless it joins the last queued SEND) and queues it.
     ///
     /// # Errors
     /// [`CommitError::NoCredit`] gives the staged frame back to try again later; other errors
@@ -679,8 +781,14 @@ impl<P: Provider> Link<P> {
         staged: Staged,
         build: impl FnOnce(&mut wire::Conn, usize, usize) -> Result<FrameHeader, SendError>,
     ) -> Result<(), CommitError> {
-        match build(&mut self.wire, staged.payload_len, staged.md_len) {
-            Ok(h) => self.post_frame(staged.slot, &h).map_err(CommitError::Link),
+        let join = self.can_join(staged.md_len + staged.payload_len);
+        self.wire.set_joining(join);
+        let built = build(&mut self.wire, staged.payload_len, staged.md_len);
+        self.wire.set_joining(false);
+        match built {
+            Ok(h) => self
+                .post_frame(staged.slot, &h, join)
+                .map_err(CommitError::Link),
             Err(SendError::NoCredit | SendError::Window) => Err(CommitError::NoCredit(staged)),
             Err(e) => {
                 self.arena.release_send(staged.slot);
@@ -1024,13 +1132,11 @@ impl<P: Provider> Link<P> {
         Ok(())
     }
 
-    /// Parses a frame in `bytes` and runs it through the protocol.
+    /// Parses a frame alone in `bytes` (a landing zone: never a batch; `bytes` may be longer
+    /// than the frame) and runs it through the protocol.
     ///
     /// # Errors
     /// When the bytes are not a valid frame or the frame breaks the protocol.
-    // Inlined into `on_recv` (and it into the poll loops): as calls, the header, the event and
-    // the received frame were each copied whole (160-224 bytes) on their way out.
-    #[inline(always)]
     pub fn parse(
         &mut self,
         bytes: &[u8],
@@ -1044,6 +1150,12 @@ impl<P: Provider> Link<P> {
         LinkError,
     > {
         let frame = wire::decode(bytes).map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        if frame.header.flags.contains(wire::FrameFlags::MORE) {
+            // The protocol would count the next received frame as part of a batch.
+            return Err(LinkError::Protocol(
+                "a frame outside a receive slot says another follows it (MORE)".into(),
+            ));
+        }
         let base = bytes.as_ptr() as usize;
         let md_start = frame.metadata.as_ptr() as usize - base;
         let pl_start = frame.payload.as_ptr() as usize - base;
@@ -1089,6 +1201,9 @@ impl<P: Provider> Link<P> {
                 "receive completion for an unknown slot".into(),
             ));
         }
+        // A receive slot's frames are all handed over before the next completion.
+        debug_assert!(self.batch.is_none(), "next_batched not drained");
+        self.batch = None;
         // SAFETY: this is the completion of the RECV posted for `slot_idx` (its wr_id says so
         // and it was polled); the slot is not posted again until the guard drops.
         let slot = unsafe { self.arena.recv_slot(slot_idx, wc.byte_len) };
@@ -1099,13 +1214,53 @@ impl<P: Provider> Link<P> {
                 len: wc.byte_len,
             }));
         }
-        let (_, metadata, payload, event) = self.parse(slot.bytes())?;
-        Ok(Some(Received::Frame(Inbound {
+        self.frame_at(slot, 0).map(Some)
+    }
+
+    /// The next frame of the receive slot [`Link::on_recv`] handed the first frame of, when
+    /// it holds several (a batch): call it after handling each frame until `None`, before
+    /// the next completion. Each frame comes with its own guard of the slot.
+    ///
+    /// # Errors
+    /// When the bytes are not a valid frame or the frame breaks the protocol.
+    #[inline(always)]
+    pub fn next_batched(&mut self) -> Result<Option<Received>, LinkError> {
+        match self.batch.take() {
+            None => Ok(None),
+            Some((slot, at)) => self.frame_at(slot, at).map(Some),
+        }
+    }
+
+    /// Parses the frame at offset `at` of a receive slot and runs it through the protocol;
+    /// when another frame follows it, keeps a guard of the slot for [`Link::next_batched`].
+    #[inline(always)]
+    fn frame_at(&mut self, mut slot: RecvSlot, at: usize) -> Result<Received, LinkError> {
+        let bytes = slot.bytes();
+        let rest = bytes.get(at..).unwrap_or_default();
+        let frame = wire::decode(rest).map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        let next = wire::next_in_batch(bytes, at, &frame)
+            .map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        let base = bytes.as_ptr() as usize;
+        let md_start = frame.metadata.as_ptr() as usize - base;
+        let pl_start = frame.payload.as_ptr() as usize - base;
+        let metadata = md_start..md_start + frame.metadata.len();
+        let payload = pl_start..pl_start + frame.payload.len();
+        let header = frame.header;
+        let now = self.now();
+        let event = self
+            .wire
+            .handle_frame(&header, now)
+            .map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        if let Some(next) = next {
+            let rest = slot.share();
+            self.batch = Some((rest, next));
+        }
+        Ok(Received::Frame(Inbound {
             slot,
             metadata,
             payload,
             event,
-        })))
+        }))
     }
 
     /// Sends a control frame now, or queues it behind earlier ones until credit allows.

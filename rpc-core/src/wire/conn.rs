@@ -390,6 +390,12 @@ pub struct Conn {
     peer_credits: u32,
     /// Client: GoAway received; server: GoAway sent.
     going_away: bool,
+    /// The last frame received had [`FrameFlags::MORE`]: the next one is in the same receive
+    /// slot (a batch) and uses no slot of its own.
+    batch_follows: bool,
+    /// The next frame built is appended to a SEND being assembled ([`Conn::set_joining`]): it
+    /// uses no receive slot of the peer, hence no credit.
+    joining: bool,
     /// Entries not Free.
     live: u32,
 }
@@ -422,6 +428,8 @@ impl Conn {
             unreposted: 0,
             peer_credits: cfg.recv_depth,
             going_away: false,
+            batch_follows: false,
+            joining: false,
             live: 0,
         })
     }
@@ -509,6 +517,15 @@ impl Conn {
 
     // ---- inputs -------------------------------------------------------------------------
 
+    /// Says whether the frames built from now on are appended to the SEND the runtime is
+    /// assembling (after a frame it marks with [`FrameFlags::MORE`]): such a frame lands in
+    /// the same receive slot of the peer as the one before it, so it needs and spends no send
+    /// credit (its credit checks pass; owed credits still ride on it). The runtime sets it
+    /// just before a builder and clears it right after: a batch is assembled within one turn.
+    pub fn set_joining(&mut self, joining: bool) {
+        self.joining = joining;
+    }
+
     /// Accounts `n` receive slots posted again: their credits are owed to the peer and ride on
     /// the next frame we build.
     ///
@@ -527,17 +544,23 @@ impl Conn {
 
     /// Processes a received, decoded frame (from a receive slot, or from the landing zone for
     /// a [`FrameFlags::WRITTEN`] response): takes its credits, advances the call, and says what
-    /// happened. Every frame consumed one of our receive slots: re-post it and report it with
-    /// [`Conn::recv_reposted`] when done with it.
+    /// happened. Every receive slot filled is one to re-post and report with
+    /// [`Conn::recv_reposted`] when done with it: the frames of a batch share one, so a frame
+    /// right after one with [`FrameFlags::MORE`] counts none (the runtime hands the frames of
+    /// a batch over in order, one after the other, nothing in between).
     ///
     /// # Errors
     /// A [`ProtocolError`] when the peer broke the protocol: close the connection.
     pub fn handle_frame(&mut self, h: &FrameHeader, now: u64) -> Result<Event, ProtocolError> {
-        if self.peer_credits == 0 {
-            return Err(ProtocolError::NoCredit);
+        let follows =
+            std::mem::replace(&mut self.batch_follows, h.flags.contains(FrameFlags::MORE));
+        if !follows {
+            if self.peer_credits == 0 {
+                return Err(ProtocolError::NoCredit);
+            }
+            self.peer_credits -= 1;
+            self.unreposted += 1;
         }
-        self.peer_credits -= 1;
-        self.unreposted += 1;
         let credits = self.send_credits + u32::from(h.credits);
         if credits > self.cfg.initial_send_credits {
             return Err(ProtocolError::CreditOverflow {
@@ -1179,6 +1202,9 @@ impl Conn {
     }
 
     fn check_credit(&self, class: Class) -> Result<(), SendError> {
+        if self.joining {
+            return Ok(());
+        }
         let need = match class {
             Class::Data => self.cfg.reserved_credits + 1,
             Class::Control => 2,
@@ -1191,10 +1217,13 @@ impl Conn {
         }
     }
 
-    /// Spends one credit and piggy-backs the owed credits on `h`.
+    /// Spends one credit (none for a frame joining a SEND) and piggy-backs the owed credits
+    /// on `h`.
     fn stamp(&mut self, h: &mut FrameHeader) {
-        debug_assert!(self.send_credits > 0);
-        self.send_credits -= 1;
+        if !self.joining {
+            debug_assert!(self.send_credits > 0);
+            self.send_credits -= 1;
+        }
         let c = self.owed.min(u32::from(u16::MAX));
         h.credits = c as u16;
         self.owed -= c;

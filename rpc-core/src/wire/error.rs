@@ -37,6 +37,20 @@ pub enum WireError {
     },
     /// A [`Config`](super::Config) value is out of range; says which.
     InvalidConfig(&'static str),
+    /// A frame with [`FrameFlags::MORE`](super::FrameFlags::MORE) ends its SEND: the frame
+    /// it announces is missing.
+    BatchTruncated {
+        /// Offset in the SEND where the next frame should start (its byte length).
+        at: usize,
+    },
+    /// Bytes follow the last frame of a SEND (one without
+    /// [`FrameFlags::MORE`](super::FrameFlags::MORE)).
+    BatchTrailing {
+        /// Where the last frame ends.
+        end: usize,
+        /// Bytes the SEND delivered.
+        len: usize,
+    },
 }
 
 impl fmt::Display for WireError {
@@ -61,6 +75,17 @@ impl fmt::Display for WireError {
                 "encode frame: the header needs {need} bytes, the output buffer has {have}"
             ),
             WireError::InvalidConfig(why) => write!(f, "invalid wire config: {why}"),
+            WireError::BatchTruncated { at } => write!(
+                f,
+                "decode batch: the frame ending at byte {at} says another follows (MORE), but \
+                 the SEND ends there"
+            ),
+            WireError::BatchTrailing { end, len } => write!(
+                f,
+                "decode batch: {} bytes after the last frame (it ends at byte {end} without \
+                 MORE; the SEND has {len})",
+                len.saturating_sub(*end)
+            ),
         }
     }
 }

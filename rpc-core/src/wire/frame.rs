@@ -24,13 +24,38 @@
 //!
 //! [`decode`] validates everything a peer could get wrong and never panics; [`FrameHeader::
 //! encode`] applies the same rules, so we never send what a peer would refuse.
+//!
+//! # Batches: several frames in one SEND
+//!
+//! One SEND (one receive slot of the peer) may carry several frames back to back: every frame
+//! but the last has [`FrameFlags::MORE`] set, and the next frame starts right where it ends
+//! (its header, extensions, metadata and payload, no padding). The SEND's byte length is the
+//! sum of its frames' lengths.
+//!
+//! ```text
+//! receive slot: [ frame 0 (MORE) | frame 1 (MORE) | .. | frame n-1 | .. unused .. ]
+//!               0                                                  ^ byte length of the SEND
+//! ```
+//!
+//! [`next_in_batch`] (and the [`Batch`] iterator built on it) says where the next frame starts
+//! and refuses what a peer could get wrong: MORE on a frame that ends the SEND
+//! ([`WireError::BatchTruncated`]), bytes after a frame without MORE
+//! ([`WireError::BatchTrailing`]). Each frame's own lengths are checked against the bytes left
+//! by [`decode`], so a frame never reaches past the SEND. A frame written into a landing zone
+//! ([`FrameFlags::WRITTEN`]) is always alone. A batch costs the receiver one receive slot
+//! whatever its frames: [`crate::wire::Conn::handle_frame`] counts a slot only for a frame
+//! that does not follow a MORE frame. Batches are version 2 of the wire format: a version-1
+//! peer refuses every frame with [`WireError::BadVersion`], and the handshake refuses it first.
 
 use std::fmt;
 
 use super::WireError;
 
 /// The wire protocol version carried in every frame.
-pub const WIRE_VERSION: u8 = 1;
+///
+/// 2: batches ([`FrameFlags::MORE`]); a version-1 peer would have read only the first frame
+/// of a SEND.
+pub const WIRE_VERSION: u8 = 2;
 /// Bytes of the fixed base header.
 pub const BASE_HEADER_LEN: usize = 24;
 /// Bytes of the deadline extension.
@@ -173,8 +198,12 @@ impl FrameFlags {
     /// descriptor; the payload is several remote ranges, READ one after the other into one
     /// buffer (a request whose large `bytes` field is sent from where it lies).
     pub const BULK_PIECES: FrameFlags = FrameFlags(1 << 6);
+    /// Another frame follows this one in the same SEND (a batch; see the
+    /// [module docs](self#batches-several-frames-in-one-send)). Any kind but a
+    /// [`FrameFlags::WRITTEN`] Response.
+    pub const MORE: FrameFlags = FrameFlags(1 << 7);
     /// Every flag this version knows.
-    pub const KNOWN: FrameFlags = FrameFlags(0x7f);
+    pub const KNOWN: FrameFlags = FrameFlags(0xff);
     /// The flags that announce an extension.
     pub const EXTENSIONS: FrameFlags = FrameFlags(0x47);
 
@@ -228,7 +257,7 @@ impl std::ops::BitOrAssign for FrameFlags {
 
 impl fmt::Debug for FrameFlags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const NAMES: [(FrameFlags, &str); 7] = [
+        const NAMES: [(FrameFlags, &str); 8] = [
             (FrameFlags::HAS_DEADLINE, "HAS_DEADLINE"),
             (FrameFlags::HAS_BULK, "HAS_BULK"),
             (FrameFlags::HAS_LANDING, "HAS_LANDING"),
@@ -236,6 +265,7 @@ impl fmt::Debug for FrameFlags {
             (FrameFlags::WRITTEN, "WRITTEN"),
             (FrameFlags::SERVER_STREAM, "SERVER_STREAM"),
             (FrameFlags::BULK_PIECES, "BULK_PIECES"),
+            (FrameFlags::MORE, "MORE"),
         ];
         if self.0 == 0 {
             return f.write_str("(empty)");
@@ -558,6 +588,11 @@ impl FrameHeader {
             if self.bulk.is_some() {
                 return Err(WireError::Inconsistent("WRITTEN together with HAS_BULK"));
             }
+            if f.contains(FrameFlags::MORE) {
+                return Err(WireError::Inconsistent(
+                    "WRITTEN together with MORE (a landing zone holds one frame)",
+                ));
+            }
         }
         if k.is_call_scoped() == (self.call_id == 0) {
             return Err(WireError::Inconsistent(if self.call_id == 0 {
@@ -630,6 +665,24 @@ impl FrameHeader {
 /// The first rule the bytes break, as a [`WireError`].
 pub fn decode(buf: &[u8]) -> Result<Frame<'_>, WireError> {
     let mut r = Reader { buf, pos: 0 };
+    let header = read_header(&mut r)?;
+    let metadata = r.bytes(usize::from(header.metadata_len))?;
+    let payload_len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
+    let payload = r.bytes(payload_len)?;
+    Ok(Frame {
+        header,
+        metadata,
+        payload,
+    })
+}
+
+/// Decodes and checks the header at the start of `buf` (as [`decode`], without looking for
+/// the metadata and payload after it).
+fn decode_header(buf: &[u8]) -> Result<FrameHeader, WireError> {
+    read_header(&mut Reader { buf, pos: 0 })
+}
+
+fn read_header(r: &mut Reader<'_>) -> Result<FrameHeader, WireError> {
     let [version, kind] = r.array::<2>()?;
     if version != WIRE_VERSION {
         return Err(WireError::BadVersion(version));
@@ -679,14 +732,85 @@ pub fn decode(buf: &[u8]) -> Result<Frame<'_>, WireError> {
         landing,
     };
     header.check()?;
-    let metadata = r.bytes(usize::from(metadata_len))?;
-    let payload_len = usize::try_from(payload_len).unwrap_or(usize::MAX);
-    let payload = r.bytes(payload_len)?;
-    Ok(Frame {
-        header,
-        metadata,
-        payload,
-    })
+    Ok(header)
+}
+
+/// Where the frame after `frame` starts in the bytes of one SEND: `buf` is everything the
+/// SEND delivered (exactly its byte length) and `frame` was decoded at offset `at` of it.
+/// `Ok(None)` when `frame` is the last one.
+///
+/// # Errors
+/// [`WireError::BatchTruncated`] when `frame` has [`FrameFlags::MORE`] but the SEND ends with
+/// it; [`WireError::BatchTrailing`] when it has not but bytes follow it.
+pub fn next_in_batch(buf: &[u8], at: usize, frame: &Frame<'_>) -> Result<Option<usize>, WireError> {
+    // `decode` checked that the frame lies inside `buf[at..]`, so this neither overflows nor
+    // passes `buf.len()`; saturating all the same, never trusting it.
+    let end = usize::try_from(frame.header.frame_len())
+        .unwrap_or(usize::MAX)
+        .saturating_add(at);
+    let more = frame.header.flags.contains(FrameFlags::MORE);
+    match (more, end < buf.len()) {
+        (true, true) => Ok(Some(end)),
+        (false, false) => Ok(None),
+        (true, false) => Err(WireError::BatchTruncated { at: end }),
+        (false, true) => Err(WireError::BatchTrailing {
+            end,
+            len: buf.len(),
+        }),
+    }
+}
+
+/// The frames of one SEND, in order (see [`next_in_batch`]); stops after the first error.
+/// The runtime walks a batch frame by frame with [`decode`] and [`next_in_batch`] itself (each
+/// frame is handled before the next is read); this is the same walk, for tests and fuzzing.
+#[derive(Clone, Debug)]
+pub struct Batch<'a> {
+    buf: &'a [u8],
+    at: Option<usize>,
+}
+
+impl<'a> Batch<'a> {
+    /// The frames of `buf`, the bytes one SEND delivered.
+    pub fn new(buf: &'a [u8]) -> Batch<'a> {
+        Batch { buf, at: Some(0) }
+    }
+}
+
+impl<'a> Iterator for Batch<'a> {
+    /// A frame and its offset in the SEND.
+    type Item = Result<(usize, Frame<'a>), WireError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let at = self.at.take()?;
+        let rest = self.buf.get(at..).unwrap_or_default();
+        let frame = match decode(rest) {
+            Ok(f) => f,
+            Err(e) => return Some(Err(e)),
+        };
+        match next_in_batch(self.buf, at, &frame) {
+            Ok(next) => {
+                self.at = next;
+                Some(Ok((at, frame)))
+            }
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+/// Sets [`FrameFlags::MORE`] in an encoded header (`header` starts at its first byte): a
+/// sender that appends a frame to a SEND marks the frame before it.
+///
+/// # Errors
+/// As [`decode`] for bytes that are not a frame header this version sends, and
+/// [`WireError::Inconsistent`] on a [`FrameFlags::WRITTEN`] Response.
+pub fn mark_more(header: &mut [u8]) -> Result<(), WireError> {
+    let h = decode_header(header)?;
+    let flags = h.flags | FrameFlags::MORE;
+    FrameHeader { flags, ..h }.check()?;
+    if let Some(b) = header.get_mut(2..4) {
+        b.copy_from_slice(&flags.bits().to_le_bytes());
+    }
+    Ok(())
 }
 
 /// Reads fixed-size pieces off a byte slice, reporting how many bytes were missing.
@@ -822,7 +946,7 @@ pub(crate) mod tests {
         assert_eq!(
             &buf[..24],
             &[
-                1, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
+                2, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
                 0x08, 0, 0, 0, 0, 0, 0, 0, 0
             ]
         );
@@ -900,8 +1024,14 @@ pub(crate) mod tests {
             })
         );
         let mut b = good.clone();
-        b[0] = 2;
-        assert_eq!(decode(&b), Err(WireError::BadVersion(2)));
+        b[0] = 1;
+        assert_eq!(
+            decode(&b),
+            Err(WireError::BadVersion(1)),
+            "a version-1 peer is refused"
+        );
+        b[0] = 3;
+        assert_eq!(decode(&b), Err(WireError::BadVersion(3)));
         let mut b = good.clone();
         b[1] = 0;
         assert_eq!(decode(&b), Err(WireError::UnknownKind(0)));
@@ -1119,7 +1249,8 @@ pub(crate) mod tests {
         let f = FrameFlags::HAS_BULK | FrameFlags::END_STREAM;
         assert_eq!(format!("{f:?}"), "HAS_BULK | END_STREAM");
         assert_eq!(format!("{:?}", FrameFlags::EMPTY), "(empty)");
-        assert_eq!(FrameFlags::from_bits(0x80), None);
+        assert_eq!(FrameFlags::from_bits(0x100), None);
+        assert_eq!(format!("{:?}", FrameFlags::MORE), "MORE");
         assert_eq!(
             format!("{:?}", FrameFlags::BULK_PIECES | FrameFlags::HAS_BULK),
             "HAS_BULK | BULK_PIECES"
@@ -1276,5 +1407,145 @@ pub(crate) mod tests {
             prop_assert_eq!(f.metadata, &mdv[..]);
             prop_assert_eq!(f.payload, &plv[..]);
         }
+
+        #[test]
+        fn batches_round_trip_and_every_cut_is_refused(
+            hs in proptest::collection::vec(arb_valid_header(), 1..6),
+            md in 0u16..32,
+            pl in 0u32..64,
+        ) {
+            // The frames of one SEND, back to back, MORE on all but the last (WRITTEN
+            // Responses are never batched: made plain here).
+            let mut want = Vec::new();
+            let mut buf = Vec::new();
+            let n = hs.len();
+            for (i, mut h) in hs.into_iter().enumerate() {
+                h.flags = h.flags.with(FrameFlags::WRITTEN, false);
+                h.metadata_len = if h.metadata_len == 0 { 0 } else { md };
+                h.payload_len = if h.payload_len == 0 { 0 } else { pl };
+                let mdv: Vec<u8> = (0..h.metadata_len).map(|j| (i + j as usize) as u8).collect();
+                let plv: Vec<u8> = (0..h.payload_len).map(|j| (i * 3 + j as usize) as u8).collect();
+                let at = buf.len();
+                buf.extend_from_slice(&encode_frame(&h, &mdv, &plv));
+                if i + 1 < n {
+                    mark_more(&mut buf[at..]).unwrap();
+                    h.flags |= FrameFlags::MORE;
+                }
+                want.push((at, h, mdv, plv));
+            }
+            let got: Vec<_> = Batch::new(&buf).collect::<Result<_, _>>().unwrap();
+            prop_assert_eq!(got.len(), n);
+            for ((at, f), (wat, h, mdv, plv)) in got.iter().zip(&want) {
+                prop_assert_eq!(at, wat);
+                prop_assert_eq!(&f.header, h);
+                prop_assert_eq!(f.metadata, &mdv[..]);
+                prop_assert_eq!(f.payload, &plv[..]);
+            }
+            // Every shorter SEND fails somewhere, and one with a byte more too: nothing is
+            // delivered past a cut silently.
+            for cut in 0..buf.len() {
+                prop_assert!(Batch::new(&buf[..cut]).any(|r| r.is_err()), "cut at {}", cut);
+            }
+            let mut longer = buf.clone();
+            longer.push(0);
+            prop_assert!(Batch::new(&longer).any(|r| r.is_err()));
+        }
+    }
+
+    fn status(code: u32, payload: &[u8]) -> Vec<u8> {
+        let h = FrameHeader {
+            aux: code,
+            payload_len: payload.len() as u32,
+            ..FrameHeader::new(FrameKind::Status, 9)
+        };
+        encode_frame(&h, &[], payload)
+    }
+
+    #[test]
+    fn a_batch_decodes_frame_by_frame() {
+        let mut buf = status(0, b"one");
+        mark_more(&mut buf).unwrap();
+        let second = buf.len();
+        buf.extend_from_slice(&status(5, b"two!"));
+        let frames: Vec<_> = Batch::new(&buf).collect::<Result<_, _>>().unwrap();
+        assert_eq!(frames.len(), 2);
+        assert_eq!(frames[0].0, 0);
+        assert!(frames[0].1.header.flags.contains(FrameFlags::MORE));
+        assert_eq!(frames[0].1.payload, b"one");
+        assert_eq!(frames[1].0, second);
+        assert_eq!(frames[1].1.header.aux, 5);
+        assert_eq!(frames[1].1.payload, b"two!");
+        // `next_in_batch` is the step the runtime takes.
+        let f = decode(&buf).unwrap();
+        assert_eq!(next_in_batch(&buf, 0, &f), Ok(Some(second)));
+        let f = decode(&buf[second..]).unwrap();
+        assert_eq!(next_in_batch(&buf, second, &f), Ok(None));
+    }
+
+    #[test]
+    fn malformed_batches_are_refused_with_reasons() {
+        // MORE on the last frame: the announced frame is missing.
+        let mut lone = status(0, b"x");
+        mark_more(&mut lone).unwrap();
+        let f = decode(&lone).unwrap();
+        let e = next_in_batch(&lone, 0, &f).unwrap_err();
+        assert_eq!(e, WireError::BatchTruncated { at: lone.len() });
+        assert!(e.to_string().contains("MORE"), "{e}");
+        // Bytes after a frame without MORE.
+        let mut trailing = status(0, b"x");
+        let end = trailing.len();
+        trailing.extend_from_slice(&[0; 5]);
+        let f = decode(&trailing).unwrap();
+        let e = next_in_batch(&trailing, 0, &f).unwrap_err();
+        assert_eq!(e, WireError::BatchTrailing { end, len: end + 5 });
+        assert!(
+            e.to_string().contains("5 bytes after the last frame"),
+            "{e}"
+        );
+        // A second frame cut short: the decode of the second frame says so.
+        let mut cut = status(0, b"one");
+        mark_more(&mut cut).unwrap();
+        let second = status(0, b"two");
+        cut.extend_from_slice(&second[..second.len() - 1]);
+        let r: Vec<_> = Batch::new(&cut).collect();
+        assert!(r[0].is_ok());
+        assert!(
+            matches!(r[1], Err(WireError::Truncated { .. })),
+            "{:?}",
+            r[1]
+        );
+        assert_eq!(r.len(), 2, "the walk stops at the first error");
+        // Garbage after a MORE frame.
+        let mut garbage = status(0, b"one");
+        mark_more(&mut garbage).unwrap();
+        garbage.extend_from_slice(&[0xee; 30]);
+        let r: Vec<_> = Batch::new(&garbage).collect();
+        assert!(
+            matches!(r[1], Err(WireError::BadVersion(0xee))),
+            "{:?}",
+            r[1]
+        );
+        // A landing-zone frame is never part of a batch.
+        let written = FrameHeader {
+            flags: FrameFlags::WRITTEN | FrameFlags::MORE,
+            ..FrameHeader::new(FrameKind::Response, 3)
+        };
+        assert!(matches!(
+            written.check(),
+            Err(WireError::Inconsistent(m)) if m.contains("MORE")
+        ));
+        let mut w = encode_frame(
+            &FrameHeader {
+                flags: FrameFlags::WRITTEN,
+                ..written
+            },
+            &[],
+            &[],
+        );
+        assert!(matches!(mark_more(&mut w), Err(WireError::Inconsistent(_))));
+        // Marking bytes that are no header fails instead of writing.
+        let mut junk = [0u8; 8];
+        assert!(mark_more(&mut junk).is_err());
+        assert_eq!(junk, [0; 8]);
     }
 }

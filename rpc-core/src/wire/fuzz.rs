@@ -4,19 +4,57 @@
 
 use super::conn::{CallId, Config, Conn, Role};
 use super::frame::{
-    BulkDesc, BulkMore, FrameFlags, FrameHeader, FrameKind, MAX_BULK_PIECES, MAX_HEADER_LEN, decode,
+    Batch, BulkDesc, BulkMore, FrameFlags, FrameHeader, FrameKind, MAX_BULK_PIECES, MAX_HEADER_LEN,
+    WIRE_VERSION, decode,
 };
 use crate::method::CallKind;
 
-/// Decodes arbitrary bytes; when they decode, re-encodes the header and checks it is the same
-/// bytes, and that metadata and payload are the bytes right after it.
+/// Decodes arbitrary bytes as the frames of one SEND (a batch: [`Batch`]); every frame that
+/// decodes re-encodes to the same header bytes, its metadata and payload are the bytes right
+/// after its header, it lies inside the SEND, and a batch that decodes to its end tiles the
+/// SEND exactly (no byte skipped, none delivered twice). The first frame alone goes through
+/// the same checks as a frame decoded on its own.
 ///
 /// # Panics
-/// When a decoded frame does not round-trip (a codec bug).
+/// When a decoded frame does not round-trip or a batch walk breaks those rules (a codec bug).
 pub fn frame_decode(data: &[u8]) {
-    let Ok(f) = decode(data) else {
-        return;
-    };
+    if let Ok(f) = decode(data) {
+        check_frame(data, &f);
+    }
+    let mut expect_at = 0usize;
+    let mut last_more = false;
+    let mut ended = false;
+    for r in Batch::new(data) {
+        assert!(!ended, "a batch walk went on after an error");
+        let Ok((at, f)) = r else {
+            ended = true;
+            continue;
+        };
+        assert_eq!(
+            at, expect_at,
+            "a frame of a batch does not start where the last ended"
+        );
+        let rest = data.get(at..).unwrap_or_default();
+        check_frame(rest, &f);
+        expect_at = at + f.header.frame_len() as usize;
+        assert!(
+            expect_at <= data.len(),
+            "a frame of a batch reaches past the SEND"
+        );
+        last_more = f.header.flags.contains(FrameFlags::MORE);
+    }
+    if !ended && expect_at > 0 {
+        assert_eq!(
+            expect_at,
+            data.len(),
+            "a batch that decoded left bytes over"
+        );
+        assert!(!last_more, "a batch that decoded ends with MORE");
+    }
+}
+
+/// The checks of one decoded frame `f` at the start of `data`.
+fn check_frame(data: &[u8], f: &super::frame::Frame<'_>) {
     let h = f.header;
     let mut out = [0u8; MAX_HEADER_LEN];
     let n = match h.encode(&mut out) {
@@ -182,7 +220,7 @@ pub fn conn_events(data: &[u8]) {
                 for b in buf.iter_mut().take(len) {
                     *b = inp.u8();
                 }
-                buf[0] = 1;
+                buf[0] = WIRE_VERSION;
                 if let Ok(f) = decode(&buf[..len]) {
                     let conn = if side_is_client {
                         &mut client

@@ -7,7 +7,8 @@
 //!
 //! [`frame`]: a 24-byte little-endian base header, optional extensions (deadline, bulk
 //! descriptor, landing zone), then metadata, then inline payload. [`decode`] never panics and
-//! says what is wrong with bad bytes; [`FrameHeader::encode`] applies the same rules.
+//! says what is wrong with bad bytes; [`FrameHeader::encode`] applies the same rules. One SEND
+//! may carry several frames back to back (a batch; [`FrameFlags::MORE`], [`next_in_batch`]).
 //!
 //! # Calls
 //!
@@ -38,7 +39,9 @@
 //!
 //! # Credits
 //!
-//! Every frame we send consumes one receive slot of the peer (WRITE_WITH_IMM included). The
+//! Every SEND consumes one receive slot of the peer (WRITE_WITH_IMM included), whatever the
+//! number of frames in it (a batch: [`frame`]'s MORE flag; a frame built with
+//! [`Conn::set_joining`] joins the SEND before it and spends no credit). The
 //! [`Conn`] counts our send credits and the slots we re-posted but have not reported yet
 //! ([`Conn::recv_reposted`]); every header it builds carries those in `credits`.
 //! - Data frames (Request, Response, StreamMessage, EndOfStream) only use credits above
@@ -86,8 +89,8 @@ pub use conn::{
 };
 pub use error::{ProtocolError, SendError, StartError, WireError};
 pub use frame::{
-    BASE_HEADER_LEN, BulkDesc, BulkMore, Frame, FrameFlags, FrameHeader, FrameKind,
-    MAX_BULK_PIECES, MAX_HEADER_LEN, WIRE_VERSION, decode,
+    BASE_HEADER_LEN, Batch, BulkDesc, BulkMore, Frame, FrameFlags, FrameHeader, FrameKind,
+    MAX_BULK_PIECES, MAX_HEADER_LEN, WIRE_VERSION, decode, mark_more, next_in_batch,
 };
 
 #[cfg(test)]

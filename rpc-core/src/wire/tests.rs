@@ -1695,6 +1695,40 @@ proptest! {
         fuzz::frame_decode(&buf);
     }
 
+    /// The `frame_decode` fuzz target over batches of valid frames (MORE on all but the
+    /// last) with a few bytes changed, cut short or extended.
+    #[test]
+    fn fuzz_frame_decode_mutated_batches(
+        hs in proptest::collection::vec(super::frame::tests::arb_valid_header(), 1..5),
+        flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..3),
+        cut in 0usize..8,
+        extra in 0usize..8,
+    ) {
+        let mut buf = Vec::new();
+        let n = hs.len();
+        for (i, mut h) in hs.into_iter().enumerate() {
+            h.flags = h.flags.with(FrameFlags::WRITTEN, false);
+            h.metadata_len %= 8;
+            h.payload_len %= 16;
+            let md = vec![3u8; usize::from(h.metadata_len)];
+            let pl = vec![4u8; h.payload_len as usize];
+            let at = buf.len();
+            buf.extend_from_slice(&encode(&h, &md, &pl));
+            if i + 1 < n {
+                mark_more(&mut buf[at..]).unwrap();
+            }
+        }
+        // Unchanged, the batch decodes to its end.
+        prop_assert_eq!(Batch::new(&buf).filter(|r| r.is_ok()).count(), n);
+        for (i, b) in flips {
+            let len = buf.len();
+            buf[i % len] ^= b;
+        }
+        buf.truncate(buf.len().saturating_sub(cut));
+        buf.resize(buf.len() + extra, 0);
+        fuzz::frame_decode(&buf);
+    }
+
     /// The `metadata_decode` fuzz target over joined blocks (headers, separator, trailers)
     /// with a few bytes changed.
     #[test]
@@ -1728,4 +1762,89 @@ proptest! {
     fn fuzz_conn_events(data in proptest::collection::vec(any::<u8>(), 0..2000)) {
         fuzz::conn_events(&data);
     }
+}
+
+/// Frames built while [`Conn::set_joining`] is on go in the SEND before them: the sender
+/// spends one credit for the whole batch, the receiver counts one receive slot for it.
+#[test]
+fn a_batch_spends_one_credit_and_fills_one_slot() {
+    let mut l = Link::new(Config {
+        stream_window: 8,
+        ..cfg()
+    });
+    let call =
+        l.c.start_call(M, CallKind::ServerStreaming, None, l.now)
+            .unwrap();
+    let h = l.c.request(call, 1, 0, None, None, l.now).unwrap();
+    l.send_c(h, &[], b"n");
+    l.deliver_to_server().unwrap();
+    let credits = l.s.send_credits();
+    // Five stream messages and the final status in one SEND: the first takes a credit, the
+    // others join it.
+    let mut send = Vec::new();
+    for i in 0..5u8 {
+        l.s.set_joining(i > 0);
+        let h = l.s.stream_message(call, 1, 0, None).unwrap();
+        l.s.set_joining(false);
+        if !send.is_empty() {
+            let last: &mut Vec<u8> = &mut send;
+            let at = last.len() - (BASE_HEADER_LEN + 1);
+            mark_more(&mut last[at..]).unwrap();
+        }
+        send.extend_from_slice(&encode(&h, &[], &[i]));
+    }
+    assert_eq!(l.s.send_credits(), credits - 1, "one credit for the SEND");
+    l.s.set_joining(true);
+    let h = l.s.status(call, 0, 0, 0).unwrap();
+    l.s.set_joining(false);
+    assert_eq!(l.s.send_credits(), credits - 1);
+    let at = send.len() - (BASE_HEADER_LEN + 1);
+    mark_more(&mut send[at..]).unwrap();
+    send.extend_from_slice(&encode(&h, &[], &[]));
+
+    // The client: six frames, one slot.
+    let mut got = Vec::new();
+    for r in Batch::new(&send) {
+        let (_, f) = r.unwrap();
+        got.push(l.c.handle_frame(&f.header, l.now).unwrap());
+    }
+    assert_eq!(got.len(), 6);
+    for (i, ev) in got[..5].iter().enumerate() {
+        assert_eq!(
+            *ev,
+            Event::StreamMessage {
+                call,
+                seq: i as u32,
+                bulk: None
+            }
+        );
+    }
+    assert_eq!(got[5], Event::Status { call, code: 0 });
+    // One slot to re-post, not six.
+    assert!(l.c.recv_reposted(2).is_err(), "one slot was filled");
+    l.c.recv_reposted(1).unwrap();
+    l.check();
+}
+
+/// A frame after a batch's last one fills a new slot: the receiver's count goes back to one
+/// slot per SEND, and a peer that sends past its credits by batching wrongly is caught.
+#[test]
+fn batch_accounting_resumes_after_the_last_frame() {
+    let mut l = Link::new(cfg()); // recv_depth = 8
+    l.auto_repost = false;
+    let mut more = FrameHeader::new(FrameKind::CreditUpdate, 0);
+    more.flags = FrameFlags::MORE;
+    let last = FrameHeader::new(FrameKind::CreditUpdate, 0);
+    // Eight SENDs of two frames each use all eight slots the client posted for the server.
+    for _ in 0..8 {
+        l.c.handle_frame(&more, l.now).unwrap();
+        l.c.handle_frame(&last, l.now).unwrap();
+    }
+    assert_eq!(
+        l.c.handle_frame(&last, l.now),
+        Err(ProtocolError::NoCredit),
+        "a ninth SEND had no slot"
+    );
+    l.c.recv_reposted(8).unwrap();
+    l.check();
 }

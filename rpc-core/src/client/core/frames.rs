@@ -29,13 +29,20 @@ impl<P: Provider> Driver<P> {
         match kind {
             Some(WrKind::Send) => call::send_done(&self.link, wc, aux),
             Some(WrKind::Nop) => completion(wc),
-            Some(WrKind::Recv) => match self.link.on_recv(wc, aux)? {
-                None => Ok(()),
-                Some(Received::Frame(f)) => {
-                    self.on_frame(core, f.event, Some(f.slot), f.metadata, f.payload)
+            Some(WrKind::Recv) => {
+                // Every frame of the slot (a batch), in order, before the next completion.
+                let mut next = self.link.on_recv(wc, aux)?;
+                while let Some(r) = next {
+                    match r {
+                        Received::Frame(f) => {
+                            self.on_frame(core, f.event, Some(f.slot), f.metadata, f.payload)?
+                        }
+                        Received::Written { imm, .. } => self.on_written(core, CallId(imm))?,
+                    }
+                    next = self.link.next_batched()?;
                 }
-                Some(Received::Written { imm, .. }) => self.on_written(core, CallId(imm)),
-            },
+                Ok(())
+            }
             Some(WrKind::Read) => {
                 // A flushed READ filled nothing: never decode its buffer.
                 completion(wc)?;

@@ -141,7 +141,8 @@ pub(super) fn qp_caps(
             .saturating_add(16)
             .min(caps.max_qp_wr),
         max_recv_wr: cfg.geometry.recv_slots,
-        max_send_sge: (MAX_PIECES as u32).min(caps.max_sge),
+        // Gathered requests (MAX_PIECES) and coalesced SENDs (BATCH_FRAMES).
+        max_send_sge: (MAX_PIECES.max(crate::link::BATCH_FRAMES) as u32).min(caps.max_sge),
         max_recv_sge: 1,
         max_inline_data: caps.max_inline.min(256),
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tracing::{debug, warn};
 
 use crate::call::{Held, Record};
-use crate::link::{Control, LinkError, Received, completion, decode_metadata};
+use crate::link::{Control, Inbound, LinkError, Received, completion, decode_metadata};
 use crate::server::call::{CallCtx, IncomingCall, Payload};
 use crate::server::peer::ShardInbox;
 use crate::streaming::{Inbox, Item};
@@ -25,18 +25,33 @@ pub(crate) const NOT_EXECUTED_DRAINING: &str =
     "the server is shutting down (GoAway): the call was not executed; retry it elsewhere";
 
 impl<P: Provider> Shard<P> {
+    /// A receive completion: every frame of its slot (one, or a batch), in order.
     pub(super) fn on_recv(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return Ok(());
         };
-        let inbound = match conn.link.on_recv(wc, slot)? {
-            None => return Ok(()),
-            Some(Received::Written { .. }) => {
-                return Err(LinkError::Protocol(
-                    "a client wrote into a server's slot".into(),
-                ));
-            }
-            Some(Received::Frame(f)) => f,
+        let mut next = conn.link.on_recv(wc, slot)?;
+        while let Some(received) = next {
+            let inbound = match received {
+                Received::Written { .. } => {
+                    return Err(LinkError::Protocol(
+                        "a client wrote into a server's slot".into(),
+                    ));
+                }
+                Received::Frame(f) => f,
+            };
+            self.on_frame(idx, inbound)?;
+            next = match self.conns.get_mut(idx) {
+                Some(Some(conn)) => conn.link.next_batched()?,
+                _ => None,
+            };
+        }
+        Ok(())
+    }
+
+    fn on_frame(&mut self, idx: usize, inbound: Inbound) -> Result<(), LinkError> {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return Ok(());
         };
         conn.flush_deferred();
         match inbound.event {
