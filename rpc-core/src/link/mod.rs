@@ -1156,6 +1156,25 @@ impl<P: Provider> Link<P> {
                 "a frame outside a receive slot says another follows it (MORE)".into(),
             ));
         }
+        self.handle_decoded(bytes, &frame)
+    }
+
+    /// Runs a frame decoded from `bytes` through the protocol; returns its header, where its
+    /// metadata and payload lie in `bytes`, and the protocol's event.
+    #[inline(always)]
+    fn handle_decoded(
+        &mut self,
+        bytes: &[u8],
+        frame: &wire::Frame<'_>,
+    ) -> Result<
+        (
+            FrameHeader,
+            std::ops::Range<usize>,
+            std::ops::Range<usize>,
+            wire::Event,
+        ),
+        LinkError,
+    > {
         let base = bytes.as_ptr() as usize;
         let md_start = frame.metadata.as_ptr() as usize - base;
         let pl_start = frame.payload.as_ptr() as usize - base;
@@ -1240,17 +1259,7 @@ impl<P: Provider> Link<P> {
         let frame = wire::decode(rest).map_err(|e| LinkError::Protocol(format!("{e}")))?;
         let next = wire::next_in_batch(bytes, at, &frame)
             .map_err(|e| LinkError::Protocol(format!("{e}")))?;
-        let base = bytes.as_ptr() as usize;
-        let md_start = frame.metadata.as_ptr() as usize - base;
-        let pl_start = frame.payload.as_ptr() as usize - base;
-        let metadata = md_start..md_start + frame.metadata.len();
-        let payload = pl_start..pl_start + frame.payload.len();
-        let header = frame.header;
-        let now = self.now();
-        let event = self
-            .wire
-            .handle_frame(&header, now)
-            .map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        let (_, metadata, payload, event) = self.handle_decoded(bytes, &frame)?;
         if let Some(next) = next {
             let rest = slot.share();
             self.batch = Some((rest, next));
