@@ -38,6 +38,7 @@ fn color(s: System) -> RGBColor {
     match s {
         System::Rpc => RGBColor(0xd6, 0x27, 0x28),
         System::RpcPlain => RGBColor(0xff, 0x7f, 0x0e),
+        System::RpcAsync => RGBColor(0x94, 0x67, 0xbd),
         System::TonicCt => RGBColor(0x1f, 0x77, 0xb4),
         System::TonicMt => RGBColor(0x2c, 0xa0, 0x2c),
         System::Raw => RGBColor(0x55, 0x55, 0x55),

@@ -18,6 +18,10 @@ pub enum System {
     /// `Channel::alloc_bytes`) and no response size hint. Measured from 16 KiB on (below that
     /// it is the same as `Rpc`).
     RpcPlain,
+    /// (a'') rdma-rpc's default async call: a task on a two-worker tokio runtime awaiting the
+    /// generated client's call, on a channel with the default poller thread (one outstanding;
+    /// many outstanding: that many tasks). Measured at 32 B only.
+    RpcAsync,
     /// (b) tonic, current-thread runtimes.
     TonicCt,
     /// (b) tonic, multi-thread runtimes.
@@ -32,6 +36,7 @@ impl System {
         match self {
             System::Rpc => "rdma-rpc",
             System::RpcPlain => "rpc-plain",
+            System::RpcAsync => "rpc-async",
             System::TonicCt => "tonic-ct",
             System::TonicMt => "tonic-mt",
             System::Raw => "raw",
@@ -418,6 +423,15 @@ pub struct Issue3 {
     pub memcpy_4mib_gbps: Option<f64>,
 }
 
+/// `f` of `system`'s row over `f` of rdma-rpc's row at `size`.
+fn plain_of(rows: &[Row], size: usize, system: System, f: fn(&Row) -> Option<f64>) -> Option<f64> {
+    let of = |sys: System| rows.iter().find(|r| r.size == size && r.system == sys);
+    match (of(system).and_then(f), of(System::Rpc).and_then(f)) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
 /// Every target with its verdict.
 pub fn targets(rows: &[Row], ratios: &[Ratio], i3: &Issue3) -> Vec<Target> {
     let r32 = ratios.iter().find(|r| r.size == 32);
@@ -433,17 +447,9 @@ pub fn targets(rows: &[Row], ratios: &[Ratio], i3: &Issue3) -> Vec<Target> {
         _ => None,
     };
     let _ = r16;
-    // Issue 16 item 5: default options against the opt-ins, same run.
-    let plain = |size: usize, f: fn(&Row) -> Option<f64>| {
-        let of = |sys: System| rows.iter().find(|r| r.size == size && r.system == sys);
-        match (
-            of(System::RpcPlain).and_then(f),
-            of(System::Rpc).and_then(f),
-        ) {
-            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-            _ => None,
-        }
-    };
+    // Issue 16 items 1 and 5: the default async call and default options against rdma-rpc's
+    // row (blocking calls, opt-ins), same run.
+    let plain = |size: usize, f: fn(&Row) -> Option<f64>| plain_of(rows, size, System::RpcPlain, f);
     let mut out = vec![
         Target::new(3, "32 B, 1 outstanding: p50 (µs)", i3.p50_us, 3.0, false),
         Target::new(3, "32 B, 1 outstanding: p99 (µs)", i3.p99_us, 10.0, false),
@@ -500,6 +506,15 @@ pub fn targets(rows: &[Row], ratios: &[Ratio], i3: &Issue3) -> Vec<Target> {
             false,
         ),
     ];
+    if let Some(x) = plain_of(rows, 32, System::RpcAsync, |r| r.p50_us) {
+        out.push(Target::new(
+            16,
+            "32 B p50: rpc-async / rdma-rpc (blocking)",
+            Some(x),
+            1.5,
+            false,
+        ));
+    }
     for (size, name) in [(1 << 20, "1 MiB"), (16 << 20, "16 MiB")] {
         if rows
             .iter()
@@ -612,6 +627,13 @@ pub fn table(report: &Report, ks: &[usize], large_from: usize) -> String {
          than the best tonic configuration (tonic/rdma-rpc for times, rdma-rpc/tonic for rates).",
         report.config["reps"]
     );
+    if report.rows.iter().any(|r| r.system == System::RpcAsync) {
+        let _ = writeln!(
+            s,
+            "rpc-async: rdma-rpc's default async call (a task on a two-worker runtime, the \
+             default poller thread); rdma-rpc's one-outstanding figures are blocking calls."
+        );
+    }
     if report.rows.iter().any(|r| r.system == System::RpcPlain) {
         let _ = writeln!(
             s,

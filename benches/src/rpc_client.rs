@@ -65,6 +65,8 @@ struct RpcClient {
     regions: HashMap<(usize, bool), RegisteredBytes>,
     /// Use `alloc_bytes` and response size hints.
     opt_ins: bool,
+    /// One outstanding: async calls from a task of the poller's runtime.
+    async_latency: bool,
 }
 
 /// How to connect.
@@ -79,6 +81,9 @@ pub struct Opts {
     /// Build large payloads in registered memory (`Channel::alloc_bytes`) and give response
     /// size hints; false: default options only.
     pub opt_ins: bool,
+    /// Time one-outstanding calls as async calls from a task on the `Poller` mode's runtime
+    /// (with `mode` `Poller`), not as blocking calls.
+    pub async_latency: bool,
 }
 
 /// Payloads at least this large are built in registered memory (smaller ones go eagerly,
@@ -104,6 +109,7 @@ pub fn connect(addr: SocketAddr, opts: &Opts) -> Result<Box<dyn BenchClient>> {
         mode,
         deadline,
         opt_ins,
+        async_latency,
     } = *opts;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -130,6 +136,7 @@ pub fn connect(addr: SocketAddr, opts: &Opts) -> Result<Box<dyn BenchClient>> {
         poller,
         regions: HashMap::new(),
         opt_ins,
+        async_latency,
     }))
 }
 
@@ -244,6 +251,57 @@ impl RpcClient {
 }
 
 impl RpcClient {
+    /// The latency phase with async calls: one task on the poller's two-worker runtime calls
+    /// and awaits in a loop (the default async call: the poller thread completes it and wakes
+    /// the task).
+    fn async_latency(
+        &mut self,
+        size: usize,
+        plan: &Plan,
+        probe: &mut dyn Probe,
+    ) -> Result<LatencyRun> {
+        let payload = self.payload(size, true)?;
+        let Some((rt, client)) = &self.poller else {
+            bail!("rdma-rpc: async latency needs the poller's runtime");
+        };
+        let (deadline, plan) = (self.deadline, *plan);
+        let run = |timed: bool| {
+            let (client, payload) = (client.clone(), payload.clone());
+            let task = rt.spawn(async move {
+                let mut hist = measure::histogram();
+                let start = Instant::now();
+                let mut calls = 0u64;
+                loop {
+                    let over = if timed {
+                        plan.done(start, plan.latency, calls)
+                    } else {
+                        plan.warm(start, calls)
+                    };
+                    if over {
+                        break;
+                    }
+                    let t0 = Instant::now();
+                    call_once(client.clone(), payload.clone(), deadline).await?;
+                    measure::record(&mut hist, t0.elapsed());
+                    calls += 1;
+                }
+                Ok::<_, anyhow::Error>((hist, calls, start.elapsed()))
+            });
+            rt.block_on(task)
+                .map_err(|e| anyhow::anyhow!("rdma-rpc: async latency task: {e}"))?
+        };
+        run(false)?;
+        let before = probe.snapshot()?;
+        let (hist, calls, wall) = run(true)?;
+        let cpu = probe.snapshot()?.since(before);
+        Ok(LatencyRun {
+            hist,
+            calls,
+            wall,
+            cpu,
+        })
+    }
+
     /// `k` calls in flight through one pipeline on this thread, counted until `stop` says so
     /// (asked every 8th call, as `client::windowed_async` does); the calls still in flight
     /// then finish uncounted.
@@ -276,6 +334,9 @@ impl RpcClient {
 
 impl BenchClient for RpcClient {
     fn latency(&mut self, size: usize, plan: &Plan, probe: &mut dyn Probe) -> Result<LatencyRun> {
+        if self.async_latency {
+            return self.async_latency(size, plan, probe);
+        }
         let payload = self.payload(size, false)?;
         let start = Instant::now();
         let mut n = 0;

@@ -70,7 +70,7 @@ pub struct RunArgs {
         long,
         value_delimiter = ',',
         value_enum,
-        default_value = "rpc,rpc-plain,tonic-ct,tonic-mt,raw"
+        default_value = "rpc,rpc-async,rpc-plain,tonic-ct,tonic-mt,raw"
     )]
     pub systems: Vec<System>,
     /// Where the JSON results go.
@@ -198,7 +198,7 @@ fn server_args(cfg: &Cfg, system: System, size: usize) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
     match system {
-        System::Rpc | System::RpcPlain => push(&[
+        System::Rpc | System::RpcPlain | System::RpcAsync => push(&[
             "--system",
             "rpc",
             "--provider",
@@ -248,6 +248,16 @@ fn server_args(cfg: &Cfg, system: System, size: usize) -> Vec<String> {
     a
 }
 
+/// Whether `system` has a cell at `size`: rpc-plain only from 16 KiB (below, nothing is
+/// opted into: the same as rdma-rpc), rpc-async only at 32 B.
+fn measured_at(system: System, size: usize) -> bool {
+    match system {
+        System::RpcPlain => size >= crate::rpc_client::REGISTERED_MIN,
+        System::RpcAsync => size == 32,
+        _ => true,
+    }
+}
+
 /// Runs `f` with the calling thread allowed on every core (threads it spawns keep that), then
 /// restores the previous affinity.
 fn unpinned<T>(f: impl FnOnce() -> T) -> T {
@@ -266,14 +276,19 @@ fn connect(
     size: usize,
 ) -> Result<Box<dyn BenchClient>> {
     match system {
-        System::Rpc | System::RpcPlain => {
+        System::Rpc | System::RpcPlain | System::RpcAsync => {
             let opts = crate::rpc_client::Opts {
                 provider: cfg.provider,
-                mode: cfg.rpc_async,
+                mode: if system == System::RpcAsync {
+                    AsyncMode::Poller
+                } else {
+                    cfg.rpc_async
+                },
                 deadline: cfg.deadline,
-                opt_ins: system == System::Rpc,
+                opt_ins: system != System::RpcPlain,
+                async_latency: system == System::RpcAsync,
             };
-            if cfg.rpc_async == AsyncMode::Poller {
+            if opts.mode == AsyncMode::Poller {
                 unpinned(|| crate::rpc_client::connect(addr, &opts))
             } else {
                 crate::rpc_client::connect(addr, &opts)
@@ -432,7 +447,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         args.systems
             .iter()
             .copied()
-            .filter(|&s| s != System::Raw && s != System::RpcPlain)
+            .filter(|&s| !matches!(s, System::Raw | System::RpcPlain | System::RpcAsync))
             .collect()
     };
     let stream_sizes = if stream_systems.is_empty() {
@@ -525,7 +540,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
     let unary_cells = sizes
         .iter()
         .flat_map(|&size| args.systems.iter().map(move |&s| (size, s)))
-        .filter(|&(size, s)| s != System::RpcPlain || size >= crate::rpc_client::REGISTERED_MIN)
+        .filter(|&(size, s)| measured_at(s, size))
         .count();
     let per_rep =
         unary_cells + if issue3 { 2 } else { 0 } + stream_sizes.len() * stream_systems.len();
@@ -548,8 +563,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
     for rep in 0..reps {
         for &size in &sizes {
             for &system in &args.systems {
-                if system == System::RpcPlain && size < crate::rpc_client::REGISTERED_MIN {
-                    // The same as rdma-rpc there: nothing is opted into below this size.
+                if !measured_at(system, size) {
                     continue;
                 }
                 bar.set_message(format!(
