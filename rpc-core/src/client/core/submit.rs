@@ -256,44 +256,10 @@ impl<P: Provider> ClientCore<P> {
     }
 
     /// Waits for the final outcome of the call in cell `idx` (which the caller owns).
-    ///
-    /// The poller thread, or in `ClientPoller::Caller` the driver task, completes the call and
-    /// wakes us. With other async calls in flight, polling here too only repeats the driver's
-    /// work (measured: slower). A lone call on a host where this thread has its core first
-    /// drives the connection itself for a while ([`LONE_WAIT`]), as a blocking call does: its
-    /// response usually comes before a wake-up from another thread would.
     pub(super) async fn outcome(&self, idx: u32) -> Outcome<P> {
-        let mb = &self.cells[idx as usize].mb;
-        if self.async_calls.load(Ordering::Acquire) <= 1
-            && let Some(o) = self.drive_alone(idx)
-        {
-            return o;
-        }
-        std::future::poll_fn(|cx| mb.poll_done(cx)).await
-    }
-
-    /// Drives the connection and looks for the outcome of `idx` while this thread's detector
-    /// says spinning pays (see [`crate::poll_policy`]): at most [`LONE_WAIT`]'s idle turns, a
-    /// few when the host is contended; `None` if the outcome did not come meanwhile.
-    fn drive_alone(&self, idx: u32) -> Option<Outcome<P>> {
-        let mb = &self.cells[idx as usize].mb;
-        with_thread_spinner(|spin| {
-            // Bounded also when the connection keeps finding work (another stream's frames).
-            for _ in 0..LONE_TURNS {
-                if let Some(o) = mb.try_done() {
-                    return Some(o);
-                }
-                if self.progress() > 0 {
-                    spin.work();
-                    continue;
-                }
-                match spin.idle(&LONE_WAIT, Instant::now) {
-                    Wait::Spin => std::hint::spin_loop(),
-                    Wait::Yield | Wait::Sleep => return None,
-                }
-            }
-            None
-        })
+        // The poller thread, or in `ClientPoller::Caller` the driver task, completes the call and
+        // wakes us: polling here too only repeats the driver's work (measured: slower).
+        std::future::poll_fn(|cx| self.cells[idx as usize].mb.poll_done(cx)).await
     }
 
     /// A unary call that blocks this thread, which drives the connection itself when it can.
@@ -412,14 +378,6 @@ impl<P: Provider> ClientCore<P> {
 pub(super) fn queued_too_long() -> Status {
     Status::deadline_exceeded("deadline exceeded while waiting for a free call slot")
 }
-
-/// How long a lone async call drives its own connection before it sleeps on its waker
-/// ([`ClientCore::outcome`]): idle turns of spinning (tens of microseconds), fewer when the
-/// host is contended.
-const LONE_WAIT: Budget = Budget::adaptive(2_000, 0);
-
-/// Turns of [`ClientCore::drive_alone`] at most, idle or not.
-const LONE_TURNS: u32 = 20_000;
 
 /// How a blocking call or a pipeline waits for its responses: spins, then yields; never
 /// sleeps on a quiet host, so a long call does not lose its core to a sleep. Contended, it
