@@ -46,6 +46,12 @@ pub enum Verb {
     /// Lending a range of a region to one peer under a fresh key (`ibv_bind_mw`; the ib
     /// provider registers the range instead, see `Pd::bind_window`).
     BindMw,
+    /// `ibv_create_srq`
+    CreateSrq,
+    /// `ibv_modify_srq`
+    ModifySrq,
+    /// `ibv_post_srq_recv`
+    PostSrqRecv,
 }
 
 impl Verb {
@@ -70,6 +76,9 @@ impl Verb {
             Verb::PostSend => "ibv_post_send",
             Verb::PostRecv => "ibv_post_recv",
             Verb::BindMw => "bind_window (ibv_bind_mw)",
+            Verb::CreateSrq => "ibv_create_srq",
+            Verb::ModifySrq => "ibv_modify_srq",
+            Verb::PostSrqRecv => "ibv_post_srq_recv",
         }
     }
 }

@@ -56,7 +56,8 @@ pub use group::QpGroup;
 pub const MAX_QPS_PER_CONNECTION: u32 = 16;
 pub use types::{
     Access, AsyncEvent, Caps, ConnectAttr, DeviceInfo, Endpoint, GidFmt, LinkLayer, QpCaps,
-    QpState, RecvWr, RemoteMr, SendFlags, SendWr, Sge, Wc, WcFlags, WcOpcode, WcStatus, WrOp,
+    QpState, RecvWr, RemoteMr, SendFlags, SendWr, Sge, SrqCaps, Wc, WcFlags, WcOpcode, WcStatus,
+    WrOp,
 };
 
 /// An RDMA provider: a family of verbs objects with the same semantics as libibverbs.
@@ -82,6 +83,8 @@ pub trait Provider: Sized + Send + Sync + 'static {
     type Cq: Cq;
     /// A reliable-connected queue pair.
     type Qp: Qp;
+    /// A shared receive queue.
+    type Srq: Srq;
 
     /// Lists the devices of this provider. An empty list is not an error.
     ///
@@ -233,6 +236,34 @@ pub trait Pd<P: Provider>: Send + Sync + fmt::Debug {
     /// small to hold every completion the QP can generate (CQ overrun is prevented by sizing);
     /// [`ErrorKind::WrongPd`] when a CQ belongs to another device.
     fn create_qp(&self, send_cq: &P::Cq, recv_cq: &P::Cq, caps: QpCaps) -> Result<P::Qp>;
+
+    /// Creates a shared receive queue (`ibv_create_srq`): receives posted to it are consumed
+    /// by the inbound SENDs (and WRITE_WITH_IMMs) of every QP created on it with
+    /// [`Pd::create_qp_on_srq`], in the order posted; each completion names the QP the
+    /// message arrived on. Receive memory is then sized by messages in flight, not by
+    /// connections.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ExceedsCaps`] when `caps` exceeds the device's limits or asks for zero
+    /// receives.
+    fn create_srq(&self, caps: SrqCaps) -> Result<P::Srq>;
+
+    /// Creates an RC queue pair in RESET that receives from `srq` (`ibv_qp_init_attr.srq`):
+    /// `caps.max_recv_wr` and `max_recv_sge` are ignored, [`Qp::post_recv`] is refused, and
+    /// in ERROR the QP flushes its own send work only: the SRQ's receives stay posted for the
+    /// other QPs. The receive CQ must hold the SRQ's `max_wr` completions once (the soft
+    /// provider: every QP of one SRQ uses the same receive CQ).
+    ///
+    /// # Errors
+    /// As [`Pd::create_qp`]; [`ErrorKind::WrongPd`] when `srq` belongs to another protection
+    /// domain; [`ErrorKind::InvalidArgument`] (soft) when the receive CQ is not the SRQ's.
+    fn create_qp_on_srq(
+        &self,
+        send_cq: &P::Cq,
+        recv_cq: &P::Cq,
+        caps: QpCaps,
+        srq: &P::Srq,
+    ) -> Result<P::Qp>;
 }
 
 /// Checks the arguments of [`Pd::bind_window`] against the region's length and rights (the
@@ -466,6 +497,38 @@ pub trait Qp: Send + Sync + fmt::Debug {
     /// Every SGE must name memory of a live region with `LOCAL_WRITE` that stays valid and is
     /// not accessed by Rust code until the receive's completion has been polled (or the QP has
     /// been destroyed).
+    unsafe fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError>;
+}
+
+/// A shared receive queue (`ibv_srq`), the receive queue of any number of QPs of its
+/// protection domain. Dropping it while QPs still use it keeps it alive until the last of
+/// them is destroyed (verbs refuses to destroy a busy SRQ).
+pub trait Srq: Send + Sync + fmt::Debug {
+    /// The number naming it in [`AsyncEvent::SrqLimitReached`] (unique per context).
+    fn srq_num(&self) -> u32;
+
+    /// The sizes granted at creation.
+    fn caps(&self) -> SrqCaps;
+
+    /// Arms the limit (`ibv_modify_srq` with `IBV_SRQ_LIMIT`): once fewer than `limit`
+    /// posted receives remain unconsumed, one [`AsyncEvent::SrqLimitReached`] is raised on
+    /// the context ([`Context::poll_async_event`]) and the limit is disarmed until armed
+    /// again. 0 disarms.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] when `limit` exceeds [`SrqCaps::max_wr`].
+    fn arm_limit(&mut self, limit: u32) -> Result<()>;
+
+    /// Posts receives (`ibv_post_srq_recv`). No allocation, no system call, no lock.
+    ///
+    /// # Errors
+    /// [`ErrorKind::QueueFull`] when `max_wr` receives are posted and not yet polled;
+    /// [`ErrorKind::InvalidArgument`] for too many SGEs.
+    ///
+    /// # Safety
+    /// As [`Qp::post_recv`]: every SGE names live memory of a region with `LOCAL_WRITE` of the
+    /// SRQ's protection domain, untouched by Rust code until the receive's completion has
+    /// been polled (or every QP of the SRQ and the SRQ itself are destroyed).
     unsafe fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError>;
 }
 

@@ -185,6 +185,25 @@ pub struct QpCaps {
     pub max_inline_data: u32,
 }
 
+/// Sizes of a shared receive queue ([`Pd::create_srq`](crate::verbs::Pd::create_srq)),
+/// as asked and as granted ([`Srq::caps`](crate::verbs::Srq::caps)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SrqCaps {
+    /// Receives posted and not yet polled, at most.
+    pub max_wr: u32,
+    /// Scatter/gather entries per receive.
+    pub max_sge: u32,
+}
+
+impl Default for SrqCaps {
+    fn default() -> Self {
+        SrqCaps {
+            max_wr: 1024,
+            max_sge: 1,
+        }
+    }
+}
+
 impl Default for QpCaps {
     fn default() -> Self {
         QpCaps {
@@ -890,7 +909,14 @@ pub enum AsyncEvent {
         /// The QP's number.
         qp_num: u32,
     },
-    /// Any other event (SRQ, WQ), with its `ibv_event_type` number.
+    /// A shared receive queue holds fewer unconsumed receives than the limit armed with
+    /// [`Srq::arm_limit`](crate::verbs::Srq::arm_limit) (`IBV_EVENT_SRQ_LIMIT_REACHED`); the
+    /// limit is disarmed until armed again.
+    SrqLimitReached {
+        /// The SRQ's [`Srq::srq_num`](crate::verbs::Srq::srq_num).
+        srq_num: u32,
+    },
+    /// Any other event (SRQ error, WQ), with its `ibv_event_type` number.
     Other {
         /// The raw event type.
         code: u32,
@@ -925,6 +951,9 @@ impl AsyncEvent {
             AsyncEvent::CqError => "completion queue error (overrun)",
             AsyncEvent::QpFatal { .. } => "queue pair failed outside a work request",
             AsyncEvent::QpInfo { .. } => "queue pair event (informational)",
+            AsyncEvent::SrqLimitReached { .. } => {
+                "shared receive queue below its limit: post more receives"
+            }
             AsyncEvent::Other { .. } => "other device event",
         }
     }

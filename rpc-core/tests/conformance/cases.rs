@@ -9,6 +9,7 @@ use rpc_core::verbs::{
 };
 
 pub use super::edges::*;
+pub use super::srq::*;
 use super::harness::*;
 
 const SIG: SendFlags = SendFlags::SIGNALED;

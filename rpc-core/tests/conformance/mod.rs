@@ -25,6 +25,7 @@
 pub mod cases;
 pub mod edges;
 pub mod harness;
+pub mod srq;
 
 /// Instantiates every case as a `#[test]` in module `$name`, for provider `$provider`, with
 /// side B in a thread (`Threads`) or in a child process (`Processes`).
@@ -65,7 +66,11 @@ macro_rules! conformance_suite {
             read_then_send_fenced,
             read_then_send_unfenced,
             connect_attr_ranges,
-            async_events_nonblocking
+            async_events_nonblocking,
+            srq_many_qps,
+            srq_empty_rnr,
+            srq_limit_event,
+            srq_qp_error_keeps_receives
         );
     };
     (@cases $name:ident, $provider:ty, $mode:ident, $($case:ident),* $(,)?) => {

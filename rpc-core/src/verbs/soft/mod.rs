@@ -94,6 +94,7 @@ mod mr;
 mod peer;
 mod qp;
 mod shm;
+mod srq;
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -105,6 +106,7 @@ pub use counters::{CounterSnapshot, process_counters};
 pub use cq::SoftCq;
 pub use mr::SoftMr;
 pub use qp::SoftQp;
+pub use srq::SoftSrq;
 
 use super::{
     Access, Caps, Context, DeviceInfo, ErrorKind, LinkLayer, Pd, Provider, QpCaps, Result, Verb,
@@ -379,6 +381,7 @@ impl Provider for Soft {
     type CompChannel = SoftCompChannel;
     type Cq = SoftCq;
     type Qp = SoftQp;
+    type Srq = SoftSrq;
 
     fn devices() -> Result<Vec<DeviceInfo>> {
         Ok(vec![DeviceInfo {
@@ -486,6 +489,20 @@ impl Pd<Soft> for SoftPd {
 
     fn create_qp(&self, send_cq: &SoftCq, recv_cq: &SoftCq, caps: QpCaps) -> Result<SoftQp> {
         SoftQp::create(&self.dev, self.id, send_cq, recv_cq, caps)
+    }
+
+    fn create_srq(&self, caps: crate::verbs::SrqCaps) -> Result<SoftSrq> {
+        SoftSrq::create(&self.dev, self.id, caps)
+    }
+
+    fn create_qp_on_srq(
+        &self,
+        send_cq: &SoftCq,
+        recv_cq: &SoftCq,
+        caps: QpCaps,
+        srq: &SoftSrq,
+    ) -> Result<SoftQp> {
+        srq.create_qp(send_cq, recv_cq, caps)
     }
 }
 
