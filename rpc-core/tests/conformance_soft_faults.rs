@@ -14,7 +14,7 @@ use conformance::harness::{
 use rpc_core::verbs::soft::{Soft, SoftContext, SoftCq, SoftQp, fault, vendor};
 use rpc_core::verbs::{
     Access, CompChannel, ConnectAttr, Context, Cq, Endpoint, ErrorKind, Mr, Pd, Provider, Qp,
-    QpCaps, QpState, RecvWr, SendFlags, SendWr, Sge, Wc, WcStatus, WrOp,
+    QpCaps, QpState, RecvWr, SendFlags, SendWr, Sge, Srq, SrqCaps, Wc, WcStatus, WrOp,
 };
 
 const SIG: SendFlags = SendFlags::SIGNALED;
@@ -972,4 +972,92 @@ fn fence_makes_the_send_wait_for_the_read() {
         "fence_makes_the_send_wait_for_the_read",
         read_then_send_fence_waits,
     );
+}
+
+/// A peer that dies holding a claim on a shared receive queue does not wedge it: once the QP
+/// the claim names is in ERROR with its peer dead, the receive is flushed naming that QP
+/// (a claim that names no QP: naming QP 0) and the other QPs' messages behind it arrive.
+#[test]
+fn srq_claim_of_a_dead_peer_is_flushed() {
+    let a_ctx = Soft::open(None).unwrap();
+    let a_pd = a_ctx.alloc_pd().unwrap();
+    let mut a_cq = a_ctx.create_cq(256, None).unwrap();
+    let mut srq = a_pd
+        .create_srq(SrqCaps {
+            max_wr: 8,
+            max_sge: 1,
+        })
+        .unwrap();
+    let caps = QpCaps {
+        max_recv_wr: 0,
+        ..Opts::default().caps
+    };
+    let attr = ConnectAttr::default();
+    // Two peers in two contexts, so that one of them can die alone.
+    let mut peers = Vec::new();
+    let mut mine = Vec::new();
+    for _ in 0..2 {
+        let ctx = Soft::open(None).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(64, None).unwrap();
+        let mut b = pd.create_qp(&cq, &cq, caps).unwrap();
+        let mut a = a_pd.create_qp_on_srq(&a_cq, &a_cq, caps, &srq).unwrap();
+        a.modify_to_init(attr.access).unwrap();
+        b.modify_to_init(attr.access).unwrap();
+        let (ea, eb) = (a.endpoint(), b.endpoint());
+        a.connect(&eb, &attr).unwrap();
+        b.connect(&ea, &attr).unwrap();
+        mine.push(a);
+        peers.push((ctx, pd, cq, b));
+    }
+    let mr = mr_all::<Soft>(&a_pd, 8 * 64);
+    for slot in 0..6u64 {
+        let sge = mr.sge(slot as usize * 64, 64).unwrap();
+        let wr = RecvWr {
+            wr_id: slot,
+            sg_list: std::slice::from_ref(&sge),
+        };
+        // SAFETY: the region outlives the SRQ's QPs; read only after completions.
+        unsafe { srq.post_recv(std::slice::from_ref(&wr)) }.unwrap();
+    }
+    let (_, b_pd, b_cq, b) = &mut peers[1];
+    let b_mr = mr_all::<Soft>(b_pd, 64);
+    let send = |n: usize, b: &mut SoftQp, cq: &mut SoftCq| {
+        for k in 0..n {
+            post_send(b, k as u64, WrOp::Send, &[b_mr.sge(0, 8).unwrap()], SIG);
+        }
+        for wc in poll_n(cq, n) {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        }
+    };
+    // Receive 0 is claimed by QP 0's peer, which dies; QP 1's peer then takes 1 and 2.
+    assert!(fault::abandon_srq_claim(&srq, Some(&mine[0])));
+    send(2, b, b_cq);
+    assert!(
+        poll_for(&mut a_cq, Duration::from_millis(20)).is_empty(),
+        "completions behind a claim in progress"
+    );
+    assert!(fault::fake_peer_death(&mine[0]));
+    fault::force_error(&mine[0]);
+    let wcs = poll_n(&mut a_cq, 3);
+    assert_eq!(
+        (wcs[0].wr_id, wcs[0].status, wcs[0].qp_num),
+        (0, WcStatus::WrFlushErr, mine[0].qp_num()),
+        "{wcs:?}"
+    );
+    for (wc, slot) in wcs[1..].iter().zip(1..) {
+        assert_ok(wc, slot);
+        assert_eq!(wc.qp_num, mine[1].qp_num(), "{wc:?}");
+    }
+    // A claim that names nobody is flushed too, since a peer of the SRQ is dead.
+    assert!(fault::abandon_srq_claim(&srq, None));
+    send(1, b, b_cq);
+    let wcs = poll_n(&mut a_cq, 2);
+    assert_eq!(
+        (wcs[0].wr_id, wcs[0].status, wcs[0].qp_num),
+        (3, WcStatus::WrFlushErr, 0),
+        "{wcs:?}"
+    );
+    assert_ok(&wcs[1], 4);
+    assert_eq!(wcs[1].qp_num, mine[1].qp_num());
 }

@@ -9,8 +9,8 @@ use rpc_core::verbs::{
 };
 
 pub use super::edges::*;
-pub use super::srq::*;
 use super::harness::*;
+pub use super::srq::*;
 
 const SIG: SendFlags = SendFlags::SIGNALED;
 

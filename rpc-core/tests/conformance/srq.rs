@@ -243,7 +243,13 @@ pub fn srq_limit_event<P: Provider>(s: &mut Side<P>) {
             for _ in 0..3 {
                 let n: usize = String::from_utf8(s.recv()).unwrap().parse().unwrap();
                 for k in 0..n {
-                    post_send(&mut p.qps[0], k as u64, WrOp::Send, &[mr.sge(0, 8).unwrap()], SIG);
+                    post_send(
+                        &mut p.qps[0],
+                        k as u64,
+                        WrOp::Send,
+                        &[mr.sge(0, 8).unwrap()],
+                        SIG,
+                    );
                 }
                 for wc in poll_n(&mut p.cq, n) {
                     assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
@@ -307,7 +313,13 @@ pub fn srq_qp_error_keeps_receives<P: Provider>(s: &mut Side<P>) {
             let mr = mr_all::<P>(&p.pd, 4096);
             assert_eq!(s.recv(), b"send");
             for k in 0..POSTED {
-                post_send(&mut p.qps[1], k as u64, WrOp::Send, &[mr.sge(0, 8).unwrap()], SIG);
+                post_send(
+                    &mut p.qps[1],
+                    k as u64,
+                    WrOp::Send,
+                    &[mr.sge(0, 8).unwrap()],
+                    SIG,
+                );
             }
             for wc in poll_n(&mut p.cq, POSTED) {
                 assert_eq!(wc.status, WcStatus::Success, "{wc:?}");

@@ -12,6 +12,8 @@
 //! - Receive-side completions are produced by the peer that consumed the receive (in another
 //!   process or not) into a ring in our inbox, in the slot of the receive it consumed; the
 //!   poller validates every field (the peer may have written garbage).
+//! - A shared receive queue is one side of its receive CQ: its completion ring is filled by
+//!   the peers of all its QPs, each entry naming the QP it arrived on.
 //!
 //! # Overrun is prevented by sizing
 //!
@@ -28,7 +30,7 @@ use std::sync::{Arc, Mutex};
 
 use super::channel::{ChannelInner, SoftCompChannel};
 use super::layout::{self, cq_in};
-use super::qp::QpShared;
+use super::qp::{QpShared, Rq};
 use super::{CAPS, Device};
 use crate::verbs::{Cq, ErrorKind, Result, Verb, VerbsError, Wc};
 
@@ -155,11 +157,28 @@ impl Drop for CqShared {
     }
 }
 
-/// Which side of a QP a bit stands for.
+/// What a bit stands for: a QP's send or receive side, or a shared receive queue.
 #[derive(Debug)]
-struct Side {
-    qp: Arc<QpShared>,
-    recv: bool,
+enum Side {
+    Send(Arc<QpShared>),
+    Recv(Arc<QpShared>),
+    Srq(Arc<Rq>),
+}
+
+impl Side {
+    /// Whether its owner is gone (then the CQ lets go of it).
+    fn is_gone(&self) -> bool {
+        match self {
+            Side::Send(qp) | Side::Recv(qp) => qp.is_destroyed(),
+            // Dropped by its user and used by no QP: only this reference is left.
+            Side::Srq(rq) => {
+                rq.srq
+                    .as_ref()
+                    .is_some_and(|s| s.handle_dropped.load(Ordering::Acquire))
+                    && Arc::strong_count(rq) == 1
+            }
+        }
+    }
 }
 
 /// A completion queue of the soft RNIC.
@@ -254,7 +273,17 @@ impl SoftCq {
         if sides.len() <= i {
             sides.resize_with(i + 1, || None);
         }
-        sides[i] = Some(Side { qp, recv });
+        sides[i] = Some(if recv { Side::Recv(qp) } else { Side::Send(qp) });
+    }
+
+    /// Attaches a shared receive queue to `bit` (its first QP's creation).
+    pub(crate) fn attach_srq(&self, bit: u32, rq: Arc<Rq>) {
+        let mut sides = self.sides.lock().unwrap_or_else(|e| e.into_inner());
+        let i = bit as usize;
+        if sides.len() <= i {
+            sides.resize_with(i + 1, || None);
+        }
+        sides[i] = Some(Side::Srq(rq));
     }
 
     /// The device this CQ belongs to.
@@ -280,10 +309,8 @@ impl Cq for SoftCq {
                 while bits != 0 {
                     let b = bits.trailing_zeros() as usize;
                     bits &= bits - 1;
-                    if let Some(Some(side)) = sides.get(w * 64 + b)
-                        && !side.recv
-                    {
-                        side.qp.progress_pending(now);
+                    if let Some(Some(Side::Send(qp))) = sides.get(w * 64 + b) {
+                        qp.progress_pending(now);
                     }
                 }
             }
@@ -309,14 +336,14 @@ impl Cq for SoftCq {
                 let Some(side) = slot.as_ref() else {
                     continue;
                 };
-                if side.qp.is_destroyed() {
-                    *slot = None; // drops our reference; the QP frees its bits and slots
+                if side.is_gone() {
+                    *slot = None; // drops our reference; the owner frees its bits and slots
                     continue;
                 }
-                let (got, more) = if side.recv {
-                    side.qp.drain_recv(&mut wcs[n..])
-                } else {
-                    side.qp.drain_send(&mut wcs[n..])
+                let (got, more) = match side {
+                    Side::Recv(qp) => qp.drain_recv(&mut wcs[n..]),
+                    Side::Send(qp) => qp.drain_send(&mut wcs[n..]),
+                    Side::Srq(rq) => rq.drain(&mut wcs[n..], None),
                 };
                 n += got;
                 if more {

@@ -254,6 +254,13 @@ pub(crate) struct Conn {
     rq_mask: u32,
     rq_stride: usize,
     rq_max_sge: u32,
+    /// Offsets of the peer's receive producer index (published) and claim index (inbox):
+    /// its QP's own, or its shared receive queue's.
+    rq_prod: usize,
+    rq_claim: usize,
+    /// The peer QP receives through a shared receive queue: claims go one at a time, name
+    /// the QP, and may raise the queue's limit event.
+    shared_rq: bool,
     bm_word: usize,
     bm_bit: u64,
     armed: usize,
@@ -410,6 +417,30 @@ impl Conn {
         {
             return Err(corrupt("completion ring offset"));
         }
+        let shared_rq = match rd32(qp::SHARED_RQ) {
+            0 => false,
+            1 => true,
+            _ => return Err(corrupt("receive queue kind")),
+        };
+        let rq_prod = usize::try_from(rd64(qp::RQ_PROD_AT)).unwrap_or(usize::MAX);
+        let rq_claim = usize::try_from(rd64(qp::RQ_CLAIM_AT)).unwrap_or(usize::MAX);
+        let own = (
+            pe + qp::RQ_PROD,
+            layout::qp_in_entry(slot) + qp_in::RQ_CLAIM,
+        );
+        let valid_rq_words = if shared_rq {
+            rq_prod >= layout::PUB_HEAP
+                && rq_prod % 64 == 0
+                && peer.pub_map.contains(rq_prod, 4)
+                && rq_claim >= layout::IN_HEAP
+                && rq_claim % 64 == 0
+                && peer.inbox.contains(rq_claim, layout::SRQ_IN_CTRL)
+        } else {
+            (rq_prod, rq_claim) == own
+        };
+        if !valid_rq_words {
+            return Err(corrupt("receive queue index offsets"));
+        }
         let cq = rd32(qp::RECV_CQ) as usize;
         let bit = rd32(qp::RECV_BIT) as usize;
         if cq >= layout::MAX_CQ || bit >= layout::CQ_BITS {
@@ -441,6 +472,9 @@ impl Conn {
             rq_mask: depth - 1,
             rq_stride: stride,
             rq_max_sge: max_sge,
+            rq_prod,
+            rq_claim,
+            shared_rq,
             bm_word: cq_entry + layout::cq_in::BITMAP + (bit / 64) * 8,
             bm_bit: 1u64 << (bit % 64),
             armed: cq_entry + layout::cq_in::ARMED,
@@ -528,7 +562,9 @@ impl Conn {
     #[inline]
     pub(crate) fn begin_list(&self, consumers: usize) {
         self.in_list.set(true);
-        if consumers < 2 {
+        // A shared queue's receives are claimed one at a time: the ones a list would hand
+        // back may have been taken by another peer meanwhile.
+        if consumers < 2 || self.shared_rq {
             return;
         }
         // None posted, or a corrupt index: each request claims (and reports) on its own.
@@ -545,7 +581,7 @@ impl Conn {
         if next != end {
             // Only the owner's flush moves the claim besides us: if it did, the receives we
             // held are ours to complete, flushed as the owner flushed the rest.
-            let claim = self.i32(self.pin_entry + qp_in::RQ_CLAIM);
+            let claim = self.i32(self.rq_claim);
             if claim
                 .compare_exchange(end, next, Ordering::AcqRel, Ordering::Relaxed)
                 .is_err()
@@ -609,12 +645,12 @@ impl Conn {
     /// Claims up to `max` (at least 1) consecutive receives the peer posted, with one
     /// compare-exchange: the first and how many.
     fn claim_up_to(&self, max: u32) -> (Claim, u32) {
-        let claim = self.i32(self.pin_entry + qp_in::RQ_CLAIM);
+        let claim = self.i32(self.rq_claim);
         loop {
             // Claim first, then the producer index: the owner never moves the claim past a
             // producer index it published, so `c <= prod` unless the peer is corrupt.
             let c = claim.load(Ordering::Acquire);
-            let prod = self.p32(self.pe + qp::RQ_PROD).load(Ordering::Acquire);
+            let prod = self.p32(self.rq_prod).load(Ordering::Acquire);
             let avail = prod.wrapping_sub(c);
             if avail == 0 {
                 return (Claim::Empty, 0);
@@ -627,8 +663,34 @@ impl Conn {
                 .compare_exchange(c, c.wrapping_add(k), Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
             {
+                if self.shared_rq {
+                    self.claimed_shared(c, avail - k);
+                }
                 return (Claim::Got(c), k);
             }
+        }
+    }
+
+    /// After claiming receive `idx` of a shared queue, `left` others still posted: names our
+    /// peer QP in its completion slot at once (so that the owner can tell whose claim it was
+    /// if we die before completing it), and raises the queue's limit event when fewer than
+    /// the armed limit are left (the one claimer that disarms the limit raises it).
+    #[inline]
+    fn claimed_shared(&self, idx: u32, left: u32) {
+        let cqe = self.rq_cqe + (idx & self.rq_mask) as usize * layout::RCQE;
+        self.i32(cqe + rcqe::QP)
+            .store(self.peer_qp_num, Ordering::Release);
+        let ctrl = self.rq_claim - layout::srq_in::CLAIM;
+        let limit = self.i32(ctrl + layout::srq_in::LIMIT);
+        let armed = limit.load(Ordering::Relaxed);
+        if armed != 0
+            && left < armed
+            && limit
+                .compare_exchange(armed, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.i32(ctrl + layout::srq_in::EVENT)
+                .store(1, Ordering::Release);
         }
     }
 
@@ -657,7 +719,7 @@ impl Conn {
         if !self.prefetchw {
             return;
         }
-        let prod = self.p32(self.pe + qp::RQ_PROD).load(Ordering::Relaxed);
+        let prod = self.p32(self.rq_prod).load(Ordering::Relaxed);
         let posted = prod.wrapping_sub(idx);
         if posted == 0 || posted > self.rq_mask + 1 {
             return;
@@ -718,6 +780,8 @@ impl Conn {
         self.i32(base + rcqe::IMM)
             .store(imm.unwrap_or(0), Ordering::Relaxed);
         self.i32(base + rcqe::META).store(meta, Ordering::Relaxed);
+        self.i32(base + rcqe::QP)
+            .store(self.peer_qp_num, Ordering::Relaxed);
         self.i32(base + rcqe::SEQ)
             .store(idx.wrapping_add(1), Ordering::Release);
         if fatal {

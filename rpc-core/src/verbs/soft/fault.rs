@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::layout::{self, qp_in, rcqe};
-use super::{SoftCq, SoftQp};
+use super::{SoftCq, SoftQp, SoftSrq};
 
 /// Moves `qp` to ERROR as if its peer had failed it (a fatal remote error): everything
 /// outstanding and everything posted later completes with `WR_FLUSH_ERR`.
@@ -83,6 +83,21 @@ pub fn corrupt_recv_completion(qp: &SoftQp) -> bool {
 /// sender, an error completion for this receive). Returns false when nothing is posted.
 pub fn corrupt_posted_recv(qp: &SoftQp) -> bool {
     qp.s.corrupt_wqe_for_fault()
+}
+
+/// Claims the next posted receive of `srq` as a peer would, and abandons it as a peer that
+/// died before completing it: naming `qp` (it died copying) or, with `None`, nobody (it died
+/// right after its compare-and-swap). Returns false when nothing is posted.
+pub fn abandon_srq_claim(srq: &SoftSrq, qp: Option<&SoftQp>) -> bool {
+    let rq = &srq.rq;
+    let Some((_, base)) = rq.next_unclaimed() else {
+        return false;
+    };
+    rq.dev
+        .in32(base + rcqe::QP)
+        .store(qp.map_or(0, |q| q.s.qp_num), Ordering::Release);
+    rq.claim().fetch_add(1, Ordering::SeqCst);
+    true
 }
 
 /// Sets every bit of `cq`'s ready bitmap, as garbage from a peer would: `poll` must ignore the

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 /// `"SOFTRNIC"` as a little-endian word: first word of both segments.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
 /// Layout version; a peer with another version is refused at connect time.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 
 /// Size of the published segment (sparse).
 pub(crate) const PUB_LEN: usize = 512 << 20;
@@ -130,6 +130,15 @@ pub(crate) mod qp {
     /// RNR NAK from us waits before retrying, as the RNR NAK carries it in IB. Read by peers
     /// only on that slow path.
     pub(crate) const RNR_TIMER: usize = 96;
+    /// u32: 1 when the QP receives through a shared receive queue (its receive ring, producer
+    /// and claim words are the SRQ's; peers claim one receive at a time).
+    pub(crate) const SHARED_RQ: usize = 100;
+    /// u64 offset of the receive producer index in the published segment (a plain QP's own
+    /// [`RQ_PROD`], or its SRQ's).
+    pub(crate) const RQ_PROD_AT: usize = 104;
+    /// u64 offset of the receive claim index in the inbox (a plain QP's own
+    /// [`super::qp_in::RQ_CLAIM`], or its SRQ's [`super::srq_in::CLAIM`]).
+    pub(crate) const RQ_CLAIM_AT: usize = 112;
 }
 
 /// Bytes of a receive WQE header before its SGEs.
@@ -174,6 +183,22 @@ pub(crate) mod qp_in {
     pub(crate) const RQ_CLAIM: usize = 64;
 }
 
+/// Words of a shared receive queue's inbox control block (allocated in the inbox heap).
+pub(crate) mod srq_in {
+    /// u32 claim index (peers of every QP of the SRQ claim with compare-and-swap).
+    pub(crate) const CLAIM: usize = 0;
+    /// u32 armed limit (0: disarmed): the claimer that leaves fewer receives than this
+    /// disarms it and raises [`EVENT`].
+    pub(crate) const LIMIT: usize = 64;
+    /// u32: non-zero when a limit event is pending for the owner.
+    pub(crate) const EVENT: usize = 68;
+}
+
+/// Bytes of an SRQ's inbox control block.
+pub(crate) const SRQ_IN_CTRL: usize = 128;
+/// Bytes of an SRQ's published control block (its producer index at 0).
+pub(crate) const SRQ_PUB_CTRL: usize = 64;
+
 /// Offset of the MR pin counters (u32 per MR slot).
 pub(crate) const PIN_TABLE: usize = QP_IN_TABLE + MAX_QP * QP_IN_ENTRY;
 
@@ -199,8 +224,8 @@ pub(crate) mod cq_in {
 /// Start of the inbox heap (receive-completion rings).
 pub(crate) const IN_HEAP: usize = CQ_IN_TABLE + MAX_CQ * CQ_IN_ENTRY;
 
-/// Bytes per receive completion (seq, byte_len, imm, meta).
-pub(crate) const RCQE: usize = 16;
+/// Bytes per receive completion (seq, byte_len, imm, meta, qp).
+pub(crate) const RCQE: usize = 32;
 
 /// Words of a receive completion.
 pub(crate) mod rcqe {
@@ -212,6 +237,9 @@ pub(crate) mod rcqe {
     pub(crate) const IMM: usize = 8;
     /// u32 status | opcode << 8 | flags << 16 | solicited << 24.
     pub(crate) const META: usize = 12;
+    /// u32 number of the QP the message arrived on (read for shared receive queues; the
+    /// claimer of a shared queue's receive writes it as soon as it claimed).
+    pub(crate) const QP: usize = 16;
 }
 
 /// `META` status value meaning "discarded by a reset: no completion".
@@ -234,7 +262,7 @@ pub(crate) const fn cq_in_entry(slot: usize) -> usize {
 
 const _: () = assert!(PUB_HEAP < PUB_LEN / 2);
 const _: () = assert!(IN_HEAP < INBOX_LEN / 2);
-const _: () = assert!(QP_ENTRY >= qp::RNR_TIMER + 4 && qp::RNR_TIMER >= qp::RQ_PROD + 4);
+const _: () = assert!(QP_ENTRY >= qp::RQ_CLAIM_AT + 8 && qp::RNR_TIMER >= qp::RQ_PROD + 4);
 const _: () = assert!(MAX_MR <= 1 << MR_SLOT_BITS && MAX_QP <= 1 << QP_SLOT_BITS);
 const _: () = assert!(CQ_IN_ENTRY.is_multiple_of(64) && MR_TABLE.is_multiple_of(4096));
 

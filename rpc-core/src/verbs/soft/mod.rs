@@ -22,6 +22,11 @@
 //!   caller's CPU is the NIC. A SEND claims the next receive the peer posted (lock-free ring in
 //!   the peer's segments), checks it, copies the payload straight into the peer's receive
 //!   buffers and publishes the peer's completion, ringing its doorbell if its CQ is armed.
+//! - Shared receive queues ([`SoftSrq`]): a QP created on one publishes the SRQ's ring and
+//!   index offsets instead of its own, so the peers of every QP of the SRQ claim from one
+//!   ring; completions name the QP the message arrived on. Limits: every QP of an SRQ uses
+//!   the SRQ's receive CQ; a peer that dies between claiming an SRQ receive and naming its QP
+//!   leaves a receive that is flushed naming QP 0.
 //! - Completions: see [`SoftCq`] (per-QP single-producer rings and a shared ready bitmap; CQ
 //!   overrun is prevented by sizing at [`Pd::create_qp`]).
 //!
@@ -200,6 +205,10 @@ pub(crate) struct Device {
     pub(crate) lives: Mutex<HashMap<u32, Weak<peer::Liveness>>>,
     pub(crate) watchdog: Watchdog,
     pub(crate) counters: Arc<counters::DeviceCounters>,
+    /// Shared receive queues (for their limit events), how many live, the next number.
+    pub(crate) srqs: Mutex<Vec<Weak<qp::Rq>>>,
+    pub(crate) srq_live: AtomicU32,
+    pub(crate) next_srq: AtomicU32,
 }
 
 impl Drop for Device {
@@ -302,6 +311,9 @@ impl Device {
             watchdog: Watchdog::new()
                 .map_err(|e| os_err(verb, e, "soft RNIC: cannot create the watchdog eventfd"))?,
             counters: counters::DeviceCounters::register(),
+            srqs: Mutex::new(Vec::new()),
+            srq_live: AtomicU32::new(0),
+            next_srq: AtomicU32::new(1),
         }))
     }
 
@@ -413,10 +425,11 @@ impl Provider for Soft {
 }
 
 impl Context<Soft> for SoftContext {
-    /// Events a test raised with [`fault::raise_async_event`] (the soft RNIC has no others:
-    /// its failures all arrive as completions). One relaxed load when none is pending.
+    /// Limit events of shared receive queues, and events a test raised with
+    /// [`fault::raise_async_event`] (the soft RNIC has no others: its failures all arrive as
+    /// completions). Two relaxed loads when none is pending.
     fn poll_async_event(&self) -> Result<Option<crate::verbs::AsyncEvent>> {
-        Ok(fault::take_async_event())
+        Ok(fault::take_async_event().or_else(|| srq::take_limit_event(&self.dev)))
     }
 
     fn info(&self) -> &DeviceInfo {
@@ -488,7 +501,7 @@ impl Pd<Soft> for SoftPd {
     }
 
     fn create_qp(&self, send_cq: &SoftCq, recv_cq: &SoftCq, caps: QpCaps) -> Result<SoftQp> {
-        SoftQp::create(&self.dev, self.id, send_cq, recv_cq, caps)
+        SoftQp::create(&self.dev, self.id, send_cq, recv_cq, caps, None)
     }
 
     fn create_srq(&self, caps: crate::verbs::SrqCaps) -> Result<SoftSrq> {
@@ -502,7 +515,14 @@ impl Pd<Soft> for SoftPd {
         caps: QpCaps,
         srq: &SoftSrq,
     ) -> Result<SoftQp> {
-        srq.create_qp(send_cq, recv_cq, caps)
+        if srq.rq.dev.nonce != self.dev.nonce || srq.pd() != self.id {
+            return Err(VerbsError::new(
+                Verb::CreateQp,
+                ErrorKind::WrongPd,
+                "the SRQ belongs to another protection domain",
+            ));
+        }
+        SoftQp::create(&self.dev, self.id, send_cq, recv_cq, caps, Some(&srq.rq))
     }
 }
 

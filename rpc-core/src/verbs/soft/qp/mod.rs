@@ -18,12 +18,15 @@ use std::sync::{Arc, Mutex};
 
 mod rq;
 
+pub(crate) use rq::{Rq, SrqState};
+
 use super::counters::QpCounters;
 use super::cq::{CqShared, SoftCq};
 use super::exec::{self, Conn, Outcome, WrView};
-use super::layout::{self, qp, qp_in, rcqe};
+use super::layout::{self, qp, qp_in};
 use super::peer::Liveness;
 use super::shm;
+use super::srq::srq_attach;
 use super::{ACTIVE_MTU, CAPS, Device, vendor};
 use crate::verbs::types;
 use crate::verbs::{
@@ -109,16 +112,8 @@ pub(crate) struct QpShared {
     send_cq: Arc<CqShared>,
     send_bit: u32,
     pending_marked: AtomicBool,
-    // receive queue
-    recv_cq: Arc<CqShared>,
-    recv_bit: u32,
-    rq_cap: u32,
-    rq_wqe: usize,
-    rq_cqe: usize,
-    rq_stride: usize,
-    rq_wr_ids: Box<[AtomicU64]>,
-    rq_lens: Box<[AtomicU64]>,
-    rq_polled: AtomicU32,
+    /// The receive queue: our own, or the shared one we were created on.
+    pub(crate) rq: Arc<Rq>,
     peer_live: Mutex<Option<Arc<Liveness>>>,
     destroyed: AtomicBool,
     /// Test hook: queued execution delay in nanoseconds.
@@ -569,26 +564,18 @@ impl QpShared {
 
     /// The next unclaimed receive (index, completion slot offset), if any.
     pub(crate) fn next_recv_slot_for_fault(&self) -> Option<(u32, usize)> {
-        let c = self.rq_claim().load(Ordering::Acquire);
-        if c == self.rq_prod().load(Ordering::Acquire) {
-            return None;
-        }
-        Some((
-            c,
-            self.rq_cqe + (c & (self.rq_cap - 1)) as usize * layout::RCQE,
-        ))
+        self.rq.next_unclaimed()
     }
 
     pub(crate) fn ring_recv_for_fault(&self) {
-        self.recv_cq.set_ready(self.recv_bit, true);
+        self.rq.ring(true);
     }
 
     pub(crate) fn corrupt_wqe_for_fault(&self) -> bool {
-        let c = self.rq_claim().load(Ordering::Acquire);
-        if c == self.rq_prod().load(Ordering::Acquire) {
+        let Some((c, _)) = self.rq.next_unclaimed() else {
             return false;
-        }
-        let base = self.rq_wqe + (c & (self.rq_cap - 1)) as usize * self.rq_stride;
+        };
+        let base = self.rq.wqe + (c & (self.rq.cap - 1)) as usize * self.rq.stride;
         self.dev.pub32(base).store(0xffff, Ordering::Release);
         self.dev
             .pub32(base + layout::WQE_HDR + 12)
@@ -603,21 +590,13 @@ impl Drop for QpShared {
         self.dev
             .pub32(self.entry + qp::QP_NUM)
             .store(0, Ordering::SeqCst);
-        let stride = self.rq_stride;
-        self.dev
-            .pub_heap
-            .free(self.rq_wqe, self.rq_cap as usize * stride);
-        self.dev
-            .in_heap
-            .free(self.rq_cqe, self.rq_cap as usize * layout::RCQE);
         self.dev.qp_slots.free(self.slot);
         self.send_cq.unreserve(u64::from(self.caps.max_send_wr));
-        self.recv_cq.unreserve(u64::from(self.caps.max_recv_wr));
         if *self.pending_marked.get_mut() {
             self.send_cq.pending_count.fetch_sub(1, Ordering::AcqRel);
         }
         self.send_cq.free_bit(self.send_bit);
-        self.recv_cq.free_bit(self.recv_bit);
+        // The receive queue gives its reservation and bit back when its last user goes.
     }
 }
 
@@ -646,6 +625,7 @@ impl SoftQp {
         send_cq: &SoftCq,
         recv_cq: &SoftCq,
         caps: QpCaps,
+        srq: Option<&Arc<Rq>>,
     ) -> Result<SoftQp> {
         if send_cq.dev_nonce() != dev.nonce || recv_cq.dev_nonce() != dev.nonce {
             return Err(create_err(
@@ -658,6 +638,15 @@ impl SoftQp {
                 ErrorKind::ExceedsCaps,
                 format!("{what} = {v} exceeds the soft RNIC's limit {max}"),
             )
+        };
+        // A QP of a shared receive queue has no receive queue of its own.
+        let caps = match srq {
+            Some(_) => QpCaps {
+                max_recv_wr: 0,
+                max_recv_sge: 0,
+                ..caps
+            },
+            None => caps,
         };
         if caps.max_send_wr == 0 || caps.max_send_wr > CAPS.max_qp_wr {
             return Err(over("max_send_wr", caps.max_send_wr, CAPS.max_qp_wr));
@@ -678,8 +667,11 @@ impl SoftQp {
                 CAPS.max_inline,
             ));
         }
-        // CQ overrun is prevented by sizing.
         let (scq, rcq) = (&send_cq.shared, &recv_cq.shared);
+        if let Some(q) = srq {
+            srq_attach(q, recv_cq)?;
+        }
+        // CQ overrun is prevented by sizing (an SRQ's receives count once, at its attach).
         let sizing = |cq: &CqShared, need: u64| {
             cq.reserve(need).map_err(|total| {
                 create_err(
@@ -693,21 +685,26 @@ impl SoftQp {
                 )
             })
         };
-        if Arc::ptr_eq(scq, rcq) {
+        if srq.is_none() && Arc::ptr_eq(scq, rcq) {
             sizing(
                 scq,
                 u64::from(caps.max_send_wr) + u64::from(caps.max_recv_wr),
             )?;
         } else {
             sizing(scq, u64::from(caps.max_send_wr))?;
-            if let Err(e) = sizing(rcq, u64::from(caps.max_recv_wr)) {
+            if srq.is_none()
+                && let Err(e) = sizing(rcq, u64::from(caps.max_recv_wr))
+            {
                 scq.unreserve(u64::from(caps.max_send_wr));
                 return Err(e);
             }
         }
+        // Until the receive queue owns its reservation and bit, they are given back here.
         let unreserve = || {
             scq.unreserve(u64::from(caps.max_send_wr));
-            rcq.unreserve(u64::from(caps.max_recv_wr));
+            if srq.is_none() {
+                rcq.unreserve(u64::from(caps.max_recv_wr));
+            }
         };
         let full = |what: &str| create_err(ErrorKind::ExceedsCaps, format!("soft RNIC: {what}"));
 
@@ -715,57 +712,77 @@ impl SoftQp {
             unreserve();
             return Err(full("the send CQ serves 4096 QP sides already"));
         };
-        let Some(recv_bit) = rcq.alloc_bit() else {
-            scq.free_bit(send_bit);
-            unreserve();
-            return Err(full("the receive CQ serves 4096 QP sides already"));
+        let recv_bit = match srq {
+            Some(q) => q.target().map_or(0, |t| t.1),
+            None => {
+                let Some(b) = rcq.alloc_bit() else {
+                    scq.free_bit(send_bit);
+                    unreserve();
+                    return Err(full("the receive CQ serves 4096 QP sides already"));
+                };
+                b
+            }
+        };
+        let free_recv_bit = || {
+            if srq.is_none() {
+                rcq.free_bit(recv_bit);
+            }
         };
         let Some((slot, gen_)) = dev.qp_slots.alloc() else {
             scq.free_bit(send_bit);
-            rcq.free_bit(recv_bit);
+            free_recv_bit();
             unreserve();
             return Err(full("4096 QPs exist already"));
         };
-        let rq_cap = caps.max_recv_wr.max(1).next_power_of_two();
-        let rq_max_sge = caps.max_recv_sge.max(1) as usize;
-        let stride = layout::wqe_stride(rq_max_sge);
-        let wqe_bytes = rq_cap as usize * stride;
-        let cqe_bytes = rq_cap as usize * layout::RCQE;
-        let rq_wqe = dev.pub_heap.alloc(wqe_bytes);
-        let rq_cqe = dev.in_heap.alloc(cqe_bytes);
-        let (Some(rq_wqe), Some(rq_cqe)) = (rq_wqe, rq_cqe) else {
-            if let Some(o) = rq_wqe {
-                dev.pub_heap.free(o, wqe_bytes);
-            }
-            if let Some(o) = rq_cqe {
-                dev.in_heap.free(o, cqe_bytes);
-            }
-            dev.qp_slots.free(slot);
-            scq.free_bit(send_bit);
-            rcq.free_bit(recv_bit);
-            unreserve();
-            return Err(create_err(
-                ErrorKind::OutOfMemory,
-                "soft RNIC: the shared segments have no room for this queue".into(),
-            ));
-        };
-        // Fresh completion ring: no sequence word may match before a completion is written.
-        for i in 0..rq_cap as usize {
-            dev.in32(rq_cqe + i * layout::RCQE + rcqe::SEQ)
-                .store(0, Ordering::Relaxed);
-        }
-        let qp_num = slot | (gen_ << layout::QP_SLOT_BITS);
         let entry = layout::qp_entry(slot as usize);
         let in_entry = layout::qp_in_entry(slot as usize);
+        let rq = match srq {
+            Some(q) => q.clone(),
+            None => {
+                let (wqe_bytes, cqe_bytes) = Rq::ring_bytes(caps.max_recv_wr, caps.max_recv_sge);
+                let rq_wqe = dev.pub_heap.alloc(wqe_bytes);
+                let rq_cqe = dev.in_heap.alloc(cqe_bytes);
+                let (Some(rq_wqe), Some(rq_cqe)) = (rq_wqe, rq_cqe) else {
+                    if let Some(o) = rq_wqe {
+                        dev.pub_heap.free(o, wqe_bytes);
+                    }
+                    if let Some(o) = rq_cqe {
+                        dev.in_heap.free(o, cqe_bytes);
+                    }
+                    dev.qp_slots.free(slot);
+                    scq.free_bit(send_bit);
+                    free_recv_bit();
+                    unreserve();
+                    return Err(create_err(
+                        ErrorKind::OutOfMemory,
+                        "soft RNIC: the shared segments have no room for this queue".into(),
+                    ));
+                };
+                let rq = Rq::new(
+                    dev,
+                    caps.max_recv_wr,
+                    caps.max_recv_sge,
+                    rq_wqe,
+                    rq_cqe,
+                    entry + qp::RQ_PROD,
+                    in_entry + qp_in::RQ_CLAIM,
+                    None,
+                );
+                // From here the queue gives its reservation and bit back when dropped.
+                rq.set_target(rcq.clone(), recv_bit);
+                Arc::new(rq)
+            }
+        };
+        let qp_num = slot | (gen_ << layout::QP_SLOT_BITS);
         let w32 = |off: usize, v: u32| dev.pub32(entry + off).store(v, Ordering::Relaxed);
         let w64 = |off: usize, v: u64| dev.pub64(entry + off).store(v, Ordering::Relaxed);
         w32(qp::STATE, QpState::Reset as u32);
         w32(qp::ACCESS, 0);
         w32(qp::PD, pd);
-        w64(qp::RQ_WQE, rq_wqe as u64);
-        w64(qp::RQ_CQE, rq_cqe as u64);
-        w32(qp::RQ_DEPTH, rq_cap);
-        w32(qp::RQ_MAX_SGE, rq_max_sge as u32);
+        w64(qp::RQ_WQE, rq.wqe as u64);
+        w64(qp::RQ_CQE, rq.cqe as u64);
+        w32(qp::RQ_DEPTH, rq.cap);
+        w32(qp::RQ_MAX_SGE, rq.max_sge.max(1));
         w32(qp::RECV_CQ, rcq.slot);
         w32(qp::RECV_BIT, recv_bit);
         let chan = rcq
@@ -775,14 +792,14 @@ impl SoftQp {
         w32(qp::CHAN_FD, chan);
         w32(qp::REMOTE_QP, 0);
         w64(qp::REMOTE_NONCE, 0);
-        w32(qp::RQ_PROD, 0);
+        w32(qp::SHARED_RQ, u32::from(srq.is_some()));
+        w64(qp::RQ_PROD_AT, rq.prod_off as u64);
+        w64(qp::RQ_CLAIM_AT, rq.claim_off as u64);
         w32(
             qp::RNR_TIMER,
             u32::from(ConnectAttr::default().min_rnr_timer),
         );
         dev.in32(in_entry + qp_in::REMOTE_ERROR)
-            .store(0, Ordering::Relaxed);
-        dev.in32(in_entry + qp_in::RQ_CLAIM)
             .store(0, Ordering::Relaxed);
         dev.pub32(entry + qp::QP_NUM)
             .store(qp_num, Ordering::Release);
@@ -824,22 +841,21 @@ impl SoftQp {
             send_cq: scq.clone(),
             send_bit,
             pending_marked: AtomicBool::new(false),
-            recv_cq: rcq.clone(),
-            recv_bit,
-            rq_cap,
-            rq_wqe,
-            rq_cqe,
-            rq_stride: stride,
-            rq_wr_ids: (0..rq_cap).map(|_| AtomicU64::new(0)).collect(),
-            rq_lens: (0..rq_cap).map(|_| AtomicU64::new(0)).collect(),
-            rq_polled: AtomicU32::new(0),
+            rq,
             peer_live: Mutex::new(None),
             destroyed: AtomicBool::new(false),
             delay_ns: AtomicU64::new(0),
             read_delay_ns: AtomicU64::new(0),
         });
         send_cq.attach(send_bit, s.clone(), false);
-        recv_cq.attach(recv_bit, s.clone(), true);
+        match &s.rq.srq {
+            Some(st) => {
+                let mut m = st.members.lock().unwrap_or_else(|e| e.into_inner());
+                m.retain(|w| w.strong_count() > 0);
+                m.push(Arc::downgrade(&s));
+            }
+            None => recv_cq.attach(recv_bit, s.clone(), true),
+        }
         Ok(SoftQp { s })
     }
 
@@ -875,7 +891,7 @@ impl Drop for SoftQp {
         s.destroyed.store(true, Ordering::Release);
         // Let the CQs notice and drop their references.
         s.send_cq.set_ready(s.send_bit, false);
-        s.recv_cq.set_ready(s.recv_bit, false);
+        s.rq.ring(false);
     }
 }
 
