@@ -1119,7 +1119,9 @@ impl ProviderVisitor for OpenConn {
 }
 
 async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Result<Conn, Error> {
-    let ctx = P::open(b.device.as_deref())?;
+    // One context per device and process: a new connection costs its PD, CQ and QPs.
+    let dev = crate::verbs::shared::SharedDevice::<P>::open(b.device.as_deref())?;
+    let ctx = dev.ctx();
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
     let caps = QpCaps {
@@ -1265,7 +1267,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     let stream_window = wcfg_window;
     let core = ClientCore::new(Parts {
         stream_window,
-        ctx,
+        dev,
         pd,
         cq,
         channel,

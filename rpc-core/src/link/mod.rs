@@ -1447,17 +1447,17 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, Status> {
     Metadata::decode(bytes).map_err(|e| Status::internal(format!("bad metadata from peer: {e}")))
 }
 
-/// Reads up to 16 asynchronous events of `ctx` (never waits) and hands each to `on_event`
+/// Reads up to 16 asynchronous events with `poll` (never waits) and hands each to `on_event`
 /// with the status its connections fail with when it is fatal for them: the reading loop the
 /// client driver and the server shards share. `who` names the reader in the log line of a
 /// failed read. Stops early when `on_event` returns false.
-pub(crate) fn device_events<P: Provider>(
-    ctx: &P::Context,
+pub(crate) fn device_events(
+    mut poll: impl FnMut() -> crate::verbs::Result<Option<crate::verbs::AsyncEvent>>,
     who: &dyn std::fmt::Display,
     mut on_event: impl FnMut(crate::verbs::AsyncEvent, Status) -> bool,
 ) {
     for _ in 0..16 {
-        let ev = match crate::verbs::Context::poll_async_event(ctx) {
+        let ev = match poll() {
             Ok(Some(ev)) => ev,
             Ok(None) => return,
             Err(e) => {

@@ -39,6 +39,7 @@
 pub mod error;
 pub mod group;
 pub(crate) mod registry;
+pub(crate) mod shared;
 pub mod soft;
 pub mod types;
 

@@ -42,6 +42,7 @@ use crate::link::{Link, LinkKey, Staged};
 use crate::method::CallKind;
 use crate::server::notify::Doorbell;
 use crate::streaming::Inbox;
+use crate::verbs::shared::SharedDevice;
 use crate::verbs::{Provider, Wc};
 use crate::wire::CallId;
 use crate::{Metadata, Status};
@@ -241,8 +242,9 @@ pub(crate) struct Driver<P: Provider> {
     pub(crate) seen_bulk: Vec<crate::wire::BulkDesc>,
     wcs: [Wc; POLL_BATCH],
     _pd: Arc<P::Pd>,
-    /// The device: its asynchronous events are read while the connection idles.
-    ctx: P::Context,
+    /// The device (shared by the process's connections): its asynchronous events are read
+    /// while the connection idles.
+    dev: SharedDevice<P>,
     /// The completions in the CQ were handled once after the connection died.
     drained_dead: bool,
 }
@@ -308,7 +310,7 @@ impl<P: Provider> std::fmt::Debug for ClientCore<P> {
 
 /// Everything `ClientCore::new` needs from the connect step.
 pub(crate) struct Parts<P: Provider> {
-    pub(crate) ctx: P::Context,
+    pub(crate) dev: SharedDevice<P>,
     pub(crate) pd: Arc<P::Pd>,
     pub(crate) cq: P::Cq,
     pub(crate) channel: P::CompChannel,
@@ -344,7 +346,7 @@ impl<P: Provider> ClientCore<P> {
             channel: parts.channel,
             wcs: [Wc::default(); POLL_BATCH],
             _pd: parts.pd,
-            ctx: parts.ctx,
+            dev: parts.dev,
             drained_dead: false,
         };
         let free = ArrayQueue::new(n);

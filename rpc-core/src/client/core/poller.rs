@@ -254,24 +254,29 @@ impl<P: Provider> Driver<P> {
             return;
         }
         let mut fatal = None;
-        crate::link::device_events::<P>(&self.ctx, &core.describe, |ev, why| {
-            let ours = match ev {
-                AsyncEvent::DeviceFatal | AsyncEvent::CqError => true,
-                AsyncEvent::QpFatal { qp_num } => self.link.owns_qp(qp_num),
-                _ => false,
-            };
-            if ours {
-                warn!(
-                    "{}: {} ({ev:?}): the connection fails",
-                    core.describe,
-                    ev.cause()
-                );
-                fatal = Some(why);
-                return false;
-            }
-            info!("{}: {} ({ev:?})", core.describe, ev.cause());
-            true
-        });
+        let dev = &self.dev;
+        crate::link::device_events(
+            || dev.poll_async_event(),
+            &core.describe,
+            |ev, why| {
+                let ours = match ev {
+                    AsyncEvent::DeviceFatal | AsyncEvent::CqError => true,
+                    AsyncEvent::QpFatal { qp_num } => self.link.owns_qp(qp_num),
+                    _ => false,
+                };
+                if ours {
+                    warn!(
+                        "{}: {} ({ev:?}): the connection fails",
+                        core.describe,
+                        ev.cause()
+                    );
+                    fatal = Some(why);
+                    return false;
+                }
+                info!("{}: {} ({ev:?})", core.describe, ev.cause());
+                true
+            },
+        );
         if let Some(why) = fatal {
             self.die(core, why);
         }

@@ -418,10 +418,14 @@ impl<P: Provider> Shard<P> {
     pub(super) fn async_events(&mut self) {
         let mut events = Vec::new();
         let who = format_args!("shard {}", self.id);
-        crate::link::device_events::<P>(&self.ctx, &who, |ev, why| {
-            events.push((ev, why));
-            true
-        });
+        crate::link::device_events(
+            || crate::verbs::Context::poll_async_event(&self.ctx),
+            &who,
+            |ev, why| {
+                events.push((ev, why));
+                true
+            },
+        );
         for (ev, why) in events {
             let hit: Vec<_> = match ev {
                 AsyncEvent::DeviceFatal | AsyncEvent::CqError => {

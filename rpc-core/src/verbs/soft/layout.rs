@@ -87,10 +87,11 @@ pub(crate) const MR_KIND_USER: u32 = 2;
 /// `PARENT_KEY`), for the peer RNIC `BOUND` only.
 pub(crate) const MR_KIND_WINDOW: u32 = 3;
 
-/// Slots of the QP table (qp_num = slot | generation << 12, 24 bits).
-pub(crate) const MAX_QP: usize = 1 << 12;
+/// Slots of the QP table (qp_num = slot | generation << 14, 24 bits): the QPs of every
+/// connection of a process that share its context.
+pub(crate) const MAX_QP: usize = 1 << 14;
 /// Bits of the QP number holding the slot.
-pub(crate) const QP_SLOT_BITS: u32 = 12;
+pub(crate) const QP_SLOT_BITS: u32 = 14;
 /// Bytes per QP table entry.
 pub(crate) const QP_ENTRY: usize = 128;
 /// Offset of the QP table.
@@ -202,8 +203,8 @@ pub(crate) const SRQ_PUB_CTRL: usize = 64;
 /// Offset of the MR pin counters (u32 per MR slot).
 pub(crate) const PIN_TABLE: usize = QP_IN_TABLE + MAX_QP * QP_IN_ENTRY;
 
-/// Slots of the CQ table.
-pub(crate) const MAX_CQ: usize = 1 << 10;
+/// Slots of the CQ table (one CQ per client connection of a process sharing the context).
+pub(crate) const MAX_CQ: usize = 1 << 14;
 /// Roles (QP send or receive sides) one CQ serves: bits of its ready bitmap.
 pub(crate) const CQ_BITS: usize = 4096;
 /// Words of a CQ's ready bitmap.

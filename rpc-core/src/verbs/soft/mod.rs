@@ -74,8 +74,8 @@
 //!
 //! # Limits
 //!
-//! See [`CAPS`]. In addition, one CQ serves at most 4096 QP sides, a context at most 4096 QPs,
-//! 65536 regions and 1024 CQs. Byte counters: [`SoftContext::counters`].
+//! See [`CAPS`]. In addition, one CQ serves at most 4096 QP sides, a context at most 16384
+//! QPs, 65536 regions and 16384 CQs. Byte counters: [`SoftContext::counters`].
 //!
 //! # Test hooks
 //!

@@ -732,7 +732,7 @@ impl SoftQp {
             scq.free_bit(send_bit);
             free_recv_bit();
             unreserve();
-            return Err(full("4096 QPs exist already"));
+            return Err(full(&format!("{} QPs exist already", layout::MAX_QP)));
         };
         let entry = layout::qp_entry(slot as usize);
         let in_entry = layout::qp_in_entry(slot as usize);

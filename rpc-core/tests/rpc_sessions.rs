@@ -1,0 +1,65 @@
+//! Many connections from one process: they share the process's device context, so a new
+//! `Channel` costs a QP and small state, not a device and a thread (issue 14). Runs on every
+//! provider.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Blob, TestServer, lab_server, pattern, within};
+use rpc_core::{Channel, ClientPoller, Request};
+
+const CHANNELS: usize = 24;
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+async fn echo(ch: &Channel, seq: u64) {
+    let r = within(
+        Duration::from_secs(60),
+        "echo",
+        ch.unary::<_, Blob>(
+            &lab_server::ECHO,
+            Request::new(Blob {
+                seq,
+                data: pattern(16, seq),
+            }),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.get_ref().seq, seq);
+}
+
+/// Channels polled by their callers add no thread each: the device context (and, on soft,
+/// its service thread) is opened once per process, however many channels use it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_polled_channels_share_one_device_and_add_no_threads() {
+    let srv = TestServer::start().await;
+    let first = srv.channel(ClientPoller::Caller).await;
+    echo(&first, 0).await;
+    let before = threads();
+    let mut more = Vec::new();
+    for i in 0..CHANNELS {
+        let ch = srv.channel(ClientPoller::Caller).await;
+        echo(&ch, i as u64 + 1).await;
+        more.push(ch);
+    }
+    // Every channel still works, in any order.
+    for (i, ch) in more.iter().enumerate().rev() {
+        echo(ch, 100 + i as u64).await;
+    }
+    let after = threads();
+    assert!(
+        after <= before + 2,
+        "{CHANNELS} caller-polled channels added {} threads ({before} -> {after})",
+        after.saturating_sub(before)
+    );
+    drop(more);
+    echo(&first, 1000).await;
+}
