@@ -391,9 +391,30 @@ pub(super) struct CtxShared {
     pub(super) max_sge_rd: u32,
     /// What this device needs done differently.
     pub(super) quirks: Quirks,
+    /// Shared receive queue limits (`ibv_device_attr`).
+    pub(super) srq_limits: SrqLimits,
     pub(super) rail: usize,
     pub(super) traffic_class: u8,
     pub(super) service_level: u8,
+}
+
+/// A device's shared receive queue limits (`max_srq`, `max_srq_wr`, `max_srq_sge`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct SrqLimits {
+    pub(super) max_srq: u32,
+    pub(super) max_srq_wr: u32,
+    pub(super) max_srq_sge: u32,
+}
+
+impl SrqLimits {
+    fn of(a: &ibv_device_attr) -> SrqLimits {
+        let pos = |v: i32| u32::try_from(v).unwrap_or(0);
+        SrqLimits {
+            max_srq: pos(a.max_srq),
+            max_srq_wr: pos(a.max_srq_wr),
+            max_srq_sge: pos(a.max_srq_sge),
+        }
+    }
 }
 
 /// Device-specific workarounds, decided once at open.
@@ -698,6 +719,7 @@ fn open_candidate(
             .filter(|&n| n > 0)
             .unwrap_or(caps.max_sge),
         quirks: Quirks::of(&c.name, c.attr.vendor_id),
+        srq_limits: SrqLimits::of(&c.attr),
         rail,
         traffic_class,
         service_level,

@@ -90,18 +90,28 @@ pub(super) fn poll_async_event(raw: &RawContext) -> Result<Option<AsyncEvent>, V
         // SAFETY: ibv_get_async_event succeeded and filled the event.
         let mut ev = unsafe { ev.assume_init() };
         let code = ev.event_type as u32;
-        // SAFETY: the union member read is the one the event type names; a QP event's QP is
-        // alive until the event is acknowledged (ibv_destroy_qp waits for that), below.
-        let (port, qp_num) = unsafe {
+        // SAFETY: the union member read is the one the event type names; a QP event's QP
+        // (an SRQ event's SRQ) is alive until the event is acknowledged (ibv_destroy_qp and
+        // ibv_destroy_srq wait for that), below.
+        let (port, num) = unsafe {
             if is_qp_event(code) {
                 (0, ev.element.qp.as_ref().map_or(0, |q| q.qp_num))
+            } else if is_srq_event(code) {
+                (0, ev.element.srq.as_ref().map_or(0, |q| q.handle))
             } else {
                 (ev.element.port_num, 0)
             }
         };
         // SAFETY: the event came from ibv_get_async_event and is acknowledged once.
         unsafe { ibv_ack_async_event(&mut ev) };
-        let e = event_from_raw(code, port, qp_num);
+        let e = event_from_raw(code, port, num);
+        if code == ibv_event_type::IBV_EVENT_SRQ_ERR as u32 {
+            tracing::warn!(
+                "NET/IB : async event SRQ_ERR on SRQ {num:#x}: the shared receive queue failed; \
+                 its QPs receive nothing more (destroy them and the SRQ)"
+            );
+            return Ok(Some(e));
+        }
         if e.is_fatal() {
             tracing::warn!("NET/IB : async event {e:?}: {}", e.cause());
         } else {
@@ -141,16 +151,34 @@ fn is_qp_event(code: u32) -> bool {
     position(&QP_EVENTS, code).is_some()
 }
 
-/// Maps an `ibv_event_type` number and its element to our event.
-pub(super) fn event_from_raw(code: u32, port: i32, qp_num: u32) -> AsyncEvent {
+/// Events whose element is an SRQ.
+fn is_srq_event(code: u32) -> bool {
+    position(
+        &[
+            ibv_event_type::IBV_EVENT_SRQ_ERR,
+            ibv_event_type::IBV_EVENT_SRQ_LIMIT_REACHED,
+        ],
+        code,
+    )
+    .is_some()
+}
+
+/// Maps an `ibv_event_type` number and its element to our event: `port` for port events,
+/// `num` the QP's number for QP events and the SRQ's handle for SRQ events. `SRQ_ERR` has no
+/// event of its own: it is `Other` with its code (not fatal to any connection by itself: the
+/// SRQ's QPs fail on their own).
+pub(super) fn event_from_raw(code: u32, port: i32, num: u32) -> AsyncEvent {
     use ibv_event_type::*;
     let port = u8::try_from(port).unwrap_or(0);
     if let Some(i) = position(&QP_EVENTS, code) {
         return if i < QP_FATAL {
-            AsyncEvent::QpFatal { qp_num }
+            AsyncEvent::QpFatal { qp_num: num }
         } else {
-            AsyncEvent::QpInfo { qp_num }
+            AsyncEvent::QpInfo { qp_num: num }
         };
+    }
+    if code == IBV_EVENT_SRQ_LIMIT_REACHED as u32 {
+        return AsyncEvent::SrqLimitReached { srq_num: num };
     }
     if position(&PORT_CHANGES, code).is_some() {
         return AsyncEvent::PortChange { port };
@@ -205,12 +233,23 @@ mod tests {
             AsyncEvent::PortChange { port: 1 }
         );
         assert_eq!(
-            ev(IBV_EVENT_SRQ_LIMIT_REACHED, 0, 0),
+            ev(IBV_EVENT_SRQ_LIMIT_REACHED, 0, 7),
+            AsyncEvent::SrqLimitReached { srq_num: 7 }
+        );
+        assert!(!ev(IBV_EVENT_SRQ_LIMIT_REACHED, 0, 7).is_fatal());
+        assert_eq!(
+            ev(IBV_EVENT_SRQ_ERR, 0, 7),
             AsyncEvent::Other {
-                code: IBV_EVENT_SRQ_LIMIT_REACHED as u32
+                code: IBV_EVENT_SRQ_ERR as u32
             }
+        );
+        assert_eq!(
+            ev(IBV_EVENT_QP_LAST_WQE_REACHED, 0, 0x1b),
+            AsyncEvent::QpInfo { qp_num: 0x1b }
         );
         assert!(is_qp_event(IBV_EVENT_QP_FATAL as u32));
         assert!(!is_qp_event(IBV_EVENT_PORT_ERR as u32));
+        assert!(is_srq_event(IBV_EVENT_SRQ_LIMIT_REACHED as u32));
+        assert!(!is_srq_event(IBV_EVENT_QP_LAST_WQE_REACHED as u32));
     }
 }

@@ -13,6 +13,9 @@
 //! opcode, length and flags verbs leaves undefined: only `wr_id`, `status`, `qp_num` and
 //! `vendor_err` are read from them, and the opcode comes from the request.
 //!
+//! The receives of a QP created on a shared receive queue are the SRQ's: its ledger points
+//! at the SRQ's slots (see `srq`), which the completion frees instead.
+//!
 //! # Ordering
 //!
 //! A slot is written by the QP's owner before `ibv_post_send`/`ibv_post_recv` hands the
@@ -23,6 +26,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::srq::SrqSlots;
 use crate::verbs::types::WcOpcode;
 
 /// Bit of a device-level `wr_id` that marks a receive.
@@ -91,6 +95,9 @@ pub(super) struct Ledger {
     pub(super) qp_num: u32,
     pub(super) send: Ring,
     pub(super) recv: Ring,
+    /// The slots of the SRQ the QP receives from, if any: its receive completions are the
+    /// SRQ's (`recv` is then unused).
+    srq: Option<Arc<SrqSlots>>,
     /// An error completion of this QP was polled: the QP is in ERROR.
     pub(super) failed: AtomicBool,
 }
@@ -101,7 +108,16 @@ impl Ledger {
             qp_num,
             send: Ring::new(send_depth, true),
             recv: Ring::new(recv_depth, false),
+            srq: None,
             failed: AtomicBool::new(false),
+        }
+    }
+
+    /// The ledger of a QP created on an SRQ with `slots`.
+    pub(super) fn on_srq(qp_num: u32, send_depth: u32, slots: Arc<SrqSlots>) -> Ledger {
+        Ledger {
+            srq: Some(slots),
+            ..Ledger::new(qp_num, send_depth, 0)
         }
     }
 
@@ -112,7 +128,10 @@ impl Ledger {
             self.failed.store(true, Ordering::Release);
         }
         if tag & RECV_TAG != 0 {
-            let (id, _) = self.recv.complete(tag & !RECV_TAG);
+            let id = match &self.srq {
+                Some(slots) => slots.complete(tag & !RECV_TAG),
+                None => self.recv.complete(tag & !RECV_TAG).0,
+            };
             (id, true, None)
         } else {
             let (id, op) = self.send.complete(tag);

@@ -49,6 +49,16 @@
 //! its CQs only while the depths of all their QPs fit, so a CQ sized from the requested depths
 //! cannot overrun.
 //!
+//! # Shared receive queues
+//!
+//! [`Pd::create_srq`](crate::verbs::Pd::create_srq) makes an `ibv_srq`; QPs created on it
+//! ([`Pd::create_qp_on_srq`](crate::verbs::Pd::create_qp_on_srq)) have no receive queue of
+//! their own. Its depth is enforced as a QP's (`QueueFull` at `max_wr` receives posted and not
+//! yet polled: the QPs' ledgers credit the SRQ's slots, see `srq`), and a receive CQ reserves
+//! the SRQ's `max_wr` once however many of its QPs use it. `IBV_EVENT_SRQ_LIMIT_REACHED` is
+//! [`AsyncEvent::SrqLimitReached`](crate::verbs::AsyncEvent::SrqLimitReached) naming
+//! `ibv_srq.handle`, which is [`Srq::srq_num`](crate::verbs::Srq::srq_num).
+//!
 //! # Errors and device quirks
 //!
 //! Error completions are read for the fields verbs defines for them only (`wr_id`, `status`,
@@ -72,6 +82,7 @@ mod ledger;
 mod mr;
 mod qp;
 mod select;
+mod srq;
 
 use crate::verbs::error::{ErrorKind, Result, Verb, VerbsError};
 use crate::verbs::types::{Caps, DeviceInfo};
@@ -86,6 +97,7 @@ pub use select::{
     ENV_GID_INDEX, ENV_HCA, ENV_QPS_PER_CONNECTION, ENV_SL, ENV_TC, GidAddr, GidChoice, GidEntry,
     GidKind, HcaEntry, HcaSpec, MAX_QPS_PER_CONNECTION, choose_gid, ipv4_mapped, path_mtu, rail_of,
 };
+pub use srq::IbSrq;
 
 use device::{Inventory, NO_DEVICE_HELP};
 
@@ -131,6 +143,7 @@ impl Provider for Ib {
     type CompChannel = IbCompChannel;
     type Cq = IbCq;
     type Qp = IbQp;
+    type Srq = IbSrq;
 
     /// One entry per ACTIVE port of every device (`RPC_IB_HCA` is not applied). Empty when
     /// the system has no RDMA device.

@@ -11,8 +11,9 @@ use super::Ib;
 use super::cq::IbCq;
 use super::device::{CtxShared, IbContext, last_errno, ret_errno};
 use super::qp::IbQp;
+use super::srq::IbSrq;
 use crate::verbs::error::{ErrorKind, Verb, VerbsError};
-use crate::verbs::types::{Access, QpCaps};
+use crate::verbs::types::{Access, QpCaps, SrqCaps};
 use crate::verbs::{Mr, Pd, Result};
 
 /// The fix for a low RLIMIT_MEMLOCK, in every message that needs it.
@@ -443,7 +444,23 @@ impl Pd<Ib> for IbPd {
     }
 
     fn create_qp(&self, send_cq: &IbCq, recv_cq: &IbCq, caps: QpCaps) -> Result<IbQp> {
-        IbQp::create(self, send_cq, recv_cq, caps)
+        IbQp::create(self, send_cq, recv_cq, caps, None)
+    }
+
+    fn create_srq(&self, caps: SrqCaps) -> Result<IbSrq> {
+        IbSrq::create(self, caps)
+    }
+
+    /// The receive CQ reserves the SRQ's `max_wr` once, for all the SRQ's QPs on it; any CQ
+    /// of the device may be the receive CQ.
+    fn create_qp_on_srq(
+        &self,
+        send_cq: &IbCq,
+        recv_cq: &IbCq,
+        caps: QpCaps,
+        srq: &IbSrq,
+    ) -> Result<IbQp> {
+        IbQp::create(self, send_cq, recv_cq, caps, Some(srq))
     }
 }
 

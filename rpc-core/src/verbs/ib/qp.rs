@@ -21,6 +21,7 @@ use super::device::{RawContext, last_errno, ret_errno};
 use super::ledger::{Ledger, RECV_TAG};
 use super::mr::{IbPd, PdShared};
 use super::select::{self, GidAddr};
+use super::srq::{IbSrq, SrqShared};
 use crate::verbs::error::{ErrorKind, PostError, Verb, VerbsError};
 use crate::verbs::types::{
     Access, ConnectAttr, Endpoint, QpCaps, QpState, RecvWr, SendFlags, SendWr, Sge, WrOp,
@@ -64,6 +65,8 @@ pub struct IbQp {
     pd: Arc<PdShared>,
     send_cq: Arc<CqShared>,
     recv_cq: Arc<CqShared>,
+    /// The SRQ the QP receives from (its receive queue is then the SRQ's).
+    srq: Option<Arc<SrqShared>>,
 }
 
 // SAFETY: the QP handle is used for posting and transitions only through `&mut IbQp` (one
@@ -82,14 +85,16 @@ impl fmt::Debug for IbQp {
             .field("psn", &format_args!("{:#08x}", self.psn))
             .field("path_mtu", &self.path_mtu)
             .field("remote_qp", &self.remote.map(|r| r.qp_num))
+            .field("srq", &self.srq.as_ref().map(|s| s.num))
             .finish()
     }
 }
 
 impl Drop for IbQp {
     fn drop(&mut self) {
-        // SAFETY: the QP is ours and destroyed exactly once, before its CQs and PD (held by
-        // our Arcs, dropped after this). Outstanding work requests are the caller's contract.
+        // SAFETY: the QP is ours and destroyed exactly once, before its CQs, SRQ and PD (held
+        // by our Arcs, dropped after this). Outstanding work requests are the caller's
+        // contract.
         let rc = unsafe { ibv_destroy_qp(self.qp.as_ptr()) };
         if rc != 0 {
             tracing::warn!(errno = ret_errno(rc), "ibv_destroy_qp failed");
@@ -104,6 +109,9 @@ impl Drop for IbQp {
         } else {
             self.send_cq.release(self.caps.max_send_wr);
             self.recv_cq.release(self.caps.max_recv_wr);
+        }
+        if let Some(srq) = &self.srq {
+            srq.leave_cq(&self.recv_cq);
         }
     }
 }
@@ -143,8 +151,20 @@ fn qp_state_from_raw(s: u32) -> QpState {
     }
 }
 
-/// Reserves room for every completion a QP with `caps` can generate on its CQs.
-fn commit(send_cq: &CqShared, recv_cq: &CqShared, caps: &QpCaps) -> Result<()> {
+/// Reserves room for every completion a QP with `caps` can generate on its CQs; for a QP on
+/// `srq`, the SRQ's receives once per receive CQ (its `caps` have no receive queue).
+fn commit(
+    send_cq: &CqShared,
+    recv_cq: &CqShared,
+    caps: &QpCaps,
+    srq: Option<&SrqShared>,
+) -> Result<()> {
+    if let Some(srq) = srq {
+        send_cq.commit(caps.max_send_wr)?;
+        return srq
+            .join_cq(recv_cq)
+            .inspect_err(|_| send_cq.release(caps.max_send_wr));
+    }
     if std::ptr::eq(send_cq, recv_cq) {
         return send_cq.commit(caps.max_send_wr.saturating_add(caps.max_recv_wr));
     }
@@ -155,9 +175,33 @@ fn commit(send_cq: &CqShared, recv_cq: &CqShared, caps: &QpCaps) -> Result<()> {
 }
 
 impl IbQp {
-    pub(super) fn create(pd: &IbPd, send_cq: &IbCq, recv_cq: &IbCq, caps: QpCaps) -> Result<IbQp> {
+    /// Creates a QP; on `srq`, the receive sizes of `caps` are ignored (taken as 0).
+    pub(super) fn create(
+        pd: &IbPd,
+        send_cq: &IbCq,
+        recv_cq: &IbCq,
+        mut caps: QpCaps,
+        srq: Option<&IbSrq>,
+    ) -> Result<IbQp> {
         let ctx = &pd.shared.ctx;
         let dev = ctx.label();
+        let srq = srq.map(|s| &s.shared);
+        if let Some(srq) = srq {
+            if !Arc::ptr_eq(&srq.pd, &pd.shared) {
+                return Err(VerbsError::new(
+                    Verb::CreateQp,
+                    ErrorKind::WrongPd,
+                    format!(
+                        "SRQ {:#x} belongs to another protection domain (on {}): a QP receives \
+                         only from an SRQ of its own PD",
+                        srq.num,
+                        srq.pd.ctx.label()
+                    ),
+                ));
+            }
+            caps.max_recv_wr = 0;
+            caps.max_recv_sge = 0;
+        }
         for cq in [send_cq, recv_cq] {
             if !Arc::ptr_eq(&cq.shared.ctx, ctx) {
                 return Err(VerbsError::new(
@@ -183,7 +227,7 @@ impl IbQp {
                 return Err(exceeds(what, want, max, &dev));
             }
         }
-        if caps.max_send_wr == 0 && caps.max_recv_wr == 0 {
+        if caps.max_send_wr == 0 && caps.max_recv_wr == 0 && srq.is_none() {
             return Err(VerbsError::new(
                 Verb::CreateQp,
                 ErrorKind::InvalidArgument,
@@ -194,7 +238,7 @@ impl IbQp {
             qp_context: std::ptr::null_mut(),
             send_cq: send_cq.shared.cq.as_ptr(),
             recv_cq: recv_cq.shared.cq.as_ptr(),
-            srq: std::ptr::null_mut(),
+            srq: srq.map_or(std::ptr::null_mut(), |s| s.srq.as_ptr()),
             cap: ibv_qp_cap {
                 max_send_wr: caps.max_send_wr,
                 max_recv_wr: caps.max_recv_wr,
@@ -205,8 +249,9 @@ impl IbQp {
             qp_type: ibv_qp_type::IBV_QPT_RC,
             sq_sig_all: 0,
         };
-        // SAFETY: the PD and both CQs are alive and of one device (checked above), and stay
-        // alive as long as the QP through the Arcs it keeps; `init` is a valid attribute block.
+        // SAFETY: the PD, both CQs and the SRQ (if any) are alive and of one device (checked
+        // above), and stay alive as long as the QP through the Arcs it keeps; `init` is a
+        // valid attribute block.
         let qp = unsafe { ibv_create_qp(pd.shared.pd.as_ptr(), &mut init) };
         let Some(qp) = NonNull::new(qp) else {
             let e = last_errno();
@@ -230,7 +275,7 @@ impl IbQp {
         // rounded-up rings: 2^n - 1). The provider accounts for what was asked, on every
         // provider alike: `caps()` reports it and the CQs reserve room for it, so code sized
         // for one provider is admitted on the others; the device's extra room is slack.
-        if let Err(e) = commit(&send_cq.shared, &recv_cq.shared, &caps) {
+        if let Err(e) = commit(&send_cq.shared, &recv_cq.shared, &caps, srq.map(|s| &**s)) {
             // SAFETY: the QP was just created, nothing was posted; destroyed once.
             unsafe { ibv_destroy_qp(qp.as_ptr()) };
             return Err(e);
@@ -243,7 +288,10 @@ impl IbQp {
             g.max_recv_wr,
             g.max_inline_data
         );
-        let ledger = Arc::new(Ledger::new(qp_num, caps.max_send_wr, caps.max_recv_wr));
+        let ledger = Arc::new(match srq {
+            Some(s) => Ledger::on_srq(qp_num, caps.max_send_wr, Arc::clone(&s.slots)),
+            None => Ledger::new(qp_num, caps.max_send_wr, caps.max_recv_wr),
+        });
         send_cq.shared.joins.add(Arc::clone(&ledger));
         if !Arc::ptr_eq(&send_cq.shared, &recv_cq.shared) {
             recv_cq.shared.joins.add(Arc::clone(&ledger));
@@ -262,6 +310,7 @@ impl IbQp {
             pd: Arc::clone(&pd.shared),
             send_cq: Arc::clone(&send_cq.shared),
             recv_cq: Arc::clone(&recv_cq.shared),
+            srq: srq.map(Arc::clone),
         })
     }
 
@@ -454,7 +503,7 @@ pub(super) fn probe_max_inline(raw: &RawContext, name: &str, max: u32) -> u32 {
 }
 
 /// The error of a refused `ibv_post_send`/`ibv_post_recv`.
-fn post_errno(verb: Verb, errno: i32) -> VerbsError {
+pub(super) fn post_errno(verb: Verb, errno: i32) -> VerbsError {
     match errno {
         // ENOMEM is the queue-full answer of every provider: back-pressure, no allocation.
         libc::ENOMEM => VerbsError::from_errno(verb, errno, ""),
@@ -980,6 +1029,18 @@ impl Qp for IbQp {
     }
 
     unsafe fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        // Refused before anything else: the rxe re-flush below never runs for such a QP (its
+        // receives are the SRQ's, which ERROR does not flush).
+        if self.srq.is_some() {
+            return Err(PostError {
+                posted: 0,
+                error: VerbsError::new(
+                    Verb::PostRecv,
+                    ErrorKind::InvalidArgument,
+                    Cow::Borrowed("QP is on a shared receive queue: post to the SRQ"),
+                ),
+            });
+        }
         if self.state == QpState::Reset {
             return Err(PostError {
                 posted: 0,
