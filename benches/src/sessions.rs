@@ -199,6 +199,10 @@ pub struct Report {
     pub command: String,
     /// The machine.
     pub machine: String,
+    /// Load average (1, 5, 15 min) before and after the run.
+    pub load_before: Option<[f64; 3]>,
+    /// See `load_before`.
+    pub load_after: Option<[f64; 3]>,
     /// RLIMIT_NOFILE (soft after raising, hard) the processes ran with.
     pub nofile: (u64, u64),
     /// The run's settings.
@@ -220,6 +224,7 @@ pub fn run(args: &SessionArgs, command: String) -> Result<()> {
         bail!("--client-procs must be at least 1");
     }
     let start = Instant::now();
+    let load_before = crate::measure::load_avg();
     let nofile = raise_nofile();
     let need = args.counts.iter().max().copied().unwrap_or(0) + FD_MARGIN;
     if nofile.0 < need {
@@ -241,6 +246,8 @@ pub fn run(args: &SessionArgs, command: String) -> Result<()> {
     let report = Report {
         command,
         machine: Machine::this().describe(),
+        load_before,
+        load_after: crate::measure::load_avg(),
         nofile,
         config: serde_json::json!({
             "counts": args.counts,
@@ -263,11 +270,20 @@ pub fn run(args: &SessionArgs, command: String) -> Result<()> {
     std::fs::write(&args.json, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("write {}", args.json.display()))?;
     let txt = args.json.with_extension("txt");
-    std::fs::write(
-        &txt,
-        format!("$ {}\n{}\n\n{text}", report.command, report.machine),
-    )
-    .with_context(|| format!("write {}", txt.display()))?;
+    let load = |l: Option<[f64; 3]>| {
+        l.map_or("unknown".into(), |l| {
+            format!("{:.2}/{:.2}/{:.2}", l[0], l[1], l[2])
+        })
+    };
+    let header = format!(
+        "$ {}\n{}; load average {} before, {} after; {:.0} s\n\n",
+        report.command,
+        report.machine,
+        load(report.load_before),
+        load(report.load_after),
+        report.seconds
+    );
+    std::fs::write(&txt, header + &text).with_context(|| format!("write {}", txt.display()))?;
     println!("\nJSON: {}\ntable: {}", args.json.display(), txt.display());
     if !args.no_plots {
         let base = args.json.with_extension("");
@@ -574,7 +590,7 @@ fn row(c: &Cell) -> String {
         .map_or((None, None), |q| (Some(q.p50_us), Some(q.p99_us)));
     let load = c.load.as_ref();
     format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>8}{:>8}{:>10}{:>9}",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>8}{:>10}{:>9}",
         c.system.name(),
         c.count,
         c.opened,
@@ -585,7 +601,8 @@ fn row(c: &Cell) -> String {
         opt(c.server_kib_per_conn, 1),
         opt(c.server_shmem_kib_per_conn, 1),
         opt(c.server_fds_per_conn, 2),
-        c.server_open.map_or("-".into(), |s| s.threads.to_string()),
+        opt(c.server_idle.map(|s| s.vm_rss_kib as f64 / 1024.0), 1),
+        c.clients_threads,
         load.map_or("-".into(), |l| l.active.to_string()),
         opt(load.map(|l| l.calls_per_s), 0),
         opt(load.and_then(|l| l.latency).map(|q| q.p50_us), 1),
@@ -605,20 +622,20 @@ pub fn table(r: &Report) -> String {
             .map_or("default".into(), |n| n.to_string()),
     );
     s.push_str(&format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>20}{:>18}{:>8}{:>8}{:>26}\n",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>20}{:>26}{:>9}{:>9}{:>27}\n",
         "",
         "",
         "",
         "",
         "not",
         "connect+1st call",
-        "server per conn",
+        "server per connection",
         "server",
-        "server",
+        "clients",
         "1% active: 32 B calls"
     ));
     s.push_str(&format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>8}{:>8}{:>10}{:>9}\n",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>8}{:>10}{:>9}\n",
         "system",
         "conns",
         "opened",
@@ -629,6 +646,7 @@ pub fn table(r: &Report) -> String {
         "KiB",
         "shm KiB",
         "fds",
+        "idle MiB",
         "threads",
         "active",
         "calls/s",
@@ -641,7 +659,8 @@ pub fn table(r: &Report) -> String {
     s.push_str(
         "\nKiB: server VmRSS (it includes RssShmem, the soft RNIC's shared memory) with all \
          connections open and idle, minus the server with none, over the connections opened; \
-         shm KiB: the RssShmem part; fds: the same for /proc/PID/fd.\n",
+         shm KiB: the RssShmem part; fds: the same for /proc/PID/fd. idle MiB: the server's \
+         VmRSS with no connection. clients threads: all client processes together.\n",
     );
     let errors: Vec<&Cell> = r.cells.iter().filter(|c| c.first_error.is_some()).collect();
     if !errors.is_empty() {
