@@ -95,14 +95,15 @@ pub fn watchdog(after: Duration, what: &'static str) {
 }
 
 /// A running benchmark server process and its control pipes.
-struct ServerProc {
+pub(crate) struct ServerProc {
     child: Child,
     input: ChildStdin,
     output: BufReader<ChildStdout>,
 }
 
 impl ServerProc {
-    fn start(args: &[String], bind_ip: std::net::IpAddr) -> Result<(ServerProc, u16)> {
+    /// Starts `rpc-bench server` with `args`, bound to `bind_ip`; returns it and its data port.
+    pub(crate) fn start(args: &[String], bind_ip: std::net::IpAddr) -> Result<(ServerProc, u16)> {
         let exe = std::env::current_exe().context("locate the rpc-bench executable")?;
         let mut child = Command::new(exe)
             .arg("server")
@@ -154,7 +155,13 @@ impl ServerProc {
         self.read_line()
     }
 
-    fn stop(mut self) {
+    /// The server process's id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Asks the server process to quit; kills it after a grace period.
+    pub(crate) fn stop(mut self) {
         let _ = writeln!(self.input, "QUIT");
         let _ = self.input.flush();
         let deadline = Instant::now() + STOP_GRACE;

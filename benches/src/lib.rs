@@ -6,6 +6,7 @@
 //! rpc-bench run [--quick] [--json PATH] ...      one host: starts `serve` as a child
 //! rpc-bench serve --listen ADDR                  server host of the two-host mode
 //! rpc-bench run --connect ADDR ...               client host of the two-host mode
+//! rpc-bench sessions [--counts 1,100,...] ...     many connections to one server (issue 14)
 //! ```
 //!
 //! Processes: the runner is the client of every measurement (pinned to core 1); the server
@@ -28,6 +29,9 @@ pub mod rpc_client;
 pub mod runner;
 pub mod server;
 pub mod service;
+pub mod sessions;
+pub mod sessions_client;
+pub mod sessions_plot;
 pub mod stream;
 pub mod stream_report;
 pub mod sys;
@@ -71,6 +75,11 @@ enum Cmd {
     Windows(windows::WindowArgs),
     /// What interceptors, call statistics, tracing and balancing cost a small call.
     Layers(layers::LayerArgs),
+    /// Many connections to one server with one shard, rdma-rpc and tonic (issue 14).
+    Sessions(Box<sessions::SessionArgs>),
+    /// One client process of `sessions` (started by `sessions`).
+    #[command(hide = true)]
+    SessionsClient(sessions_client::SessionClientArgs),
     /// Busy threads for `run --background-load` (started by `run`).
     #[command(hide = true)]
     Load(load::LoadArgs),
@@ -122,6 +131,8 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
         Some(Cmd::Windows(w)) => windows::run(&w),
         Some(Cmd::Layers(l)) => layers::run(&l),
         Some(Cmd::Load(l)) => load::run(&l),
+        Some(Cmd::Sessions(s)) => sessions::run(&s, command),
+        Some(Cmd::SessionsClient(c)) => sessions_client::run(&c),
         Some(Cmd::Run(r)) => run_and_print(&r, command),
         None => match Cli::try_parse_from(["rpc-bench", "run"]) {
             Ok(Cli {

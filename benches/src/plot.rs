@@ -20,9 +20,9 @@ use plotters::prelude::*;
 use crate::report::{Row, System, size_name};
 use crate::stream_report::{StreamRatio, StreamRow};
 
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 
-fn register_font() -> Result<()> {
+pub(crate) fn register_font() -> Result<()> {
     static DONE: OnceLock<bool> = OnceLock::new();
     let ok = *DONE.get_or_init(|| {
         plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
@@ -136,7 +136,7 @@ pub fn write_streaming(
     Ok(vec![file("svg"), file("png")])
 }
 
-fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+pub(crate) fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow!("plot: {e:?}")
 }
 

@@ -59,6 +59,14 @@ pub struct ServerArgs {
     /// raw: largest message.
     #[arg(long, default_value_t = 16 << 20)]
     pub max_size: usize,
+    /// rdma-rpc: the server as `Server::builder()` makes it (one shard, its poll mode and
+    /// limits), only the service and the provider given: `--poll`, the harness's message
+    /// limit and shard pinning are not applied.
+    #[arg(long)]
+    pub builder_defaults: bool,
+    /// rdma-rpc: `ServerBuilder::max_connections_per_shard` (default: the builder's).
+    #[arg(long)]
+    pub max_connections: Option<u32>,
     /// Exit after this many seconds whatever happens.
     #[arg(long, default_value_t = 600)]
     pub max_secs: u64,
@@ -148,12 +156,18 @@ fn start_rpc(args: &ServerArgs, provider: ProviderKind) -> Result<(u16, Keep)> {
         .build()?;
     let mut b = rpc_core::Server::builder()
         .add_service(crate::proto::bench_server::BenchServer::new(BenchService))
-        .provider(provider)
-        .shards(1)
-        .poll_mode(args.poll.into())
-        .max_message(MAX_MESSAGE as u64);
-    if let Some(c) = args.core {
-        b = b.pin_cores(vec![c]);
+        .provider(provider);
+    if !args.builder_defaults {
+        b = b
+            .shards(1)
+            .poll_mode(args.poll.into())
+            .max_message(MAX_MESSAGE as u64);
+        if let Some(c) = args.core {
+            b = b.pin_cores(vec![c]);
+        }
+    }
+    if let Some(n) = args.max_connections {
+        b = b.max_connections_per_shard(n);
     }
     let server = rt
         .block_on(b.bind(&args.bind))
