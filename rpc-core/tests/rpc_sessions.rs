@@ -63,3 +63,24 @@ async fn caller_polled_channels_share_one_device_and_add_no_threads() {
     drop(more);
     echo(&first, 1000).await;
 }
+
+/// A server with default settings holds hundreds of connections on one shard, past the two
+/// old walls (64 connections by default; 140 when raised, where the CQ sized for the sum of
+/// its QPs' worst cases ran out): its CQ grows as they come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_server_holds_hundreds_of_connections_on_one_shard() {
+    const N: usize = 300;
+    let srv = TestServer::start_with(|b| b.shards(1)).await;
+    let mut chans = Vec::with_capacity(N);
+    for i in 0..N {
+        let ch = srv.channel(ClientPoller::Caller).await;
+        if i % 50 == 0 {
+            echo(&ch, i as u64).await;
+        }
+        chans.push(ch);
+    }
+    // Every one of them is served.
+    for (i, ch) in chans.iter().enumerate() {
+        echo(ch, 10_000 + i as u64).await;
+    }
+}

@@ -46,6 +46,8 @@ pub enum Verb {
     /// Lending a range of a region to one peer under a fresh key (`ibv_bind_mw`; the ib
     /// provider registers the range instead, see `Pd::bind_window`).
     BindMw,
+    /// `ibv_resize_cq`
+    ResizeCq,
     /// `ibv_create_srq`
     CreateSrq,
     /// `ibv_modify_srq`
@@ -76,6 +78,7 @@ impl Verb {
             Verb::PostSend => "ibv_post_send",
             Verb::PostRecv => "ibv_post_recv",
             Verb::BindMw => "bind_window (ibv_bind_mw)",
+            Verb::ResizeCq => "ibv_resize_cq",
             Verb::CreateSrq => "ibv_create_srq",
             Verb::ModifySrq => "ibv_modify_srq",
             Verb::PostSrqRecv => "ibv_post_srq_recv",
@@ -147,8 +150,10 @@ impl VerbsError {
     /// from it and the verb when `detail` is empty.
     pub fn from_errno(verb: Verb, errno: i32, detail: impl Into<Cow<'static, str>>) -> VerbsError {
         let kind = match errno {
-            // ibv_post_send/ibv_post_recv answer ENOMEM when the queue is full: back-pressure.
-            libc::ENOMEM if matches!(verb, Verb::PostSend | Verb::PostRecv) => ErrorKind::QueueFull,
+            // ibv_post_send/recv/srq_recv answer ENOMEM when the queue is full: back-pressure.
+            libc::ENOMEM if matches!(verb, Verb::PostSend | Verb::PostRecv | Verb::PostSrqRecv) => {
+                ErrorKind::QueueFull
+            }
             libc::ENOMEM => ErrorKind::OutOfMemory,
             libc::EINVAL | libc::EFAULT => ErrorKind::InvalidArgument,
             libc::ENODEV | libc::ENOSYS | libc::ENXIO | libc::ENOENT => ErrorKind::NoDevice,

@@ -405,6 +405,35 @@ pub trait Cq: Send + Sync + fmt::Debug {
 
     /// Capacity in completions.
     fn capacity(&self) -> u32;
+
+    /// Grows the CQ to hold at least `cqe` completions (`ibv_resize_cq`), keeping those it
+    /// holds: QPs created afterwards may reserve the new room. A server grows its CQ as
+    /// connections come instead of sizing it for the most it may ever hold.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ExceedsCaps`] over [`Caps::max_cqe`]; [`ErrorKind::InvalidArgument`]
+    /// below the current capacity (CQs only grow); the device's error otherwise.
+    fn resize(&mut self, cqe: u32) -> Result<()>;
+}
+
+/// Checks a [`Cq::resize`] request against the current capacity and the device's limit (the
+/// same rules on every provider).
+pub(crate) fn check_resize(current: u32, cqe: u32, max_cqe: u32) -> Result<()> {
+    if cqe > max_cqe {
+        return Err(VerbsError::new(
+            Verb::ResizeCq,
+            ErrorKind::ExceedsCaps,
+            format!("CQ of {cqe} entries: the device allows at most {max_cqe}"),
+        ));
+    }
+    if cqe < current {
+        return Err(VerbsError::new(
+            Verb::ResizeCq,
+            ErrorKind::InvalidArgument,
+            format!("CQ of {current} entries cannot shrink to {cqe}: CQs only grow"),
+        ));
+    }
+    Ok(())
 }
 
 /// A reliable-connected queue pair (`ibv_qp` of type `IBV_QPT_RC`).

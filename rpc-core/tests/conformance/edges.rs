@@ -325,3 +325,54 @@ pub fn async_events_nonblocking<P: Provider>(s: &mut Side<P>) {
     );
     s.barrier();
 }
+
+/// A CQ grows (`ibv_resize_cq`): a QP that did not fit is admitted after the resize, the
+/// connected QP keeps working through the grown CQ, and a shrink or a size over the device's
+/// limit is refused.
+pub fn cq_resize<P: Provider>(s: &mut Side<P>) {
+    let o = Opts::default();
+    let need = o.caps.max_send_wr + o.caps.max_recv_wr;
+    let mut c = connect(s, Opts { cqe: need + 2, ..o });
+    let small = rpc_core::verbs::QpCaps {
+        max_send_wr: 4,
+        max_recv_wr: 4,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    let e =
+        c.pd.create_qp(&c.cq, &c.cq, small)
+            .expect_err("8 more completions do not fit 2 free entries");
+    assert_eq!(e.kind(), ErrorKind::ExceedsCaps, "{e}");
+    let e = c.cq.resize(need).expect_err("a CQ does not shrink");
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let max = s.ctx.caps().max_cqe;
+    let e =
+        c.cq.resize(max.saturating_add(1))
+            .expect_err("over max_cqe");
+    assert_eq!(e.kind(), ErrorKind::ExceedsCaps, "{e}");
+    c.cq.resize(need * 2).expect("resize");
+    assert!(c.cq.capacity() >= need * 2, "capacity {}", c.cq.capacity());
+    let extra =
+        c.pd.create_qp(&c.cq, &c.cq, small)
+            .expect("a QP fits the grown CQ");
+    drop(extra);
+    let mr = mr_all::<P>(&c.pd, 4096);
+    match s.role {
+        Role::A => {
+            write_mr(&mr, 0, b"grown");
+            assert_eq!(s.recv(), b"posted");
+            post_send(&mut c.qp, 1, WrOp::Send, &[mr.sge(0, 5).unwrap()], SIG);
+            assert_ok(&poll_n(&mut c.cq, 1)[0], 1);
+            s.barrier();
+        }
+        Role::B => {
+            post_recv(&mut c.qp, 2, &[mr.sge(0, 64).unwrap()]);
+            s.send(b"posted");
+            let wc = poll_n(&mut c.cq, 1)[0];
+            assert_ok(&wc, 2);
+            assert_eq!(read_mr(&mr, 0, 5), b"grown");
+            s.barrier();
+        }
+    }
+}

@@ -67,6 +67,7 @@ macro_rules! conformance_suite {
             read_then_send_unfenced,
             connect_attr_ranges,
             async_events_nonblocking,
+            cq_resize,
             srq_many_qps,
             srq_empty_rnr,
             srq_limit_event,

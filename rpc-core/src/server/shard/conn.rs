@@ -21,11 +21,14 @@ use crate::server::call::Tasks;
 use crate::server::notify::{Doorbell, ShardNotify};
 use crate::server::peer::PeerApi;
 use crate::server::router::Router;
-use crate::verbs::{Access, ConnectAttr, Context, Pd, Provider, Qp, QpCaps, Wc};
+use crate::verbs::{Access, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Wc};
 use crate::wire::{self, CallId, Role};
 
 use super::bulk::InflightOp;
 use super::{POLL_BATCH, ServerConn, Shard, ShardHandle, ShardMsg, retire};
+
+/// Connections the shard's CQ is first sized for (it grows with more).
+const FIRST_CQ_CONNS: u32 = 64;
 
 /// Opens the shard's device objects on the calling thread and returns the shard, ready to run.
 pub(crate) fn open<P: Provider>(
@@ -38,9 +41,10 @@ pub(crate) fn open<P: Provider>(
 ) -> Result<(Shard<P>, ShardHandle), crate::Error> {
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
-    // CQ room for `max_conns_per_shard` connections of default size; a connection that does
-    // not fit any more is refused (the soft and ib providers both refuse a QP whose CQ could
-    // overrun).
+    // CQ room for the first connections of default size (at most `max_conns_per_shard`); the
+    // CQ grows as more come (`create_qp`), so an idle shard does not hold a CQ sized for the
+    // most it may ever serve. The soft and ib providers both refuse a QP whose CQ could
+    // overrun.
     let default_client_calls = 64;
     let send_slots = cfg
         .geometry
@@ -54,7 +58,7 @@ pub(crate) fn open<P: Provider>(
     let lanes = lane_caps(&per_conn, ctx.caps());
     let cqe = (per_conn.max_send_wr + per_conn.max_recv_wr)
         .saturating_add((max_qps - 1).saturating_mul(lanes.max_send_wr + lanes.max_recv_wr))
-        .saturating_mul(cfg.max_conns_per_shard)
+        .saturating_mul(cfg.max_conns_per_shard.min(FIRST_CQ_CONNS))
         .min(ctx.caps().max_cqe);
     let cq = ctx.create_cq(cqe, Some(&channel))?;
     let doorbell = Doorbell::new()?;
@@ -92,7 +96,7 @@ pub(crate) fn open<P: Provider>(
         thread: std::sync::Mutex::new(None),
     };
     let shard = Shard {
-        conns: (0..n).map(|_| None).collect(),
+        conns: Vec::new(),
         live: Vec::with_capacity(n),
         generations: vec![0; n],
         task_owner: vec![(0, CallId(0)); cfg.tasks_per_shard as usize],
@@ -171,6 +175,31 @@ impl<P: Provider> Shard<P> {
         n
     }
 
+    /// Creates a QP on the shard's CQ, growing the CQ (doubling, up to the device's
+    /// `max_cqe`) when the QP's completions do not fit any more.
+    fn create_qp(&mut self, caps: QpCaps) -> crate::verbs::Result<P::Qp> {
+        match self.pd.create_qp(&self.cq, &self.cq, caps) {
+            Err(e) if e.kind() == crate::verbs::ErrorKind::ExceedsCaps => {
+                let cap = self.cq.capacity();
+                let max = self.ctx.caps().max_cqe;
+                let need = caps.max_send_wr.saturating_add(caps.max_recv_wr);
+                let grown = cap.saturating_mul(2).max(cap.saturating_add(need)).min(max);
+                if grown <= cap {
+                    return Err(e);
+                }
+                self.cq.resize(grown)?;
+                info!(
+                    shard = self.id,
+                    "shard {}: CQ grown from {cap} to {grown} entries ({} connections)",
+                    self.id,
+                    self.live.len()
+                );
+                self.pd.create_qp(&self.cq, &self.cq, caps)
+            }
+            r => r,
+        }
+    }
+
     pub(super) fn connect(
         &mut self,
         hello: Hello,
@@ -178,13 +207,22 @@ impl<P: Provider> Shard<P> {
         closed: tokio::sync::oneshot::Sender<String>,
     ) -> Result<(Welcome, LinkKey), (crate::Code, String)> {
         let exhausted = |why: String| (crate::Code::ResourceExhausted, why);
-        let Some(idx) = self.conns.iter().position(Option::is_none) else {
-            return Err(exhausted(format!(
-                "server shard {} is full ({} connections)",
-                self.id, self.cfg.max_conns_per_shard
-            )));
+        // The table grows as connections come (a high limit costs nothing while unused).
+        let idx = match self.conns.iter().position(Option::is_none) {
+            Some(i) => i,
+            None if self.conns.len() < self.cfg.max_conns_per_shard as usize => {
+                self.conns.push(None);
+                self.conns.len() - 1
+            }
+            None => {
+                return Err(exhausted(format!(
+                    "server shard {} is full ({} connections)",
+                    self.id, self.cfg.max_conns_per_shard
+                )));
+            }
         };
-        let cfg = &self.cfg;
+        let cfg = Arc::clone(&self.cfg);
+        let cfg = &*cfg;
         // Every call of the client's table may hold a staged terminal frame in a send slot while
         // it waits for a credit, besides the frames in flight (at most the client's receive
         // ring): with fewer send slots a terminal frame would find none and its call would
@@ -200,8 +238,7 @@ impl<P: Provider> Shard<P> {
         };
         let caps = qp_caps(cfg, self.ctx.caps(), geometry.send_slots, hello.max_calls);
         let mut qp = self
-            .pd
-            .create_qp(&self.cq, &self.cq, caps)
+            .create_qp(caps)
             .map_err(|e| exhausted(format!("create QP: {e}")))?;
         let attr = ConnectAttr {
             access: Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
@@ -215,8 +252,7 @@ impl<P: Provider> Shard<P> {
         let mut lanes = Vec::with_capacity(nlanes);
         for ep in &hello.data_endpoints[..nlanes] {
             let mut q = self
-                .pd
-                .create_qp(&self.cq, &self.cq, lcaps)
+                .create_qp(lcaps)
                 .map_err(|e| exhausted(format!("create data QP: {e}")))?;
             q.connect(ep, &attr)
                 .map_err(|e| connect_failed("connect data QP", &e))?;

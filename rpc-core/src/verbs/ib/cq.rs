@@ -7,13 +7,13 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rdma_sys::{
     ibv_ack_cq_events, ibv_comp_channel, ibv_cq, ibv_create_comp_channel, ibv_create_cq,
     ibv_destroy_comp_channel, ibv_destroy_cq, ibv_get_cq_event, ibv_poll_cq, ibv_req_notify_cq,
-    ibv_wc, ibv_wc_flags, ibv_wc_opcode,
+    ibv_resize_cq, ibv_wc, ibv_wc_flags, ibv_wc_opcode,
 };
 
 use super::device::{CtxShared, IbContext, last_errno, ret_errno};
@@ -183,7 +183,8 @@ pub(super) struct CqShared {
     pub(super) ctx: Arc<CtxShared>,
     /// The channel events go to (kept alive as long as the CQ).
     channel: Option<Arc<ChanShared>>,
-    pub(super) capacity: u32,
+    /// What QPs are admitted against (grows with `resize`).
+    pub(super) capacity: AtomicU32,
     /// Completions the QPs attached to this CQ can have outstanding at once.
     committed: AtomicU64,
     /// QPs attached and detached since the poller last looked (see `ledger`).
@@ -201,7 +202,7 @@ impl CqShared {
     /// Reserves room for `n` more outstanding completions; refuses when the CQ could
     /// overrun.
     pub(super) fn commit(&self, n: u32) -> Result<()> {
-        let cap = u64::from(self.capacity);
+        let cap = u64::from(self.capacity.load(Ordering::Acquire));
         self.committed
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| {
                 (c + u64::from(n) <= cap).then_some(c + u64::from(n))
@@ -249,7 +250,7 @@ impl fmt::Debug for IbCq {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IbCq")
             .field("device", &self.shared.ctx.label())
-            .field("capacity", &self.shared.capacity)
+            .field("capacity", &self.shared.capacity.load(Ordering::Relaxed))
             .field("committed", &self.shared.committed.load(Ordering::Relaxed))
             .field("channel", &self.shared.channel.as_ref().map(|c| c.fd))
             .finish()
@@ -323,7 +324,7 @@ impl IbCq {
                 // What was asked for, not what the device rounded up to (rxe: 2n - 1): QPs are
                 // admitted against the same capacity on every provider, and the device has at
                 // least this much room.
-                capacity: cqe,
+                capacity: AtomicU32::new(cqe),
                 committed: AtomicU64::new(0),
                 joins: Joins::default(),
             }),
@@ -411,7 +412,7 @@ impl Cq for IbCq {
                     format!(
                         "ibv_poll_cq returned {n}: the CQ is in error (overrun: more outstanding \
                          completions than its {} entries?)",
-                        self.shared.capacity
+                        self.shared.capacity.load(Ordering::Relaxed)
                     ),
                 ));
             }
@@ -466,7 +467,31 @@ impl Cq for IbCq {
     }
 
     fn capacity(&self) -> u32 {
-        self.shared.capacity
+        self.shared.capacity.load(Ordering::Acquire)
+    }
+
+    fn resize(&mut self, cqe: u32) -> Result<()> {
+        let current = self.capacity();
+        crate::verbs::check_resize(current, cqe, self.shared.ctx.caps.max_cqe)?;
+        if cqe == current {
+            return Ok(());
+        }
+        // SAFETY: the CQ is alive and polled only through `&mut self`, so no poll runs
+        // concurrently (verbs requires that of a resize); `cqe` is within the device's limit.
+        let rc = unsafe { ibv_resize_cq(self.shared.cq.as_ptr(), cqe as i32) };
+        if rc != 0 {
+            return Err(VerbsError::from_errno(
+                Verb::ResizeCq,
+                ret_errno(rc),
+                format!(
+                    "cannot grow the CQ from {current} to {cqe} entries on {} (out of device                      resources or RLIMIT_MEMLOCK too low for the larger ring)",
+                    self.shared.ctx.label()
+                ),
+            ));
+        }
+        // Admission grows only once the device has the room.
+        self.shared.capacity.store(cqe, Ordering::Release);
+        Ok(())
     }
 }
 

@@ -39,7 +39,8 @@ use crate::verbs::{Cq, ErrorKind, Result, Verb, VerbsError, Wc};
 pub(crate) struct CqShared {
     pub(crate) dev: Arc<Device>,
     pub(crate) slot: u32,
-    cap: u32,
+    /// Capacity (grows with `resize`; read under `reserved`).
+    cap: AtomicU32,
     /// Completions the attached QP sides can generate (sum of their depths).
     reserved: Mutex<u64>,
     /// Offset of our inbox entry (armed word, ready bitmap).
@@ -75,7 +76,7 @@ impl CqShared {
 
     /// Capacity in completions.
     pub(crate) fn cap(&self) -> u32 {
-        self.cap
+        self.cap.load(Ordering::Acquire)
     }
 
     /// Test hook: every bit of the ready bitmap set.
@@ -110,7 +111,7 @@ impl CqShared {
     /// Reserves room for `n` more completions; false when the CQ is too small.
     pub(crate) fn reserve(&self, n: u64) -> std::result::Result<(), u64> {
         let mut r = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
-        if *r + n > u64::from(self.cap) {
+        if *r + n > u64::from(self.cap()) {
             return Err(*r + n);
         }
         *r += n;
@@ -250,7 +251,7 @@ impl SoftCq {
         let shared = Arc::new(CqShared {
             dev: dev.clone(),
             slot,
-            cap: cqe,
+            cap: AtomicU32::new(cqe),
             reserved: Mutex::new(0),
             entry,
             bits: Mutex::new(Vec::new()),
@@ -376,6 +377,19 @@ impl Cq for SoftCq {
     }
 
     fn capacity(&self) -> u32 {
-        self.shared.cap
+        self.shared.cap()
+    }
+
+    fn resize(&mut self, cqe: u32) -> Result<()> {
+        // A soft CQ holds no entries of its own (each side has its ring): its capacity is
+        // the admission bound only.
+        let _r = self
+            .shared
+            .reserved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        crate::verbs::check_resize(self.shared.cap(), cqe, CAPS.max_cqe)?;
+        self.shared.cap.store(cqe, Ordering::Release);
+        Ok(())
     }
 }

@@ -74,7 +74,7 @@
 //!
 //! # Limits
 //!
-//! See [`CAPS`]. In addition, one CQ serves at most 4096 QP sides, a context at most 16384
+//! See [`CAPS`]. In addition, one CQ serves at most 16384 QP sides, a context at most 16384
 //! QPs, 65536 regions and 16384 CQs. Byte counters: [`SoftContext::counters`].
 //!
 //! # Test hooks
@@ -133,7 +133,7 @@ pub const CAPS: Caps = Caps {
     max_inline: 256,
     max_sge: 16,
     max_qp_wr: 4096,
-    max_cqe: 65536,
+    max_cqe: 1 << 22,
     max_msg_size: 1 << 30,
     max_mr_size: 1 << 40,
     atomics: true,

@@ -153,7 +153,10 @@ pub(crate) fn srq_attach(rq: &Arc<Rq>, recv_cq: &SoftCq) -> Result<()> {
         cq.unreserve(u64::from(rq.max_wr()));
         return bad(
             ErrorKind::ExceedsCaps,
-            "soft RNIC: the receive CQ serves 4096 sides already".into(),
+            format!(
+                "soft RNIC: the receive CQ serves {} sides already",
+                layout::CQ_BITS
+            ),
         );
     };
     rq.set_target(cq.clone(), bit);

@@ -710,7 +710,10 @@ impl SoftQp {
 
         let Some(send_bit) = scq.alloc_bit() else {
             unreserve();
-            return Err(full("the send CQ serves 4096 QP sides already"));
+            return Err(full(&format!(
+                "the send CQ serves {} QP sides already",
+                layout::CQ_BITS
+            )));
         };
         let recv_bit = match srq {
             Some(q) => q.target().map_or(0, |t| t.1),
@@ -718,7 +721,10 @@ impl SoftQp {
                 let Some(b) = rcq.alloc_bit() else {
                     scq.free_bit(send_bit);
                     unreserve();
-                    return Err(full("the receive CQ serves 4096 QP sides already"));
+                    return Err(full(&format!(
+                        "the receive CQ serves {} QP sides already",
+                        layout::CQ_BITS
+                    )));
                 };
                 b
             }
