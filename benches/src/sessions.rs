@@ -28,7 +28,7 @@ use serde::de::DeserializeOwned;
 
 use crate::control::ServerProc;
 use crate::measure::Machine;
-use crate::sessions_client::{self, LoadReply, OpenReply, SessionSystem};
+use crate::sessions_client::{self, LoadReply, OpenReply, SessionPoller, SessionSystem};
 
 /// How long the processes get beyond the limits they are told, before they count as hung.
 const ANSWER_GRACE: Duration = Duration::from_secs(20);
@@ -53,6 +53,10 @@ pub struct SessionArgs {
     /// RDMA provider for rdma-rpc.
     #[arg(long, default_value = "soft")]
     pub provider: String,
+    /// rdma-rpc channels' poller: `thread` (the builder's default, a thread per channel) or
+    /// `caller` (the calling task drives its connection: no thread per channel).
+    #[arg(long, value_enum, default_value = "thread")]
+    pub client_poller: SessionPoller,
     /// How long the active connections make calls, seconds.
     #[arg(long, default_value_t = 3.0)]
     pub load_secs: f64,
@@ -253,6 +257,7 @@ pub fn run(args: &SessionArgs, command: String) -> Result<()> {
             "counts": args.counts,
             "client_procs": args.client_procs,
             "max_connections": args.max_connections,
+            "client_poller": args.client_poller.name(),
             "provider": args.provider,
             "load_secs": args.load_secs,
             "phase_secs": args.phase_secs,
@@ -512,6 +517,8 @@ impl ClientProc {
             .arg("--max-secs")
             .arg(args.max_secs.to_string())
             .arg("--die-with-parent")
+            .arg("--poller")
+            .arg(args.client_poller.name())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -613,13 +620,15 @@ fn row(c: &Cell) -> String {
 pub fn table(r: &Report) -> String {
     let mut s = format!(
         "Sessions: one server, one shard; {} client processes; 32 B unary calls; \
-         RLIMIT_NOFILE {} (hard {}); rdma-rpc max_connections_per_shard: {}\n\n",
+         RLIMIT_NOFILE {} (hard {}); rdma-rpc max_connections_per_shard: {}; rdma-rpc \
+         client poller: {}\n\n",
         r.config["client_procs"],
         r.nofile.0,
         r.nofile.1,
         r.config["max_connections"]
             .as_u64()
             .map_or("default".into(), |n| n.to_string()),
+        r.config["client_poller"].as_str().unwrap_or("thread"),
     );
     s.push_str(&format!(
         "{:<9}{:>7}{:>8}{:>8}{:>9}{:>20}{:>26}{:>9}{:>9}{:>27}\n",

@@ -74,6 +74,29 @@ pub struct SessionClientArgs {
     /// Exit when the parent process dies.
     #[arg(long)]
     pub die_with_parent: bool,
+    /// rdma-rpc channels' poller (the builder's default: a thread per channel).
+    #[arg(long, value_enum, default_value = "thread")]
+    pub poller: SessionPoller,
+}
+
+/// Who drives an rdma-rpc channel's completions (`ClientPoller`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SessionPoller {
+    /// A poller thread per channel (`ClientPoller::Thread`, the default).
+    Thread,
+    /// The calling task drives the connection (`ClientPoller::Caller`): no thread per channel.
+    Caller,
+}
+
+impl SessionPoller {
+    /// The name on the command line and in the table's heading.
+    pub fn name(self) -> &'static str {
+        match self {
+            SessionPoller::Thread => "thread",
+            SessionPoller::Caller => "caller",
+        }
+    }
 }
 
 /// A latency histogram as (nanoseconds, count) pairs of its non-empty buckets.
@@ -233,8 +256,13 @@ async fn open(
 async fn connect_and_call(args: &SessionClientArgs, provider: ProviderKind) -> Result<Conn> {
     let conn = match args.system {
         SessionSystem::Rpc => {
+            let poller = match args.poller {
+                SessionPoller::Thread => rpc_core::ClientPoller::Thread,
+                SessionPoller::Caller => rpc_core::ClientPoller::Caller,
+            };
             let ch = rpc_core::Channel::builder(args.addr.to_string())
                 .provider(provider)
+                .poller(poller)
                 .connect_timeout(CONNECT_LIMIT)
                 .connect()
                 .await

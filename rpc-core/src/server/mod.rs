@@ -184,7 +184,7 @@ impl Server {
                 device: None,
                 token: None,
                 geometry: Geometry::default(),
-                max_conns_per_shard: 4096,
+                max_conns_per_shard: 16384,
                 max_conns_per_peer: None,
                 tasks_per_shard: 4096,
                 max_message: 256 << 20,
@@ -324,7 +324,7 @@ impl ServerBuilder {
         self
     }
 
-    /// Connections each shard accepts (default 4096). Memory grows with the connections
+    /// Connections each shard accepts (default 16384). Memory grows with the connections
     /// actually open, not with this limit (the shard's CQ and tables grow as they come).
     pub fn max_connections_per_shard(mut self, n: u32) -> Self {
         self.cfg.max_conns_per_shard = n.max(1);

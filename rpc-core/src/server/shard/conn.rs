@@ -99,6 +99,9 @@ pub(crate) fn open<P: Provider>(
         conns: Vec::new(),
         live: Vec::with_capacity(n),
         generations: vec![0; n],
+        touched: Vec::new(),
+        is_touched: Vec::new(),
+        swept_at: Instant::now(),
         task_owner: vec![(0, CallId(0)); cfg.tasks_per_shard as usize],
         tasks,
         cq,
@@ -321,6 +324,7 @@ impl<P: Provider> Shard<P> {
         let calls = Calls::new(hello.max_calls as usize);
         let link_gather = link.qp.caps().max_send_sge as usize >= MAX_PIECES;
         self.live.push(idx as u16);
+        self.touch(idx);
         self.open_conns.store(self.live.len(), Ordering::Release);
         self.conns[idx] = Some(ServerConn {
             blocked: Vec::with_capacity(hello.max_calls as usize),

@@ -310,8 +310,16 @@ pub(crate) struct ServerConn<P: Provider> {
 pub(crate) struct Shard<P: Provider> {
     // Field order is drop order: connections (QPs, arenas) before the CQ, PD and device.
     conns: Vec<Option<ServerConn<P>>>,
-    /// Indices of the live connections (what `maintain` walks).
+    /// Indices of the live connections (what a full sweep of `maintain` walks).
     live: Vec<u16>,
+    /// Connections with work this turn (a completion, a handler that ran, a bulk operation,
+    /// a window grant): what a busy turn flushes and maintains, so that its cost follows the
+    /// connections that are busy, not all that are open. The rest are swept every
+    /// `SWEEP_EVERY` and whenever the shard idles.
+    touched: Vec<u16>,
+    is_touched: Vec<bool>,
+    /// When `maintain` last walked every connection.
+    swept_at: Instant,
     generations: Vec<u8>,
     tasks: Tasks,
     task_owner: Vec<(u16, CallId)>,

@@ -30,6 +30,10 @@ const ADAPTIVE: Budget = Budget::adaptive(SPIN_ITERS, YIELD_ITERS);
 /// Idle iterations between two passes over the connections (reposts, credits, deadlines,
 /// inbox) when nothing happens; after any work the pass runs at once.
 const MAINTAIN_EVERY: u32 = 64;
+/// A busy shard maintains the connections it touched each turn, and every connection at
+/// least this often (deadlines, deferred frames and credits of connections that had no
+/// completion meanwhile).
+const SWEEP_EVERY: Duration = Duration::from_millis(1);
 /// How often an idle shard reads the device's asynchronous events (one system call on ib).
 const EVENTS_EVERY: Duration = Duration::from_millis(10);
 /// Longest sleep, so shutdown and deadlines are noticed.
@@ -56,7 +60,7 @@ impl<P: Provider> Shard<P> {
             work += self.run_ready();
             if work > 0 {
                 // The responses of this turn go out together: one post per connection.
-                self.flush_sends();
+                self.flush_sends(false);
             }
             // Stopping: check every pass, or a sleeping shard notices only every
             // MAINTAIN_EVERY sleeps (up to 64 x MAX_SLEEP) that its last call is gone.
@@ -74,8 +78,8 @@ impl<P: Provider> Shard<P> {
                 }
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
-                work += self.maintain(idle_turn);
-                self.flush_sends();
+                let full = self.maintain(idle_turn, &mut work);
+                self.flush_sends(full);
                 if self.stop.load(Ordering::Acquire) {
                     // Draining: stop once every call finished, or when the grace period is up
                     // (the handlers still running are then dropped with their connections).
@@ -104,6 +108,7 @@ impl<P: Provider> Shard<P> {
                     }
                 }
             }
+            self.end_turn();
             if work > 0 {
                 idle = 0;
                 spin.work();
@@ -154,8 +159,10 @@ impl<P: Provider> Shard<P> {
         // sleeps after a few idle turns (Event, or contended) would otherwise leave them
         // until the next wake-up, and the client, out of credits or of posted receives,
         // waits for a timeout instead.
-        let upkeep = self.drain_inbox() + self.start_bulk_ops() + self.maintain(true);
-        self.flush_sends();
+        let mut upkeep = self.drain_inbox() + self.start_bulk_ops();
+        self.maintain(true, &mut upkeep);
+        self.flush_sends(true);
+        self.end_turn();
         if upkeep > 0 {
             return None;
         }
@@ -168,7 +175,8 @@ impl<P: Provider> Shard<P> {
             || self.poll_cq() > 0
             || self.run_ready() > 0
         {
-            self.flush_sends();
+            self.flush_sends(false);
+            self.end_turn();
             self.doorbell.awake();
             return None;
         }
@@ -190,10 +198,28 @@ impl<P: Provider> Shard<P> {
             .map(|d| Duration::from_nanos(d.saturating_sub(now)))
     }
 
-    /// Posts the frames each connection queued this turn ([`Link::flush_sends`]).
-    pub(super) fn flush_sends(&mut self) {
+    /// Marks connection `idx` as having work this turn (see `touched`).
+    #[inline]
+    pub(super) fn touch(&mut self, idx: usize) {
+        mark(&mut self.touched, &mut self.is_touched, idx);
+    }
+
+    /// Ends a turn: no connection is marked any more.
+    fn end_turn(&mut self) {
+        for &i in &self.touched {
+            if let Some(t) = self.is_touched.get_mut(i as usize) {
+                *t = false;
+            }
+        }
+        self.touched.clear();
+    }
+
+    /// Posts the frames the connections queued this turn ([`Link::flush_sends`]): those
+    /// touched this turn, or every one (`full`).
+    pub(super) fn flush_sends(&mut self, full: bool) {
         let mut failed = None;
-        for &i in &self.live {
+        let list = if full { &self.live } else { &self.touched };
+        for &i in list {
             if let Some(Some(conn)) = self.conns.get_mut(i as usize)
                 && conn.link.has_queued_sends()
                 && let Err(e) = conn.link.flush_sends()
@@ -220,7 +246,9 @@ impl<P: Provider> Shard<P> {
         // not one per frame; and with more than one completion, start loading every received
         // frame before handling the first.
         for wc in &self.wcs[..n] {
-            if let Some(Some(c)) = self.conns.get_mut(split_wr_id(wc.wr_id).0.idx as usize) {
+            let idx = split_wr_id(wc.wr_id).0.idx as usize;
+            mark(&mut self.touched, &mut self.is_touched, idx);
+            if let Some(Some(c)) = self.conns.get_mut(idx) {
                 c.link.tick();
                 if n > 1 {
                     c.link.prefetch(wc);
@@ -291,6 +319,7 @@ impl<P: Provider> Shard<P> {
         while let Some(task) = self.tasks.next_ready() {
             n += 1;
             let (idx, call) = self.task_owner[task.idx as usize];
+            mark(&mut self.touched, &mut self.is_touched, idx as usize);
             let Some(Some(conn)) = self.conns.get_mut(idx as usize) else {
                 self.tasks.cancel(task);
                 continue;
@@ -328,9 +357,23 @@ impl<P: Provider> Shard<P> {
         n
     }
 
-    /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines.
-    pub(super) fn maintain(&mut self, idle: bool) -> usize {
+    /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines: for
+    /// the connections touched this turn, or for all of them (when idle, and every
+    /// `SWEEP_EVERY`). Adds the work done to `work`; returns whether it was a full sweep.
+    pub(super) fn maintain(&mut self, idle: bool, work: &mut usize) -> bool {
+        let now = Instant::now();
+        let full = idle || now.duration_since(self.swept_at) >= SWEEP_EVERY;
+        if full {
+            self.swept_at = now;
+        }
+        *work += self.maintain_list(full, idle);
+        full
+    }
+
+    /// `maintain` over every live connection (`full`) or those touched this turn.
+    fn maintain_list(&mut self, full: bool, idle: bool) -> usize {
         while let Some((key, call, n)) = self.peer_api.grants.pop() {
+            mark(&mut self.touched, &mut self.is_touched, key.idx as usize);
             if let Some(Some(conn)) = self.conns.get_mut(key.idx as usize)
                 && conn.link.key() == key
                 && let Err(e) = conn.link.control(Control::WindowUpdate(call, n))
@@ -343,8 +386,14 @@ impl<P: Provider> Shard<P> {
         let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
         let mut n_expired = 0;
         let mut work = 0;
-        for &i in &self.live {
-            let idx = i as usize;
+        // By index: the grants above may have touched more connections.
+        let len = if full {
+            self.live.len()
+        } else {
+            self.touched.len()
+        };
+        for k in 0..len {
+            let idx = usize::from(if full { self.live[k] } else { self.touched[k] });
             let Some(Some(conn)) = self.conns.get_mut(idx) else {
                 continue;
             };
@@ -462,5 +511,17 @@ pub(super) fn pin_to_core(core: usize) {
     set.set(core);
     if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
         warn!("could not pin shard to core {core}: {e}");
+    }
+}
+
+/// Adds `idx` to the connections touched this turn (once).
+#[inline]
+fn mark(touched: &mut Vec<u16>, is_touched: &mut Vec<bool>, idx: usize) {
+    if idx >= is_touched.len() {
+        is_touched.resize(idx + 1, false);
+    }
+    if !is_touched[idx] {
+        is_touched[idx] = true;
+        touched.push(idx as u16);
     }
 }

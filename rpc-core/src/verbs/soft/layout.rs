@@ -206,7 +206,7 @@ pub(crate) const PIN_TABLE: usize = QP_IN_TABLE + MAX_QP * QP_IN_ENTRY;
 /// Slots of the CQ table (one CQ per client connection of a process sharing the context).
 pub(crate) const MAX_CQ: usize = 1 << 14;
 /// Roles (QP send or receive sides) one CQ serves: bits of its ready bitmap.
-pub(crate) const CQ_BITS: usize = 16384;
+pub(crate) const CQ_BITS: usize = 32768;
 /// Words of a CQ's ready bitmap.
 pub(crate) const CQ_WORDS: usize = CQ_BITS / 64;
 /// Bytes per CQ inbox entry: armed word, then the ready bitmap on its own lines.

@@ -74,7 +74,7 @@
 //!
 //! # Limits
 //!
-//! See [`CAPS`]. In addition, one CQ serves at most 16384 QP sides, a context at most 16384
+//! See [`CAPS`]. In addition, one CQ serves at most 32768 QP sides, a context at most 16384
 //! QPs, 65536 regions and 16384 CQs. Byte counters: [`SoftContext::counters`].
 //!
 //! # Test hooks

@@ -606,6 +606,33 @@ pub struct SoftQp {
     pub(crate) s: Arc<QpShared>,
 }
 
+/// `n` cells allocated zeroed (`calloc`): the storage of queued requests' SGEs and inline
+/// bytes is written only when requests are queued (RNR, delays), so most of its pages never
+/// enter the resident set of a process holding thousands of QPs.
+///
+/// # Safety
+/// The all-zero bit pattern must be a valid `T`.
+unsafe fn zeroed_cells<T>(n: usize) -> Box<[UnsafeCell<T>]> {
+    if n == 0 || size_of::<T>() == 0 {
+        // SAFETY: the caller guarantees all-zero is a valid `T`.
+        return (0..n)
+            .map(|_| UnsafeCell::new(unsafe { std::mem::zeroed() }))
+            .collect();
+    }
+    let Ok(layout) = std::alloc::Layout::array::<UnsafeCell<T>>(n) else {
+        panic!("soft RNIC: a queue of {n} entries overflows the address space");
+    };
+    // SAFETY: the layout has a non-zero size (checked above).
+    let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<UnsafeCell<T>>();
+    if p.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    // SAFETY: `p` is a fresh allocation of the global allocator with the layout of `[T; n]`,
+    // zeroed, which the caller guarantees is a valid `T` each; the box frees it with the same
+    // layout.
+    unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n)) }
+}
+
 fn create_err(kind: ErrorKind, detail: String) -> VerbsError {
     VerbsError::new(Verb::CreateQp, kind, detail)
 }
@@ -826,12 +853,9 @@ impl SoftQp {
             sq_exec: AtomicU32::new(0),
             sq_freed: AtomicU32::new(0),
             wrs: (0..sq_cap).map(|_| UnsafeCell::default()).collect(),
-            wr_sges: (0..sq_cap as usize * max_sge)
-                .map(|_| UnsafeCell::default())
-                .collect(),
-            wr_inline: (0..sq_cap as usize * caps.max_inline_data as usize)
-                .map(|_| UnsafeCell::new(0))
-                .collect(),
+            // SAFETY: all-zero bytes are a valid `Sge` (plain integers) and a valid `u8`.
+            wr_sges: unsafe { zeroed_cells(sq_cap as usize * max_sge) },
+            wr_inline: unsafe { zeroed_cells(sq_cap as usize * caps.max_inline_data as usize) },
             scq: (0..sq_cap).map(|_| UnsafeCell::default()).collect(),
             scq_head: AtomicU32::new(0),
             scq_tail: AtomicU32::new(0),
