@@ -229,8 +229,10 @@ pub fn run(args: &SessionArgs, command: String) -> Result<()> {
     }
     let start = Instant::now();
     let load_before = crate::measure::load_avg();
-    let nofile = raise_nofile();
-    let need = args.counts.iter().max().copied().unwrap_or(0) + FD_MARGIN;
+    // rdma-rpc's server holds 3 descriptors per soft connection (its TCP socket, the memfd
+    // of the connection's slot region, the client's completion eventfd); tonic's one.
+    let need = args.counts.iter().max().copied().unwrap_or(0) * 3 + FD_MARGIN;
+    let nofile = raise_nofile(need);
     if nofile.0 < need {
         eprintln!(
             "rpc-bench sessions: RLIMIT_NOFILE is {} (hard {}), below the {need} descriptors the \
@@ -304,14 +306,24 @@ pub fn run(args: &SessionArgs, command: String) -> Result<()> {
     Ok(())
 }
 
-/// Raises RLIMIT_NOFILE's soft limit to the hard one (children inherit it); returns both.
-fn raise_nofile() -> (u64, u64) {
+/// Raises RLIMIT_NOFILE (children inherit it): the hard limit to `need` where the process may
+/// (CAP_SYS_RESOURCE), the soft one to the hard one; returns both.
+fn raise_nofile(need: u64) -> (u64, u64) {
     // SAFETY: `rlimit` is plain data; getrlimit/setrlimit read and write only the struct we
     // pass, which lives on this stack frame.
     unsafe {
         let mut r: libc::rlimit = std::mem::zeroed();
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
             return (0, 0);
+        }
+        if r.rlim_max < need {
+            let raised = libc::rlimit {
+                rlim_cur: need,
+                rlim_max: need,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                r = raised;
+            }
         }
         if r.rlim_cur < r.rlim_max {
             let raised = libc::rlimit {

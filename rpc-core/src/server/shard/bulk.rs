@@ -73,6 +73,7 @@ impl<P: Provider> Shard<P> {
                 done,
             } = op;
             let idx = key.idx as usize;
+            self.touch(idx);
             let Some(Some(conn)) = self.conns.get_mut(idx) else {
                 let _ = done.send(Err(Status::unavailable("the connection is closed")));
                 continue;

@@ -312,14 +312,16 @@ pub(crate) struct Shard<P: Provider> {
     conns: Vec<Option<ServerConn<P>>>,
     /// Indices of the live connections (what a full sweep of `maintain` walks).
     live: Vec<u16>,
-    /// Connections with work this turn (a completion, a handler that ran, a bulk operation,
-    /// a window grant): what a busy turn flushes and maintains, so that its cost follows the
-    /// connections that are busy, not all that are open. The rest are swept every
-    /// `SWEEP_EVERY` and whenever the shard idles.
+    /// Connections with work since the last full sweep (a completion, a handler that ran, a
+    /// bulk operation, a window grant, a new connection): what a turn flushes and maintains,
+    /// so that its cost follows the connections that are busy, not all that are open. Every
+    /// connection is swept every `SWEEP_EVERY`.
     touched: Vec<u16>,
     is_touched: Vec<bool>,
-    /// When `maintain` last walked every connection.
+    /// When `maintain` last walked every connection, and the earliest protocol deadline it
+    /// found (`next_deadline`).
     swept_at: Instant,
+    swept_deadline: Option<u64>,
     generations: Vec<u8>,
     tasks: Tasks,
     task_owner: Vec<(u16, CallId)>,

@@ -80,6 +80,9 @@ impl<P: Provider> Shard<P> {
                 work += self.start_bulk_ops();
                 let full = self.maintain(idle_turn, &mut work);
                 self.flush_sends(full);
+                if full {
+                    self.clear_touched();
+                }
                 if self.stop.load(Ordering::Acquire) {
                     // Draining: stop once every call finished, or when the grace period is up
                     // (the handlers still running are then dropped with their connections).
@@ -108,7 +111,6 @@ impl<P: Provider> Shard<P> {
                     }
                 }
             }
-            self.end_turn();
             if work > 0 {
                 idle = 0;
                 spin.work();
@@ -160,9 +162,11 @@ impl<P: Provider> Shard<P> {
         // until the next wake-up, and the client, out of credits or of posted receives,
         // waits for a timeout instead.
         let mut upkeep = self.drain_inbox() + self.start_bulk_ops();
-        self.maintain(true, &mut upkeep);
-        self.flush_sends(true);
-        self.end_turn();
+        let full = self.maintain(true, &mut upkeep);
+        self.flush_sends(full);
+        if full {
+            self.clear_touched();
+        }
         if upkeep > 0 {
             return None;
         }
@@ -176,7 +180,6 @@ impl<P: Provider> Shard<P> {
             || self.run_ready() > 0
         {
             self.flush_sends(false);
-            self.end_turn();
             self.doorbell.awake();
             return None;
         }
@@ -188,12 +191,16 @@ impl<P: Provider> Shard<P> {
         Some(timeout)
     }
 
+    /// The time to the earliest protocol deadline: of the connections touched since the last
+    /// full sweep, and the earliest the sweep found among the others (waking early for a
+    /// deadline that went away meanwhile is harmless).
     pub(super) fn next_deadline(&self) -> Option<Duration> {
         let now = self.epoch.elapsed().as_nanos() as u64;
-        self.conns
+        self.touched
             .iter()
-            .flatten()
+            .filter_map(|&i| self.conns.get(usize::from(i))?.as_ref())
             .filter_map(|c| c.link.wire.poll_timeout())
+            .chain(self.swept_deadline)
             .min()
             .map(|d| Duration::from_nanos(d.saturating_sub(now)))
     }
@@ -204,8 +211,8 @@ impl<P: Provider> Shard<P> {
         mark(&mut self.touched, &mut self.is_touched, idx);
     }
 
-    /// Ends a turn: no connection is marked any more.
-    fn end_turn(&mut self) {
+    /// After a full sweep: no connection is marked any more.
+    fn clear_touched(&mut self) {
         for &i in &self.touched {
             if let Some(t) = self.is_touched.get_mut(i as usize) {
                 *t = false;
@@ -214,8 +221,8 @@ impl<P: Provider> Shard<P> {
         self.touched.clear();
     }
 
-    /// Posts the frames the connections queued this turn ([`Link::flush_sends`]): those
-    /// touched this turn, or every one (`full`).
+    /// Posts the frames the connections queued ([`Link::flush_sends`]): those touched since
+    /// the last full sweep, or every one (`full`).
     pub(super) fn flush_sends(&mut self, full: bool) {
         let mut failed = None;
         let list = if full { &self.live } else { &self.touched };
@@ -357,14 +364,16 @@ impl<P: Provider> Shard<P> {
         n
     }
 
-    /// Reposts receive slots, returns credits, sends deferred frames, expires deadlines: for
-    /// the connections touched this turn, or for all of them (when idle, and every
-    /// `SWEEP_EVERY`). Adds the work done to `work`; returns whether it was a full sweep.
+    /// Reposts receive slots (`idle`: also those waiting for a batch), returns credits, sends
+    /// deferred frames, expires deadlines: for the connections touched since the last full
+    /// sweep, or, every `SWEEP_EVERY`, for all of them. Adds the work done to `work`;
+    /// returns whether it was a full sweep.
     pub(super) fn maintain(&mut self, idle: bool, work: &mut usize) -> bool {
         let now = Instant::now();
-        let full = idle || now.duration_since(self.swept_at) >= SWEEP_EVERY;
+        let full = now.duration_since(self.swept_at) >= SWEEP_EVERY;
         if full {
             self.swept_at = now;
+            self.swept_deadline = None;
         }
         *work += self.maintain_list(full, idle);
         full
@@ -444,6 +453,9 @@ impl<P: Provider> Shard<P> {
                     expired[n_expired] = (idx, call);
                     n_expired += 1;
                 }
+            }
+            if full && let Some(t) = conn.link.wire.poll_timeout() {
+                self.swept_deadline = Some(self.swept_deadline.map_or(t, |d| d.min(t)));
             }
         }
         if let Some((key, e)) = failed {

@@ -853,8 +853,9 @@ impl SoftQp {
             sq_exec: AtomicU32::new(0),
             sq_freed: AtomicU32::new(0),
             wrs: (0..sq_cap).map(|_| UnsafeCell::default()).collect(),
-            // SAFETY: all-zero bytes are a valid `Sge` (plain integers) and a valid `u8`.
+            // SAFETY: all-zero bytes are a valid `Sge` (plain integers).
             wr_sges: unsafe { zeroed_cells(sq_cap as usize * max_sge) },
+            // SAFETY: as above: all-zero bytes are valid `u8`s.
             wr_inline: unsafe { zeroed_cells(sq_cap as usize * caps.max_inline_data as usize) },
             scq: (0..sq_cap).map(|_| UnsafeCell::default()).collect(),
             scq_head: AtomicU32::new(0),
