@@ -66,14 +66,35 @@ async fn caller_polled_channels_share_one_device_and_add_no_threads() {
 
 /// A server with default settings holds hundreds of connections on one shard, past the two
 /// old walls (64 connections by default; 140 when raised, where the CQ sized for the sum of
-/// its QPs' worst cases ran out): its CQ grows as they come.
+/// its QPs' worst cases ran out): its CQ grows as they come, up to the device's `max_cqe`.
+/// On soft (max_cqe 4M) all 300 fit; a device with a small `max_cqe` (rxe: 32767, about 70
+/// connections) refuses the rest with a clear RESOURCE_EXHAUSTED naming the CQ, and serves
+/// the ones it took.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_default_server_holds_hundreds_of_connections_on_one_shard() {
     const N: usize = 300;
+    let soft =
+        rpc_core::verbs::ProviderKind::from_env().unwrap() == rpc_core::verbs::ProviderKind::Soft;
     let srv = TestServer::start_with(|b| b.shards(1)).await;
     let mut chans = Vec::with_capacity(N);
     for i in 0..N {
-        let ch = srv.channel(ClientPoller::Caller).await;
+        let connect = srv.builder().poller(ClientPoller::Caller).connect();
+        let ch = match within(Duration::from_secs(20), "connect", connect).await {
+            Ok(ch) => ch,
+            Err(e) if !soft => {
+                assert_eq!(e.code(), rpc_core::Code::ResourceExhausted, "{e}");
+                assert!(
+                    e.to_string().contains("CQ"),
+                    "the refusal names the CQ: {e}"
+                );
+                assert!(
+                    i >= 64,
+                    "refused at connection {i}, below the old default: {e}"
+                );
+                break;
+            }
+            Err(e) => panic!("connection {i} refused: {e}"),
+        };
         if i % 50 == 0 {
             echo(&ch, i as u64).await;
         }
