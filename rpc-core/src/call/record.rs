@@ -26,7 +26,16 @@ pub(crate) trait Record<P: Provider> {
 }
 
 /// The records of a connection's calls, indexed by wire call slot.
-pub(crate) struct Calls<C>(Box<[C]>);
+///
+/// A table made with [`Calls::lazy`] holds records only up to the highest slot used so far
+/// (clients reuse their lowest free slot first), so an idle connection that made a few calls
+/// costs a few records, not its peer's whole call table; [`Calls::get_mut`] adds the records
+/// up to a new slot (once per slot, not per call).
+pub(crate) struct Calls<C> {
+    recs: Vec<C>,
+    max: usize,
+    empty: fn() -> C,
+}
 
 impl<C> Calls<C> {
     /// A table of `n` empty records.
@@ -34,7 +43,41 @@ impl<C> Calls<C> {
     where
         C: Record<P>,
     {
-        Calls((0..n).map(|_| C::empty()).collect())
+        Calls {
+            recs: (0..n).map(|_| C::empty()).collect(),
+            max: n,
+            empty: C::empty,
+        }
+    }
+
+    /// A table of up to `n` records, made as slots are first used.
+    pub(crate) fn lazy<P: Provider>(n: usize) -> Calls<C>
+    where
+        C: Record<P>,
+    {
+        Calls {
+            recs: Vec::new(),
+            max: n,
+            empty: C::empty,
+        }
+    }
+
+    /// The record of `slot` (made, with those below it, the first time the slot is used);
+    /// `None` beyond the table.
+    #[inline]
+    pub(crate) fn get_mut(&mut self, slot: usize) -> Option<&mut C> {
+        if slot >= self.recs.len() && slot < self.max {
+            self.grow(slot);
+        }
+        self.recs.get_mut(slot)
+    }
+
+    #[cold]
+    fn grow(&mut self, slot: usize) {
+        let want = (slot + 1).max(self.recs.len() * 2).max(4).min(self.max);
+        self.recs.reserve_exact(want - self.recs.len());
+        let empty = self.empty;
+        self.recs.resize_with(want, empty);
     }
 
     /// The record of `call` if its slot still holds that very call (not an earlier or later
@@ -44,7 +87,7 @@ impl<C> Calls<C> {
     where
         C: Record<P>,
     {
-        self.0
+        self.recs
             .get_mut(call.slot() as usize)
             .filter(|c| c.id() == call)
     }
@@ -54,7 +97,7 @@ impl<C> Calls<C> {
     where
         C: Record<P>,
     {
-        for c in self.0.iter_mut() {
+        for c in self.recs.iter_mut() {
             c.park(link);
         }
     }
@@ -64,12 +107,56 @@ impl<C> std::ops::Deref for Calls<C> {
     type Target = [C];
 
     fn deref(&self) -> &[C] {
-        &self.0
+        &self.recs
     }
 }
 
 impl<C> std::ops::DerefMut for Calls<C> {
     fn deref_mut(&mut self) -> &mut [C] {
-        &mut self.0
+        &mut self.recs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::soft::Soft;
+
+    struct R(CallId);
+
+    impl Record<Soft> for R {
+        fn empty() -> R {
+            R(CallId(0))
+        }
+        fn id(&self) -> CallId {
+            self.0
+        }
+        fn reset(&mut self) {
+            self.0 = CallId(0);
+        }
+        fn park(&mut self, _link: &mut Link<Soft>) {}
+    }
+
+    /// A lazy table holds records up to the highest slot used, never beyond its size, and a
+    /// slot once made keeps its record.
+    #[test]
+    fn a_lazy_table_grows_to_the_slots_used() {
+        let mut t = Calls::<R>::lazy::<Soft>(64);
+        assert_eq!(t.len(), 0);
+        assert!(t.live::<Soft>(CallId::new(0, 1)).is_none());
+        t.get_mut(0).unwrap().0 = CallId::new(0, 1);
+        assert_eq!(t.len(), 4);
+        assert!(t.live::<Soft>(CallId::new(0, 1)).is_some());
+        assert!(t.get_mut(9).is_some());
+        assert_eq!(t.len(), 10);
+        assert!(t.get_mut(63).is_some());
+        assert_eq!(t.len(), 64);
+        assert!(t.get_mut(64).is_none(), "beyond the peer's call table");
+        assert_eq!(
+            t.live::<Soft>(CallId::new(0, 1)).map(|r| r.0),
+            Some(CallId::new(0, 1))
+        );
+        let full = Calls::<R>::new::<Soft>(8);
+        assert_eq!(full.len(), 8);
     }
 }

@@ -322,17 +322,17 @@ impl<P: Provider> Shard<P> {
                 format!(", {} QPs per connection", link.lanes().len() + 1)
             }
         );
-        let calls = Calls::new(hello.max_calls as usize);
+        let calls = Calls::lazy(hello.max_calls as usize);
         let link_gather = link.qp.caps().max_send_sge as usize >= MAX_PIECES;
         self.live.push(idx as u16);
         self.touch(idx);
         self.open_conns.store(self.live.len(), Ordering::Release);
         self.conns[idx] = Some(ServerConn {
-            blocked: Vec::with_capacity(hello.max_calls as usize),
+            blocked: Vec::new(),
             link,
             goaway_sent: false,
             calls,
-            deferred: VecDeque::with_capacity(geometry.send_slots as usize),
+            deferred: VecDeque::new(),
             closed: Some(closed),
             peer,
             max_message: cfg.max_message,

@@ -13,10 +13,12 @@
 //! path: a `post_send` that finds it held queues its requests instead of waiting.
 
 use std::cell::UnsafeCell;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod rq;
+mod store;
 
 pub(crate) use rq::{Rq, SrqState};
 
@@ -46,20 +48,6 @@ struct StoredWr {
     /// Executed already, ahead of a delayed READ in front of it (`fault::delay_read_responses`):
     /// only its completion waits for its turn.
     early: Option<Outcome>,
-}
-
-impl Default for StoredWr {
-    fn default() -> StoredWr {
-        StoredWr {
-            wr_id: 0,
-            op: WrOp::Send,
-            flags: SendFlags::NONE,
-            nsge: 0,
-            inline_len: 0,
-            not_before: 0,
-            early: None,
-        }
-    }
 }
 
 /// A send completion in the private ring.
@@ -101,10 +89,8 @@ pub(crate) struct QpShared {
     sq_head: AtomicU32,
     sq_exec: AtomicU32,
     sq_freed: AtomicU32,
-    wrs: Box<[UnsafeCell<StoredWr>]>,
-    wr_sges: Box<[UnsafeCell<Sge>]>,
-    wr_inline: Box<[UnsafeCell<u8>]>,
-    scq: Box<[UnsafeCell<Scqe>]>,
+    /// The requests, their SGEs and inline bytes, and the send completion ring.
+    store: store::SendStore,
     scq_head: AtomicU32,
     scq_tail: AtomicU32,
     progress: AtomicBool,
@@ -124,11 +110,12 @@ pub(crate) struct QpShared {
 }
 
 // SAFETY: the `UnsafeCell` fields are accessed under documented protocols: `exec` only by the
-// holder of `progress`; `wrs`/`wr_sges`/`wr_inline` slot `s` written by the QP owner
-// (`&mut SoftQp`, one thread) before it publishes `sq_head > s` with Release, read by the
-// progress holder after an Acquire load of `sq_head`, and not rewritten until the slot's
-// completion was polled; `scq` entries written by the progress holder before a Release store of
-// `scq_tail`, read by the send CQ's poller (`&mut SoftCq`, one thread) after an Acquire load.
+// holder of `progress`; the `store`'s request, SGEs and inline bytes of slot `s` written by
+// the QP owner (`&mut SoftQp`, one thread) before it publishes `sq_head > s` with Release,
+// read by the progress holder after an Acquire load of `sq_head`, and not rewritten until the
+// slot's completion was polled; its `scq` entries written by the progress holder before a
+// Release store of `scq_tail`, read by the send CQ's poller (`&mut SoftCq`, one thread) after
+// an Acquire load.
 unsafe impl Sync for QpShared {}
 
 /// Exclusive access to a QP's execution state.
@@ -244,16 +231,16 @@ impl QpShared {
     fn push_scqe(&self, _p: &Progress<'_>, e: Scqe) {
         let t = self.scq_tail.load(Ordering::Relaxed);
         let h = self.scq_head.load(Ordering::Acquire);
-        if t.wrapping_sub(h) as usize >= self.scq.len() {
+        if t.wrapping_sub(h) as usize >= self.store.scq().len() {
             // Cannot happen: every entry stands for a distinct unfreed queue slot and the ring
             // is larger than the queue. Dropping is the safe choice should it ever.
             tracing::error!(qp = self.qp_num, "soft RNIC: send completion ring overrun");
             return;
         }
-        let i = t as usize & (self.scq.len() - 1);
+        let i = t as usize & (self.store.scq().len() - 1);
         // SAFETY: slot `i` is outside `[head, tail)`, so the poller does not read it; only the
         // progress holder (us, proven by `_p`) writes entries.
-        unsafe { *self.scq[i].get() = e };
+        unsafe { *self.store.scq()[i].get() = MaybeUninit::new(e) };
         self.scq_tail.store(t.wrapping_add(1), Ordering::Release);
         self.counters.add_send_cqe();
         let solicited = e.wc.status != WcStatus::Success;
@@ -308,7 +295,7 @@ impl QpShared {
         let i = seq as usize & (self.sq_cap as usize - 1);
         // SAFETY: slot `seq` was written before `sq_head` passed it (Release/Acquire) and is
         // not rewritten until its completion is polled, which requires it executed first.
-        unsafe { *self.wrs[i].get() }
+        unsafe { (*self.store.wrs()[i].get()).assume_init() }
     }
 
     /// Copies `wr` into queue slot `seq` (owner only, before publishing `sq_head`).
@@ -326,7 +313,7 @@ impl QpShared {
                 if l == 0 {
                     continue;
                 }
-                let dst = &self.wr_inline[i * max_inline + inline_len..][..l];
+                let dst = &self.store.inline()[i * max_inline + inline_len..][..l];
                 // SAFETY: `dst` is `l` bytes of our inline buffer for slot `i` (inline totals
                 // are checked against max_inline_data before storing); the source is caller
                 // memory readable per the post_send contract. The slot is ours (see above).
@@ -342,12 +329,12 @@ impl QpShared {
         } else {
             for (k, sge) in wr.sg_list.iter().enumerate() {
                 // SAFETY: slot `i` belongs to the owner until it publishes `sq_head`.
-                unsafe { *self.wr_sges[i * max_sge + k].get() = *sge };
+                unsafe { *self.store.sges()[i * max_sge + k].get() = *sge };
             }
         }
         // SAFETY: as above.
         unsafe {
-            *self.wrs[i].get() = StoredWr {
+            *self.store.wrs()[i].get() = MaybeUninit::new(StoredWr {
                 wr_id: wr.wr_id,
                 op: wr.op,
                 flags: wr.flags,
@@ -355,7 +342,7 @@ impl QpShared {
                 inline_len: inline_len as u32,
                 not_before,
                 early,
-            };
+            });
         }
     }
 
@@ -422,14 +409,15 @@ impl QpShared {
             let sges: &[Sge] = if w.flags.contains(SendFlags::INLINE) {
                 &[]
             } else {
-                let s = &self.wr_sges[i * max_sge..i * max_sge + w.nsge as usize];
+                let s = &self.store.sges()[i * max_sge..i * max_sge + w.nsge as usize];
                 // SAFETY: `UnsafeCell<Sge>` has the layout of `Sge`; the slot's SGEs were
                 // written before `sq_head` was published and are not rewritten while queued.
                 unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<Sge>(), s.len()) }
             };
             let inline = w.flags.contains(SendFlags::INLINE).then(|| {
                 (
-                    UnsafeCell::raw_get(self.wr_inline[i * max_inline..].as_ptr()).cast_const(),
+                    UnsafeCell::raw_get(self.store.inline()[i * max_inline..].as_ptr())
+                        .cast_const(),
                     w.inline_len as usize,
                 )
             });
@@ -539,7 +527,9 @@ impl QpShared {
             // SAFETY: `h` is in `[head, tail)`: written by the producer before its Release
             // store of `tail`, which we loaded with Acquire; the producer does not rewrite it
             // until we advance `head` past it.
-            let e = unsafe { *self.scq[h as usize & (self.scq.len() - 1)].get() };
+            let e = unsafe {
+                (*self.store.scq()[h as usize & (self.store.scq().len() - 1)].get()).assume_init()
+            };
             if !e.discard {
                 out[n] = e.wc;
                 n += 1;
@@ -606,33 +596,6 @@ pub struct SoftQp {
     pub(crate) s: Arc<QpShared>,
 }
 
-/// `n` cells allocated zeroed (`calloc`): the storage of queued requests' SGEs and inline
-/// bytes is written only when requests are queued (RNR, delays), so most of its pages never
-/// enter the resident set of a process holding thousands of QPs.
-///
-/// # Safety
-/// The all-zero bit pattern must be a valid `T`.
-unsafe fn zeroed_cells<T>(n: usize) -> Box<[UnsafeCell<T>]> {
-    if n == 0 || size_of::<T>() == 0 {
-        // SAFETY: the caller guarantees all-zero is a valid `T`.
-        return (0..n)
-            .map(|_| UnsafeCell::new(unsafe { std::mem::zeroed() }))
-            .collect();
-    }
-    let Ok(layout) = std::alloc::Layout::array::<UnsafeCell<T>>(n) else {
-        panic!("soft RNIC: a queue of {n} entries overflows the address space");
-    };
-    // SAFETY: the layout has a non-zero size (checked above).
-    let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<UnsafeCell<T>>();
-    if p.is_null() {
-        std::alloc::handle_alloc_error(layout);
-    }
-    // SAFETY: `p` is a fresh allocation of the global allocator with the layout of `[T; n]`,
-    // zeroed, which the caller guarantees is a valid `T` each; the box frees it with the same
-    // layout.
-    unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n)) }
-}
-
 fn create_err(kind: ErrorKind, detail: String) -> VerbsError {
     VerbsError::new(Verb::CreateQp, kind, detail)
 }
@@ -694,6 +657,18 @@ impl SoftQp {
                 CAPS.max_inline,
             ));
         }
+        let sq_cap = (caps.max_send_wr + 1).next_power_of_two();
+        let store = store::SendStore::new(
+            sq_cap as usize,
+            caps.max_send_sge.max(1) as usize,
+            caps.max_inline_data as usize,
+        )
+        .map_err(|e| {
+            create_err(
+                ErrorKind::OutOfMemory,
+                format!("soft RNIC: cannot map the send queue's storage ({sq_cap} entries): {e}"),
+            )
+        })?;
         let (scq, rcq) = (&send_cq.shared, &recv_cq.shared);
         if let Some(q) = srq {
             srq_attach(q, recv_cq)?;
@@ -837,8 +812,6 @@ impl SoftQp {
         dev.pub32(entry + qp::QP_NUM)
             .store(qp_num, Ordering::Release);
 
-        let sq_cap = (caps.max_send_wr + 1).next_power_of_two();
-        let max_sge = caps.max_send_sge.max(1) as usize;
         let s = Arc::new(QpShared {
             counters: dev.counters.qp(),
             dev: dev.clone(),
@@ -852,12 +825,7 @@ impl SoftQp {
             sq_head: AtomicU32::new(0),
             sq_exec: AtomicU32::new(0),
             sq_freed: AtomicU32::new(0),
-            wrs: (0..sq_cap).map(|_| UnsafeCell::default()).collect(),
-            // SAFETY: all-zero bytes are a valid `Sge` (plain integers).
-            wr_sges: unsafe { zeroed_cells(sq_cap as usize * max_sge) },
-            // SAFETY: as above: all-zero bytes are valid `u8`s.
-            wr_inline: unsafe { zeroed_cells(sq_cap as usize * caps.max_inline_data as usize) },
-            scq: (0..sq_cap).map(|_| UnsafeCell::default()).collect(),
+            store,
             scq_head: AtomicU32::new(0),
             scq_tail: AtomicU32::new(0),
             progress: AtomicBool::new(false),
