@@ -14,8 +14,8 @@
 //! registers (a slow path, as it is on any RDMA stack).
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use crossbeam_queue::ArrayQueue;
 
@@ -30,7 +30,10 @@ const PER_CLASS: usize = 64;
 /// Pool of registered bulk buffers of one protection domain.
 pub struct BulkPool<P: Provider> {
     pd: Arc<P::Pd>,
-    classes: Vec<ArrayQueue<P::Mr>>,
+    /// Free queues by size class, each made when a buffer of its class first comes back (a
+    /// pool that never caches a class costs nothing for it: a channel's pool is created on
+    /// every connect).
+    classes: [OnceLock<ArrayQueue<P::Mr>>; CLASSES],
     cached_bytes: AtomicUsize,
     max_cached: usize,
 }
@@ -38,7 +41,7 @@ pub struct BulkPool<P: Provider> {
 impl<P: Provider> BulkPool<P> {
     /// A pool caching at most `max_cached` bytes of idle buffers.
     pub fn new(pd: Arc<P::Pd>, max_cached: usize) -> Arc<BulkPool<P>> {
-        let classes = (0..CLASSES).map(|_| ArrayQueue::new(PER_CLASS)).collect();
+        let classes = std::array::from_fn(|_| OnceLock::new());
         Arc::new(BulkPool {
             pd,
             classes,
@@ -65,8 +68,8 @@ impl<P: Provider> BulkPool<P> {
                 "bulk payload larger than 1 GiB",
             ));
         };
-        let q = &self.classes[(class - MIN_CLASS) as usize];
-        let mr = match q.pop() {
+        let q = self.classes[(class - MIN_CLASS) as usize].get();
+        let mr = match q.and_then(ArrayQueue::pop) {
             Some(mr) => {
                 self.cached_bytes.fetch_sub(1 << class, Ordering::Relaxed);
                 mr
@@ -89,7 +92,9 @@ impl<P: Provider> BulkPool<P> {
         if self.cached_bytes.load(Ordering::Relaxed) + size > self.max_cached {
             return; // dropped: deregistered and freed
         }
-        if self.classes[(class - MIN_CLASS) as usize].push(mr).is_ok() {
+        let q =
+            self.classes[(class - MIN_CLASS) as usize].get_or_init(|| ArrayQueue::new(PER_CLASS));
+        if q.push(mr).is_ok() {
             self.cached_bytes.fetch_add(size, Ordering::Relaxed);
         }
     }
