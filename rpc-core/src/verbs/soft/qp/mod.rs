@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 mod rq;
 
-pub(crate) use rq::{Rq, SrqState};
+pub(crate) use rq::{Rq, SrqState, shared_claim_next};
 
 use super::counters::QpCounters;
 use super::cq::{CqShared, SoftCq};
