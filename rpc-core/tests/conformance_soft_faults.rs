@@ -974,6 +974,9 @@ fn fence_makes_the_send_wait_for_the_read() {
     );
 }
 
+const OK: WcStatus = WcStatus::Success;
+const FLUSH: WcStatus = WcStatus::WrFlushErr;
+
 /// An SRQ of context A with six receives posted and two QPs on it, each connected to a peer
 /// in a context of its own (so that one peer can die alone). Fields drop in this order.
 struct SrqPeers {
@@ -1055,11 +1058,29 @@ impl SrqPeers {
         }
     }
 
+    /// The peer of our QP `i` claims the next receive and gets as far as `stage` (see
+    /// [`fault::claim_srq_recv`]).
+    fn claim(&self, i: usize, stage: fault::SrqClaim) {
+        assert!(fault::claim_srq_recv(&self.srq, &self.mine[i], stage));
+    }
+
     /// The peer of our QP `i` dies, and the QP moves to ERROR (as the RPC layer's watchdog
     /// handling would leave it).
     fn kill(&self, i: usize) {
         assert!(fault::fake_peer_death(&self.mine[i]));
         fault::force_error(&self.mine[i]);
+    }
+
+    /// Polls the next completions of the SRQ's CQ: `(wr_id, status, index of our QP named)`
+    /// each.
+    fn expect(&mut self, want: &[(u64, WcStatus, usize)]) {
+        let wcs = poll_n(&mut self.a_cq, want.len());
+        let got: Vec<_> = wcs.iter().map(|w| (w.wr_id, w.status, w.qp_num)).collect();
+        let want: Vec<_> = want
+            .iter()
+            .map(|&(id, st, i)| (id, st, self.mine[i].qp_num()))
+            .collect();
+        assert_eq!(got, want, "{wcs:?}");
     }
 
     /// Asserts that no completion arrives for a while (a claim in progress holds the rest).
@@ -1078,40 +1099,16 @@ impl SrqPeers {
 fn srq_claim_of_a_dead_peer_is_flushed() {
     let mut t = SrqPeers::new();
     // Receive 0 is claimed by QP 0's peer, which dies copying; QP 1's peer then takes 1 and 2.
-    assert!(fault::claim_srq_recv(
-        &t.srq,
-        &t.mine[0],
-        fault::SrqClaim::Named
-    ));
+    t.claim(0, fault::SrqClaim::Named);
     t.send(1, 2);
     t.assert_quiet("completions behind a claim in progress");
     t.kill(0);
-    let wcs = poll_n(&mut t.a_cq, 3);
-    assert_eq!(
-        (wcs[0].wr_id, wcs[0].status, wcs[0].qp_num),
-        (0, WcStatus::WrFlushErr, t.mine[0].qp_num()),
-        "{wcs:?}"
-    );
-    for (wc, slot) in wcs[1..].iter().zip(1..) {
-        assert_ok(wc, slot);
-        assert_eq!(wc.qp_num, t.mine[1].qp_num(), "{wc:?}");
-    }
+    t.expect(&[(0, FLUSH, 0), (1, OK, 1), (2, OK, 1)]);
     // A claim of QP 0 whose claimer died right after its compare-and-swap is flushed too:
     // the claim after it (receive 4, QP 1's) named it in passing.
-    assert!(fault::claim_srq_recv(
-        &t.srq,
-        &t.mine[0],
-        fault::SrqClaim::Swapped
-    ));
+    t.claim(0, fault::SrqClaim::Swapped);
     t.send(1, 1);
-    let wcs = poll_n(&mut t.a_cq, 2);
-    assert_eq!(
-        (wcs[0].wr_id, wcs[0].status, wcs[0].qp_num),
-        (3, WcStatus::WrFlushErr, t.mine[0].qp_num()),
-        "{wcs:?}"
-    );
-    assert_ok(&wcs[1], 4);
-    assert_eq!(wcs[1].qp_num, t.mine[1].qp_num());
+    t.expect(&[(3, FLUSH, 0), (4, OK, 1)]);
 }
 
 /// The hazard a claim named after its compare-and-swap had: a live peer descheduled between
@@ -1124,23 +1121,10 @@ fn srq_claim_in_progress_of_a_live_peer_is_not_flushed() {
     let mut t = SrqPeers::new();
     // Receive 0: QP 0's peer swapped and died. Receive 1: QP 1's peer swapped (naming
     // receive 0 in passing) and is about to name its own claim: the claim word's.
-    assert!(fault::claim_srq_recv(
-        &t.srq,
-        &t.mine[0],
-        fault::SrqClaim::Swapped
-    ));
-    assert!(fault::claim_srq_recv(
-        &t.srq,
-        &t.mine[1],
-        fault::SrqClaim::Swapped
-    ));
+    t.claim(0, fault::SrqClaim::Swapped);
+    t.claim(1, fault::SrqClaim::Swapped);
     t.kill(0);
-    let wcs = poll_n(&mut t.a_cq, 1);
-    assert_eq!(
-        (wcs[0].wr_id, wcs[0].status, wcs[0].qp_num),
-        (0, WcStatus::WrFlushErr, t.mine[0].qp_num()),
-        "{wcs:?}"
-    );
+    t.expect(&[(0, FLUSH, 0)]);
     t.assert_quiet("a live peer's claim in progress was flushed");
     // QP 1's peer goes on sending (receive 2: it names receive 1 in its slot on the way);
     // receive 1 still holds the completions behind it, and is still not flushed.
@@ -1148,22 +1132,8 @@ fn srq_claim_in_progress_of_a_live_peer_is_not_flushed() {
     t.assert_quiet("a live peer's named claim in progress was flushed");
     // A dead peer's claim after the live one's is not flushed ahead of it either (in
     // order), and once QP 1's peer dies too, its claim goes and the rest arrive.
-    assert!(fault::claim_srq_recv(
-        &t.srq,
-        &t.mine[0],
-        fault::SrqClaim::Swapped
-    ));
+    t.claim(0, fault::SrqClaim::Swapped);
     t.assert_quiet("completions overtook a claim in progress");
     t.kill(1);
-    let wcs = poll_n(&mut t.a_cq, 3);
-    let got: Vec<_> = wcs.iter().map(|w| (w.wr_id, w.status, w.qp_num)).collect();
-    assert_eq!(
-        got,
-        [
-            (1, WcStatus::WrFlushErr, t.mine[1].qp_num()),
-            (2, WcStatus::Success, t.mine[1].qp_num()),
-            (3, WcStatus::WrFlushErr, t.mine[0].qp_num()),
-        ],
-        "{wcs:?}"
-    );
+    t.expect(&[(1, FLUSH, 1), (2, OK, 1), (3, FLUSH, 0)]);
 }

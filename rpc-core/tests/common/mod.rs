@@ -479,21 +479,26 @@ pub async fn blocking<T: Send + 'static>(
 }
 
 /// One `lab.Lab/Echo` call on `ch` carrying `seq` and 16 bytes of its pattern; panics when it
-/// fails (naming `seq`), takes over a minute, or answers another `seq`.
-pub async fn echo_seq(ch: &Channel, seq: u64) {
-    let r = within(
+/// takes over a minute.
+pub async fn echo_call(ch: &Channel, seq: u64) -> Result<Response<Blob>, Status> {
+    let req = Request::new(Blob {
+        seq,
+        data: pattern(16, seq),
+    });
+    within(
         Duration::from_secs(60),
         "echo",
-        ch.unary::<_, Blob>(
-            &lab_server::ECHO,
-            Request::new(Blob {
-                seq,
-                data: pattern(16, seq),
-            }),
-        ),
+        ch.unary::<_, Blob>(&lab_server::ECHO, req),
     )
     .await
-    .unwrap_or_else(|st| panic!("echo {seq} failed: {st:?}"));
+}
+
+/// [`echo_call`] that must succeed: panics when it fails (naming `seq`), hangs, or answers
+/// another `seq`.
+pub async fn echo_seq(ch: &Channel, seq: u64) {
+    let r = echo_call(ch, seq)
+        .await
+        .unwrap_or_else(|st| panic!("echo {seq} failed: {st:?}"));
     assert_eq!(r.get_ref().seq, seq, "echo {seq}: answered another call");
 }
 
