@@ -19,6 +19,15 @@ use rpc_core::verbs::{
 
 const SIG: SendFlags = SendFlags::SIGNALED;
 
+/// Moves `a` and `b` to INIT and connects them to each other with `attr`.
+fn join(a: &mut SoftQp, b: &mut SoftQp, attr: &ConnectAttr) {
+    a.modify_to_init(attr.access).unwrap();
+    b.modify_to_init(attr.access).unwrap();
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.connect(&eb, attr).unwrap();
+    b.connect(&ea, attr).unwrap();
+}
+
 /// Two connected QPs in two contexts of this process, driven from one thread.
 struct Pair {
     a_ctx: SoftContext,
@@ -51,11 +60,7 @@ fn pair_in(
     let caps = Opts::default().caps;
     let mut a = a_pd.create_qp(&a_cq, &a_cq, caps).unwrap();
     let mut b = b_pd.create_qp(&b_cq, &b_cq, caps).unwrap();
-    a.modify_to_init(attr.access).unwrap();
-    b.modify_to_init(attr.access).unwrap();
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb, &attr).unwrap();
-    b.connect(&ea, &attr).unwrap();
+    join(&mut a, &mut b, &attr);
     Pair {
         a_ctx,
         b_ctx,
@@ -501,11 +506,7 @@ fn reset_and_reconnect() {
     // Reset discards without completions.
     assert!(poll_for(&mut p.b_cq, Duration::from_millis(5)).is_empty());
     let attr = ConnectAttr::default();
-    p.a.modify_to_init(attr.access).unwrap();
-    p.b.modify_to_init(attr.access).unwrap();
-    let (ea, eb) = (p.a.endpoint(), p.b.endpoint());
-    p.a.connect(&eb, &attr).unwrap();
-    p.b.connect(&ea, &attr).unwrap();
+    join(&mut p.a, &mut p.b, &attr);
     post_recv(&mut p.b, 2, &[dst.sge(0, 64).unwrap()]);
     write_mr(&mr, 0, b"again!!!");
     post_send(&mut p.a, 3, WrOp::Send, &[mr.sge(0, 8).unwrap()], SIG);
@@ -522,11 +523,7 @@ fn loopback_in_one_context() {
     let attr = ConnectAttr::default();
     let mut x = pd.create_qp(&cq, &cq, caps).unwrap();
     let mut y = pd.create_qp(&cq, &cq, caps).unwrap();
-    x.modify_to_init(attr.access).unwrap();
-    y.modify_to_init(attr.access).unwrap();
-    let (ex, ey) = (x.endpoint(), y.endpoint());
-    x.connect(&ey, &attr).unwrap();
-    y.connect(&ex, &attr).unwrap();
+    join(&mut x, &mut y, &attr);
     let mr = mr_all::<Soft>(&pd, 128);
     write_mr(&mr, 0, b"loopback");
     post_recv(&mut y, 1, &[mr.sge(64, 64).unwrap()]);
@@ -674,11 +671,7 @@ fn concurrent_post_poll_under_rnr() {
     };
     let mut a = a_pd.create_qp(&a_cq, &a_cq, a_caps).unwrap();
     let mut b = b_pd.create_qp(&b_cq, &b_cq, b_caps).unwrap();
-    a.modify_to_init(attr.access).unwrap();
-    b.modify_to_init(attr.access).unwrap();
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb, &attr).unwrap();
-    b.connect(&ea, &attr).unwrap();
+    join(&mut a, &mut b, &attr);
     let rbuf = mr_all::<Soft>(&b_pd, 4 * 8);
     let deadline = Instant::now() + Duration::from_secs(60);
     std::thread::scope(|sc| {
@@ -1014,11 +1007,7 @@ impl SrqPeers {
             let cq = ctx.create_cq(64, None).unwrap();
             let mut b = pd.create_qp(&cq, &cq, caps).unwrap();
             let mut a = a_pd.create_qp_on_srq(&a_cq, &a_cq, caps, &srq).unwrap();
-            a.modify_to_init(attr.access).unwrap();
-            b.modify_to_init(attr.access).unwrap();
-            let (ea, eb) = (a.endpoint(), b.endpoint());
-            a.connect(&eb, &attr).unwrap();
-            b.connect(&ea, &attr).unwrap();
+            join(&mut a, &mut b, &attr);
             let b_mr = mr_all::<Soft>(&pd, 64);
             mine.push(a);
             peers.push((b, cq, b_mr));
