@@ -19,6 +19,15 @@ use rpc_core::verbs::{
 
 const SIG: SendFlags = SendFlags::SIGNALED;
 
+/// Moves `a` and `b` to INIT and connects them to each other with `attr`.
+fn join(a: &mut SoftQp, b: &mut SoftQp, attr: &ConnectAttr) {
+    a.modify_to_init(attr.access).unwrap();
+    b.modify_to_init(attr.access).unwrap();
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.connect(&eb, attr).unwrap();
+    b.connect(&ea, attr).unwrap();
+}
+
 /// Two connected QPs in two contexts of this process, driven from one thread.
 struct Pair {
     a_ctx: SoftContext,
@@ -51,11 +60,7 @@ fn pair_in(
     let caps = Opts::default().caps;
     let mut a = a_pd.create_qp(&a_cq, &a_cq, caps).unwrap();
     let mut b = b_pd.create_qp(&b_cq, &b_cq, caps).unwrap();
-    a.modify_to_init(attr.access).unwrap();
-    b.modify_to_init(attr.access).unwrap();
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb, &attr).unwrap();
-    b.connect(&ea, &attr).unwrap();
+    join(&mut a, &mut b, &attr);
     Pair {
         a_ctx,
         b_ctx,
@@ -501,11 +506,7 @@ fn reset_and_reconnect() {
     // Reset discards without completions.
     assert!(poll_for(&mut p.b_cq, Duration::from_millis(5)).is_empty());
     let attr = ConnectAttr::default();
-    p.a.modify_to_init(attr.access).unwrap();
-    p.b.modify_to_init(attr.access).unwrap();
-    let (ea, eb) = (p.a.endpoint(), p.b.endpoint());
-    p.a.connect(&eb, &attr).unwrap();
-    p.b.connect(&ea, &attr).unwrap();
+    join(&mut p.a, &mut p.b, &attr);
     post_recv(&mut p.b, 2, &[dst.sge(0, 64).unwrap()]);
     write_mr(&mr, 0, b"again!!!");
     post_send(&mut p.a, 3, WrOp::Send, &[mr.sge(0, 8).unwrap()], SIG);
@@ -522,11 +523,7 @@ fn loopback_in_one_context() {
     let attr = ConnectAttr::default();
     let mut x = pd.create_qp(&cq, &cq, caps).unwrap();
     let mut y = pd.create_qp(&cq, &cq, caps).unwrap();
-    x.modify_to_init(attr.access).unwrap();
-    y.modify_to_init(attr.access).unwrap();
-    let (ex, ey) = (x.endpoint(), y.endpoint());
-    x.connect(&ey, &attr).unwrap();
-    y.connect(&ex, &attr).unwrap();
+    join(&mut x, &mut y, &attr);
     let mr = mr_all::<Soft>(&pd, 128);
     write_mr(&mr, 0, b"loopback");
     post_recv(&mut y, 1, &[mr.sge(64, 64).unwrap()]);
@@ -674,11 +671,7 @@ fn concurrent_post_poll_under_rnr() {
     };
     let mut a = a_pd.create_qp(&a_cq, &a_cq, a_caps).unwrap();
     let mut b = b_pd.create_qp(&b_cq, &b_cq, b_caps).unwrap();
-    a.modify_to_init(attr.access).unwrap();
-    b.modify_to_init(attr.access).unwrap();
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb, &attr).unwrap();
-    b.connect(&ea, &attr).unwrap();
+    join(&mut a, &mut b, &attr);
     let rbuf = mr_all::<Soft>(&b_pd, 4 * 8);
     let deadline = Instant::now() + Duration::from_secs(60);
     std::thread::scope(|sc| {
@@ -974,90 +967,162 @@ fn fence_makes_the_send_wait_for_the_read() {
     );
 }
 
-/// A peer that dies holding a claim on a shared receive queue does not wedge it: once the QP
-/// the claim names is in ERROR with its peer dead, the receive is flushed naming that QP
-/// (a claim that names no QP: naming QP 0) and the other QPs' messages behind it arrive.
-#[test]
-fn srq_claim_of_a_dead_peer_is_flushed() {
-    let a_ctx = Soft::open(None).unwrap();
-    let a_pd = a_ctx.alloc_pd().unwrap();
-    let mut a_cq = a_ctx.create_cq(256, None).unwrap();
-    let mut srq = a_pd
-        .create_srq(SrqCaps {
-            max_wr: 8,
-            max_sge: 1,
-        })
-        .unwrap();
-    let caps = QpCaps {
-        max_recv_wr: 0,
-        ..Opts::default().caps
-    };
-    let attr = ConnectAttr::default();
-    // Two peers in two contexts, so that one of them can die alone.
-    let mut peers = Vec::new();
-    let mut mine = Vec::new();
-    for _ in 0..2 {
-        let ctx = Soft::open(None).unwrap();
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(64, None).unwrap();
-        let mut b = pd.create_qp(&cq, &cq, caps).unwrap();
-        let mut a = a_pd.create_qp_on_srq(&a_cq, &a_cq, caps, &srq).unwrap();
-        a.modify_to_init(attr.access).unwrap();
-        b.modify_to_init(attr.access).unwrap();
-        let (ea, eb) = (a.endpoint(), b.endpoint());
-        a.connect(&eb, &attr).unwrap();
-        b.connect(&ea, &attr).unwrap();
-        mine.push(a);
-        peers.push((ctx, pd, cq, b));
-    }
-    let mr = mr_all::<Soft>(&a_pd, 8 * 64);
-    for slot in 0..6u64 {
-        let sge = mr.sge(slot as usize * 64, 64).unwrap();
-        let wr = RecvWr {
-            wr_id: slot,
-            sg_list: std::slice::from_ref(&sge),
+const OK: WcStatus = WcStatus::Success;
+const FLUSH: WcStatus = WcStatus::WrFlushErr;
+
+/// An SRQ of context A with six receives posted and two QPs on it, each connected to a peer
+/// in a context of its own (so that one peer can die alone). Fields drop in this order.
+struct SrqPeers {
+    /// Per peer: its QP, CQ and an 8-byte source region (fields drop first to last).
+    peers: Vec<(SoftQp, SoftCq, <Soft as Provider>::Mr)>,
+    _peer_pds: Vec<(<Soft as Provider>::Pd, SoftContext)>,
+    mine: Vec<SoftQp>,
+    _mr: <Soft as Provider>::Mr,
+    srq: <Soft as Provider>::Srq,
+    a_cq: SoftCq,
+    _a_pd: <Soft as Provider>::Pd,
+    _a_ctx: SoftContext,
+}
+
+impl SrqPeers {
+    fn new() -> SrqPeers {
+        let a_ctx = Soft::open(None).unwrap();
+        let a_pd = a_ctx.alloc_pd().unwrap();
+        let a_cq = a_ctx.create_cq(256, None).unwrap();
+        let mut srq = a_pd
+            .create_srq(SrqCaps {
+                max_wr: 8,
+                max_sge: 1,
+            })
+            .unwrap();
+        let caps = QpCaps {
+            max_recv_wr: 0,
+            ..Opts::default().caps
         };
-        // SAFETY: the region outlives the SRQ's QPs; read only after completions.
-        unsafe { srq.post_recv(std::slice::from_ref(&wr)) }.unwrap();
+        let attr = ConnectAttr::default();
+        let (mut peers, mut peer_pds, mut mine) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..2 {
+            let ctx = Soft::open(None).unwrap();
+            let pd = ctx.alloc_pd().unwrap();
+            let cq = ctx.create_cq(64, None).unwrap();
+            let mut b = pd.create_qp(&cq, &cq, caps).unwrap();
+            let mut a = a_pd.create_qp_on_srq(&a_cq, &a_cq, caps, &srq).unwrap();
+            join(&mut a, &mut b, &attr);
+            let b_mr = mr_all::<Soft>(&pd, 64);
+            mine.push(a);
+            peers.push((b, cq, b_mr));
+            peer_pds.push((pd, ctx));
+        }
+        let mr = mr_all::<Soft>(&a_pd, 8 * 64);
+        for slot in 0..6u64 {
+            let sge = mr.sge(slot as usize * 64, 64).unwrap();
+            let wr = RecvWr {
+                wr_id: slot,
+                sg_list: std::slice::from_ref(&sge),
+            };
+            // SAFETY: the region outlives the SRQ's QPs (dropped after them); read only after
+            // completions.
+            unsafe { srq.post_recv(std::slice::from_ref(&wr)) }.unwrap();
+        }
+        SrqPeers {
+            peers,
+            _peer_pds: peer_pds,
+            mine,
+            _mr: mr,
+            srq,
+            a_cq,
+            _a_pd: a_pd,
+            _a_ctx: a_ctx,
+        }
     }
-    let (_, b_pd, b_cq, b) = &mut peers[1];
-    let b_mr = mr_all::<Soft>(b_pd, 64);
-    let send = |n: usize, b: &mut SoftQp, cq: &mut SoftCq| {
+
+    /// Peer `i` sends `n` messages, all of which complete successfully on its side.
+    fn send(&mut self, i: usize, n: usize) {
+        let (b, cq, b_mr) = &mut self.peers[i];
         for k in 0..n {
             post_send(b, k as u64, WrOp::Send, &[b_mr.sge(0, 8).unwrap()], SIG);
         }
         for wc in poll_n(cq, n) {
             assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
         }
-    };
-    // Receive 0 is claimed by QP 0's peer, which dies; QP 1's peer then takes 1 and 2.
-    assert!(fault::abandon_srq_claim(&srq, Some(&mine[0])));
-    send(2, b, b_cq);
-    assert!(
-        poll_for(&mut a_cq, Duration::from_millis(20)).is_empty(),
-        "completions behind a claim in progress"
-    );
-    assert!(fault::fake_peer_death(&mine[0]));
-    fault::force_error(&mine[0]);
-    let wcs = poll_n(&mut a_cq, 3);
-    assert_eq!(
-        (wcs[0].wr_id, wcs[0].status, wcs[0].qp_num),
-        (0, WcStatus::WrFlushErr, mine[0].qp_num()),
-        "{wcs:?}"
-    );
-    for (wc, slot) in wcs[1..].iter().zip(1..) {
-        assert_ok(wc, slot);
-        assert_eq!(wc.qp_num, mine[1].qp_num(), "{wc:?}");
     }
-    // A claim that names nobody is flushed too, since a peer of the SRQ is dead.
-    assert!(fault::abandon_srq_claim(&srq, None));
-    send(1, b, b_cq);
-    let wcs = poll_n(&mut a_cq, 2);
-    assert_eq!(
-        (wcs[0].wr_id, wcs[0].status, wcs[0].qp_num),
-        (3, WcStatus::WrFlushErr, 0),
-        "{wcs:?}"
-    );
-    assert_ok(&wcs[1], 4);
-    assert_eq!(wcs[1].qp_num, mine[1].qp_num());
+
+    /// The peer of our QP `i` claims the next receive and gets as far as `stage` (see
+    /// [`fault::claim_srq_recv`]).
+    fn claim(&self, i: usize, stage: fault::SrqClaim) {
+        assert!(fault::claim_srq_recv(&self.srq, &self.mine[i], stage));
+    }
+
+    /// The peer of our QP `i` dies, and the QP moves to ERROR (as the RPC layer's watchdog
+    /// handling would leave it).
+    fn kill(&self, i: usize) {
+        assert!(fault::fake_peer_death(&self.mine[i]));
+        fault::force_error(&self.mine[i]);
+    }
+
+    /// Polls the next completions of the SRQ's CQ: `(wr_id, status, index of our QP named)`
+    /// each.
+    fn expect(&mut self, want: &[(u64, WcStatus, usize)]) {
+        let wcs = poll_n(&mut self.a_cq, want.len());
+        let got: Vec<_> = wcs.iter().map(|w| (w.wr_id, w.status, w.qp_num)).collect();
+        let want: Vec<_> = want
+            .iter()
+            .map(|&(id, st, i)| (id, st, self.mine[i].qp_num()))
+            .collect();
+        assert_eq!(got, want, "{wcs:?}");
+    }
+
+    /// Asserts that no completion arrives for a while (a claim in progress holds the rest).
+    fn assert_quiet(&mut self, why: &str) {
+        let wcs = poll_for(&mut self.a_cq, Duration::from_millis(20));
+        assert!(wcs.is_empty(), "{why}: {wcs:?}");
+    }
+}
+
+/// A peer that dies holding a claim on a shared receive queue does not wedge it: once the QP
+/// the claim names is in ERROR with its peer dead, the receive is flushed naming that QP, and
+/// the other QPs' messages behind it arrive; whether the claimer died copying (the claim named
+/// in its slot) or right after its compare-and-swap (named by the claim word, then in its slot
+/// by the next claimer).
+#[test]
+fn srq_claim_of_a_dead_peer_is_flushed() {
+    let mut t = SrqPeers::new();
+    // Receive 0 is claimed by QP 0's peer, which dies copying; QP 1's peer then takes 1 and 2.
+    t.claim(0, fault::SrqClaim::Named);
+    t.send(1, 2);
+    t.assert_quiet("completions behind a claim in progress");
+    t.kill(0);
+    t.expect(&[(0, FLUSH, 0), (1, OK, 1), (2, OK, 1)]);
+    // A claim of QP 0 whose claimer died right after its compare-and-swap is flushed too:
+    // the claim after it (receive 4, QP 1's) named it in passing.
+    t.claim(0, fault::SrqClaim::Swapped);
+    t.send(1, 1);
+    t.expect(&[(3, FLUSH, 0), (4, OK, 1)]);
+}
+
+/// The hazard a claim named after its compare-and-swap had: a live peer descheduled between
+/// claiming a shared receive and naming it, while another peer of the SRQ is dead. Its claim
+/// is named by the claim word from the instant it is made, so it is never flushed (its
+/// claimer would write into a buffer handed back); the dead peer's claims, the one right
+/// before it included, still are.
+#[test]
+fn srq_claim_in_progress_of_a_live_peer_is_not_flushed() {
+    let mut t = SrqPeers::new();
+    // Receive 0: QP 0's peer swapped and died. Receive 1: QP 1's peer swapped (naming
+    // receive 0 in passing) and is about to name its own claim: the claim word's.
+    t.claim(0, fault::SrqClaim::Swapped);
+    t.claim(1, fault::SrqClaim::Swapped);
+    t.kill(0);
+    t.expect(&[(0, FLUSH, 0)]);
+    t.assert_quiet("a live peer's claim in progress was flushed");
+    // QP 1's peer goes on sending (receive 2: it names receive 1 in its slot on the way);
+    // receive 1 still holds the completions behind it, and is still not flushed.
+    t.send(1, 1);
+    t.assert_quiet("a live peer's named claim in progress was flushed");
+    // A dead peer's claim after the live one's is not flushed ahead of it either (in
+    // order), and once QP 1's peer dies too, its claim goes and the rest arrive.
+    t.claim(0, fault::SrqClaim::Swapped);
+    t.assert_quiet("completions overtook a claim in progress");
+    t.kill(1);
+    t.expect(&[(1, FLUSH, 1), (2, OK, 1), (3, FLUSH, 0)]);
 }

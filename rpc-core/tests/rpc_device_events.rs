@@ -11,7 +11,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::proc::{ChildProc, child_role, exit_with_parent, report};
-use common::{Blob, SleepRequest, TestServer, lab_server, pattern, within};
+use common::{Blob, SleepRequest, TestServer, echo_call, lab_server, within};
 use rpc_core::verbs::{AsyncEvent, ProviderKind};
 use rpc_core::{Channel, ClientPoller, Code, Request, Response, Status};
 
@@ -47,23 +47,7 @@ fn child_process_entry() {
 /// it ends `UNAVAILABLE` naming the cause, at once; then the channel reconnects (the soft
 /// device is not really dead) and is served.
 async fn a_call_in_flight_fails_with_the_device(ch: &Channel, what: &str) {
-    let echo = |seq: u64| {
-        let ch = ch.clone();
-        async move {
-            within(
-                Duration::from_secs(20),
-                "echo",
-                ch.unary::<_, Blob>(
-                    &lab_server::ECHO,
-                    Request::new(Blob {
-                        seq,
-                        data: pattern(10, seq),
-                    }),
-                ),
-            )
-            .await
-        }
-    };
+    let echo = |seq: u64| echo_call(ch, seq);
     let _: Response<Blob> = echo(1).await.unwrap();
     let sleeping = {
         let ch = ch.clone();

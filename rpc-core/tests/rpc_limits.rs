@@ -8,27 +8,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Blob, TestServer, lab_server, pattern, within};
-use rpc_core::{Channel, Code, Request};
+use common::{TestServer, echo_seq, within};
+use rpc_core::Code;
 
 const LIMIT: Duration = Duration::from_secs(60);
-
-async fn echo(ch: &Channel, seq: u64) {
-    let r = within(
-        LIMIT,
-        "echo",
-        ch.unary::<_, Blob>(
-            &lab_server::ECHO,
-            Request::new(Blob {
-                seq,
-                data: pattern(16, seq),
-            }),
-        ),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.get_ref().seq, seq);
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_past_its_connection_limit_is_refused_and_the_others_are_served() {
@@ -44,8 +27,8 @@ async fn a_peer_past_its_connection_limit_is_refused_and_the_others_are_served()
             .contains("too many connections from 127.0.0.1"),
         "the refusal says why: {e}"
     );
-    echo(&a, 1).await;
-    echo(&b, 2).await;
+    echo_seq(&a, 1).await;
+    echo_seq(&b, 2).await;
     // A closed connection frees its place (the server sees the close shortly after).
     drop(a);
     let start = Instant::now();
@@ -59,6 +42,6 @@ async fn a_peer_past_its_connection_limit_is_refused_and_the_others_are_served()
             Err(e) => panic!("the place was not freed: {e}"),
         }
     };
-    echo(&c, 3).await;
-    echo(&b, 4).await;
+    echo_seq(&c, 3).await;
+    echo_seq(&b, 4).await;
 }

@@ -11,8 +11,8 @@ mod common;
 use std::time::Duration;
 
 use common::proc::{ChildProc, child_role, report};
-use common::{Blob, TestServer, lab_server, pattern, within};
-use rpc_core::{Channel, Request};
+use common::{TestServer, echo_seq, open_fds, within};
+use rpc_core::Channel;
 
 const ENTRY: &str = "child_process_entry";
 const CONNECTIONS: u64 = 1200;
@@ -62,10 +62,6 @@ fn child_process_entry() {
     });
 }
 
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_reconnects_leaks_no_server_descriptor() {
     use rpc_core::verbs::ProviderKind;
@@ -87,20 +83,7 @@ async fn a_client_that_reconnects_leaks_no_server_descriptor() {
         )
         .await
         .unwrap_or_else(|e| panic!("connection {seq} refused: {e}"));
-        let r = within(
-            Duration::from_secs(20),
-            "echo",
-            ch.unary::<_, Blob>(
-                &lab_server::ECHO,
-                Request::new(Blob {
-                    seq,
-                    data: pattern(16, seq),
-                }),
-            ),
-        )
-        .await
-        .unwrap_or_else(|st| panic!("call on connection {seq} failed: {st:?}"));
-        assert_eq!(r.get_ref().seq, seq);
+        echo_seq(&ch, seq).await;
         drop(ch);
         if seq == 9 {
             child.tell("count");

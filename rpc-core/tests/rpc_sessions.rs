@@ -8,33 +8,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Blob, TestServer, lab_server, pattern, within};
-use rpc_core::{Channel, ClientPoller, Request};
+use common::{TestServer, echo_seq, threads, within};
+use rpc_core::ClientPoller;
 
 const CHANNELS: usize = 24;
-
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .map(|d| d.count())
-        .unwrap_or(0)
-}
-
-async fn echo(ch: &Channel, seq: u64) {
-    let r = within(
-        Duration::from_secs(60),
-        "echo",
-        ch.unary::<_, Blob>(
-            &lab_server::ECHO,
-            Request::new(Blob {
-                seq,
-                data: pattern(16, seq),
-            }),
-        ),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.get_ref().seq, seq);
-}
 
 /// Channels polled by their callers add no thread each: the device context (and, on soft,
 /// its service thread) is opened once per process, however many channels use it.
@@ -42,17 +19,17 @@ async fn echo(ch: &Channel, seq: u64) {
 async fn caller_polled_channels_share_one_device_and_add_no_threads() {
     let srv = TestServer::start().await;
     let first = srv.channel(ClientPoller::Caller).await;
-    echo(&first, 0).await;
+    echo_seq(&first, 0).await;
     let before = threads();
     let mut more = Vec::new();
     for i in 0..CHANNELS {
         let ch = srv.channel(ClientPoller::Caller).await;
-        echo(&ch, i as u64 + 1).await;
+        echo_seq(&ch, i as u64 + 1).await;
         more.push(ch);
     }
     // Every channel still works, in any order.
     for (i, ch) in more.iter().enumerate().rev() {
-        echo(ch, 100 + i as u64).await;
+        echo_seq(ch, 100 + i as u64).await;
     }
     let after = threads();
     assert!(
@@ -61,7 +38,7 @@ async fn caller_polled_channels_share_one_device_and_add_no_threads() {
         after.saturating_sub(before)
     );
     drop(more);
-    echo(&first, 1000).await;
+    echo_seq(&first, 1000).await;
 }
 
 /// A server with default settings holds hundreds of connections on one shard, past the two
@@ -96,12 +73,12 @@ async fn a_default_server_holds_hundreds_of_connections_on_one_shard() {
             Err(e) => panic!("connection {i} refused: {e}"),
         };
         if i % 50 == 0 {
-            echo(&ch, i as u64).await;
+            echo_seq(&ch, i as u64).await;
         }
         chans.push(ch);
     }
     // Every one of them is served.
     for (i, ch) in chans.iter().enumerate() {
-        echo(ch, 10_000 + i as u64).await;
+        echo_seq(ch, 10_000 + i as u64).await;
     }
 }

@@ -478,6 +478,44 @@ pub async fn blocking<T: Send + 'static>(
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
 }
 
+/// One `lab.Lab/Echo` call on `ch` carrying `seq` and 16 bytes of its pattern; panics when it
+/// takes over a minute.
+pub async fn echo_call(ch: &Channel, seq: u64) -> Result<Response<Blob>, Status> {
+    let req = Request::new(Blob {
+        seq,
+        data: pattern(16, seq),
+    });
+    within(
+        Duration::from_secs(60),
+        "echo",
+        ch.unary::<_, Blob>(&lab_server::ECHO, req),
+    )
+    .await
+}
+
+/// [`echo_call`] that must succeed: panics when it fails (naming `seq`), hangs, or answers
+/// another `seq`.
+pub async fn echo_seq(ch: &Channel, seq: u64) {
+    let r = echo_call(ch, seq)
+        .await
+        .unwrap_or_else(|st| panic!("echo {seq} failed: {st:?}"));
+    assert_eq!(r.get_ref().seq, seq, "echo {seq}: answered another call");
+}
+
+/// Threads of this process (entries of `/proc/self/task`; 0 when it cannot be read).
+pub fn threads() -> usize {
+    proc_self_entries("task")
+}
+
+/// Open descriptors of this process (entries of `/proc/self/fd`; 0 when it cannot be read).
+pub fn open_fds() -> usize {
+    proc_self_entries("fd")
+}
+
+fn proc_self_entries(dir: &str) -> usize {
+    std::fs::read_dir(format!("/proc/self/{dir}")).map_or(0, |d| d.count())
+}
+
 /// Whether the tests run in the Soft-RoCE VM (sizes and counts scaled down there: the guest
 /// runs under software emulation). `softroce/vm.sh` exports `SOFTROCE=1` to its programs.
 /// Read once and cached: later calls do not touch the environment (reading it allocates, which

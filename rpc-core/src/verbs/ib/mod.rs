@@ -75,6 +75,7 @@
 //! At INFO, in NCCL's style: `NET/IB : Using [0]rxe0:1/RoCE`, the GID index chosen and why,
 //! and each QP reaching RTS.
 
+mod chain;
 mod cq;
 mod device;
 mod events;

@@ -16,6 +16,7 @@ use rdma_sys::{
     ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode,
 };
 
+use super::chain::{link_chain, taken};
 use super::cq::{CqShared, IbCq};
 use super::device::{RawContext, last_errno, ret_errno};
 use super::ledger::{Ledger, RECV_TAG};
@@ -696,17 +697,8 @@ impl IbQp {
         if n == 0 {
             return Ok(());
         }
-        let first = batch.as_mut_ptr().cast::<ibv_send_wr>();
-        for k in 0..n {
-            let next = if k + 1 < n {
-                // SAFETY: k + 1 < n <= POST_BATCH: inside the array.
-                unsafe { first.add(k + 1) }
-            } else {
-                std::ptr::null_mut()
-            };
-            // SAFETY: k < n: an initialised element of the array (caller's contract).
-            unsafe { (*first.add(k)).next = next };
-        }
+        // SAFETY: `batch[..n]` is initialised (caller's contract) and n <= POST_BATCH.
+        let first = unsafe { link_chain(batch, n) };
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive and posted to only through `&mut self`; the chain is `n`
         // valid, NULL-terminated work requests on our stack that outlive the call; the memory
@@ -716,11 +708,7 @@ impl IbQp {
             self.send_posted += n as u64;
             return Ok(());
         }
-        let idx = if bad.is_null() {
-            0
-        } else {
-            ((bad as usize).wrapping_sub(first as usize) / size_of::<ibv_send_wr>()).min(n)
-        };
+        let idx = taken(first, bad, n);
         self.send_posted += idx as u64;
         Err(PostError {
             posted: base + idx,
@@ -742,17 +730,8 @@ impl IbQp {
         if n == 0 {
             return Ok(());
         }
-        let first = batch.as_mut_ptr().cast::<ibv_recv_wr>();
-        for k in 0..n {
-            let next = if k + 1 < n {
-                // SAFETY: k + 1 < n <= POST_BATCH: inside the array.
-                unsafe { first.add(k + 1) }
-            } else {
-                std::ptr::null_mut()
-            };
-            // SAFETY: k < n: an initialised element of the array (caller's contract).
-            unsafe { (*first.add(k)).next = next };
-        }
+        // SAFETY: `batch[..n]` is initialised (caller's contract) and n <= POST_BATCH.
+        let first = unsafe { link_chain(batch, n) };
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: as in `flush_send`, for the receive queue.
         let rc = unsafe { ibv_post_recv(self.qp.as_ptr(), first, &mut bad) };
@@ -760,11 +739,7 @@ impl IbQp {
             self.recv_posted += n as u64;
             return Ok(());
         }
-        let idx = if bad.is_null() {
-            0
-        } else {
-            ((bad as usize).wrapping_sub(first as usize) / size_of::<ibv_recv_wr>()).min(n)
-        };
+        let idx = taken(first, bad, n);
         self.recv_posted += idx as u64;
         Err(PostError {
             posted: base + idx,

@@ -30,7 +30,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
-use std::mem::{MaybeUninit, size_of};
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,6 +40,7 @@ use rdma_sys::{
     ibv_srq, ibv_srq_attr, ibv_srq_attr_mask, ibv_srq_init_attr,
 };
 
+use super::chain::{link_chain, taken};
 use super::cq::CqShared;
 use super::device::{last_errno, ret_errno};
 use super::ledger::RECV_TAG;
@@ -308,17 +309,8 @@ impl IbSrq {
         if n == 0 {
             return Ok(());
         }
-        let first = batch.as_mut_ptr().cast::<ibv_recv_wr>();
-        for k in 0..n {
-            let next = if k + 1 < n {
-                // SAFETY: k + 1 < n <= POST_BATCH: inside the array.
-                unsafe { first.add(k + 1) }
-            } else {
-                std::ptr::null_mut()
-            };
-            // SAFETY: k < n: an initialised element of the array (caller's contract).
-            unsafe { (*first.add(k)).next = next };
-        }
+        // SAFETY: `batch[..n]` is initialised (caller's contract) and n <= POST_BATCH.
+        let first = unsafe { link_chain(batch, n) };
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the SRQ is alive and posted to only through `&mut self`; the chain is `n`
         // valid, NULL-terminated work requests on our stack that outlive the call; the memory
@@ -328,11 +320,7 @@ impl IbSrq {
             self.posted += n as u64;
             return Ok(());
         }
-        let idx = if bad.is_null() {
-            0
-        } else {
-            ((bad as usize).wrapping_sub(first as usize) / size_of::<ibv_recv_wr>()).min(n)
-        };
+        let idx = taken(first, bad, n);
         self.posted += idx as u64;
         for k in idx..n {
             // SAFETY: k < n: an initialised element; its slot was taken for it and the device

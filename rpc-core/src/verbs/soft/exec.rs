@@ -17,6 +17,7 @@ use super::counters::QpCounters;
 use super::layout::{self, mr, qp, qp_in, rcqe};
 use super::mr::LocalMr;
 use super::peer::{MapError, Peer};
+use super::qp::shared_claim_next;
 use super::shm::{self, CmaDir, Mapping};
 use super::{CAPS, Device, vendor};
 use crate::verbs::{
@@ -254,7 +255,7 @@ pub(crate) struct Conn {
     rq_mask: u32,
     rq_stride: usize,
     rq_max_sge: u32,
-    /// Offsets of the peer's receive producer index (published) and claim index (inbox):
+    /// Offsets of the peer's receive producer index (published) and claim word (inbox):
     /// its QP's own, or its shared receive queue's.
     rq_prod: usize,
     rq_claim: usize,
@@ -581,9 +582,10 @@ impl Conn {
         if next != end {
             // Only the owner's flush moves the claim besides us: if it did, the receives we
             // held are ours to complete, flushed as the owner flushed the rest.
-            let claim = self.i32(self.rq_claim);
+            let claim = self.i64(self.rq_claim);
+            let (held, back) = (layout::claim_word(end, 0), layout::claim_word(next, 0));
             if claim
-                .compare_exchange(end, next, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(held, back, Ordering::AcqRel, Ordering::Relaxed)
                 .is_err()
             {
                 let mut i = next;
@@ -643,13 +645,14 @@ impl Conn {
     }
 
     /// Claims up to `max` (at least 1) consecutive receives the peer posted, with one
-    /// compare-exchange: the first and how many.
+    /// compare-exchange: the first and how many (one at a time from a shared queue).
     fn claim_up_to(&self, max: u32) -> (Claim, u32) {
-        let claim = self.i32(self.rq_claim);
+        let claim = self.i64(self.rq_claim);
         loop {
             // Claim first, then the producer index: the owner never moves the claim past a
             // producer index it published, so `c <= prod` unless the peer is corrupt.
-            let c = claim.load(Ordering::Acquire);
+            let w = claim.load(Ordering::Acquire);
+            let c = layout::claim_index(w);
             let prod = self.p32(self.rq_prod).load(Ordering::Acquire);
             let avail = prod.wrapping_sub(c);
             if avail == 0 {
@@ -658,9 +661,17 @@ impl Conn {
             if avail > self.rq_mask + 1 {
                 return (Claim::Corrupt, 0);
             }
-            let k = avail.min(max.max(1));
+            let (k, next) = if self.shared_rq {
+                // The word names the last claim (`c - 1`'s) only: it is named in its slot
+                // before the word moves past it (usually its claimer did so already).
+                let name_of = |i: u32| self.i64(self.rcqe_at(i) + rcqe::NAME);
+                (1, shared_claim_next(w, self.peer_qp_num, name_of))
+            } else {
+                let k = avail.min(max.max(1));
+                (k, layout::claim_word(c.wrapping_add(k), 0))
+            };
             if claim
-                .compare_exchange(c, c.wrapping_add(k), Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(w, next, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
             {
                 if self.shared_rq {
@@ -671,15 +682,22 @@ impl Conn {
         }
     }
 
-    /// After claiming receive `idx` of a shared queue, `left` others still posted: names our
-    /// peer QP in its completion slot at once (so that the owner can tell whose claim it was
-    /// if we die before completing it), and raises the queue's limit event when fewer than
-    /// the armed limit are left (the one claimer that disarms the limit raises it).
+    /// The offset of the peer's receive completion slot of receive `idx`.
+    #[inline]
+    fn rcqe_at(&self, idx: u32) -> usize {
+        self.rq_cqe + (idx & self.rq_mask) as usize * layout::RCQE
+    }
+
+    /// After claiming receive `idx` of a shared queue (named by the claim word until the next
+    /// claim), `left` others still posted: names the claim in its slot too (so that the next
+    /// claimer finds it named and writes nothing there; a plain store, since only an older
+    /// lap's name can be there: a later lap needs this receive completed first), and raises
+    /// the queue's limit event when fewer than the armed limit are left (the one claimer that
+    /// disarms the limit raises it).
     #[inline]
     fn claimed_shared(&self, idx: u32, left: u32) {
-        let cqe = self.rq_cqe + (idx & self.rq_mask) as usize * layout::RCQE;
-        self.i32(cqe + rcqe::QP)
-            .store(self.peer_qp_num, Ordering::Release);
+        self.i64(self.rcqe_at(idx) + rcqe::NAME)
+            .store(layout::claim_word(idx, self.peer_qp_num), Ordering::Release);
         let ctrl = self.rq_claim - layout::srq_in::CLAIM;
         let limit = self.i32(ctrl + layout::srq_in::LIMIT);
         let armed = limit.load(Ordering::Relaxed);
@@ -724,7 +742,7 @@ impl Conn {
         if posted == 0 || posted > self.rq_mask + 1 {
             return;
         }
-        let cqe = self.rq_cqe + (idx & self.rq_mask) as usize * layout::RCQE;
+        let cqe = self.rcqe_at(idx);
         if let Some(w) = self.peer.inbox.u32_at(cqe) {
             prefetch_write(w.as_ptr().cast());
         }
@@ -772,7 +790,7 @@ impl Conn {
         solicited: bool,
         fatal: bool,
     ) {
-        let base = self.rq_cqe + (idx & self.rq_mask) as usize * layout::RCQE;
+        let base = self.rcqe_at(idx);
         let flags = if imm.is_some() { 1u32 } else { 0 };
         let meta = status as u32 | (opcode as u32) << 8 | flags << 16 | u32::from(solicited) << 24;
         self.i32(base + rcqe::BYTE_LEN)

@@ -70,10 +70,10 @@ pub fn corrupt_recv_completion(qp: &SoftQp) -> bool {
     s.dev
         .in32(base + rcqe::SEQ)
         .store(idx.wrapping_add(1), Ordering::Release);
-    // The claim index now points past the slot, as a peer that consumed it would leave it.
+    // The claim word now points past the slot, as a peer that consumed it would leave it.
     s.dev
-        .in32(layout::qp_in_entry(slot_of(qp)) + qp_in::RQ_CLAIM)
-        .fetch_add(1, Ordering::SeqCst);
+        .in64(layout::qp_in_entry(slot_of(qp)) + qp_in::RQ_CLAIM)
+        .store(layout::claim_word(idx.wrapping_add(1), 0), Ordering::SeqCst);
     s.ring_recv_for_fault();
     true
 }
@@ -85,18 +85,43 @@ pub fn corrupt_posted_recv(qp: &SoftQp) -> bool {
     qp.s.corrupt_wqe_for_fault()
 }
 
-/// Claims the next posted receive of `srq` as a peer would, and abandons it as a peer that
-/// died before completing it: naming `qp` (it died copying) or, with `None`, nobody (it died
-/// right after its compare-and-swap). Returns false when nothing is posted.
-pub fn abandon_srq_claim(srq: &SoftSrq, qp: Option<&SoftQp>) -> bool {
+/// How far a peer got with a claim of a shared receive queue's receive ([`claim_srq_recv`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SrqClaim {
+    /// Its compare-and-swap on the claim word is done, its naming store in the completion
+    /// slot is not: a peer that died right there, or a live one descheduled right there.
+    Swapped,
+    /// It named its claim in the completion slot too: a peer that died copying the message.
+    Named,
+}
+
+/// Claims the next posted receive of `srq` as the peer of `qp` would (with the peers' claim
+/// protocol, naming the claim before it in passing), got as far as `stage`, and goes no
+/// further: it never completes the receive. Whether that is a dead peer's claim or a live
+/// one's in progress is up to the test (see [`fake_peer_death`]). Returns false when nothing
+/// is posted.
+pub fn claim_srq_recv(srq: &SoftSrq, qp: &SoftQp, stage: SrqClaim) -> bool {
     let rq = &srq.rq;
-    let Some((_, base)) = rq.next_unclaimed() else {
-        return false;
+    let me = qp.s.qp_num;
+    let claim = rq.claim();
+    let c = loop {
+        let w = claim.load(Ordering::Acquire);
+        let c = layout::claim_index(w);
+        if rq.next_unclaimed().is_none() {
+            return false;
+        }
+        let next = super::qp::shared_claim_next(w, me, |i| rq.name(i));
+        if claim
+            .compare_exchange(w, next, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            break c;
+        }
     };
-    rq.dev
-        .in32(base + rcqe::QP)
-        .store(qp.map_or(0, |q| q.s.qp_num), Ordering::Release);
-    rq.claim().fetch_add(1, Ordering::SeqCst);
+    if stage == SrqClaim::Named {
+        rq.name(c)
+            .store(layout::claim_word(c, me), Ordering::Release);
+    }
     true
 }
 

@@ -6,7 +6,7 @@
 //!   `F_SEAL_FUTURE_WRITE`, so peers can map it read-only and nothing else: header, MR table,
 //!   QP table and the receive-queue rings (work queue entries posted by the owner);
 //! - the **inbox** segment, which peers map read-write: the per-QP words peers write
-//!   (receive-queue claim index, "your QP failed" flag), the receive-completion rings peers
+//!   (receive-queue claim word, "your QP failed" flag), the receive-completion rings peers
 //!   produce into, the per-CQ doorbell words (armed flag, ready bitmap) and the per-MR pin
 //!   counters of user-memory regions.
 //!
@@ -21,7 +21,7 @@ use std::sync::Mutex;
 /// `"SOFTRNIC"` as a little-endian word: first word of both segments.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
 /// Layout version; a peer with another version is refused at connect time.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 
 /// Size of the published segment (sparse).
 pub(crate) const PUB_LEN: usize = 512 << 20;
@@ -137,7 +137,7 @@ pub(crate) mod qp {
     /// u64 offset of the receive producer index in the published segment (a plain QP's own
     /// [`RQ_PROD`], or its SRQ's).
     pub(crate) const RQ_PROD_AT: usize = 104;
-    /// u64 offset of the receive claim index in the inbox (a plain QP's own
+    /// u64 offset of the receive claim word in the inbox (a plain QP's own
     /// [`super::qp_in::RQ_CLAIM`], or its SRQ's [`super::srq_in::CLAIM`]).
     pub(crate) const RQ_CLAIM_AT: usize = 112;
 }
@@ -180,13 +180,15 @@ pub(crate) const QP_IN_TABLE: usize = 4096;
 pub(crate) mod qp_in {
     /// u32: non-zero when the connected peer failed this QP (fatal remote error).
     pub(crate) const REMOTE_ERROR: usize = 0;
-    /// u32: receive claim index (the peer claims WQEs with compare-and-swap), own line.
+    /// u64: receive claim word ([`super::claim_word`]; the peer claims WQEs with
+    /// compare-and-swap, naming no QP), own line.
     pub(crate) const RQ_CLAIM: usize = 64;
 }
 
 /// Words of a shared receive queue's inbox control block (allocated in the inbox heap).
 pub(crate) mod srq_in {
-    /// u32 claim index (peers of every QP of the SRQ claim with compare-and-swap).
+    /// u64 claim word ([`super::claim_word`]): peers of every QP of the SRQ claim with
+    /// compare-and-swap, naming the QP they claim for (see [`super::rcqe::NAME`]).
     pub(crate) const CLAIM: usize = 0;
     /// u32 armed limit (0: disarmed): the claimer that leaves fewer receives than this
     /// disarms it and raises [`EVENT`].
@@ -225,7 +227,7 @@ pub(crate) mod cq_in {
 /// Start of the inbox heap (receive-completion rings).
 pub(crate) const IN_HEAP: usize = CQ_IN_TABLE + MAX_CQ * CQ_IN_ENTRY;
 
-/// Bytes per receive completion (seq, byte_len, imm, meta, qp).
+/// Bytes per receive completion (seq, byte_len, imm, meta, qp, claim name).
 pub(crate) const RCQE: usize = 32;
 
 /// Words of a receive completion.
@@ -238,9 +240,32 @@ pub(crate) mod rcqe {
     pub(crate) const IMM: usize = 8;
     /// u32 status | opcode << 8 | flags << 16 | solicited << 24.
     pub(crate) const META: usize = 12;
-    /// u32 number of the QP the message arrived on (read for shared receive queues; the
-    /// claimer of a shared queue's receive writes it as soon as it claimed).
+    /// u32 number of the QP the message arrived on (read for shared receive queues; written
+    /// with the completion).
     pub(crate) const QP: usize = 16;
+    /// u64 name of the claim of a shared queue's receive ([`super::claim_word`]: the index
+    /// claimed and the QP it was claimed for). The claim word names the last claim only; a
+    /// claimer names the claim before its own (the one the word it replaces named) here
+    /// before its compare-and-swap, and its own right after, so every claim but the last
+    /// is named here, carrying its index, by the time the claim word has moved past it.
+    /// Names only move forward (a stale write of an older lap's name is refused).
+    pub(crate) const NAME: usize = 24;
+}
+
+/// A claim word or claim name: receive index `idx` (low half), claimed for QP `qp_num`
+/// (high half; 0 in a QP's own queue, and before the first claim).
+pub(crate) const fn claim_word(idx: u32, qp_num: u32) -> u64 {
+    idx as u64 | (qp_num as u64) << 32
+}
+
+/// The receive index of a claim word (the next receive to claim) or claim name.
+pub(crate) const fn claim_index(w: u64) -> u32 {
+    w as u32
+}
+
+/// The QP number of a claim word (the last claim's) or claim name.
+pub(crate) const fn claim_qp(w: u64) -> u32 {
+    (w >> 32) as u32
 }
 
 /// `META` status value meaning "discarded by a reset: no completion".
@@ -266,6 +291,13 @@ const _: () = assert!(IN_HEAP < INBOX_LEN / 2);
 const _: () = assert!(QP_ENTRY >= qp::RQ_CLAIM_AT + 8 && qp::RNR_TIMER >= qp::RQ_PROD + 4);
 const _: () = assert!(MAX_MR <= 1 << MR_SLOT_BITS && MAX_QP <= 1 << QP_SLOT_BITS);
 const _: () = assert!(CQ_IN_ENTRY.is_multiple_of(64) && MR_TABLE.is_multiple_of(4096));
+// 64-bit claim words and names: 8-aligned (completion rings start 16-aligned, the SRQ
+// control block and the QP inbox table 64-aligned), and inside their blocks.
+const _: () = assert!(rcqe::NAME.is_multiple_of(8) && rcqe::NAME + 8 <= RCQE);
+const _: () = assert!(RCQE.is_multiple_of(16) && rcqe::QP + 4 <= rcqe::NAME);
+const _: () = assert!(srq_in::CLAIM.is_multiple_of(8) && srq_in::CLAIM + 8 <= srq_in::LIMIT);
+const _: () = assert!(qp_in::RQ_CLAIM.is_multiple_of(8) && qp_in::RQ_CLAIM + 8 <= QP_IN_ENTRY);
+const _: () = assert!(QP_IN_ENTRY.is_multiple_of(64) && QP_IN_TABLE.is_multiple_of(64));
 
 /// A first-fit allocator of byte ranges inside a heap (setup path only).
 #[derive(Debug)]

@@ -24,9 +24,10 @@
 //!   buffers and publishes the peer's completion, ringing its doorbell if its CQ is armed.
 //! - Shared receive queues ([`SoftSrq`]): a QP created on one publishes the SRQ's ring and
 //!   index offsets instead of its own, so the peers of every QP of the SRQ claim from one
-//!   ring; completions name the QP the message arrived on. Limits: every QP of an SRQ uses
-//!   the SRQ's receive CQ; a peer that dies between claiming an SRQ receive and naming its QP
-//!   leaves a receive that is flushed naming QP 0.
+//!   ring; completions name the QP the message arrived on. A claim names its QP in the same
+//!   compare-and-swap, so a receive claimed by a peer that then died is flushed (naming that
+//!   QP) once the QP is in ERROR, and a live peer's claim never is. Limit: every QP of an SRQ
+//!   uses the SRQ's receive CQ.
 //! - Completions: see [`SoftCq`] (per-QP single-producer rings and a shared ready bitmap; CQ
 //!   overrun is prevented by sizing at [`Pd::create_qp`]).
 //!
@@ -36,7 +37,7 @@
 //! region's rights and the rights the peer's QP granted. A violation completes the request with
 //! `REM_ACCESS_ERR` and moves both QPs to ERROR. Nothing outside a registered,
 //! remotely-accessible range is touched by the soft RNIC. Everything a peer can write into our
-//! segments (its receive completions, the claim index of our receive queue, doorbell words) is
+//! segments (its receive completions, the claim word of our receive queue, doorbell words) is
 //! validated before use: garbage gives an error completion (`vendor::CORRUPT`) and ERROR, never
 //! undefined behaviour or a panic. (A peer process of the same user could of course attack us
 //! by other means, such as `ptrace`: the soft RNIC protects against bugs and stale state, not

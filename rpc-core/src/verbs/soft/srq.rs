@@ -1,9 +1,10 @@
 //! Shared receive queues.
 //!
 //! An SRQ is a receive queue ([`Rq`]) that is nobody's own: its WQE ring and producer index
-//! live in our published segment, its claim index, limit and event words in an inbox block,
+//! live in our published segment, its claim word, limit and event words in an inbox block,
 //! and every QP created on it publishes the SRQ's offsets in its QP table entry, so the peers
-//! of all those QPs claim from the same ring (one receive at a time, with compare-and-swap).
+//! of all those QPs claim from the same ring (one receive at a time, with a compare-and-swap
+//! that also names the QP claimed for: see the `qp::rq` module docs).
 //! Completions land in the SRQ's own completion ring, slot by slot as on a QP, carrying the
 //! number of the QP the message arrived on; the SRQ is one side of its receive CQ (soft: every
 //! QP of an SRQ uses the same receive CQ, attached by the first of them).

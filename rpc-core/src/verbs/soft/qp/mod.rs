@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 mod rq;
 mod store;
 
-pub(crate) use rq::{Rq, SrqState};
+pub(crate) use rq::{Rq, SrqState, shared_claim_next};
 
 use super::counters::QpCounters;
 use super::cq::{CqShared, SoftCq};

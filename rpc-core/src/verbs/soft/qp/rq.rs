@@ -3,11 +3,21 @@
 //! validating) the completions peers write into our inbox.
 //!
 //! Both kinds are one [`Rq`]: WQEs in a published ring, a producer index only we write, a
-//! claim index peers advance with compare-and-swap, and a completion ring in the inbox that
+//! claim word peers advance with compare-and-swap, and a completion ring in the inbox that
 //! the claimer of receive `i` fills at slot `i`. A shared queue's completions also name the QP
-//! the message arrived on (`rcqe::QP`, written by the claimer as soon as it claimed), and its
-//! peers never claim ahead for a list (the receives they would hand back may have been taken
-//! by another peer meanwhile).
+//! the message arrived on (`rcqe::QP`), and its peers never claim ahead for a list (the
+//! receives they would hand back may have been taken by another peer meanwhile).
+//!
+//! Who holds a shared queue's claim: the claim word is `(index, QP of the last claim)`, moved
+//! by one compare-and-swap, so a claim is named the instant it is made. A claimer that reads
+//! `(c, q)` first writes `q` as the name of receive `c - 1` (`rcqe::NAME`, forward only: see
+//! [`name_claim`]), then swaps the word to `(c + 1, its QP)`, then names receive `c` itself
+//! (so that the next claimer usually finds the name there and writes nothing). Receive `p`,
+//! claimed and not completed, is therefore either `c - 1`, named by the word, or an earlier
+//! one, named in its slot with index `p`; the owner never has to guess (see
+//! [`Rq::claim_name`]). One compare-and-swap per claim, as before: the helping write is a
+//! load that finds the name there unless the previous claimer is between its swap and its
+//! naming store.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -30,7 +40,7 @@ pub(crate) struct Rq {
     pub(crate) stride: usize,
     /// Offset of the producer index in the published segment.
     pub(crate) prod_off: usize,
-    /// Offset of the claim index in the inbox.
+    /// Offset of the claim word in the inbox ([`layout::claim_word`]).
     pub(crate) claim_off: usize,
     wr_ids: Box<[AtomicU64]>,
     lens: Box<[AtomicU64]>,
@@ -60,7 +70,7 @@ pub(crate) struct SrqState {
 
 impl Rq {
     /// A receive queue of `max_wr` receives of `max_sge` SGEs with its rings allocated, its
-    /// producer index at `prod_off` and claim index at `claim_off` (both zeroed here).
+    /// producer index at `prod_off` and claim word at `claim_off` (both zeroed here).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         dev: &Arc<Device>,
@@ -74,14 +84,19 @@ impl Rq {
     ) -> Rq {
         let cap = ring_cap(max_wr);
         // Fresh completion ring: no sequence word may match before a completion is written.
-        for i in 0..cap as usize {
-            dev.in32(cqe + i * layout::RCQE + rcqe::SEQ)
-                .store(0, Ordering::Relaxed);
-            dev.in32(cqe + i * layout::RCQE + rcqe::QP)
-                .store(0, Ordering::Relaxed);
+        // Names of the lap before the first (behind every real claim of their slot).
+        for i in 0..cap {
+            let base = cqe + i as usize * layout::RCQE;
+            dev.in32(base + rcqe::SEQ).store(0, Ordering::Relaxed);
+            dev.in32(base + rcqe::QP).store(0, Ordering::Relaxed);
+            dev.in64(base + rcqe::NAME).store(
+                layout::claim_word(i.wrapping_sub(cap), 0),
+                Ordering::Relaxed,
+            );
         }
         dev.pub32(prod_off).store(0, Ordering::Relaxed);
-        dev.in32(claim_off).store(0, Ordering::Relaxed);
+        dev.in64(claim_off)
+            .store(layout::claim_word(0, 0), Ordering::Relaxed);
         Rq {
             dev: dev.clone(),
             cap,
@@ -130,8 +145,14 @@ impl Rq {
         self.dev.pub32(self.prod_off)
     }
 
-    pub(crate) fn claim(&self) -> &AtomicU32 {
-        self.dev.in32(self.claim_off)
+    /// The claim word ([`layout::claim_word`]).
+    pub(crate) fn claim(&self) -> &AtomicU64 {
+        self.dev.in64(self.claim_off)
+    }
+
+    /// The claim name word of receive `idx`'s completion slot (`rcqe::NAME`).
+    pub(crate) fn name(&self, idx: u32) -> &AtomicU64 {
+        self.dev.in64(self.cqe_at(idx) + rcqe::NAME)
     }
 
     fn cqe_at(&self, idx: u32) -> usize {
@@ -158,15 +179,16 @@ impl Rq {
         debug_assert!(self.srq.is_none());
         let claim = self.claim();
         loop {
-            let c = claim.load(Ordering::SeqCst);
+            let w = claim.load(Ordering::SeqCst);
+            let c = layout::claim_index(w);
             let prod = self.prod().load(Ordering::SeqCst);
             let n = prod.wrapping_sub(c);
             if n == 0 {
                 break;
             }
             if n > self.cap {
-                // The peer corrupted the claim index: take every unpublished receive back.
-                claim.store(prod, Ordering::SeqCst);
+                // The peer corrupted the claim word: take every unpublished receive back.
+                claim.store(layout::claim_word(prod, 0), Ordering::SeqCst);
                 let mut i = self.polled.load(Ordering::Acquire);
                 while i != prod {
                     let seq = self.dev.in32(self.cqe_at(i) + rcqe::SEQ);
@@ -177,8 +199,9 @@ impl Rq {
                 }
                 break;
             }
+            let to = layout::claim_word(prod, layout::claim_qp(w));
             if claim
-                .compare_exchange(c, prod, Ordering::SeqCst, Ordering::SeqCst)
+                .compare_exchange(w, to, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
             {
                 let mut i = c;
@@ -218,7 +241,7 @@ impl Rq {
             let meta = self.dev.in32(base + rcqe::META).load(Ordering::Relaxed);
             let qp_num = match owner {
                 Some(qp) => qp.qp_num,
-                None => self.dev.in32(base + rcqe::QP).swap(0, Ordering::Relaxed),
+                None => self.dev.in32(base + rcqe::QP).load(Ordering::Relaxed),
             };
             let slot = (p & mask) as usize;
             p = p.wrapping_add(1);
@@ -251,27 +274,40 @@ impl Rq {
 
     /// A shared queue's receive `p`, claimed but never completed: the QP it was claimed for
     /// when that QP is in ERROR and its peer is dead (the receive is then ours to flush,
-    /// naming that QP). The claimer names the QP right after its claim; a claimer that died
-    /// before even that leaves 0, and the receive is flushed (naming QP 0) once some QP of
-    /// the queue has a dead peer.
+    /// naming that QP). A claim of a live peer, however young, is never taken: its claimer
+    /// may still write the buffer.
     fn srq_stuck(&self, p: u32) -> Option<u32> {
         let st = self.srq.as_ref()?;
-        let c = self.claim().load(Ordering::Acquire);
-        let ahead = c.wrapping_sub(p);
+        let holder = self.claim_name(p)?;
+        let members = st.members.lock().unwrap_or_else(|e| e.into_inner());
+        members.iter().filter_map(Weak::upgrade).find(|qp| {
+            qp.qp_num == holder && qp.raw_state() == QpState::Error && qp.peer_is_dead()
+        })?;
+        Some(holder)
+    }
+
+    /// The QP a shared queue's receive `p` was claimed for, when it is claimed: the claim
+    /// word's for the last claim, the slot's name (which must carry index `p`) for an earlier
+    /// one. `None` when `p` is not claimed, or when a corrupt peer left no valid name (the
+    /// receive then waits: it is never guessed to be a dead peer's).
+    fn claim_name(&self, p: u32) -> Option<u32> {
+        let w = self.claim().load(Ordering::Acquire);
+        let ahead = layout::claim_index(w).wrapping_sub(p);
         if ahead == 0 || ahead > self.cap {
             return None;
         }
-        let marker = self
-            .dev
-            .in32(self.cqe_at(p) + rcqe::QP)
-            .load(Ordering::Acquire);
-        let members = st.members.lock().unwrap_or_else(|e| e.into_inner());
-        let dead = members.iter().filter_map(Weak::upgrade).find(|qp| {
-            (marker == 0 || qp.qp_num == marker)
-                && qp.raw_state() == QpState::Error
-                && qp.peer_is_dead()
-        })?;
-        Some(if marker == 0 { 0 } else { dead.qp_num })
+        let name = if ahead == 1 {
+            w
+        } else {
+            // Written before the claim word moved past `p + 1` (by the claimer of `p + 1` at
+            // the latest), which the acquire load above saw.
+            let n = self.name(p).load(Ordering::Acquire);
+            if layout::claim_index(n) != p {
+                return None;
+            }
+            n
+        };
+        Some(layout::claim_qp(name)).filter(|&q| q != 0)
     }
 
     /// Posts receives: writes the WQEs into the published ring and publishes the producer
@@ -340,7 +376,7 @@ impl Rq {
 
     /// The next unclaimed receive (index, completion slot offset), if any (test hooks).
     pub(crate) fn next_unclaimed(&self) -> Option<(u32, usize)> {
-        let c = self.claim().load(Ordering::Acquire);
+        let c = layout::claim_index(self.claim().load(Ordering::Acquire));
         if c == self.prod().load(Ordering::Acquire) {
             return None;
         }
@@ -500,7 +536,7 @@ impl QpShared {
         if self.raw_state() != QpState::Error {
             return false;
         }
-        let c = self.rq.claim().load(Ordering::Acquire);
+        let c = layout::claim_index(self.rq.claim().load(Ordering::Acquire));
         let claimed = c.wrapping_sub(p) != 0 && c.wrapping_sub(p) <= self.rq.cap;
         claimed && self.peer_is_dead()
     }
@@ -543,6 +579,41 @@ impl QpShared {
             self.flush_rq();
         }
         result
+    }
+}
+
+/// The claim word a claimer for `me` swaps in for `w` (read from a shared queue's claim word;
+/// receive `claim_index(w)` is posted): `(index + 1, me)`, after naming the claim `w` names
+/// (that of `index - 1`, if any) in its slot, `name_of(i)` being the name word of receive
+/// `i`. The one claim protocol of shared queues, for peers and the fault hooks alike.
+#[inline]
+pub(crate) fn shared_claim_next<'a>(
+    w: u64,
+    me: u32,
+    name_of: impl FnOnce(u32) -> &'a AtomicU64,
+) -> u64 {
+    let (c, last) = (layout::claim_index(w), layout::claim_qp(w));
+    if last != 0 {
+        let prev = c.wrapping_sub(1);
+        name_claim(name_of(prev), prev, last);
+    }
+    layout::claim_word(c.wrapping_add(1), me)
+}
+
+/// Writes `(idx, qp_num)` into the claim name word `name` of receive `idx`'s slot, unless the
+/// word names `idx` already or a later lap of its slot: names move forward only, so a helper
+/// that read the claim word long ago and writes late never overwrites a newer claim's name.
+/// (Lock-free: a retry means another writer moved the word forward.)
+#[inline]
+fn name_claim(name: &AtomicU64, idx: u32, qp_num: u32) {
+    let want = layout::claim_word(idx, qp_num);
+    let mut cur = name.load(Ordering::Acquire);
+    // Signed distance: laps are at most 2^31 apart in any ring the soft RNIC creates.
+    while cur != want && (idx.wrapping_sub(layout::claim_index(cur)) as i32) > 0 {
+        match name.compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return,
+            Err(now) => cur = now,
+        }
     }
 }
 
