@@ -13,6 +13,22 @@
 //!   [`Conn::cancel`], [`Conn::window_update`], [`Conn::bulk_release`],
 //!   [`Conn::credit_update`], [`Conn::go_away`]), [`Conn::cancel_local`] and [`Conn::finish`].
 //!
+//! # Credits from a shared receive pool
+//!
+//! A receiver with a receive ring of its own owes the peer one credit for every slot it
+//! reposts ([`Conn::recv_reposted`]), so the peer's credits never exceed the ring
+//! (`recv_depth == recv_max`). A server that receives every connection's frames through one
+//! pool of a shard (a shared receive queue) instead *grants*: each connection has a window of
+//! pool slots (`peer credits + frames not yet reposted + credits owed`, [`Conn::window`]),
+//! starting at `recv_depth` and never above `recv_max`. The pool's owner grows it with
+//! [`Conn::grant`] (credits owed like reposted slots), shrinks it when a slot goes back to the
+//! pool instead of to the peer ([`Conn::recv_withheld`]), and takes back credits the peer holds
+//! but does not use with [`Conn::reclaim`]: a CreditUpdate with [`FrameFlags::RECLAIM`] asking
+//! the peer to keep at most `aux` credits, which the peer answers with a CreditUpdate with
+//! RECLAIM saying how many it gave back ([`Event::Surrendered`]). The sum of the windows of a
+//! pool's connections never exceeds its slots, so a sender still never sends a frame the
+//! receiver has no receive posted for.
+//!
 //! A builder that returns `Ok(header)` has committed the frame: its credit is spent and the
 //! call's state moved, so the runtime must send it (encode the header, write metadata and
 //! payload after it, post it). A builder that returns `Err` changed nothing.
@@ -79,11 +95,18 @@ pub struct Config {
     /// Size of the peer's call table (at most 65,536); a server indexes its table by the
     /// client's call-id slot, so its table has this size.
     pub peer_max_calls: u32,
-    /// Receive slots the peer posted for us at the start: our send credits, and the most we
-    /// can ever hold (`reserved_credits + 2 ..= 65,535`).
+    /// Receive slots the peer posted for us at the start: our send credits
+    /// (`reserved_credits + 2 ..= 65,535`).
     pub initial_send_credits: u32,
-    /// Receive slots we post for the peer: its credits (`reserved_credits + 2 ..= 65,535`).
+    /// The most send credits we can ever hold: the peer's ring depth, or the most it grants
+    /// from a shared pool (`initial_send_credits ..= 65,535`).
+    pub max_send_credits: u32,
+    /// Receive slots we post for the peer at the start: its credits
+    /// (`reserved_credits + 2 ..= 65,535`).
     pub recv_depth: u32,
+    /// The most credits we ever give the peer (`recv_depth ..= 65,535`): `recv_depth` for a
+    /// ring of our own, more when we grant from a shared pool ([`Conn::grant`]).
+    pub recv_max: u32,
     /// Credits only control frames may use (at least 2: the last credit is kept for
     /// CreditUpdate, the one before for Cancel, Status, WindowUpdate, BulkRelease, GoAway).
     /// Both ends must use the same value.
@@ -115,7 +138,9 @@ impl Config {
         max_calls: 1024,
         peer_max_calls: 1024,
         initial_send_credits: 128,
+        max_send_credits: 128,
         recv_depth: 128,
+        recv_max: 128,
         reserved_credits: 2,
         credit_update_threshold: 32,
         eager_limit: 8192,
@@ -158,8 +183,16 @@ impl Config {
         {
             return bad("initial_send_credits must be reserved_credits + 2 ..= 65535");
         }
+        if self.max_send_credits < self.initial_send_credits
+            || self.max_send_credits > MAX_RING_DEPTH
+        {
+            return bad("max_send_credits must be initial_send_credits ..= 65535");
+        }
         if self.recv_depth < self.reserved_credits + 2 || self.recv_depth > MAX_RING_DEPTH {
             return bad("recv_depth must be reserved_credits + 2 ..= 65535");
+        }
+        if self.recv_max < self.recv_depth || self.recv_max > MAX_RING_DEPTH {
+            return bad("recv_max must be recv_depth ..= 65535");
         }
         if self.credit_update_threshold < 2 || self.credit_update_threshold > self.recv_depth {
             return bad("credit_update_threshold must be 2..=recv_depth");
@@ -280,6 +313,12 @@ pub enum Event {
     },
     /// The frame only returned credits.
     CreditOnly,
+    /// Server: the client answered our [`Conn::reclaim`], giving back `credits` (possibly 0):
+    /// the connection's window shrank by that much, and those pool slots are free again.
+    Surrendered {
+        /// Credits given back.
+        credits: u32,
+    },
     /// Client: the server is draining; no new calls on this connection.
     GoAway,
     /// A frame for a call that ended here (cancelled, expired, finished, replaced) before it
@@ -388,6 +427,14 @@ pub struct Conn {
     unreposted: u32,
     /// Our view of the peer's send credits (never below its real count).
     peer_credits: u32,
+    /// Receive slots of ours the peer may be using: `peer_credits + unreposted + owed`
+    /// (constant with a ring of our own; see the module docs on shared pools).
+    window: u32,
+    /// Server: a [`Conn::reclaim`] waits for the client's answer.
+    reclaiming: bool,
+    /// Client: the server asked for credits back; the next CreditUpdate says how many we gave
+    /// ([`Conn::credit_update`]).
+    surrender: Option<u32>,
     /// Client: GoAway received; server: GoAway sent.
     going_away: bool,
     /// The last frame received had [`FrameFlags::MORE`]: the next one is in the same receive
@@ -427,6 +474,9 @@ impl Conn {
             owed: 0,
             unreposted: 0,
             peer_credits: cfg.recv_depth,
+            window: cfg.recv_depth,
+            reclaiming: false,
+            surrender: None,
             going_away: false,
             batch_follows: false,
             joining: false,
@@ -461,14 +511,33 @@ impl Conn {
         self.owed
     }
 
+    /// Our view of the peer's send credits (never below its real count).
+    pub fn peer_credits(&self) -> u32 {
+        self.peer_credits
+    }
+
+    /// Receive slots the peer may be using now: its credits, the frames it sent whose slots
+    /// are not reposted yet, and the credits we owe it (see the module docs on shared pools).
+    pub fn window(&self) -> u32 {
+        self.window
+    }
+
+    /// Server: a [`Conn::reclaim`] waits for the client's answer.
+    pub fn is_reclaiming(&self) -> bool {
+        self.reclaiming
+    }
+
     /// Whether the runtime should send a CreditUpdate now (if no other frame is about to carry
     /// the credits back): at least 2 credits are owed (a CreditUpdate costs the peer one) and
     /// either the threshold is reached or the peer, by our count, is down to its reserve. Ask
     /// after each batch of [`Conn::handle_frame`] and [`Conn::recv_reposted`].
+    /// A client that was asked to give credits back ([`FrameFlags::RECLAIM`]) always wants
+    /// one: its answer.
     pub fn wants_credit_update(&self) -> bool {
-        self.owed >= 2
-            && (self.owed >= self.cfg.credit_update_threshold
-                || self.peer_credits <= self.cfg.reserved_credits)
+        self.surrender.is_some()
+            || (self.owed >= 2
+                && (self.owed >= self.cfg.credit_update_threshold
+                    || self.peer_credits <= self.cfg.reserved_credits))
     }
 
     /// Calls in the table (client: started and not finished; server: received and not
@@ -542,6 +611,38 @@ impl Conn {
         Ok(())
     }
 
+    /// Accounts `n` receive slots that went back to a shared pool instead of to the peer:
+    /// the window shrinks by `n` (see the module docs on shared pools).
+    ///
+    /// # Errors
+    /// [`SendError::Invalid`] when more slots are reported than frames were received, or
+    /// when the window would fall below `reserved_credits + 2` (the peer could stall).
+    pub fn recv_withheld(&mut self, n: u32) -> Result<(), SendError> {
+        if n > self.unreposted {
+            return Err(SendError::Invalid(
+                "more receive slots withheld than frames received",
+            ));
+        }
+        if self.window - n < self.cfg.reserved_credits + 2 {
+            return Err(SendError::Invalid(
+                "a window below reserved_credits + 2 could stall the peer",
+            ));
+        }
+        self.unreposted -= n;
+        self.window -= n;
+        Ok(())
+    }
+
+    /// Grows the window by up to `n` credits from a shared pool, never above `recv_max`; the
+    /// credits are owed to the peer and ride on the next frame we build. Returns how many
+    /// were granted.
+    pub fn grant(&mut self, n: u32) -> u32 {
+        let g = n.min(self.cfg.recv_max.saturating_sub(self.window));
+        self.window += g;
+        self.owed += g;
+        g
+    }
+
     /// Processes a received, decoded frame (from a receive slot, or from the landing zone for
     /// a [`FrameFlags::WRITTEN`] response): takes its credits, advances the call, and says what
     /// happened. Every receive slot filled is one to re-post and report with
@@ -562,16 +663,17 @@ impl Conn {
             self.unreposted += 1;
         }
         let credits = self.send_credits + u32::from(h.credits);
-        if credits > self.cfg.initial_send_credits {
+        if credits > self.cfg.max_send_credits {
             return Err(ProtocolError::CreditOverflow {
                 credits,
-                max: self.cfg.initial_send_credits,
+                max: self.cfg.max_send_credits,
             });
         }
         self.send_credits = credits;
 
         use FrameKind as K;
         match (self.role, h.kind) {
+            (_, K::CreditUpdate) if h.flags.contains(FrameFlags::RECLAIM) => self.on_reclaim(h),
             (_, K::CreditUpdate) => Ok(Event::CreditOnly),
             (_, K::BulkRelease) => {
                 let call = self.peer_id(h.call_id)?;
@@ -1097,19 +1199,56 @@ impl Conn {
         Ok(h)
     }
 
-    /// A CreditUpdate returning the owed credits (see [`Conn::wants_credit_update`]). May use
-    /// the last credit.
+    /// A CreditUpdate returning the owed credits (see [`Conn::wants_credit_update`]); on a
+    /// client asked to give credits back, also its answer (with [`FrameFlags::RECLAIM`] and
+    /// the credits given back in `aux`). May use the last credit.
     ///
     /// # Errors
     /// [`SendError::NoCredit`] with no credit at all; [`SendError::Invalid`] when nothing is
-    /// owed.
+    /// owed or answered.
     pub fn credit_update(&mut self) -> Result<FrameHeader, SendError> {
-        if self.owed == 0 {
+        if self.owed == 0 && self.surrender.is_none() {
             return Err(SendError::Invalid("CreditUpdate with no credit owed"));
         }
         self.check_credit(Class::CreditUpdate)?;
         let mut h = FrameHeader::new(FrameKind::CreditUpdate, 0);
+        if let Some(n) = self.surrender.take() {
+            h.flags |= FrameFlags::RECLAIM;
+            h.aux = n;
+        }
         self.stamp(&mut h);
+        Ok(h)
+    }
+
+    /// Server granting from a shared pool: asks the client to keep at most `keep` send
+    /// credits and give the rest back (a CreditUpdate with [`FrameFlags::RECLAIM`], carrying
+    /// the owed credits too). The client answers once, with the number it gave back
+    /// ([`Event::Surrendered`]); until then no other reclaim may be sent. A control frame.
+    ///
+    /// # Errors
+    /// [`SendError::BadState`] on a client or with a reclaim outstanding;
+    /// [`SendError::Invalid`] when `keep` is below `reserved_credits + 2`;
+    /// [`SendError::NoCredit`].
+    pub fn reclaim(&mut self, keep: u32) -> Result<FrameHeader, SendError> {
+        if self.role != Role::Server {
+            return Err(SendError::BadState("only a server reclaims credits"));
+        }
+        if self.reclaiming {
+            return Err(SendError::BadState(
+                "a reclaim already waits for its answer",
+            ));
+        }
+        if keep < self.cfg.reserved_credits + 2 {
+            return Err(SendError::Invalid(
+                "a reclaim must leave the client reserved_credits + 2",
+            ));
+        }
+        self.check_credit(Class::Control)?;
+        let mut h = FrameHeader::new(FrameKind::CreditUpdate, 0);
+        h.flags |= FrameFlags::RECLAIM;
+        h.aux = keep;
+        self.stamp(&mut h);
+        self.reclaiming = true;
         Ok(h)
     }
 
@@ -1228,6 +1367,47 @@ impl Conn {
         h.credits = c as u16;
         self.owed -= c;
         self.peer_credits += c;
+    }
+
+    /// A CreditUpdate with [`FrameFlags::RECLAIM`]: on a client, the server's request (give
+    /// back what is above `aux`); on a server, the client's answer (`aux` given back).
+    fn on_reclaim(&mut self, h: &FrameHeader) -> Result<Event, ProtocolError> {
+        match self.role {
+            Role::Client => {
+                let keep = h.aux;
+                if keep < self.cfg.reserved_credits + 2 {
+                    return Err(ProtocolError::Reclaim(
+                        "asked to keep fewer credits than the reserve needs",
+                    ));
+                }
+                if self.surrender.is_some() {
+                    return Err(ProtocolError::Reclaim(
+                        "a second reclaim before our answer to the first",
+                    ));
+                }
+                let n = self.send_credits.saturating_sub(keep);
+                self.send_credits -= n;
+                self.surrender = Some(n);
+                Ok(Event::CreditOnly)
+            }
+            Role::Server => {
+                if !self.reclaiming {
+                    return Err(ProtocolError::Reclaim(
+                        "credits given back that nobody asked for",
+                    ));
+                }
+                let n = h.aux;
+                if n > self.peer_credits {
+                    return Err(ProtocolError::Reclaim(
+                        "more credits given back than the client holds",
+                    ));
+                }
+                self.peer_credits -= n;
+                self.window -= n;
+                self.reclaiming = false;
+                Ok(Event::Surrendered { credits: n })
+            }
+        }
     }
 
     fn close_server_call(&mut self, i: usize) {
@@ -1536,13 +1716,21 @@ impl Conn {
     /// conserved, the deadline heap consistent with the call states, the free list and the
     /// live count exact, windows within bounds.
     pub(crate) fn check_invariants(&self) -> Result<(), &'static str> {
-        if self.send_credits > self.cfg.initial_send_credits {
-            return Err("send credits above the peer's ring depth");
+        if self.send_credits > self.cfg.max_send_credits {
+            return Err("send credits above the most the peer grants");
         }
         if u64::from(self.peer_credits) + u64::from(self.unreposted) + u64::from(self.owed)
-            != u64::from(self.cfg.recv_depth)
+            != u64::from(self.window)
         {
             return Err("receive slots not conserved (peer credits + unreposted + owed)");
+        }
+        if self.window > self.cfg.recv_max || self.window < self.cfg.reserved_credits + 2 {
+            return Err("window outside reserved_credits + 2 ..= recv_max");
+        }
+        if self.role == Role::Client && self.reclaiming
+            || self.role == Role::Server && self.surrender.is_some()
+        {
+            return Err("reclaim state on the wrong role");
         }
         self.heap.check()?;
         let mut live = 0;

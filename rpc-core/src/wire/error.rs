@@ -233,6 +233,10 @@ pub enum ProtocolError {
         /// The configured maximum.
         max: u32,
     },
+    /// A credit reclaim the protocol does not allow ([`FrameFlags::RECLAIM`]); says why.
+    ///
+    /// [`FrameFlags::RECLAIM`]: super::FrameFlags::RECLAIM
+    Reclaim(&'static str),
     /// A message larger than `max_message`.
     TooLarge {
         /// The call.
@@ -300,6 +304,9 @@ impl fmt::Display for ProtocolError {
                 "protocol violation: window update for {call} opens the window to {window}, \
                  above the stream window {max} (stream_window differs between the ends?)"
             ),
+            ProtocolError::Reclaim(why) => {
+                write!(f, "protocol violation: credit reclaim: {why}")
+            }
             ProtocolError::TooLarge { call, len, max } => write!(
                 f,
                 "protocol violation: message of {len} bytes for {call}, above max_message {max}"

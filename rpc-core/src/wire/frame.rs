@@ -7,7 +7,8 @@
 //! 1   1   kind (FrameKind)
 //! 2   2   flags (FrameFlags)
 //! 4   4   call_id (0 for connection frames: CreditUpdate, GoAway)
-//! 8   4   aux: method id (Request), status code (Status), grant (WindowUpdate), 0 else
+//! 8   4   aux: method id (Request), status code (Status), grant (WindowUpdate), credits to
+//!             keep or surrendered (CreditUpdate with RECLAIM), 0 else
 //! 12  2   credits: receive slots the sender re-posted for the receiver since its last report
 //! 14  2   metadata_len
 //! 16  4   payload_len (inline payload bytes after header + extensions + metadata)
@@ -54,8 +55,9 @@ use super::WireError;
 /// The wire protocol version carried in every frame.
 ///
 /// 2: batches ([`FrameFlags::MORE`]); a version-1 peer would have read only the first frame
-/// of a SEND.
-pub const WIRE_VERSION: u8 = 2;
+/// of a SEND. 3: credit reclaims ([`FrameFlags::RECLAIM`]), for receivers that grant credits
+/// from a receive pool shared by many connections.
+pub const WIRE_VERSION: u8 = 3;
 /// Bytes of the fixed base header.
 pub const BASE_HEADER_LEN: usize = 24;
 /// Bytes of the deadline extension.
@@ -202,8 +204,13 @@ impl FrameFlags {
     /// [module docs](self#batches-several-frames-in-one-send)). Any kind but a
     /// [`FrameFlags::WRITTEN`] Response.
     pub const MORE: FrameFlags = FrameFlags(1 << 7);
+    /// On a CreditUpdate: from a server, "keep at most `aux` send credits and give the rest
+    /// back" (it grants from a receive pool it shares among its connections); from a client,
+    /// the answer: `aux` credits given back (possibly 0). See
+    /// [`Conn::reclaim`](super::Conn::reclaim).
+    pub const RECLAIM: FrameFlags = FrameFlags(1 << 8);
     /// Every flag this version knows.
-    pub const KNOWN: FrameFlags = FrameFlags(0xff);
+    pub const KNOWN: FrameFlags = FrameFlags(0x1ff);
     /// The flags that announce an extension.
     pub const EXTENSIONS: FrameFlags = FrameFlags(0x47);
 
@@ -257,7 +264,7 @@ impl std::ops::BitOrAssign for FrameFlags {
 
 impl fmt::Debug for FrameFlags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const NAMES: [(FrameFlags, &str); 8] = [
+        const NAMES: [(FrameFlags, &str); 9] = [
             (FrameFlags::HAS_DEADLINE, "HAS_DEADLINE"),
             (FrameFlags::HAS_BULK, "HAS_BULK"),
             (FrameFlags::HAS_LANDING, "HAS_LANDING"),
@@ -266,6 +273,7 @@ impl fmt::Debug for FrameFlags {
             (FrameFlags::SERVER_STREAM, "SERVER_STREAM"),
             (FrameFlags::BULK_PIECES, "BULK_PIECES"),
             (FrameFlags::MORE, "MORE"),
+            (FrameFlags::RECLAIM, "RECLAIM"),
         ];
         if self.0 == 0 {
             return f.write_str("(empty)");
@@ -594,6 +602,11 @@ impl FrameHeader {
                 ));
             }
         }
+        if f.contains(FrameFlags::RECLAIM) && k != K::CreditUpdate {
+            return Err(WireError::Inconsistent(
+                "RECLAIM on a frame other than CreditUpdate",
+            ));
+        }
         if k.is_call_scoped() == (self.call_id == 0) {
             return Err(WireError::Inconsistent(if self.call_id == 0 {
                 "call id 0 on a frame that belongs to a call"
@@ -614,6 +627,7 @@ impl FrameHeader {
                 return Err(WireError::Inconsistent("WindowUpdate granting nothing"));
             }
             K::Request | K::Status | K::WindowUpdate => {}
+            K::CreditUpdate if f.contains(FrameFlags::RECLAIM) => {}
             _ if self.aux != 0 => {
                 return Err(WireError::Inconsistent(
                     "nonzero aux on a frame kind that does not use it",
@@ -946,7 +960,7 @@ pub(crate) mod tests {
         assert_eq!(
             &buf[..24],
             &[
-                2, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
+                3, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
                 0x08, 0, 0, 0, 0, 0, 0, 0, 0
             ]
         );
@@ -1030,8 +1044,14 @@ pub(crate) mod tests {
             Err(WireError::BadVersion(1)),
             "a version-1 peer is refused"
         );
-        b[0] = 3;
-        assert_eq!(decode(&b), Err(WireError::BadVersion(3)));
+        b[0] = 2;
+        assert_eq!(
+            decode(&b),
+            Err(WireError::BadVersion(2)),
+            "a version-2 peer (no credit reclaims) is refused"
+        );
+        b[0] = 4;
+        assert_eq!(decode(&b), Err(WireError::BadVersion(4)));
         let mut b = good.clone();
         b[1] = 0;
         assert_eq!(decode(&b), Err(WireError::UnknownKind(0)));
@@ -1249,7 +1269,8 @@ pub(crate) mod tests {
         let f = FrameFlags::HAS_BULK | FrameFlags::END_STREAM;
         assert_eq!(format!("{f:?}"), "HAS_BULK | END_STREAM");
         assert_eq!(format!("{:?}", FrameFlags::EMPTY), "(empty)");
-        assert_eq!(FrameFlags::from_bits(0x100), None);
+        assert_eq!(FrameFlags::from_bits(0x200), None);
+        assert_eq!(format!("{:?}", FrameFlags::RECLAIM), "RECLAIM");
         assert_eq!(format!("{:?}", FrameFlags::MORE), "MORE");
         assert_eq!(
             format!("{:?}", FrameFlags::BULK_PIECES | FrameFlags::HAS_BULK),

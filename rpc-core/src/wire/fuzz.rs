@@ -160,11 +160,15 @@ impl Wire {
 }
 
 /// The configuration the fuzzer runs: tiny tables, rings and windows so every limit is hit.
+/// The server grants from a shared pool (windows of 4 to 10: [`Conn::grant`],
+/// [`Conn::recv_withheld`], [`Conn::reclaim`]); the client's ring of 4 never grows.
 pub const FUZZ_CONFIG: Config = Config {
     max_calls: 4,
     peer_max_calls: 4,
-    initial_send_credits: 6,
-    recv_depth: 6,
+    initial_send_credits: 4,
+    max_send_credits: 10,
+    recv_depth: 4,
+    recv_max: 10,
     reserved_credits: 2,
     credit_update_threshold: 2,
     eager_limit: 512,
@@ -193,6 +197,9 @@ pub fn conn_events(data: &[u8]) {
     let mut n_ids = 0usize;
     let mut now = 0u64;
     let mut inp = Input { data, pos: 0 };
+    // No forged frame was handled yet: the server's view of the client's credits is then
+    // never below the client's real count (what the shared pool relies on).
+    let mut honest = true;
     while !inp.done() {
         let op = inp.u8();
         let pick = |inp: &mut Input<'_>, ids: &[CallId; 8]| -> CallId {
@@ -222,6 +229,7 @@ pub fn conn_events(data: &[u8]) {
                 }
                 buf[0] = WIRE_VERSION;
                 if let Ok(f) = decode(&buf[..len]) {
+                    honest = false;
                     let conn = if side_is_client {
                         &mut client
                     } else {
@@ -278,6 +286,7 @@ pub fn conn_events(data: &[u8]) {
                     }),
                 };
                 if h.check().is_ok() {
+                    honest = false;
                     let conn = if side_is_client {
                         &mut client
                     } else {
@@ -421,12 +430,23 @@ pub fn conn_events(data: &[u8]) {
             }
             14 => {
                 let n = u32::from(inp.u8() % 8);
-                let conn = if side_is_client {
-                    &mut client
+                if side_is_client {
+                    let _ = client.recv_reposted(n);
+                } else if inp.bool() {
+                    // The slots go back to the shared pool, not to the client.
+                    let _ = server.recv_withheld(n);
                 } else {
-                    &mut server
-                };
-                let _ = conn.recv_reposted(n);
+                    let _ = server.recv_reposted(n);
+                }
+            }
+            15 => {
+                let _ = server.grant(u32::from(inp.u8() % 8));
+            }
+            16 => {
+                let keep = u32::from(inp.u8() % 8);
+                if let Ok(h) = server.reclaim(keep) {
+                    to_client.push(h);
+                }
             }
             _ => {
                 // Deliver what was built, in order, re-posting the slot at once.
@@ -457,5 +477,11 @@ pub fn conn_events(data: &[u8]) {
         if let Err(e) = server.check_invariants() {
             panic!("server invariant broken: {e}");
         }
+        assert!(
+            !honest || client.send_credits() <= server.peer_credits(),
+            "the client holds {} credits, more than the server's view {}",
+            client.send_credits(),
+            server.peer_credits()
+        );
     }
 }

@@ -15,7 +15,9 @@ fn cfg() -> Config {
         max_calls: 8,
         peer_max_calls: 8,
         initial_send_credits: 8,
+        max_send_credits: 8,
         recv_depth: 8,
+        recv_max: 8,
         reserved_credits: 2,
         credit_update_threshold: 4,
         eager_limit: 1024,
@@ -242,7 +244,9 @@ fn too_many_calls_is_back_pressure() {
 fn control_frames_still_go_when_data_credits_are_exhausted() {
     let mut l = Link::new(Config {
         initial_send_credits: 5,
+        max_send_credits: 5,
         recv_depth: 5,
+        recv_max: 5,
         ..cfg()
     });
     l.auto_repost = false; // the server's application holds the receive slots
@@ -310,7 +314,9 @@ fn control_frames_still_go_when_data_credits_are_exhausted() {
 fn the_last_credit_is_for_credit_updates() {
     let mut l = Link::new(Config {
         initial_send_credits: 4,
+        max_send_credits: 4,
         recv_depth: 4,
+        recv_max: 4,
         credit_update_threshold: 2,
         ..cfg()
     });
@@ -382,7 +388,9 @@ fn a_starved_peer_always_gets_its_credits_back() {
     // `wants_credit_update` says so. Nothing may ever get stuck.
     let mut l = Link::new(Config {
         initial_send_credits: 4,
+        max_send_credits: 4,
         recv_depth: 4,
+        recv_max: 4,
         credit_update_threshold: 4,
         ..cfg()
     });
@@ -445,7 +453,9 @@ fn one_way_streams_never_stall() {
     // rings the server must never be left waiting.
     let mut l = Link::new(Config {
         initial_send_credits: 4,
+        max_send_credits: 4,
         recv_depth: 4,
+        recv_max: 4,
         credit_update_threshold: 4,
         stream_window: 10_000,
         ..cfg()
@@ -1313,14 +1323,29 @@ fn config_validation() {
         },
         Config {
             initial_send_credits: 3,
+            max_send_credits: 3,
             ..cfg()
         },
         Config {
             recv_depth: 3,
+            recv_max: 3,
             ..cfg()
         },
         Config {
             recv_depth: 70_000,
+            recv_max: 70_000,
+            ..cfg()
+        },
+        Config {
+            max_send_credits: 7,
+            ..cfg()
+        },
+        Config {
+            recv_max: 7,
+            ..cfg()
+        },
+        Config {
+            recv_max: 70_000,
             ..cfg()
         },
         Config {
@@ -1409,7 +1434,9 @@ impl Model {
             max_calls: 6,
             peer_max_calls: 6,
             initial_send_credits: 5,
+            max_send_credits: 5,
             recv_depth: 5,
+            recv_max: 5,
             reserved_credits: 2,
             credit_update_threshold: 3,
             ..cfg()
@@ -1847,4 +1874,206 @@ fn batch_accounting_resumes_after_the_last_frame() {
     );
     l.c.recv_reposted(8).unwrap();
     l.check();
+}
+
+/// A server granting from a shared pool: windows start at 4 and may grow to 16.
+fn pool_cfg() -> Config {
+    Config {
+        max_calls: 16,
+        peer_max_calls: 16,
+        initial_send_credits: 4,
+        max_send_credits: 16,
+        recv_depth: 4,
+        recv_max: 16,
+        ..cfg()
+    }
+}
+
+#[test]
+fn grants_grow_the_window_up_to_recv_max() {
+    let mut l = Link::new(pool_cfg());
+    assert_eq!((l.s.window(), l.c.send_credits()), (4, 4));
+    assert_eq!(l.s.grant(5), 5);
+    assert_eq!(l.s.window(), 9);
+    assert_eq!(
+        l.s.owed_credits(),
+        5,
+        "granted credits ride like reposted ones"
+    );
+    assert_eq!(l.s.grant(100), 7, "never above recv_max");
+    assert_eq!(l.s.grant(1), 0);
+    let h = l.s.credit_update().unwrap();
+    assert_eq!(h.credits, 12);
+    l.send_s(h, &[], &[]);
+    assert_eq!(l.deliver_to_client().unwrap().ev, Event::CreditOnly);
+    assert_eq!(l.c.send_credits(), 16);
+    assert_eq!(l.s.peer_credits(), 16);
+    l.check();
+    // Sixteen credits: fourteen data frames in flight (two are the reserve).
+    let calls: Vec<CallId> = (0..14).map(|i| l.unary(&[i], None)).collect();
+    assert_eq!(l.c.data_credits(), 0);
+    for _ in &calls {
+        l.deliver_to_server().unwrap();
+    }
+    l.check();
+}
+
+#[test]
+fn a_withheld_slot_shrinks_the_window_not_below_the_reserve() {
+    let mut l = Link::new(pool_cfg());
+    l.auto_repost = false;
+    l.s.grant(4);
+    let h = l.s.credit_update().unwrap();
+    l.send_s(h, &[], &[]);
+    l.deliver_to_client().unwrap();
+    let a = l.unary(b"a", None);
+    let b = l.unary(b"b", None);
+    l.deliver_to_server().unwrap();
+    l.deliver_to_server().unwrap();
+    assert_eq!(l.s.window(), 8);
+    // One slot goes back to the pool, one to the client.
+    l.s.recv_withheld(1).unwrap();
+    l.s.recv_reposted(1).unwrap();
+    assert_eq!((l.s.window(), l.s.owed_credits()), (7, 1));
+    assert!(
+        l.s.recv_withheld(1).is_err(),
+        "no frame left whose slot is not back"
+    );
+    l.check();
+    for call in [a, b] {
+        let h = l.s.status(call, 0, 0, 0).unwrap();
+        l.send_s(h, &[], &[]);
+        l.deliver_to_client().unwrap();
+        l.c.finish(call);
+        l.s.finish(call);
+    }
+    assert_eq!(l.c.send_credits(), 7, "the client holds the whole window");
+    // Down to the reserve + 2, never below.
+    let calls: Vec<CallId> = (0..5).map(|i| l.unary(&[i], None)).collect();
+    for _ in &calls {
+        l.deliver_to_server().unwrap();
+    }
+    l.s.recv_withheld(3).unwrap();
+    assert_eq!(l.s.window(), 4);
+    assert_eq!(
+        l.s.recv_withheld(1),
+        Err(SendError::Invalid(
+            "a window below reserved_credits + 2 could stall the peer"
+        ))
+    );
+    l.check();
+}
+
+#[test]
+fn reclaim_takes_back_unused_credits_exactly() {
+    let mut l = Link::new(pool_cfg());
+    l.s.grant(12);
+    let h = l.s.credit_update().unwrap();
+    l.send_s(h, &[], &[]);
+    l.deliver_to_client().unwrap();
+    assert_eq!(l.c.send_credits(), 16);
+    // The client sends a request the server has not seen when it asks for credits back.
+    let call = l.unary(b"x", None);
+    let h = l.s.reclaim(4).unwrap();
+    assert!(h.flags.contains(FrameFlags::RECLAIM));
+    assert_eq!(h.aux, 4);
+    assert!(l.s.is_reclaiming());
+    assert_eq!(
+        l.s.reclaim(4),
+        Err(SendError::BadState(
+            "a reclaim already waits for its answer"
+        ))
+    );
+    l.send_s(h, &[], &[]);
+    // The request arrives first (its slot goes back to the client as usual).
+    l.deliver_to_server().unwrap();
+    // The reclaim reaches the client: 16 - 1 (the request) - 1 (the reclaim's own credit
+    // costs the server, not the client) = 15 credits, keep 4, give 11 back.
+    assert_eq!(l.deliver_to_client().unwrap().ev, Event::CreditOnly);
+    assert_eq!(l.c.send_credits(), 4);
+    assert!(l.c.wants_credit_update(), "the answer is due");
+    let h = l.c.credit_update().unwrap();
+    assert!(h.flags.contains(FrameFlags::RECLAIM));
+    assert_eq!(h.aux, 11);
+    l.send_c(h, &[], &[]);
+    assert_eq!(
+        l.deliver_to_server().unwrap().ev,
+        Event::Surrendered { credits: 11 }
+    );
+    assert!(!l.s.is_reclaiming());
+    assert_eq!(l.s.window(), 5, "the client's 3 + the 2 owed back to it");
+    l.check();
+    // The call still finishes.
+    let h = l.s.response(call, 1, 0, None, false).unwrap();
+    l.send_s(h, &[], b"y");
+    assert!(matches!(
+        l.deliver_to_client().unwrap().ev,
+        Event::Response { .. }
+    ));
+    l.check();
+}
+
+#[test]
+fn a_client_with_fewer_credits_than_asked_keeps_them() {
+    let mut l = Link::new(pool_cfg());
+    let h = l.s.reclaim(6).unwrap();
+    l.send_s(h, &[], &[]);
+    l.deliver_to_client().unwrap();
+    assert_eq!(l.c.send_credits(), 4);
+    let h = l.c.credit_update().unwrap();
+    assert_eq!(h.aux, 0, "nothing given back");
+    l.send_c(h, &[], &[]);
+    assert_eq!(
+        l.deliver_to_server().unwrap().ev,
+        Event::Surrendered { credits: 0 }
+    );
+    l.check();
+}
+
+#[test]
+fn reclaims_the_protocol_does_not_allow_close_the_connection() {
+    // A client answering a reclaim nobody sent.
+    let mut l = Link::new(pool_cfg());
+    let mut h = FrameHeader::new(FrameKind::CreditUpdate, 0);
+    h.flags |= FrameFlags::RECLAIM;
+    h.aux = 1;
+    l.send_c(h, &[], &[]);
+    assert!(matches!(
+        l.deliver_to_server(),
+        Err(ProtocolError::Reclaim(_))
+    ));
+    // A client giving back more than it holds.
+    let mut l = Link::new(pool_cfg());
+    let h = l.s.reclaim(4).unwrap();
+    l.send_s(h, &[], &[]);
+    l.deliver_to_client().unwrap();
+    let mut h = FrameHeader::new(FrameKind::CreditUpdate, 0);
+    h.flags |= FrameFlags::RECLAIM;
+    h.aux = 9;
+    l.send_c(h, &[], &[]);
+    assert!(matches!(
+        l.deliver_to_server(),
+        Err(ProtocolError::Reclaim(_))
+    ));
+    // A server asking a client to keep less than the reserve needs.
+    let mut l = Link::new(pool_cfg());
+    assert!(l.s.reclaim(3).is_err(), "the builder refuses it");
+    let mut h = FrameHeader::new(FrameKind::CreditUpdate, 0);
+    h.flags |= FrameFlags::RECLAIM;
+    h.aux = 3;
+    l.send_s(h, &[], &[]);
+    assert!(matches!(
+        l.deliver_to_client(),
+        Err(ProtocolError::Reclaim(_))
+    ));
+    // RECLAIM on another kind, or aux on a plain CreditUpdate, does not decode.
+    let mut h = FrameHeader::new(FrameKind::GoAway, 0);
+    h.flags |= FrameFlags::RECLAIM;
+    assert!(h.check().is_err());
+    let mut h = FrameHeader::new(FrameKind::CreditUpdate, 0);
+    h.aux = 2;
+    assert!(h.check().is_err());
+    // Only a server reclaims.
+    let mut l = Link::new(pool_cfg());
+    assert!(l.c.reclaim(4).is_err());
 }

@@ -260,7 +260,8 @@ impl<P: Provider> Driver<P> {
                 );
                 core.draining.store(true, Ordering::Release);
             }
-            Event::CreditOnly => {}
+            // A server never sends Surrendered (the protocol core takes it only on a server).
+            Event::CreditOnly | Event::Surrendered { .. } => {}
             Event::Request { .. } | Event::Cancel { .. } | Event::EndOfStream { .. } => {
                 return Err(LinkError::Protocol(
                     "server sent a client-only frame".into(),

@@ -197,7 +197,7 @@ impl<P: Provider> Shard<P> {
                     self.tasks.wake(t);
                 }
             }
-            Event::CreditOnly | Event::Stale { .. } => {}
+            Event::CreditOnly | Event::Stale { .. } | Event::Surrendered { .. } => {}
             Event::Response { .. } | Event::Status { .. } | Event::GoAway => {
                 return Err(LinkError::Protocol(
                     "client sent a server-only frame".into(),
