@@ -67,8 +67,8 @@
 //!
 //! | memory | who may touch it | what a peer can do | the loan ends |
 //! |---|---|---|---|
-//! | **send slot** (a connection's arena, local access only) | the caller encoding a frame into it, then the NIC from `post_send` | nothing: slots have no remote key | at the send's completion (or at once for an inline send), never earlier |
-//! | **receive slot** (same arena) | the NIC while its RECV is posted, then the decoder; a `bytes` field of 512 B or more may borrow it | send into it only while posted (SEND/RECV); no remote key | when the decoded message and every `Bytes` taken from it are dropped. At most half of a connection's receive slots are lent at once (its *lending budget*); past it, large fields are copied and the slot goes back at once, so keeping received data never stalls a connection |
+//! | **send slot** (a client connection's arena; on a server, the shard's, shared by its connections; local access only) | the caller encoding a frame into it, then the NIC from `post_send` | nothing: slots have no remote key | at the send's completion (or at once for an inline send), or, for a SEND that never completes, when its QP is destroyed; never earlier |
+//! | **receive slot** (a client connection's arena; on a server, the shard's receive pool behind one SRQ) | the NIC while its RECV is posted, then the decoder; a `bytes` field of 512 B or more may borrow it | send into it only while posted (SEND/RECV) and only with a credit, which the receiver grants from slots it has posted; no remote key | when the decoded message and every `Bytes` taken from it are dropped. A client lends at most half of its receive slots at once (its *lending budget*); a server shard lends a slot only from the pool's spare slots (at most half the pool), and the connection gets its credit back at once. Past either, large fields are copied and the slot goes back at once, so keeping received data never stalls a connection |
 //! | **rendezvous source** (a bulk buffer holding a large message) | the sender, until it advertises it; then read-only for everyone | RDMA READ of exactly the advertised bytes, through a key of its own, from this connection's peer only (soft) | at the peer's `BulkRelease`, or when the call ends: the key is revoked before the buffer returns to its pool |
 //! | **landing zone** (a bulk buffer a client lends for a large response) | the server's NIC, then the client once the response arrived | RDMA WRITE of exactly the advertised bytes, from this connection's server only (soft) | when the response's write completes: the key is revoked before the client reads a byte |
 //! | **registered request bytes** ([`Channel::alloc_bytes`]) | the user, until frozen; then read-only, shared by the requests that reference it | RDMA READ of the referenced field's bytes, one key per request | when that request's server is done (`BulkRelease` or the call's end) |
@@ -137,6 +137,6 @@ pub use request::{
     IntoRequest, IntoStreamingRequest, InvalidMetadata, MAX_METADATA_LEN, Metadata, Request,
     Response,
 };
-pub use server::{RunningServer, Server, ServerBuilder, ShardPolling};
+pub use server::{ReceivePool, RunningServer, Server, ServerBuilder, ShardPolling};
 pub use status::{Code, MAX_STATUS_MESSAGE_LEN, NOT_EXECUTED_KEY, STATUS_DETAILS_KEY, Status};
 pub use streaming::Streaming;

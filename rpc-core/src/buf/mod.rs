@@ -2,6 +2,7 @@
 //!
 //! - [`slots`]: a connection's arena carved into send and receive slot rings, with receive-slot
 //!   guards that repost their RECV when dropped.
+//! - [`pool`]: a server shard's receive slots, shared by its connections through one SRQ.
 //! - [`bulk`]: the pool of registered buffers for rendezvous payloads and landing zones.
 //! - [`decode`]: a `Buf` that decodes prost messages from registered memory, borrowing it for
 //!   large `bytes` fields.
@@ -11,6 +12,7 @@ pub mod bulk;
 pub mod decode;
 pub mod encode;
 pub mod handoff;
+pub mod pool;
 pub mod slots;
 pub mod task;
 
@@ -18,5 +20,6 @@ pub use bulk::{BulkBuf, BulkPool};
 pub use decode::{Lend, SlotReader};
 pub use encode::{EncodeMsg, Gather, NoMsg, Piece, RawBytes};
 pub use handoff::{CancelOutcome, Exclusive, Mailbox, Taken};
+pub use pool::RecvPool;
 pub use slots::{Geometry, RecvSlot, SlotArena};
 pub use task::{CtxFamily, FutureTask, Notify, Polled, SlabTask, Spawned, TaskId, TaskSlab};

@@ -83,7 +83,13 @@ pub struct SlotArena<P: Provider> {
     /// Per receive slot shared by several guards (a batch): the live guards, and [`LENT`]
     /// when the slot is counted in `lent`. Zero, untouched, for a slot with one guard.
     shares: Box<[AtomicU32]>,
+    /// Per send slot: the send slot of the next frame coalesced into the same SEND, or
+    /// [`NO_SLOT`] (see [`SlotArena::chain`]). Written and read by the slot's owner only.
+    next: Box<[AtomicU32]>,
 }
+
+/// No next slot in a SEND's chain of send slots.
+pub const NO_SLOT: u32 = u32::MAX;
 
 /// In a receive slot's share count: the slot is counted in the lending budget.
 const LENT: u32 = 1 << 31;
@@ -118,12 +124,42 @@ impl<P: Provider> SlotArena<P> {
                 "slot geometry out of range",
             ));
         }
+        Self::alloc(pd, geometry)
+    }
+
+    /// An arena of send slots only, shared by the connections of a server shard (which
+    /// receive through the shard's [`super::RecvPool`]).
+    ///
+    /// # Errors
+    /// When the sizes are out of range or registration fails.
+    pub fn send_only(pd: &P::Pd, slot_size: u32, send_slots: u32) -> Result<Arc<SlotArena<P>>> {
+        let geometry = Geometry {
+            slot_size,
+            send_slots,
+            recv_slots: 0,
+        };
+        if !(Geometry {
+            recv_slots: 1,
+            ..geometry
+        })
+        .is_valid()
+        {
+            return Err(crate::verbs::VerbsError::new(
+                crate::verbs::Verb::AllocMr,
+                crate::verbs::ErrorKind::InvalidArgument,
+                "send slot sizes out of range",
+            ));
+        }
+        Self::alloc(pd, geometry)
+    }
+
+    fn alloc(pd: &P::Pd, geometry: Geometry) -> Result<Arc<SlotArena<P>>> {
         let mr = pd.alloc_mr(geometry.arena_len(), Access::LOCAL_WRITE)?;
         let free_send = ArrayQueue::new(geometry.send_slots as usize);
         for i in 0..geometry.send_slots {
             let _ = free_send.push(i);
         }
-        let repost = ArrayQueue::new(geometry.recv_slots as usize);
+        let repost = ArrayQueue::new(geometry.recv_slots.max(1) as usize);
         for i in 0..geometry.recv_slots {
             let _ = repost.push(i);
         }
@@ -136,6 +172,9 @@ impl<P: Provider> SlotArena<P> {
             lend_max: lending_budget(geometry.recv_slots),
             shares: (0..geometry.recv_slots)
                 .map(|_| AtomicU32::new(0))
+                .collect(),
+            next: (0..geometry.send_slots)
+                .map(|_| AtomicU32::new(NO_SLOT))
                 .collect(),
         }))
     }
@@ -165,6 +204,38 @@ impl<P: Provider> SlotArena<P> {
         debug_assert!(idx < self.geometry.send_slots);
         // Capacity equals the number of send slots and each index is held once: cannot fail.
         let _ = self.free_send.push(idx);
+    }
+
+    /// Chains send slot `next` after send slot `slot` (`NO_SLOT`: `slot` is the last) in a
+    /// SEND that coalesces several frames; read back with [`SlotArena::next_in_chain`] when the
+    /// SEND completes. The caller owns `slot`.
+    pub fn chain(&self, slot: u32, next: u32) {
+        if let Some(n) = self.next.get(slot as usize) {
+            n.store(next, Ordering::Relaxed);
+        }
+    }
+
+    /// The slot chained after send slot `slot` ([`SlotArena::chain`]), or `NO_SLOT`.
+    pub fn next_in_chain(&self, slot: u32) -> u32 {
+        self.next
+            .get(slot as usize)
+            .map_or(NO_SLOT, |n| n.load(Ordering::Relaxed))
+    }
+
+    /// Returns the send slots of a SEND whose first frame is in `slot` (chained with
+    /// [`SlotArena::chain`]) to the free queue: its completion was polled, it was never
+    /// posted, or its QP is destroyed.
+    pub fn release_chain(&self, slot: u32) {
+        let mut s = slot;
+        // A chain never holds more than a SEND's frames; bounded all the same.
+        for _ in 0..self.next.len().min(64) {
+            let next = self.next_in_chain(s);
+            self.release_send(s);
+            if next == NO_SLOT {
+                return;
+            }
+            s = next;
+        }
     }
 
     /// How many send slots are free.
@@ -220,11 +291,7 @@ impl<P: Provider> SlotArena<P> {
         if idx >= self.geometry.recv_slots {
             return;
         }
-        let start = self.mr.as_ptr().wrapping_add(self.offset_recv(idx));
-        let lines = (len as usize).clamp(1, 256).div_ceil(64);
-        for i in 0..lines {
-            prefetch(start.wrapping_add(i * 64));
-        }
+        prefetch_lines(self.mr.as_ptr().wrapping_add(self.offset_recv(idx)), len);
     }
 
     /// Whether receive slots wait to be posted again.
@@ -254,14 +321,8 @@ impl<P: Provider> SlotArena<P> {
         // SAFETY: `off` is inside the MR (idx < recv_slots).
         let ptr = unsafe { self.mr.as_ptr().add(off) };
         let owner: Arc<dyn Repost> = Arc::clone(self) as Arc<dyn Repost>;
-        RecvSlot {
-            owner,
-            ptr,
-            idx,
-            len,
-            lent: false,
-            shared: false,
-        }
+        // SAFETY: forwarded contract; the slot's bytes lie in the MR, which `owner` keeps.
+        unsafe { RecvSlot::new(owner, ptr, idx, len) }
     }
 
     /// Returns a receive slot to the repost queue without a guard (e.g. a flushed receive).
@@ -287,8 +348,9 @@ impl<P: Provider> fmt::Debug for SlotArena<P> {
 pub trait Repost: Send + Sync + 'static {
     /// Queues receive slot `idx` for reposting.
     fn repost(&self, idx: u32);
-    /// Counts one more slot lent out of the ring; false (and nothing counted) past the budget.
-    fn try_lend(&self) -> bool;
+    /// Counts receive slot `idx` as lent out of the ring; false (and nothing counted) past
+    /// the budget.
+    fn try_lend(&self, idx: u32) -> bool;
     /// Uncounts a slot counted by [`Repost::try_lend`].
     fn unlend(&self);
     /// The share count of receive slot `idx` (guards and [`LENT`]; see [`RecvSlot::share`]).
@@ -300,7 +362,7 @@ impl<P: Provider> Repost for SlotArena<P> {
         self.repost_later(idx);
     }
 
-    fn try_lend(&self) -> bool {
+    fn try_lend(&self, _idx: u32) -> bool {
         // A load first: past the budget (a user keeping everything) no write to the shared
         // counter is made at all.
         if self.lent.load(Ordering::Relaxed) >= self.lend_max {
@@ -346,6 +408,23 @@ unsafe impl Send for RecvSlot {}
 unsafe impl Sync for RecvSlot {}
 
 impl RecvSlot {
+    /// A guard of receive slot `idx` of `owner`, holding `len` received bytes at `ptr`.
+    ///
+    /// # Safety
+    /// The slot's RECV completed (its completion was polled) and the slot is not posted again
+    /// until the guard (and every guard [`RecvSlot::share`] makes of it) is dropped;
+    /// `ptr .. ptr + len` lies in registered memory that `owner` keeps alive and mapped.
+    pub(crate) unsafe fn new(owner: Arc<dyn Repost>, ptr: *const u8, idx: u32, len: u32) -> Self {
+        RecvSlot {
+            owner,
+            ptr,
+            idx,
+            len,
+            lent: false,
+            shared: false,
+        }
+    }
+
     /// The received bytes.
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: the slot's RECV completed and it is not reposted while this guard lives
@@ -363,13 +442,13 @@ impl RecvSlot {
             return true;
         }
         if !self.shared {
-            self.lent = self.owner.try_lend();
+            self.lent = self.owner.try_lend(self.idx);
             return self.lent;
         }
         // A slot several guards share counts once, whichever of them asks first.
         let count = self.owner.shares(self.idx);
         if count.load(Ordering::Acquire) & LENT == 0 {
-            if !self.owner.try_lend() {
+            if !self.owner.try_lend(self.idx) {
                 return false;
             }
             if count.fetch_or(LENT, Ordering::AcqRel) & LENT != 0 {
@@ -441,6 +520,15 @@ impl fmt::Debug for RecvSlot {
             .field("lent", &self.lent)
             .field("shared", &self.shared)
             .finish()
+    }
+}
+
+/// Prefetch hints for the cache lines of the first `len` bytes at `start` (at most 256).
+#[inline]
+pub(crate) fn prefetch_lines(start: *const u8, len: u32) {
+    let lines = (len as usize).clamp(1, 256).div_ceil(64);
+    for i in 0..lines {
+        prefetch(start.wrapping_add(i * 64));
     }
 }
 

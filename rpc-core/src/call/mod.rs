@@ -27,7 +27,11 @@ use crate::verbs::{Provider, Wc};
 /// A SEND's completion: the NIC is done with the send slot `slot`, whatever the status, so it
 /// goes back to the arena; a failed SEND fails the link.
 #[inline]
-pub(crate) fn send_done<P: Provider>(link: &Link<P>, wc: &Wc, slot: u32) -> Result<(), LinkError> {
-    link.release_sends(slot);
+pub(crate) fn send_done<P: Provider>(
+    link: &mut Link<P>,
+    wc: &Wc,
+    slot: u32,
+) -> Result<(), LinkError> {
+    link.send_completed(slot);
     completion(wc)
 }

@@ -1209,7 +1209,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     let wcfg = wire::Config {
         max_calls: b.max_calls,
         peer_max_calls: welcome.max_calls,
-        initial_send_credits: welcome.geometry.recv_slots,
+        initial_send_credits: welcome.initial_credits,
         max_send_credits: welcome.geometry.recv_slots,
         recv_depth: b.geometry.recv_slots,
         recv_max: b.geometry.recv_slots,

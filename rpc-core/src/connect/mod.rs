@@ -23,8 +23,9 @@ use crate::{Error, TransportErrorKind};
 pub const MAGIC: [u8; 4] = *b"RRPC";
 /// Handshake protocol version (2: data QP endpoints; 3: wire format 2, several frames per
 /// SEND, so a peer of an older release is refused at the handshake with this version in the
-/// message, before any frame).
-pub const VERSION: u16 = 3;
+/// message, before any frame; 4: wire format 3, a server's receive credits granted from a
+/// pool shared by its connections, starting at `Welcome::initial_credits`).
+pub const VERSION: u16 = 4;
 /// Largest handshake message.
 pub const MAX_MESSAGE: usize = 1024;
 /// Most data QPs (besides the primary) one connection may have.
@@ -61,8 +62,11 @@ pub struct Hello {
 pub struct Welcome {
     /// The server QP's endpoint.
     pub endpoint: Endpoint,
-    /// The server's slot geometry for this connection.
+    /// The server's slot geometry for this connection: `recv_slots` is the most receive
+    /// credits the client may hold (granted from the shard's receive pool as it needs them).
     pub geometry: Geometry,
+    /// The receive credits the client starts with (at most `geometry.recv_slots`).
+    pub initial_credits: u32,
     /// Size of the server's call table for this connection.
     pub max_calls: u32,
     /// Shard that owns the connection.
@@ -208,6 +212,7 @@ impl Message {
                 let mut w = W::header(KIND_WELCOME);
                 w.bytes(&m.endpoint.to_bytes());
                 w.geometry(&m.geometry);
+                w.u32(m.initial_credits);
                 w.u32(m.max_calls);
                 w.u16(m.shard);
                 w.u16(m.shards);
@@ -273,6 +278,14 @@ impl Message {
             KIND_WELCOME => {
                 let endpoint = r.endpoint()?;
                 let geometry = r.geometry()?;
+                let initial_credits = r.u32()?;
+                // The reserve of two control credits plus two data credits, at least.
+                if !(4..=geometry.recv_slots).contains(&initial_credits) {
+                    return Err(handshake_err(format!(
+                        "peer's initial credits {initial_credits} out of range (4..={})",
+                        geometry.recv_slots
+                    )));
+                }
                 let max_calls = r.u32()?;
                 if max_calls == 0 || max_calls > Geometry::MAX_SLOTS {
                     return Err(handshake_err("peer call table size out of range"));
@@ -286,6 +299,7 @@ impl Message {
                 Message::Welcome(Welcome {
                     endpoint,
                     geometry,
+                    initial_credits,
                     max_calls,
                     shard,
                     shards,
@@ -411,6 +425,7 @@ mod tests {
             Message::Welcome(Welcome {
                 endpoint: ep(),
                 geometry: g,
+                initial_credits: 4,
                 max_calls: 64,
                 shard: 1,
                 shards: 2,
@@ -463,9 +478,13 @@ mod tests {
         let e = Message::decode(&m).unwrap_err();
         assert!(
             e.to_string()
-                .contains("version 2 not supported (this side speaks 3)"),
+                .contains("version 2 not supported (this side speaks 4)"),
             "{e}"
         );
+        // A peer of the release before credits from a shared pool (handshake 3, wire 2).
+        m[4] = 3;
+        let e = Message::decode(&m).unwrap_err();
+        assert!(e.to_string().contains("version 3 not supported"), "{e}");
         let good = Message::Hello(Hello {
             provider: 1,
             endpoint: ep(),
@@ -511,6 +530,7 @@ mod tests {
         let big = Message::Welcome(Welcome {
             endpoint: ep(),
             geometry: Geometry::default(),
+            initial_credits: 4,
             max_calls: 64,
             shard: 0,
             shards: 1,

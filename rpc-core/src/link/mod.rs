@@ -85,8 +85,7 @@ pub const SIGNAL_EVERY: u32 = 16;
 /// this many send SGEs (less where the device has fewer; see [`Link::new`]).
 pub const BATCH_FRAMES: usize = 8;
 
-/// No next slot in a SEND's chain of send slots.
-const NO_SLOT: u32 = u32::MAX;
+use crate::buf::slots::NO_SLOT;
 
 /// A SEND waiting in the link's send queue for [`Link::flush_sends`]: one frame, or several
 /// coalesced ones, each in its own send slot.
@@ -244,6 +243,9 @@ pub enum Control {
     WindowUpdate(wire::CallId, u32),
     /// The server drains: no new calls.
     GoAway,
+    /// The server asks the client to keep at most this many credits and give the rest back
+    /// to the shard's receive pool ([`wire::Conn::reclaim`]).
+    Reclaim(u32),
 }
 
 /// What the chunk loop posts.
@@ -331,12 +333,13 @@ pub struct Link<P: Provider> {
     sends: SendQueue,
     /// Frames one SEND may carry: [`BATCH_FRAMES`] or the QP's gather limit.
     gather: usize,
-    /// The send slots of a coalesced SEND, chained: the slot of the frame after each (or
-    /// [`NO_SLOT`]); read when the SEND's completion releases them.
-    chain: Box<[u32]>,
     /// The rest of a receive slot whose first frames were handed over: the slot and where its
     /// next frame starts ([`Link::next_batched`]).
     batch: Option<(RecvSlot, usize)>,
+    /// The SENDs posted and not completed: their send slots go back to the arena (which may
+    /// be shared with other links) when their completions are polled, or when the link is
+    /// dropped, after its QPs. Declared after `qp` and `lanes` for that order.
+    posted: owned::PostedSends<P>,
     /// Buffers of posted work requests (and lent to the peer) of a failed or closed link.
     /// Declared after `qp` and `lanes` on purpose: fields drop in declaration order, so
     /// these are freed only after every QP of the link is destroyed (see [`owned`]).
@@ -371,6 +374,7 @@ impl<P: Provider> Link<P> {
         max_inline: u32,
         epoch: Instant,
     ) -> Result<Link<P>, LinkError> {
+        let arena_for_posted = Arc::clone(&arena);
         let mut link = Link {
             qp,
             lanes: Lanes::default(),
@@ -386,12 +390,11 @@ impl<P: Provider> Link<P> {
             backlog: std::collections::VecDeque::new(),
             sends: SendQueue::default(),
             gather: 1,
-            chain: Box::new([]),
             batch: None,
+            posted: owned::PostedSends::new(Arc::clone(&arena_for_posted)),
             graveyard: Graveyard::default(),
         };
         link.gather = (link.qp.caps().max_send_sge as usize).clamp(1, BATCH_FRAMES);
-        link.chain = vec![NO_SLOT; link.arena.geometry().send_slots as usize].into_boxed_slice();
         link.tick();
         link.post_recvs(false)?;
         Ok(link)
@@ -624,7 +627,7 @@ impl<P: Provider> Link<P> {
             .send_sge(slot, MAX_HEADER_LEN as u32 + body as u32);
         sge.addr += start as u64;
         sge.length = len;
-        self.chain[slot as usize] = NO_SLOT;
+        self.arena.chain(slot, NO_SLOT);
         if join && let Some(open) = self.sends.n.checked_sub(1).map(|i| &mut self.sends.q[i]) {
             debug_assert!((open.nsge as usize) < self.gather);
             // SAFETY: `open.last` is a send slot of a queued, not yet posted SEND: ours.
@@ -633,7 +636,7 @@ impl<P: Provider> Link<P> {
                 self.arena.release_send(slot);
                 return Err(LinkError::Protocol(format!("batch: {e}")));
             }
-            self.chain[open.last as usize] = slot;
+            self.arena.chain(open.last, slot);
             open.sges[open.nsge as usize] = sge;
             open.nsge += 1;
             open.len += len;
@@ -672,19 +675,16 @@ impl<P: Provider> Link<P> {
             && open.len as usize + MAX_HEADER_LEN + body <= self.wire.config().eager_limit as usize
     }
 
-    /// Returns the send slots of a SEND whose first frame is in `slot` (its completion was
-    /// polled, or it was never posted) to the free queue.
-    pub fn release_sends(&self, slot: u32) {
-        let mut s = slot;
-        // A chain never holds more than a SEND's frames; bounded all the same.
-        for _ in 0..BATCH_FRAMES {
-            let next = self.chain.get(s as usize).copied().unwrap_or(NO_SLOT);
-            self.arena.release_send(s);
-            if next == NO_SLOT {
-                return;
-            }
-            s = next;
-        }
+    /// Returns the send slots of a SEND whose first frame is in `slot` to the free queue: it
+    /// was never posted, or (inline) the NIC has copied it.
+    fn release_sends(&self, slot: u32) {
+        self.arena.release_chain(slot);
+    }
+
+    /// The completion of the SEND whose first frame is in `slot` was polled: its send slots
+    /// go back to the free queue.
+    pub fn send_completed(&mut self, slot: u32) {
+        self.posted.completed(slot);
     }
 
     /// Whether SENDs wait for [`Link::flush_sends`].
@@ -743,6 +743,8 @@ impl<P: Provider> Link<P> {
         for (i, s) in self.sends.q[..n].iter().enumerate() {
             if inline[i] || i >= posted {
                 self.release_sends(s.slot);
+            } else {
+                self.posted.push(s.slot);
             }
         }
         r.map_err(|e| post_err("post_send(SEND)", &e))
@@ -754,6 +756,31 @@ impl<P: Provider> Link<P> {
     /// [`FrameError::Busy`] when no send slot is free; [`FrameError::TooLarge`] when the body
     /// does not fit a slot.
     pub fn stage(&self, metadata: &Metadata, msg: &dyn EncodeMsg) -> Result<Staged, FrameError> {
+        self.stage_keeping(metadata, msg, self.control_reserve())
+    }
+
+    /// Whether [`Link::stage`] finds a send slot now.
+    pub fn can_stage(&self) -> bool {
+        self.arena.free_sends() > self.control_reserve()
+    }
+
+    /// Send slots a data frame leaves to control frames: a frame that waits for credit holds
+    /// its slot, and with every slot held that way no CreditUpdate could go out to bring the
+    /// credits back (control frames are small and inline: their slots come back at once).
+    fn control_reserve(&self) -> usize {
+        (self.arena.geometry().send_slots as usize / 8).clamp(1, 16)
+    }
+
+    /// [`Link::stage`] that takes a slot only while more than `keep` are free.
+    fn stage_keeping(
+        &self,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+        keep: usize,
+    ) -> Result<Staged, FrameError> {
+        if keep > 0 && self.arena.free_sends() <= keep {
+            return Err(FrameError::Busy);
+        }
         let Some(slot) = self.arena.take_send() else {
             return Err(FrameError::Busy);
         };
@@ -764,6 +791,37 @@ impl<P: Provider> Link<P> {
                 payload_len,
             }),
             None => {
+                self.arena.release_send(slot);
+                Err(FrameError::TooLarge)
+            }
+        }
+    }
+
+    /// Takes a send slot and copies a frame body encoded elsewhere into it (`body` is the
+    /// metadata, `md_len` bytes, then the payload), ready for a header.
+    ///
+    /// # Errors
+    /// [`FrameError::Busy`] when no send slot is free; [`FrameError::TooLarge`] when the body
+    /// does not fit a slot.
+    pub fn stage_copy(&self, body: &[u8], md_len: usize) -> Result<Staged, FrameError> {
+        if self.arena.free_sends() <= self.control_reserve() {
+            return Err(FrameError::Busy);
+        }
+        let Some(slot) = self.arena.take_send() else {
+            return Err(FrameError::Busy);
+        };
+        // SAFETY: we took `slot` and have not posted it.
+        let buf = unsafe { self.arena.send_buf(slot) };
+        match buf.get_mut(MAX_HEADER_LEN..MAX_HEADER_LEN + body.len()) {
+            Some(dst) if md_len <= body.len() => {
+                dst.copy_from_slice(body);
+                Ok(Staged {
+                    slot,
+                    md_len,
+                    payload_len: body.len() - md_len,
+                })
+            }
+            _ => {
                 self.arena.release_send(slot);
                 Err(FrameError::TooLarge)
             }
@@ -812,7 +870,8 @@ impl<P: Provider> Link<P> {
         msg: &dyn EncodeMsg,
         build: impl FnOnce(&mut wire::Conn, usize, usize) -> Result<FrameHeader, SendError>,
     ) -> Result<(), FrameError> {
-        let staged = self.stage(metadata, msg)?;
+        // Control frames (this is how they go out) may use the slots data frames leave.
+        let staged = self.stage_keeping(metadata, msg, 0)?;
         match self.commit(staged, build) {
             Ok(()) => Ok(()),
             Err(CommitError::NoCredit(st)) => {
@@ -1220,12 +1279,23 @@ impl<P: Provider> Link<P> {
                 "receive completion for an unknown slot".into(),
             ));
         }
-        // A receive slot's frames are all handed over before the next completion.
-        debug_assert!(self.batch.is_none(), "next_batched not drained");
-        self.batch = None;
         // SAFETY: this is the completion of the RECV posted for `slot_idx` (its wr_id says so
         // and it was polled); the slot is not posted again until the guard drops.
         let slot = unsafe { self.arena.recv_slot(slot_idx, wc.byte_len) };
+        self.on_slot(wc, slot)
+    }
+
+    /// Handles the successful receive completion `wc` whose bytes are in `slot` (a slot of
+    /// this link's ring, or of a receive pool the link's QP shares: see
+    /// [`crate::buf::RecvPool`]): the first frame in it, or what a WRITE_WITH_IMM wrote.
+    ///
+    /// # Errors
+    /// When the frame is invalid or breaks the protocol.
+    #[inline(always)]
+    pub fn on_slot(&mut self, wc: &Wc, slot: RecvSlot) -> Result<Option<Received>, LinkError> {
+        // A receive slot's frames are all handed over before the next completion.
+        debug_assert!(self.batch.is_none(), "next_batched not drained");
+        self.batch = None;
         if wc.opcode == WcOpcode::RecvRdmaWithImm {
             drop(slot);
             return Ok(Some(Received::Written {
@@ -1316,6 +1386,9 @@ impl<P: Provider> Link<P> {
                 self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.window_update(call, n))
             }
             Control::GoAway => self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.go_away()),
+            Control::Reclaim(keep) => {
+                self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.reclaim(keep))
+            }
         };
         match r {
             Ok(()) | Err(FrameError::Refused(_)) | Err(FrameError::TooLarge) => Ok(true),
@@ -1485,9 +1558,10 @@ impl<P: Provider> Drop for Link<P> {
         // when `qp` and `lanes` drop, right after this, and only then the graveyard (declared
         // after them) frees what it kept.
         self.fail_qps();
-        // Frames never posted: their slots were never the NIC's.
+        // SENDs never posted (each with the slots of the frames coalesced into it): their
+        // slots were never the NIC's.
         for s in &self.sends.q[..self.sends.n] {
-            self.arena.release_send(s.slot);
+            self.arena.release_chain(s.slot);
         }
     }
 }

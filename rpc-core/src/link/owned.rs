@@ -23,7 +23,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{LinkError, WrKind, split_wr_id};
-use crate::verbs::{Wc, WcError, WcStatus};
+use crate::verbs::{Provider, Wc, WcError, WcStatus};
 
 /// Buffers parked in a graveyard since the process started.
 static PARKED: AtomicU64 = AtomicU64::new(0);
@@ -125,6 +125,51 @@ pub(super) fn what(wc: &Wc) -> &'static str {
         Some(WrKind::Bulk) => "handler's one-sided bulk operation",
         Some(WrKind::Stripe) => "span of a striped transfer",
         None => "unknown work request",
+    }
+}
+
+/// The SENDs a link posted whose completions are not polled yet (their first send slots,
+/// oldest first). Completions come back in posting order on the QP, so the one polled is
+/// (almost always) the oldest. Dropped after the link's QPs (field order), it returns the
+/// slots of the SENDs that never completed to the arena: the QPs being destroyed, the NIC no
+/// longer touches them. Preallocated by the first SENDs; no allocation in steady state.
+pub(crate) struct PostedSends<P: Provider> {
+    arena: std::sync::Arc<crate::buf::SlotArena<P>>,
+    slots: std::collections::VecDeque<u32>,
+}
+
+impl<P: Provider> PostedSends<P> {
+    pub(crate) fn new(arena: std::sync::Arc<crate::buf::SlotArena<P>>) -> Self {
+        PostedSends {
+            arena,
+            slots: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// A SEND whose first frame is in `slot` was posted.
+    pub(crate) fn push(&mut self, slot: u32) {
+        self.slots.push_back(slot);
+    }
+
+    /// The completion of the SEND in `slot` was polled: its slots go back.
+    pub(crate) fn completed(&mut self, slot: u32) {
+        if self.slots.front() == Some(&slot) {
+            self.slots.pop_front();
+        } else if let Some(i) = self.slots.iter().position(|&s| s == slot) {
+            self.slots.remove(i);
+        } else {
+            // Not ours (a forged or duplicated completion): nothing to give back.
+            return;
+        }
+        self.arena.release_chain(slot);
+    }
+}
+
+impl<P: Provider> Drop for PostedSends<P> {
+    fn drop(&mut self) {
+        for &s in &self.slots {
+            self.arena.release_chain(s);
+        }
     }
 }
 

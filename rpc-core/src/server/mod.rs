@@ -128,6 +128,22 @@ pub enum ShardPolling {
 }
 
 /// Everything a shard needs to know, fixed when the server starts.
+/// What [`RunningServer::receive_pool`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReceivePool {
+    /// Receive slots registered and posted to the shards' SRQs.
+    pub slots: u64,
+    /// Slots in no connection's window.
+    pub free: u64,
+    /// Slots user code keeps (lent to `bytes` fields).
+    pub lent: u64,
+}
+
+/// Send slots of a shard by default (shared by its connections).
+pub(crate) const DEFAULT_SHARD_SEND_SLOTS: u32 = 2048;
+/// Receive slots a shard's pool may grow to by default.
+pub(crate) const DEFAULT_POOL_SLOTS: u32 = 1 << 16;
+
 #[derive(Debug, Clone)]
 pub(crate) struct ServerConfig {
     pub(crate) shards: u16,
@@ -138,6 +154,8 @@ pub(crate) struct ServerConfig {
     pub(crate) token: Option<Vec<u8>>,
     pub(crate) geometry: Geometry,
     pub(crate) max_conns_per_shard: u32,
+    /// Receive slots a shard's pool may grow to ([`ServerBuilder::receive_pool_slots`]).
+    pub(crate) pool_slots: u32,
     /// Connections one peer address may hold at once (None: no limit of its own).
     pub(crate) max_conns_per_peer: Option<u32>,
     pub(crate) tasks_per_shard: u32,
@@ -183,8 +201,12 @@ impl Server {
                 provider: ProviderKind::from_env().unwrap_or(ProviderKind::Soft),
                 device: None,
                 token: None,
-                geometry: Geometry::default(),
+                geometry: Geometry {
+                    send_slots: DEFAULT_SHARD_SEND_SLOTS,
+                    ..Geometry::default()
+                },
                 max_conns_per_shard: 16384,
+                pool_slots: DEFAULT_POOL_SLOTS,
                 max_conns_per_peer: None,
                 tasks_per_shard: 4096,
                 max_message: 256 << 20,
@@ -312,7 +334,10 @@ impl ServerBuilder {
         self
     }
 
-    /// Slot geometry of each connection (slot size = largest eager frame, ring depths).
+    /// Slot sizes: `slot_size` is the largest eager frame; `recv_slots` the most receive
+    /// credits one client may hold (default 128: its pipelining depth); `send_slots` the send
+    /// slots of each shard, shared by its connections (default 2048). Receive slots belong to
+    /// the shard, not the connection: see [`ServerBuilder::receive_pool_slots`].
     pub fn geometry(mut self, geometry: Geometry) -> Self {
         self.cfg.geometry = geometry;
         self
@@ -328,6 +353,18 @@ impl ServerBuilder {
     /// actually open, not with this limit (the shard's CQ and tables grow as they come).
     pub fn max_connections_per_shard(mut self, n: u32) -> Self {
         self.cfg.max_conns_per_shard = n.max(1);
+        self
+    }
+
+    /// The most receive slots (of `geometry.slot_size` bytes) each shard registers (default
+    /// 65,536, within the device's SRQ depth). Every connection of a shard receives through
+    /// one shared receive queue whose slots grow with use, 4 MiB at a time: an idle connection
+    /// holds 4 slots (32 KiB at the default 8 KiB slots), a busy one more while it needs them
+    /// (credits granted from the pool; a client never sends a frame that finds no slot). A
+    /// connection that finds the pool full at this limit is refused with
+    /// `RESOURCE_EXHAUSTED`.
+    pub fn receive_pool_slots(mut self, n: u32) -> Self {
+        self.cfg.pool_slots = n.max(1);
         self
     }
 
@@ -856,6 +893,21 @@ impl RunningServer {
             .iter()
             .map(|s| s.striped_bytes.load(Ordering::Relaxed))
             .sum()
+    }
+
+    /// The shards' receive pools, summed: slots registered, and of them the ones in no
+    /// connection's window (free) and the ones user code keeps (lent). Every connection's
+    /// window is the rest (see [`ServerBuilder::receive_pool_slots`]). Read as the shards last
+    /// published it: at most about a millisecond old while they are busy.
+    pub fn receive_pool(&self) -> ReceivePool {
+        let mut p = ReceivePool::default();
+        for s in self.shards.iter() {
+            let (slots, free, lent) = s.pool.load();
+            p.slots += slots;
+            p.free += free;
+            p.lent += lent;
+        }
+        p
     }
 
     /// The server's call statistics now, summed over its shards (empty unless

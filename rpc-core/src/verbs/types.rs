@@ -100,6 +100,8 @@ pub struct Caps {
     pub max_sge: u32,
     /// Deepest send or receive queue of one QP.
     pub max_qp_wr: u32,
+    /// Deepest shared receive queue (0: the device has no SRQs).
+    pub max_srq_wr: u32,
     /// Deepest completion queue.
     pub max_cqe: u32,
     /// Largest message (SEND, WRITE or READ) in bytes.

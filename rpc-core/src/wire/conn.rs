@@ -112,7 +112,7 @@ pub struct Config {
     /// Both ends must use the same value.
     pub reserved_credits: u32,
     /// Owed credits at which the runtime should send a CreditUpdate when no other frame
-    /// carries them back (at least 2, at most `recv_depth`).
+    /// carries them back (at least 2, at most `recv_max`).
     pub credit_update_threshold: u32,
     /// The largest frame (header, metadata and inline payload) sent in a receive slot; at
     /// most the peer's slot size.
@@ -194,8 +194,8 @@ impl Config {
         if self.recv_max < self.recv_depth || self.recv_max > MAX_RING_DEPTH {
             return bad("recv_max must be recv_depth ..= 65535");
         }
-        if self.credit_update_threshold < 2 || self.credit_update_threshold > self.recv_depth {
-            return bad("credit_update_threshold must be 2..=recv_depth");
+        if self.credit_update_threshold < 2 || self.credit_update_threshold > self.recv_max {
+            return bad("credit_update_threshold must be 2..=recv_max");
         }
         if self.eager_limit < MIN_EAGER_LIMIT {
             return bad("eager_limit must be at least 256 bytes");

@@ -27,7 +27,7 @@ impl<P: Provider> Driver<P> {
         // one fails the link, and the buffers its work request named go to the link's
         // graveyard in `fail_all`, never back to a pool here.
         match kind {
-            Some(WrKind::Send) => call::send_done(&self.link, wc, aux),
+            Some(WrKind::Send) => call::send_done(&mut self.link, wc, aux),
             Some(WrKind::Nop) => completion(wc),
             Some(WrKind::Recv) => {
                 // Every frame of the slot (a batch), in order, before the next completion.

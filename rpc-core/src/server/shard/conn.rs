@@ -1,6 +1,7 @@
-//! The shard's connections: opening its device objects, accepting a client (QPs, slots, the
-//! protocol state, the call table) and closing a connection without releasing anything the
-//! NIC may still touch before its QPs are destroyed.
+//! The shard's connections: opening its device objects (CQ, SRQ and its receive pool, send
+//! slots), accepting a client (a QP on the SRQ, a window of the pool, the protocol state, the
+//! call table) and closing a connection without releasing anything the NIC may still touch
+//! before its QPs are destroyed.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -8,27 +9,37 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use crossbeam_queue::SegQueue;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::Status;
 use crate::buf::encode::MAX_PIECES;
-use crate::buf::{BulkPool, Geometry, SlotArena};
+use crate::buf::{BulkPool, Geometry, RecvPool, SlotArena};
 use crate::call::{Calls, Record};
 use crate::connect::{Hello, Welcome};
-use crate::link::{Lanes, Link, LinkKey, lane_caps};
+use crate::link::{Lanes, Link, LinkKey, WrKind, lane_caps, wr_id};
 use crate::server::ServerConfig;
 use crate::server::call::Tasks;
 use crate::server::notify::{Doorbell, ShardNotify};
 use crate::server::peer::PeerApi;
 use crate::server::router::Router;
-use crate::verbs::{Access, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, Wc};
+use crate::verbs::{
+    Access, ConnectAttr, Context, Cq, Pd, Provider, Qp, QpCaps, RecvWr, Srq, SrqCaps, Wc,
+};
 use crate::wire::{self, CallId, Role};
 
 use super::bulk::InflightOp;
+use super::grants::{FLOOR, Grants};
 use super::{POLL_BATCH, ServerConn, Shard, ShardHandle, ShardMsg, retire};
 
 /// Connections the shard's CQ is first sized for (it grows with more).
 const FIRST_CQ_CONNS: u32 = 64;
+
+/// The key in the work-request ids of the shard's SRQ receives: they belong to no connection
+/// until a completion names the QP that consumed one.
+pub(super) const POOL_KEY: LinkKey = LinkKey {
+    idx: u16::MAX,
+    generation: 0,
+};
 
 /// Opens the shard's device objects on the calling thread and returns the shard, ready to run.
 pub(crate) fn open<P: Provider>(
@@ -41,25 +52,40 @@ pub(crate) fn open<P: Provider>(
 ) -> Result<(Shard<P>, ShardHandle), crate::Error> {
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
-    // CQ room for the first connections of default size (at most `max_conns_per_shard`); the
-    // CQ grows as more come (`create_qp`), so an idle shard does not hold a CQ sized for the
-    // most it may ever serve. The soft and ib providers both refuse a QP whose CQ could
-    // overrun.
-    let default_client_calls = 64;
-    let send_slots = cfg
-        .geometry
-        .send_slots
-        .max(default_client_calls + cfg.geometry.recv_slots + 2);
-    let per_conn = qp_caps(&cfg, ctx.caps(), send_slots, default_client_calls);
+    let caps = ctx.caps();
+    // The receive pool: as deep as asked, within the device's SRQ and a quarter of its largest
+    // CQ (the QPs' send queues need the rest of a CQ on devices with small ones, such as rxe).
+    let pool_max = cfg
+        .pool_slots
+        .min(caps.max_srq_wr)
+        .min(caps.max_cqe / 4)
+        .min(
+            cfg.max_conns_per_shard
+                .saturating_mul(cfg.geometry.recv_slots)
+                .max(FLOOR),
+        );
+    let pool = RecvPool::<P>::new(cfg.geometry.slot_size, pool_max)?;
+    let srq = pd.create_srq(SrqCaps {
+        max_wr: pool.max_slots(),
+        max_sge: 1,
+    })?;
+    let sends = SlotArena::send_only(&*pd, cfg.geometry.slot_size, cfg.geometry.send_slots)?;
+    // CQ room for the SRQ and the send queues of the first connections of default size (at
+    // most `max_conns_per_shard`); the CQ grows as more come (`create_qp`), so an idle shard
+    // does not hold a CQ sized for the most it may ever serve. The soft and ib providers both
+    // refuse a QP whose CQ could overrun.
+    let per_conn = qp_caps(caps, Geometry::default().recv_slots, 64);
     let max_qps = match cfg.qps_per_connection {
         Some(n) => n,
         None => P::qps_per_connection()?,
     };
-    let lanes = lane_caps(&per_conn, ctx.caps());
-    let cqe = (per_conn.max_send_wr + per_conn.max_recv_wr)
+    let lanes = lane_caps(&per_conn, caps);
+    let cqe = per_conn
+        .max_send_wr
         .saturating_add((max_qps - 1).saturating_mul(lanes.max_send_wr + lanes.max_recv_wr))
         .saturating_mul(cfg.max_conns_per_shard.min(FIRST_CQ_CONNS))
-        .min(ctx.caps().max_cqe);
+        .saturating_add(pool.max_slots())
+        .min(caps.max_cqe);
     let cq = ctx.create_cq(cqe, Some(&channel))?;
     let doorbell = Doorbell::new()?;
     let tasks = Tasks::new(cfg.tasks_per_shard, ShardNotify(Arc::clone(&doorbell)));
@@ -73,15 +99,19 @@ pub(crate) fn open<P: Provider>(
     let bulk = BulkPool::new(Arc::clone(&pd), cfg.bulk_cache_bytes);
     let stats = cfg.stats.then(|| Arc::new(crate::stats::Table::new()));
     let peer_api = PeerApi::new(Arc::clone(&doorbell), Arc::clone(&bulk));
+    let gauge = Arc::new(super::grants::Gauge::default());
     let n = cfg.max_conns_per_shard as usize;
     let max_inline = per_conn.max_inline_data;
     info!(
         shard = id,
-        "shard {id}/{nshards}: {} device {} (port {}, {:?}), CQ depth {cqe}",
+        "shard {id}/{nshards}: {} device {} (port {}, {:?}), CQ depth {cqe}, receive pool of \
+         up to {} slots on one SRQ, {} send slots",
         P::TAG,
         ctx.info().name,
         ctx.info().port,
-        ctx.info().link_layer
+        ctx.info().link_layer,
+        pool.max_slots(),
+        cfg.geometry.send_slots,
     );
     let handle = ShardHandle {
         inbox: Arc::clone(&inbox),
@@ -93,10 +123,17 @@ pub(crate) fn open<P: Provider>(
         zero_copy_bytes: Arc::clone(&zero_copy_bytes),
         striped_bytes: Arc::clone(&striped_bytes),
         stats: stats.clone(),
+        pool: Arc::clone(&gauge),
         thread: std::sync::Mutex::new(None),
     };
-    let shard = Shard {
+    let mut shard = Shard {
         conns: Vec::new(),
+        srq,
+        pool,
+        grants: Grants::new(),
+        sends,
+        qp_conn: std::collections::HashMap::new(),
+        gauge,
         live: Vec::with_capacity(n),
         generations: vec![0; n],
         touched: Vec::new(),
@@ -131,24 +168,22 @@ pub(crate) fn open<P: Provider>(
         peer_api,
         bulk_ops: slab::Slab::new(),
     };
+    shard.grow_pool()?;
     Ok((shard, handle))
 }
 
-/// Queue sizes of a connection with `send_slots` send slots whose client has `peer_calls`
-/// calls: every send slot in flight, plus a READ (rendezvous request, stream message) and a
-/// WRITE (landing zone, bulk handle) per call, plus control frames; within the device's limit.
-pub(super) fn qp_caps(
-    cfg: &ServerConfig,
-    caps: &crate::verbs::Caps,
-    send_slots: u32,
-    peer_calls: u32,
-) -> QpCaps {
+/// Send queue sizes of a connection whose client has a receive ring of `peer_ring` slots and
+/// `peer_calls` calls: a SEND per receive slot of the client (its credits bound our SENDs in
+/// flight), plus a READ (rendezvous request, stream message) and a WRITE (landing zone, bulk
+/// handle) per call, plus the unsignaled inline SENDs and control frames; within the device's
+/// limit. Receives come from the shard's SRQ.
+pub(super) fn qp_caps(caps: &crate::verbs::Caps, peer_ring: u32, peer_calls: u32) -> QpCaps {
     QpCaps {
-        max_send_wr: send_slots
+        max_send_wr: peer_ring
             .saturating_add(peer_calls.saturating_mul(2))
-            .saturating_add(16)
+            .saturating_add(crate::link::SIGNAL_EVERY + 16)
             .min(caps.max_qp_wr),
-        max_recv_wr: cfg.geometry.recv_slots,
+        max_recv_wr: 0,
         // Gathered requests (MAX_PIECES) and coalesced SENDs (BATCH_FRAMES).
         max_send_sge: (MAX_PIECES.max(crate::link::BATCH_FRAMES) as u32).min(caps.max_sge),
         max_recv_sge: 1,
@@ -179,10 +214,79 @@ impl<P: Provider> Shard<P> {
         n
     }
 
-    /// Creates a QP on the shard's CQ, growing the CQ (doubling, up to the device's
+    /// Registers one more chunk of the receive pool and posts its slots to the SRQ.
+    ///
+    /// # Errors
+    /// At the pool's limit, or when registering or posting fails.
+    pub(super) fn grow_pool(&mut self) -> crate::verbs::Result<()> {
+        let slots: Vec<u32> = self.pool.grow(&self.pd)?.collect();
+        self.post_slots(&slots)?;
+        self.grants.grown(slots.len() as u32);
+        self.grants.publish(&self.gauge);
+        info!(
+            shard = self.id,
+            "shard {}: receive pool grown to {} slots ({} MiB)",
+            self.id,
+            self.pool.slots(),
+            (u64::from(self.pool.slots()) * u64::from(self.pool.slot_size())) >> 20
+        );
+        Ok(())
+    }
+
+    /// Posts the pool's slots `idxs` (none posted, none guarded) to the SRQ, in batches.
+    ///
+    /// # Errors
+    /// When `post_srq_recv` fails: the slots it did not take go back on the repost queue.
+    pub(super) fn post_slots(&mut self, idxs: &[u32]) -> crate::verbs::Result<()> {
+        const BATCH: usize = 16;
+        for chunk in idxs.chunks(BATCH) {
+            let mut sges = [crate::verbs::Sge::default(); BATCH];
+            let mut ids = [0u64; BATCH];
+            for (i, &idx) in chunk.iter().enumerate() {
+                // Slots of the pool are allocated (they came from it).
+                sges[i] = self.pool.recv_sge(idx).unwrap_or_default();
+                ids[i] = wr_id(POOL_KEY, WrKind::Recv, idx);
+            }
+            let wrs: [RecvWr<'_>; BATCH] = std::array::from_fn(|i| RecvWr {
+                wr_id: ids[i],
+                sg_list: std::slice::from_ref(&sges[i]),
+            });
+            // SAFETY: each SGE names a slot of the pool, whose memory the pool keeps (the
+            // shard holds it, and its SRQ and QPs are destroyed before the shard's pool
+            // reference drops); the slot is neither posted nor guarded: it is the NIC's from
+            // now until its completion is polled.
+            if let Err(e) = unsafe { self.srq.post_recv(&wrs[..chunk.len()]) } {
+                for &idx in &chunk[e.posted.min(chunk.len())..] {
+                    self.pool.repost_later(idx);
+                }
+                return Err(e.error);
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates a QP on the shard's CQ and SRQ, growing the CQ (doubling, up to the device's
     /// `max_cqe`) when the QP's completions do not fit any more.
     fn create_qp(&mut self, caps: QpCaps) -> crate::verbs::Result<P::Qp> {
-        match self.pd.create_qp(&self.cq, &self.cq, caps) {
+        self.create_qp_with(caps, true)
+    }
+
+    /// A data QP (one-sided transfers only): its own receive queue of none.
+    fn create_lane(&mut self, caps: QpCaps) -> crate::verbs::Result<P::Qp> {
+        self.create_qp_with(caps, false)
+    }
+
+    fn new_qp(&self, caps: QpCaps, on_srq: bool) -> crate::verbs::Result<P::Qp> {
+        if on_srq {
+            self.pd
+                .create_qp_on_srq(&self.cq, &self.cq, caps, &self.srq)
+        } else {
+            self.pd.create_qp(&self.cq, &self.cq, caps)
+        }
+    }
+
+    fn create_qp_with(&mut self, caps: QpCaps, on_srq: bool) -> crate::verbs::Result<P::Qp> {
+        match self.new_qp(caps, on_srq) {
             Err(e) if e.kind() == crate::verbs::ErrorKind::ExceedsCaps => {
                 let cap = self.cq.capacity();
                 let max = self.ctx.caps().max_cqe;
@@ -198,7 +302,7 @@ impl<P: Provider> Shard<P> {
                     self.id,
                     self.live.len()
                 );
-                self.pd.create_qp(&self.cq, &self.cq, caps)
+                self.new_qp(caps, on_srq)
             }
             r => r,
         }
@@ -227,20 +331,41 @@ impl<P: Provider> Shard<P> {
         };
         let cfg = Arc::clone(&self.cfg);
         let cfg = &*cfg;
-        // Every call of the client's table may hold a staged terminal frame in a send slot while
-        // it waits for a credit, besides the frames in flight (at most the client's receive
-        // ring): with fewer send slots a terminal frame would find none and its call would
-        // never be answered.
-        let need = hello
-            .max_calls
-            .saturating_add(hello.geometry.recv_slots)
-            .saturating_add(2)
-            .min(Geometry::MAX_SLOTS);
-        let geometry = Geometry {
-            send_slots: cfg.geometry.send_slots.max(need),
-            ..cfg.geometry
-        };
-        let caps = qp_caps(cfg, self.ctx.caps(), geometry.send_slots, hello.max_calls);
+        // The connection's first window of the receive pool (the pool grows when it runs low).
+        if self.grants.wants_growth()
+            && let Err(e) = self.grow_pool()
+            && e.kind() != crate::verbs::ErrorKind::ExceedsCaps
+        {
+            warn!(shard = self.id, "receive pool: {e}");
+        }
+        if !self.grants.admit(Instant::now())
+            && (self.grow_pool().is_err() || !self.grants.admit(Instant::now()))
+        {
+            return Err(exhausted(format!(
+                "server shard {}'s receive pool is full ({} slots for {} connections; \
+                 ServerBuilder::receive_pool_slots raises the limit)",
+                self.id,
+                self.pool.slots(),
+                self.live.len()
+            )));
+        }
+        let r = self.connect_admitted(idx, hello, peer, closed, cfg);
+        if r.is_err() {
+            self.grants.refused();
+        }
+        r
+    }
+
+    fn connect_admitted(
+        &mut self,
+        idx: usize,
+        hello: Hello,
+        peer: std::net::SocketAddr,
+        closed: tokio::sync::oneshot::Sender<String>,
+        cfg: &ServerConfig,
+    ) -> Result<(Welcome, LinkKey), (crate::Code, String)> {
+        let exhausted = |why: String| (crate::Code::ResourceExhausted, why);
+        let caps = qp_caps(self.ctx.caps(), hello.geometry.recv_slots, hello.max_calls);
         let mut qp = self
             .create_qp(caps)
             .map_err(|e| exhausted(format!("create QP: {e}")))?;
@@ -256,22 +381,20 @@ impl<P: Provider> Shard<P> {
         let mut lanes = Vec::with_capacity(nlanes);
         for ep in &hello.data_endpoints[..nlanes] {
             let mut q = self
-                .create_qp(lcaps)
+                .create_lane(lcaps)
                 .map_err(|e| exhausted(format!("create data QP: {e}")))?;
             q.connect(ep, &attr)
                 .map_err(|e| connect_failed("connect data QP", &e))?;
             lanes.push(q);
         }
         let data_endpoints: Vec<_> = lanes.iter().map(Qp::endpoint).collect();
-        let arena = SlotArena::<P>::new(&self.pd, geometry)
-            .map_err(|e| exhausted(format!("slots: {e}")))?;
         let wcfg = wire::Config {
             max_calls: hello.max_calls,
             peer_max_calls: hello.max_calls,
             initial_send_credits: hello.geometry.recv_slots,
             max_send_credits: hello.geometry.recv_slots,
-            recv_depth: cfg.geometry.recv_slots,
-            recv_max: cfg.geometry.recv_slots,
+            recv_depth: FLOOR,
+            recv_max: cfg.geometry.recv_slots.max(FLOOR),
             reserved_credits: 2,
             credit_update_threshold: (cfg.geometry.recv_slots / 4).max(2),
             eager_limit: cfg.geometry.slot_size.min(hello.geometry.slot_size),
@@ -289,7 +412,7 @@ impl<P: Provider> Shard<P> {
         };
         let link = Link::new(
             qp,
-            arena,
+            Arc::clone(&self.sends),
             wire,
             Arc::clone(&self.bulk),
             key,
@@ -306,6 +429,7 @@ impl<P: Provider> Shard<P> {
         let welcome = Welcome {
             endpoint: link.qp.endpoint(),
             geometry: cfg.geometry,
+            initial_credits: FLOOR,
             max_calls: hello.max_calls,
             shard: self.id,
             shards: self.nshards,
@@ -326,6 +450,7 @@ impl<P: Provider> Shard<P> {
         );
         let calls = Calls::lazy(hello.max_calls as usize);
         let link_gather = link.qp.caps().max_send_sge as usize >= MAX_PIECES;
+        self.qp_conn.insert(link.qp.qp_num(), idx as u16);
         self.live.push(idx as u16);
         self.touch(idx);
         self.open_conns.store(self.live.len(), Ordering::Release);
@@ -341,6 +466,7 @@ impl<P: Provider> Shard<P> {
             gather: link_gather,
             zero_copy_bytes: Arc::clone(&self.zero_copy_bytes),
             stats: self.stats.clone(),
+            idle_since: None,
         });
         if let Some(t) = &self.stats {
             t.transport.connections.fetch_add(1, Ordering::Relaxed);
@@ -378,6 +504,7 @@ impl<P: Provider> Shard<P> {
             return;
         };
         self.live.retain(|&i| i as usize != idx);
+        self.qp_conn.remove(&conn.link.qp.qp_num());
         self.open_conns.store(self.live.len(), Ordering::Release);
         conn.stat_end_all(crate::Code::Unavailable);
         for c in conn.calls.iter_mut() {
@@ -408,7 +535,25 @@ impl<P: Provider> Shard<P> {
         if let Some(tx) = conn.closed.take() {
             let _ = tx.send(why.message().to_owned());
         }
-        // The QPs are destroyed here, then the graveyard is freed.
+        // Terminal frames that waited for credit: their send slots (shared by the shard's
+        // connections) were never posted.
+        for d in conn.deferred.drain(..) {
+            if let super::Deferred::Response {
+                staged: super::Body::Slot(st),
+                ..
+            }
+            | super::Deferred::Status {
+                staged: super::Body::Slot(st),
+                ..
+            } = d
+            {
+                conn.link.discard(st);
+            }
+        }
+        // The QPs are destroyed here, then the graveyard is freed and the SENDs that never
+        // completed give their slots back; the window waits in limbo for frames the CQ may
+        // still report.
+        self.grants.closed(&conn.link.wire, Instant::now());
         drop(conn);
         for done in answers {
             let _ = done.send(Err(why.clone()));

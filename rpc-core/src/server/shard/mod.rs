@@ -7,14 +7,20 @@
 //! deadlines; when idle, spin, then yield, then sleep on the completion channel and the shard's
 //! doorbell. Per call: no lock, no allocation, no system call.
 //!
+//! Every connection receives through the shard's one shared receive queue (SRQ) and sends from
+//! the shard's send slots, so a connection costs a QP and small state, and registered memory
+//! follows the calls in flight: [`grants`] says how the receive slots are shared out.
+//!
 //! This file holds the shard's and its connections' types; the rest is by concern: [`conn`]
-//! (opening the shard, accepting and closing connections), [`poll`] (the poll loop), [`recv`]
+//! (opening the shard, accepting and closing connections), [`grants`] (credits from the
+//! receive pool), [`poll`] (the poll loop), [`recv`]
 //! (what clients send, dispatch), [`respond`] (responses, streams, statuses) and [`bulk`]
 //! (handlers' one-sided operations). The per-call machinery shared with the client is in
 //! [`crate::call`].
 
 mod bulk;
 mod conn;
+mod grants;
 mod poll;
 mod recv;
 mod respond;
@@ -29,7 +35,7 @@ use std::time::Instant;
 
 use crossbeam_queue::SegQueue;
 
-use crate::buf::{BulkBuf, BulkPool, TaskId};
+use crate::buf::{BulkBuf, BulkPool, RecvPool, SlotArena, TaskId};
 use crate::call::{Calls, Ledger, Record, StreamIn};
 use crate::connect::{Hello, Welcome};
 use crate::link::{Link, LinkKey, Staged};
@@ -78,6 +84,8 @@ pub(crate) struct ShardHandle {
     pub(crate) striped_bytes: Arc<AtomicU64>,
     /// Call statistics ([`crate::ServerBuilder::stats`]).
     pub(crate) stats: Option<Arc<Table>>,
+    /// The receive pool's figures, as the shard last published them.
+    pub(crate) pool: Arc<grants::Gauge>,
     pub(crate) thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -270,19 +278,43 @@ struct PendingDispatch<P: Provider> {
     deadline_at: Option<u64>,
 }
 
-/// A staged terminal frame waiting for a credit.
-#[derive(Clone, Copy, Debug)]
+/// A terminal frame waiting for a credit (or, spilled, for a send slot).
+#[derive(Debug)]
 enum Deferred {
     Response {
         call: CallId,
-        staged: Staged,
+        staged: Body,
         bulk: Option<BulkDesc>,
     },
     Status {
         call: CallId,
-        staged: Staged,
+        staged: Body,
         code: u8,
     },
+}
+
+/// The body (metadata and payload) of a terminal frame: in a send slot, or, when the shard
+/// had none free (they are shared by its connections), encoded on the heap until one frees.
+#[derive(Debug)]
+enum Body {
+    Slot(Staged),
+    Spilled(Box<Spill>),
+}
+
+/// A frame body encoded off the send slots: `bytes` is the metadata then the payload.
+#[derive(Debug)]
+struct Spill {
+    bytes: Vec<u8>,
+    md_len: usize,
+}
+
+impl Body {
+    fn payload_len(&self) -> usize {
+        match self {
+            Body::Slot(s) => s.payload_len,
+            Body::Spilled(s) => s.bytes.len() - s.md_len,
+        }
+    }
 }
 
 /// One connection of the shard.
@@ -304,12 +336,28 @@ pub(crate) struct ServerConn<P: Provider> {
     zero_copy_bytes: Arc<AtomicU64>,
     /// The shard's call statistics, if kept.
     stats: Option<Arc<Table>>,
+    /// When a full sweep first found the client silent since the one before (cleared by its
+    /// next frame; see `grants::RECLAIM_IDLE`).
+    idle_since: Option<Instant>,
 }
 
 /// The shard.
 pub(crate) struct Shard<P: Provider> {
-    // Field order is drop order: connections (QPs, arenas) before the CQ, PD and device.
+    // Field order is drop order: connections (QPs) before the SRQ, the slots they use, the
+    // CQ, PD and device.
     conns: Vec<Option<ServerConn<P>>>,
+    /// The shard's shared receive queue: every connection's QP receives from it.
+    srq: P::Srq,
+    /// The receive slots posted to `srq`, and what user code keeps of them.
+    pool: Arc<RecvPool<P>>,
+    /// Who may use how many of the pool's slots.
+    grants: grants::Grants,
+    /// The send slots of every connection of the shard.
+    sends: Arc<SlotArena<P>>,
+    /// The connection of each primary QP (receive completions of the SRQ name the QP).
+    qp_conn: std::collections::HashMap<u32, u16>,
+    /// Where the pool's figures are published ([`crate::RunningServer::receive_pool`]).
+    gauge: Arc<grants::Gauge>,
     /// Indices of the live connections (what a full sweep of `maintain` walks).
     live: Vec<u16>,
     /// Connections with work since the last full sweep (a completion, a handler that ran, a

@@ -18,6 +18,8 @@ use crate::server::notify::wait_readable;
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider, Wc, WcStatus};
 use crate::wire::CallId;
 
+use super::conn::POOL_KEY;
+use super::grants::{FLOOR, RECLAIM_IDLE, Returned};
 use super::respond::Reply;
 use super::{Shard, retire};
 
@@ -78,7 +80,7 @@ impl<P: Provider> Shard<P> {
                 }
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
-                let full = self.maintain(idle_turn, &mut work);
+                let full = self.maintain(&mut work);
                 self.flush_sends(full);
                 if full {
                     self.clear_touched();
@@ -162,7 +164,7 @@ impl<P: Provider> Shard<P> {
         // until the next wake-up, and the client, out of credits or of posted receives,
         // waits for a timeout instead.
         let mut upkeep = self.drain_inbox() + self.start_bulk_ops();
-        let full = self.maintain(true, &mut upkeep);
+        let full = self.maintain(&mut upkeep);
         self.flush_sends(full);
         if full {
             self.clear_touched();
@@ -253,7 +255,18 @@ impl<P: Provider> Shard<P> {
         // not one per frame; and with more than one completion, start loading every received
         // frame before handling the first.
         for wc in &self.wcs[..n] {
-            let idx = split_wr_id(wc.wr_id).0.idx as usize;
+            let (key, kind, aux) = split_wr_id(wc.wr_id);
+            let idx = if key == POOL_KEY {
+                if n > 1 && kind == Some(WrKind::Recv) {
+                    self.pool.prefetch_recv(aux, wc.byte_len);
+                }
+                match self.qp_conn.get(&wc.qp_num) {
+                    Some(&i) => usize::from(i),
+                    None => continue,
+                }
+            } else {
+                key.idx as usize
+            };
             mark(&mut self.touched, &mut self.is_touched, idx);
             if let Some(Some(c)) = self.conns.get_mut(idx) {
                 c.link.tick();
@@ -276,15 +289,24 @@ impl<P: Provider> Shard<P> {
             t.count_failed_completion(wc.status);
         }
         let (key, kind, aux) = split_wr_id(wc.wr_id);
+        if key == POOL_KEY {
+            if kind == Some(WrKind::Recv) {
+                self.on_pool_recv(wc, aux);
+            }
+            return;
+        }
         let idx = key.idx as usize;
         let live = matches!(self.conns.get(idx), Some(Some(c)) if c.link.key() == key);
         if !live {
             return; // a completion of a connection already closed
         }
         let result = match kind {
-            Some(WrKind::Recv) => self.on_recv(idx, wc, aux),
-            Some(WrKind::Send) => match self.conns.get(idx) {
-                Some(Some(c)) => call::send_done(&c.link, wc, aux),
+            // Connections receive through the shard's SRQ only (POOL_KEY, above).
+            Some(WrKind::Recv) => Err(LinkError::Protocol(
+                "receive completion outside the shard's receive pool".into(),
+            )),
+            Some(WrKind::Send) => match self.conns.get_mut(idx) {
+                Some(Some(c)) => call::send_done(&mut c.link, wc, aux),
                 _ => completion(wc),
             },
             Some(WrKind::Read) => self.on_read_done(idx, wc, aux),
@@ -364,23 +386,103 @@ impl<P: Provider> Shard<P> {
         n
     }
 
-    /// Reposts receive slots (`idle`: also those waiting for a batch), returns credits, sends
-    /// deferred frames, expires deadlines: for the connections touched since the last full
-    /// sweep, or, every `SWEEP_EVERY`, for all of them. Adds the work done to `work`;
-    /// returns whether it was a full sweep.
-    pub(super) fn maintain(&mut self, idle: bool, work: &mut usize) -> bool {
+    /// Reposts the pool's receive slots and settles their credits, returns credits, sends
+    /// deferred frames, expires deadlines, reclaims idle windows: for the connections touched
+    /// since the last full sweep, or, every `SWEEP_EVERY`, for all of them. Adds the work done
+    /// to `work`; returns whether it was a full sweep.
+    pub(super) fn maintain(&mut self, work: &mut usize) -> bool {
         let now = Instant::now();
         let full = now.duration_since(self.swept_at) >= SWEEP_EVERY;
         if full {
             self.swept_at = now;
             self.swept_deadline = None;
         }
-        *work += self.maintain_list(full, idle);
+        *work += self.maintain_list(full);
         full
     }
 
+    /// Posts the receive slots that came back to the pool, and settles each with the
+    /// connection whose frame it held: the credit is owed back or the window shrinks
+    /// ([`super::grants::Grants::settle`]). Every turn that did work calls it: a turn's slots
+    /// go in one `post_srq_recv`, and a connection's few credits come back at once.
+    fn repost_pool(&mut self) -> usize {
+        if self.pool.reposts_waiting() == 0 {
+            return 0;
+        }
+        let mut done = 0;
+        let mut batch = [0u32; 64];
+        loop {
+            let mut n = 0;
+            while n < batch.len() {
+                let Some(idx) = self.pool.take_repost() else {
+                    break;
+                };
+                batch[n] = idx;
+                n += 1;
+            }
+            if n == 0 {
+                break;
+            }
+            if let Err(e) = self.post_slots(&batch[..n]) {
+                // The SRQ refused (it cannot be full: it holds every slot of the pool). The
+                // slots not taken wait on the queue; the accounting of those posted follows.
+                warn!(shard = self.id, "reposting receive slots: {e}");
+                break;
+            }
+            for &idx in &batch[..n] {
+                let key = match self.grants.returned(idx) {
+                    Returned::Free => continue,
+                    Returned::Conn(key) => key,
+                };
+                let i = usize::from(key.idx);
+                match self.conns.get_mut(i) {
+                    Some(Some(conn)) if conn.link.key() == key => {
+                        if let Err(e) = self.grants.settle(&mut conn.link.wire) {
+                            warn!(shard = self.id, "receive credit accounting: {e}");
+                        }
+                        mark(&mut self.touched, &mut self.is_touched, i);
+                    }
+                    _ => self.grants.orphan(),
+                }
+            }
+            done += n;
+            if n < batch.len() {
+                break;
+            }
+        }
+        done
+    }
+
+    /// Once per full sweep (at `now`), for a connection whose client sent nothing for
+    /// `RECLAIM_IDLE` and that holds more than the floor of the pool: asks the client to give
+    /// back what it does not use.
+    fn maybe_reclaim(
+        conn: &mut super::ServerConn<P>,
+        now: Option<Instant>,
+    ) -> Result<(), LinkError> {
+        let Some(now) = now else {
+            return Ok(());
+        };
+        let since = *conn.idle_since.get_or_insert(now);
+        let w = &conn.link.wire;
+        if now.duration_since(since) >= RECLAIM_IDLE
+            && w.peer_credits() + w.owed_credits() > FLOOR
+            && !w.is_reclaiming()
+        {
+            conn.idle_since = Some(now);
+            conn.link.control(Control::Reclaim(FLOOR))?;
+        }
+        Ok(())
+    }
+
     /// `maintain` over every live connection (`full`) or those touched this turn.
-    fn maintain_list(&mut self, full: bool, idle: bool) -> usize {
+    fn maintain_list(&mut self, full: bool) -> usize {
+        let mut work = self.repost_pool();
+        let sweep_at = full.then(Instant::now);
+        if full {
+            self.grants.release_limbo(Instant::now());
+            self.grants.publish(&self.gauge);
+        }
         while let Some((key, call, n)) = self.peer_api.grants.pop() {
             mark(&mut self.touched, &mut self.is_touched, key.idx as usize);
             if let Some(Some(conn)) = self.conns.get_mut(key.idx as usize)
@@ -394,7 +496,6 @@ impl<P: Provider> Shard<P> {
         let mut failed = None;
         let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
         let mut n_expired = 0;
-        let mut work = 0;
         // By index: the grants above may have touched more connections.
         let len = if full {
             self.live.len()
@@ -414,12 +515,9 @@ impl<P: Provider> Shard<P> {
                     break;
                 }
             }
-            match conn.link.repost_batched(idle) {
-                Ok(k) => work += k as usize,
-                Err(e) => {
-                    failed = Some((conn.link.key(), e));
-                    break;
-                }
+            if let Err(e) = Self::maybe_reclaim(conn, sweep_at) {
+                failed = Some((conn.link.key(), e));
+                break;
             }
             conn.flush_deferred();
             if let Err(e) = conn.link.flush_control() {
@@ -428,7 +526,7 @@ impl<P: Provider> Shard<P> {
             }
             if !conn.blocked.is_empty()
                 && conn.link.wire.data_credits() > 0
-                && conn.link.arena.free_sends() > 0
+                && conn.link.can_stage()
             {
                 for call in std::mem::take(&mut conn.blocked) {
                     if let Some(c) = conn.slot(call)

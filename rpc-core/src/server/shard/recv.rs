@@ -13,7 +13,7 @@ use crate::server::call::{CallCtx, IncomingCall, Payload};
 use crate::server::peer::ShardInbox;
 use crate::streaming::{Inbox, Item};
 use crate::trace::TraceContext;
-use crate::verbs::{Provider, Wc};
+use crate::verbs::{Provider, Wc, WcStatus};
 use crate::wire::{self, BulkDesc, BulkMore, CallId, Event};
 use crate::{Metadata, Status};
 
@@ -25,12 +25,71 @@ pub(crate) const NOT_EXECUTED_DRAINING: &str =
     "the server is shutting down (GoAway): the call was not executed; retry it elsewhere";
 
 impl<P: Provider> Shard<P> {
-    /// A receive completion: every frame of its slot (one, or a batch), in order.
-    pub(super) fn on_recv(&mut self, idx: usize, wc: &Wc, slot: u32) -> Result<(), LinkError> {
-        let Some(Some(conn)) = self.conns.get_mut(idx) else {
-            return Ok(());
+    /// A receive completion of the shard's SRQ for pool slot `slot`: the connection is the
+    /// one whose QP the completion names. Handles every frame of the slot (one, or a batch),
+    /// lends the slot to user code where the pool allows, and grows the connection's window
+    /// when its client ran out of data credits (see [`super::grants`]).
+    pub(super) fn on_pool_recv(&mut self, wc: &Wc, slot: u32) {
+        let idx = match self.qp_conn.get(&wc.qp_num) {
+            Some(&i) => usize::from(i),
+            None => {
+                // A frame (or a flushed receive) of a connection closed meanwhile.
+                self.grants.orphan_received(slot);
+                self.pool.repost_later(slot);
+                return;
+            }
         };
-        let mut next = conn.link.on_recv(wc, slot)?;
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            self.grants.orphan_received(slot);
+            self.pool.repost_later(slot);
+            return;
+        };
+        let key = conn.link.key();
+        if wc.status != WcStatus::Success {
+            // The NIC gave the slot back unfilled (its QP failed): post it again for the
+            // others. A flush is the echo of an earlier failure; anything else fails the
+            // connection.
+            self.pool.repost_later(slot);
+            if let Err(e) = completion(wc) {
+                warn!("connection failed: {e}");
+                self.close_failed(key, &e.status());
+            }
+            return;
+        }
+        // SAFETY: this is the completion of the RECV posted for `slot` (its wr_id says so and
+        // it was polled); the slot is not posted again until the guard drops.
+        let Some(guard) = (unsafe { self.pool.recv_slot(slot, wc.byte_len) }) else {
+            let e = LinkError::Protocol("receive completion for an unknown pool slot".into());
+            warn!("connection failed: {e}");
+            self.close_failed(key, &e.status());
+            return;
+        };
+        self.grants.received(slot, key);
+        conn.idle_since = None;
+        self.pool.open(slot, self.grants.allowance());
+        let r = match conn.link.on_slot(wc, guard) {
+            Ok(first) => self.on_frames(idx, first),
+            Err(e) => Err(e),
+        };
+        let lent = self.pool.close();
+        if let Err(e) = r {
+            warn!("connection failed: {e}");
+            self.close_failed(key, &e.status());
+            return;
+        }
+        if let Some(Some(conn)) = self.conns.get_mut(idx)
+            && conn.link.key() == key
+        {
+            if lent && let Err(e) = self.grants.lent_out(slot, &mut conn.link.wire) {
+                warn!(shard = self.id, "receive credit accounting: {e}");
+            }
+            self.grants.maybe_grow(&mut conn.link.wire);
+        }
+    }
+
+    /// Handles `first` and the frames after it in the same receive slot.
+    fn on_frames(&mut self, idx: usize, first: Option<Received>) -> Result<(), LinkError> {
+        let mut next = first;
         while let Some(received) = next {
             let inbound = match received {
                 Received::Written { .. } => {
@@ -197,7 +256,8 @@ impl<P: Provider> Shard<P> {
                     self.tasks.wake(t);
                 }
             }
-            Event::CreditOnly | Event::Stale { .. } | Event::Surrendered { .. } => {}
+            Event::Surrendered { credits } => self.grants.surrendered(credits),
+            Event::CreditOnly | Event::Stale { .. } => {}
             Event::Response { .. } | Event::Status { .. } | Event::GoAway => {
                 return Err(LinkError::Protocol(
                     "client sent a server-only frame".into(),

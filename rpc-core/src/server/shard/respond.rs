@@ -17,7 +17,7 @@ use crate::verbs::{Provider, Sge};
 use crate::wire::{self, BulkDesc, CallId, MAX_HEADER_LEN, Transfer};
 use crate::{Metadata, Status};
 
-use super::{Deferred, RespHold, ServerConn};
+use super::{Body, Deferred, RespHold, ServerConn, Spill};
 
 /// The shard's view of one call, lent to `IncomingCall` and to the call's task.
 pub(super) struct Reply<'a, P: Provider> {
@@ -51,7 +51,7 @@ impl<P: Provider> CallCtx for Reply<'_, P> {
         let link = &self.conn.link;
         let ok = link.wire.send_window(self.call).is_some_and(|w| w > 0)
             && link.wire.data_credits() > 0
-            && link.arena.free_sends() > 0
+            && link.can_stage()
             && self.conn.deferred.is_empty();
         if !ok
             && let Some(c) = self.conn.slot(self.call)
@@ -98,7 +98,7 @@ impl<P: Provider> ServerConn<P> {
             .wire
             .plan(len as u64, md_len, landing.map(|l| l.len))
         {
-            Transfer::Eager => match self.link.stage(metadata, msg) {
+            Transfer::Eager => match self.stage_terminal(metadata, msg) {
                 Ok(st) => self.commit_terminal(Deferred::Response {
                     call,
                     staged: st,
@@ -276,7 +276,7 @@ impl<P: Provider> ServerConn<P> {
                 );
             }
         };
-        match self.link.stage(metadata, &NoMsg) {
+        match self.stage_terminal(metadata, &NoMsg) {
             Ok(st) => {
                 if let Some(c) = self.slot(call) {
                     c.resp_bulk = Some(RespHold::new(buf));
@@ -375,7 +375,7 @@ impl<P: Provider> ServerConn<P> {
             .saturating_sub(MAX_HEADER_LEN + status.metadata().encoded_len());
         let max = room.min(crate::status::MAX_STATUS_MESSAGE_LEN);
         let msg = crate::status::cut_at_char(status.message(), max).as_bytes();
-        match self.link.stage(status.metadata(), &RawBytes(msg)) {
+        match self.stage_terminal(status.metadata(), &RawBytes(msg)) {
             Ok(st) => self.commit_terminal(Deferred::Status {
                 call,
                 staged: st,
@@ -398,7 +398,7 @@ impl<P: Provider> ServerConn<P> {
             status.message()
         );
         let why = crate::status::cut_at_char(&why, room.min(crate::status::MAX_STATUS_MESSAGE_LEN));
-        match self.link.stage(&Metadata::new(), &RawBytes(why.as_bytes())) {
+        match self.stage_terminal(&Metadata::new(), &RawBytes(why.as_bytes())) {
             Ok(st) => self.commit_terminal(Deferred::Status {
                 call,
                 staged: st,
@@ -408,9 +408,36 @@ impl<P: Provider> ServerConn<P> {
         }
     }
 
+    /// Encodes a terminal frame's body into a send slot, or, when the shard has none free,
+    /// onto the heap (spilled, one allocation): a terminal frame is never lost for want of a
+    /// slot, and goes out when one frees ([`ServerConn::flush_deferred`]).
+    fn stage_terminal(
+        &mut self,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+    ) -> Result<Body, FrameError> {
+        match self.link.stage(metadata, msg) {
+            Ok(st) => Ok(Body::Slot(st)),
+            Err(FrameError::Busy) => {
+                let md_len = metadata.encoded_len();
+                let len = msg.encoded_len();
+                if MAX_HEADER_LEN + md_len + len > self.link.wire.config().eager_limit as usize {
+                    return Err(FrameError::TooLarge);
+                }
+                let mut bytes = vec![0u8; md_len + len];
+                metadata.encode(&mut bytes[..md_len]);
+                if msg.encode_into(&mut bytes[md_len..]) != Some(len) {
+                    return Err(FrameError::TooLarge);
+                }
+                Ok(Body::Spilled(Box::new(Spill { bytes, md_len })))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     pub(super) fn frame_failed(&mut self, call: CallId, e: FrameError) {
-        // Send slots are sized so a terminal frame always finds one; failing here means the
-        // metadata did not fit or the link broke.
+        // A terminal frame always finds a slot or spills; failing here means the metadata did
+        // not fit or the link broke.
         warn!(%call, "cannot send the terminal frame: {e:?}");
         self.end_call(call);
     }
@@ -418,8 +445,12 @@ impl<P: Provider> ServerConn<P> {
     /// Commits a staged terminal frame now, or queues it until a credit arrives.
     pub(super) fn commit_terminal(&mut self, d: Deferred) {
         match d {
-            Deferred::Response { call, staged, bulk } => {
-                let bytes = bulk.map_or(staged.payload_len, |b| b.len as usize);
+            Deferred::Response {
+                call,
+                ref staged,
+                bulk,
+            } => {
+                let bytes = bulk.map_or(staged.payload_len(), |b| b.len as usize);
                 self.stat_end(call, crate::Code::Ok, Some((bytes, bulk.is_some())));
             }
             Deferred::Status { call, code, .. } => {
@@ -440,18 +471,36 @@ impl<P: Provider> ServerConn<P> {
         self.deferred.push_back(d);
     }
 
-    /// Returns the frame back when there is no credit.
+    /// Returns the frame back when there is no credit (staged in a slot), or when, spilled, it
+    /// found no send slot yet (still spilled).
     pub(super) fn try_commit(&mut self, d: Deferred) -> Option<Deferred> {
+        let (call, body) = match d {
+            Deferred::Response {
+                call, ref staged, ..
+            }
+            | Deferred::Status {
+                call, ref staged, ..
+            } => (call, staged),
+        };
+        let staged = match body {
+            Body::Slot(st) => *st,
+            Body::Spilled(spill) => match self.link.stage_copy(&spill.bytes, spill.md_len) {
+                Ok(st) => st,
+                Err(FrameError::Busy) => return Some(d),
+                Err(e) => {
+                    debug!(%call, "spilled terminal frame: {e:?}");
+                    self.end_call(call);
+                    return None;
+                }
+            },
+        };
         let r = match d {
-            Deferred::Response { call, staged, bulk } => self
+            Deferred::Response { bulk, .. } => self
                 .link
                 .commit(staged, |w, pl, ml| w.response(call, pl, ml, bulk, false)),
-            Deferred::Status { call, staged, code } => self
+            Deferred::Status { code, .. } => self
                 .link
                 .commit(staged, |w, pl, ml| w.status(call, code, pl, ml)),
-        };
-        let call = match d {
-            Deferred::Response { call, .. } | Deferred::Status { call, .. } => call,
         };
         match r {
             Ok(()) => {
@@ -467,10 +516,15 @@ impl<P: Provider> ServerConn<P> {
                 self.link.wire.finish(call);
                 None
             }
-            Err(CommitError::NoCredit(staged)) => Some(match d {
-                Deferred::Response { call, bulk, .. } => Deferred::Response { call, staged, bulk },
-                Deferred::Status { call, code, .. } => Deferred::Status { call, staged, code },
-            }),
+            Err(CommitError::NoCredit(staged)) => {
+                let staged = Body::Slot(staged);
+                Some(match d {
+                    Deferred::Response { call, bulk, .. } => {
+                        Deferred::Response { call, staged, bulk }
+                    }
+                    Deferred::Status { call, code, .. } => Deferred::Status { call, staged, code },
+                })
+            }
             Err(CommitError::Refused(e)) => {
                 debug!(%call, "terminal frame refused: {e}");
                 self.end_call(call);
@@ -483,11 +537,30 @@ impl<P: Provider> ServerConn<P> {
         }
     }
 
+    /// Sends the terminal frames that wait, while credit allows. A spilled one that finds
+    /// no send slot yet lets those behind it (which hold theirs) go first: they belong to
+    /// other calls, and their completions are what frees slots.
     pub(super) fn flush_deferred(&mut self) {
-        while let Some(d) = self.deferred.pop_front() {
-            if let Some(back) = self.try_commit(d) {
-                self.deferred.push_front(back);
+        for _ in 0..self.deferred.len() {
+            let Some(d) = self.deferred.pop_front() else {
                 break;
+            };
+            match self.try_commit(d) {
+                None => {}
+                Some(
+                    back @ (Deferred::Response {
+                        staged: Body::Spilled(_),
+                        ..
+                    }
+                    | Deferred::Status {
+                        staged: Body::Spilled(_),
+                        ..
+                    }),
+                ) => self.deferred.push_back(back),
+                Some(back) => {
+                    self.deferred.push_front(back);
+                    break;
+                }
             }
         }
     }

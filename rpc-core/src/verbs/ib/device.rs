@@ -369,6 +369,7 @@ fn caps_of(a: &ibv_device_attr, port: &PortInfo, max_inline: u32) -> Caps {
         max_inline,
         max_sge: pos(a.max_sge),
         max_qp_wr: pos(a.max_qp_wr),
+        max_srq_wr: pos(a.max_srq_wr),
         max_cqe: pos(a.max_cqe),
         max_msg_size: u64::from(port.max_msg_sz),
         max_mr_size: a.max_mr_size,

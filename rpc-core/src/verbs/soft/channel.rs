@@ -24,6 +24,8 @@ pub(crate) struct ChannelInner {
     deadline: AtomicU64,
     /// Nonce of the owning device (CQs of another device may not use this channel).
     pub(crate) dev_nonce: u64,
+    /// Unique in this process (published with the eventfd's number, see `layout::qp::CHAN_ID`).
+    pub(crate) id: u32,
     /// The context's service thread, which rings us when the deadline passes.
     watch: Arc<WatchShared>,
 }
@@ -57,6 +59,9 @@ impl ChannelInner {
     }
 }
 
+/// The id of the next channel made in this process.
+static NEXT_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+
 /// A completion channel of the soft RNIC: a non-blocking eventfd, usable with epoll/tokio
 /// `AsyncFd` (readable = events pending; [`CompChannel::drain`] consumes them).
 ///
@@ -83,6 +88,7 @@ impl SoftCompChannel {
             efd,
             deadline: AtomicU64::new(u64::MAX),
             dev_nonce: dev.nonce,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             watch: dev.watchdog.shared.clone(),
         });
         dev.watchdog.add_channel(Arc::downgrade(&inner));

@@ -8,7 +8,7 @@
 
 use std::cell::Cell;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
+
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
@@ -265,7 +265,10 @@ pub(crate) struct Conn {
     bm_word: usize,
     bm_bit: u64,
     armed: usize,
-    efd: Option<Arc<OwnedFd>>,
+    /// The number and id of the peer's completion-channel eventfd (signalled through the
+    /// peer's bounded cache of duplicates, [`Peer::signal_eventfd`]), if its receive CQ has
+    /// one.
+    efd: Option<(u32, u32)>,
     cache: [(u32, Option<Arc<Mapping>>); MR_CACHE],
     my_qp_num: u32,
     my_nonce: u64,
@@ -396,7 +399,8 @@ impl Conn {
             )
         };
         let depth = rd32(qp::RQ_DEPTH);
-        if !depth.is_power_of_two() || depth > 2 * CAPS.max_qp_wr {
+        // A QP of an SRQ publishes the SRQ's ring, which may be deeper than a QP's own.
+        if !depth.is_power_of_two() || depth > 2 * CAPS.max_qp_wr.max(CAPS.max_srq_wr) {
             return Err(corrupt("receive queue depth"));
         }
         let max_sge = rd32(qp::RQ_MAX_SGE);
@@ -449,11 +453,11 @@ impl Conn {
         }
         let cq_entry = layout::cq_in_entry(cq);
         let chan = rd32(qp::CHAN_FD);
+        let chan_id = rd32(qp::CHAN_ID);
         let efd = if chan == u32::MAX {
             None
         } else {
-            let e = peer.eventfd(chan);
-            if e.is_none() {
+            if !peer.check_eventfd(chan, chan_id) {
                 tracing::warn!(
                     pid,
                     fd = chan,
@@ -461,7 +465,7 @@ impl Conn {
                      not be woken by our completions"
                 );
             }
-            e
+            Some((chan, chan_id))
         };
         Ok(Conn {
             peer_qp_num: ep.qp_num,
@@ -627,9 +631,9 @@ impl Conn {
             && armed
                 .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
                 .is_ok()
-            && let Some(fd) = &self.efd
+            && let Some((fd, id)) = self.efd
         {
-            shm::signal_fd(fd.as_fd());
+            self.peer.signal_eventfd(fd, id);
         }
     }
 

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 /// `"SOFTRNIC"` as a little-endian word: first word of both segments.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
 /// Layout version; a peer with another version is refused at connect time.
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 
 /// Size of the published segment (sparse).
 pub(crate) const PUB_LEN: usize = 512 << 20;
@@ -140,6 +140,9 @@ pub(crate) mod qp {
     /// u64 offset of the receive claim word in the inbox (a plain QP's own
     /// [`super::qp_in::RQ_CLAIM`], or its SRQ's [`super::srq_in::CLAIM`]).
     pub(crate) const RQ_CLAIM_AT: usize = 112;
+    /// u32 id of the receive CQ's channel, unique in the owner process: a descriptor number
+    /// is reused once closed, so peers key their duplicates of [`CHAN_FD`] by both.
+    pub(crate) const CHAN_ID: usize = 120;
 }
 
 /// Bytes of a receive WQE header before its SGEs.

@@ -134,6 +134,7 @@ pub const CAPS: Caps = Caps {
     max_inline: 256,
     max_sge: 16,
     max_qp_wr: 4096,
+    max_srq_wr: 1 << 17,
     max_cqe: 1 << 22,
     max_msg_size: 1 << 30,
     max_mr_size: 1 << 40,

@@ -89,8 +89,9 @@ pub(crate) struct Peer {
     pub(crate) inbox: Arc<Mapping>,
     /// Mappings of the peer's shm regions by slot: (key, mapping).
     mrs: Mutex<HashMap<u32, (u32, Arc<Mapping>)>>,
-    /// Duplicates of the peer's channel eventfds by descriptor number.
-    efds: Mutex<HashMap<u32, Arc<OwnedFd>>>,
+    /// Duplicates of the peer's channel eventfds by descriptor number, the most recently
+    /// signalled [`EVENTFD_CACHE`] of them (see [`Peer::signal_eventfd`]).
+    efds: Mutex<EventFds>,
 }
 
 /// Why mapping a peer's region failed.
@@ -142,7 +143,7 @@ impl Peer {
                 pub_map: dev.pub_map.clone(),
                 inbox: dev.inbox.clone(),
                 mrs: Mutex::new(HashMap::new()),
-                efds: Mutex::new(HashMap::new()),
+                efds: Mutex::new(EventFds::default()),
             });
         }
 
@@ -229,7 +230,7 @@ impl Peer {
             pub_map: Arc::new(pub_map),
             inbox: Arc::new(inbox),
             mrs: Mutex::new(HashMap::new()),
-            efds: Mutex::new(HashMap::new()),
+            efds: Mutex::new(EventFds::default()),
         })
     }
 
@@ -272,25 +273,68 @@ impl Peer {
         Ok(m)
     }
 
-    /// A duplicate of the peer's eventfd number `fd` (a completion channel), checked to be an
-    /// eventfd. Setup path.
-    pub(crate) fn eventfd(&self, fd: u32) -> Option<Arc<OwnedFd>> {
+    /// Whether the peer's descriptor `fd` is an eventfd we can reach (a completion channel);
+    /// keeps the duplicate in the cache. Setup path.
+    pub(crate) fn check_eventfd(&self, fd: u32, id: u32) -> bool {
         let mut efds = self.efds.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = efds.get(&fd) {
-            return Some(f.clone());
+        efds.get(self, fd, id).is_some()
+    }
+
+    /// Wakes the peer's completion channel `fd` (its armed CQ got a completion). The
+    /// duplicates are cached, the most recently signalled [`EVENTFD_CACHE`] per peer, so a
+    /// server with thousands of clients' channels holds a bounded number of descriptors; a
+    /// miss takes a new duplicate (two system calls more, on a path that already makes one to
+    /// wake a sleeper).
+    pub(crate) fn signal_eventfd(&self, fd: u32, id: u32) {
+        let mut efds = self.efds.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(dup) = efds.get(self, fd, id) {
+            shm::signal_fd(dup.as_fd());
         }
+    }
+
+    /// A duplicate of the peer's descriptor `fd`, checked to be an eventfd.
+    fn dup_eventfd(&self, fd: u32) -> Option<OwnedFd> {
         let dup = shm::pidfd_getfd(self.live.pidfd.as_fd(), self.pid, fd).ok()?;
         let link = std::fs::read_link(format!(
             "/proc/self/fd/{}",
             std::os::fd::AsRawFd::as_raw_fd(&dup)
         ))
         .ok()?;
-        if link.to_string_lossy() != "anon_inode:[eventfd]" {
-            return None;
+        (link.to_string_lossy() == "anon_inode:[eventfd]").then_some(dup)
+    }
+}
+
+/// Most duplicates of one peer's channel eventfds kept open.
+pub(crate) const EVENTFD_CACHE: usize = 64;
+
+/// A peer's eventfd duplicates by descriptor number and channel id, least recently used
+/// first out.
+#[derive(Debug, Default)]
+pub(crate) struct EventFds {
+    /// (descriptor number in the peer, channel id, our duplicate, last use).
+    entries: Vec<(u32, u32, OwnedFd, u64)>,
+    clock: u64,
+}
+
+impl EventFds {
+    fn get(&mut self, peer: &Peer, fd: u32, id: u32) -> Option<&OwnedFd> {
+        self.clock += 1;
+        let now = self.clock;
+        if let Some(i) = self.entries.iter().position(|e| (e.0, e.1) == (fd, id)) {
+            self.entries[i].3 = now;
+            return Some(&self.entries[i].2);
         }
-        let dup = Arc::new(dup);
-        efds.insert(fd, dup.clone());
-        Some(dup)
+        // The number now names another channel: a duplicate of the closed one would wake
+        // nobody (and keep its file open).
+        self.entries.retain(|e| e.0 != fd);
+        let dup = peer.dup_eventfd(fd)?;
+        if self.entries.len() >= EVENTFD_CACHE
+            && let Some(i) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].3)
+        {
+            self.entries.swap_remove(i);
+        }
+        self.entries.push((fd, id, dup, now));
+        self.entries.last().map(|e| &e.2)
     }
 }
 

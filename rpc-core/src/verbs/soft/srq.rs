@@ -34,7 +34,7 @@ fn create_err(kind: ErrorKind, detail: String) -> VerbsError {
 
 impl SoftSrq {
     pub(crate) fn create(dev: &Arc<Device>, pd: u32, caps: SrqCaps) -> Result<SoftSrq> {
-        let max = super::CAPS.max_qp_wr;
+        let max = super::CAPS.max_srq_wr;
         if caps.max_wr == 0 || caps.max_wr > max {
             return Err(create_err(
                 ErrorKind::ExceedsCaps,

@@ -798,6 +798,7 @@ impl SoftQp {
             .as_ref()
             .map_or(u32::MAX, |c| std::os::fd::AsRawFd::as_raw_fd(&c.efd) as u32);
         w32(qp::CHAN_FD, chan);
+        w32(qp::CHAN_ID, rcq.channel.as_ref().map_or(0, |c| c.id));
         w32(qp::REMOTE_QP, 0);
         w64(qp::REMOTE_NONCE, 0);
         w32(qp::SHARED_RQ, u32::from(srq.is_some()));
