@@ -132,7 +132,7 @@ pub(crate) fn open<P: Provider>(
         pool,
         grants: Grants::new(),
         sends,
-        qp_conn: std::collections::HashMap::new(),
+        qp_conn: super::QpMap::default(),
         gauge,
         live: Vec::with_capacity(n),
         generations: vec![0; n],
@@ -220,8 +220,15 @@ impl<P: Provider> Shard<P> {
     /// At the pool's limit, or when registering or posting fails.
     pub(super) fn grow_pool(&mut self) -> crate::verbs::Result<()> {
         let slots: Vec<u32> = self.pool.grow(&self.pd)?.collect();
-        self.post_slots(&slots)?;
-        self.grants.grown(slots.len() as u32);
+        // The slots not posted wait on the repost queue and are counted when posted.
+        let posted = match self.post_slots(&slots) {
+            Ok(()) => slots.len(),
+            Err((n, e)) => {
+                warn!(shard = self.id, "posting the receive pool's new slots: {e}");
+                n
+            }
+        };
+        self.grants.grown(slots.len() as u32, posted as u32);
         self.grants.publish(&self.gauge);
         info!(
             shard = self.id,
@@ -236,10 +243,14 @@ impl<P: Provider> Shard<P> {
     /// Posts the pool's slots `idxs` (none posted, none guarded) to the SRQ, in batches.
     ///
     /// # Errors
-    /// When `post_srq_recv` fails: the slots it did not take go back on the repost queue.
-    pub(super) fn post_slots(&mut self, idxs: &[u32]) -> crate::verbs::Result<()> {
+    /// When `post_srq_recv` fails: how many of `idxs` (the first ones) were posted, and why
+    /// the next was refused; the slots it did not take go back on the repost queue.
+    pub(super) fn post_slots(
+        &mut self,
+        idxs: &[u32],
+    ) -> Result<(), (usize, crate::verbs::VerbsError)> {
         const BATCH: usize = 16;
-        for chunk in idxs.chunks(BATCH) {
+        for (k, chunk) in idxs.chunks(BATCH).enumerate() {
             let mut sges = [crate::verbs::Sge::default(); BATCH];
             let mut ids = [0u64; BATCH];
             for (i, &idx) in chunk.iter().enumerate() {
@@ -256,10 +267,12 @@ impl<P: Provider> Shard<P> {
             // reference drops); the slot is neither posted nor guarded: it is the NIC's from
             // now until its completion is polled.
             if let Err(e) = unsafe { self.srq.post_recv(&wrs[..chunk.len()]) } {
-                for &idx in &chunk[e.posted.min(chunk.len())..] {
+                let done = e.posted.min(chunk.len());
+                let rest = idxs.get((k + 1) * BATCH..).unwrap_or_default();
+                for &idx in chunk[done..].iter().chain(rest) {
                     self.pool.repost_later(idx);
                 }
-                return Err(e.error);
+                return Err((k * BATCH + done, e.error));
             }
         }
         Ok(())

@@ -147,11 +147,16 @@ impl Grants {
         self.lent
     }
 
-    /// The pool grew by `n` slots, all posted.
-    pub(crate) fn grown(&mut self, n: u32) {
+    /// The pool grew by `n` slots, `posted` of them posted (the others wait on the repost
+    /// queue, and are free once posted: see [`Grants::returned`]).
+    pub(crate) fn grown(&mut self, n: u32, posted: u32) {
         self.total += n;
-        self.free += n;
+        self.free += posted;
         self.owner.resize(self.total as usize, NONE);
+        let start = (self.total - n + posted) as usize;
+        for o in &mut self.owner[start..] {
+            *o = ORPHAN;
+        }
     }
 
     /// Whether the pool should grow before admitting a connection (counting the limbo,
@@ -353,7 +358,7 @@ mod tests {
     #[test]
     fn windows_and_free_slots_always_add_up_to_the_pool() {
         let mut g = Grants::new();
-        g.grown(128);
+        g.grown(128, 128);
         assert!(g.admit(std::time::Instant::now()));
         let mut w = conn(64);
         g.check(w.window()).unwrap();
@@ -387,7 +392,7 @@ mod tests {
     #[test]
     fn an_unused_window_shrinks() {
         let mut g = Grants::new();
-        g.grown(256);
+        g.grown(256, 256);
         assert!(g.admit(std::time::Instant::now()));
         let mut w = conn(64);
         for i in 0..3 {
@@ -420,7 +425,7 @@ mod tests {
     #[test]
     fn a_pool_without_room_admits_no_one_and_lends_nothing() {
         let mut g = Grants::new();
-        g.grown(FLOOR + 1);
+        g.grown(FLOOR + 1, FLOOR + 1);
         assert!(g.admit(std::time::Instant::now()));
         assert!(
             !g.admit(std::time::Instant::now()),

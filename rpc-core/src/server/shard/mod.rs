@@ -53,6 +53,30 @@ use crate::{Code, Metadata, MethodDesc};
 /// Completions taken per `poll`.
 const POLL_BATCH: usize = 32;
 
+/// QP numbers to connection indices: looked up for every receive completion, so hashed with
+/// one multiplication (QP numbers are the device's, not a peer's choice).
+type QpMap = std::collections::HashMap<u32, u16, std::hash::BuildHasherDefault<QpHasher>>;
+
+/// Fibonacci hashing of a QP number.
+#[derive(Default)]
+struct QpHasher(u64);
+
+impl std::hash::Hasher for QpHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 /// A message to a shard from the acceptor.
 pub(crate) enum ShardMsg {
     /// A client that passed the handshake checks: create its QP and answer.
@@ -355,7 +379,7 @@ pub(crate) struct Shard<P: Provider> {
     /// The send slots of every connection of the shard.
     sends: Arc<SlotArena<P>>,
     /// The connection of each primary QP (receive completions of the SRQ name the QP).
-    qp_conn: std::collections::HashMap<u32, u16>,
+    qp_conn: QpMap,
     /// Where the pool's figures are published ([`crate::RunningServer::receive_pool`]).
     gauge: Arc<grants::Gauge>,
     /// Indices of the live connections (what a full sweep of `maintain` walks).

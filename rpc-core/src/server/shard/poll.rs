@@ -423,13 +423,16 @@ impl<P: Provider> Shard<P> {
             if n == 0 {
                 break;
             }
-            if let Err(e) = self.post_slots(&batch[..n]) {
-                // The SRQ refused (it cannot be full: it holds every slot of the pool). The
-                // slots not taken wait on the queue; the accounting of those posted follows.
-                warn!(shard = self.id, "reposting receive slots: {e}");
-                break;
-            }
-            for &idx in &batch[..n] {
+            let posted = match self.post_slots(&batch[..n]) {
+                Ok(()) => n,
+                Err((k, e)) => {
+                    // The SRQ refused (it cannot be full: it holds every slot of the pool).
+                    // The slots not taken wait on the queue; those posted are settled.
+                    warn!(shard = self.id, "reposting receive slots: {e}");
+                    k
+                }
+            };
+            for &idx in &batch[..posted] {
                 let key = match self.grants.returned(idx) {
                     Returned::Free => continue,
                     Returned::Conn(key) => key,
@@ -445,8 +448,8 @@ impl<P: Provider> Shard<P> {
                     _ => self.grants.orphan(),
                 }
             }
-            done += n;
-            if n < batch.len() {
+            done += posted;
+            if posted < batch.len() {
                 break;
             }
         }
