@@ -450,6 +450,29 @@ impl<P: Provider> Link<P> {
         match self.lanes.done(aux, wc.status) {
             StripeDone::Pending => Ok(None),
             StripeDone::Complete(orig) => Ok(Some(Wc { wr_id: orig, ..*wc })),
+            StripeDone::Fence {
+                lane,
+                aux,
+                remote_addr,
+                rkey,
+            } => {
+                let wr = SendWr {
+                    wr_id: wr_id(self.key, WrKind::Stripe, aux),
+                    op: WrOp::Write { remote_addr, rkey },
+                    sg_list: &[],
+                    flags: SendFlags::SIGNALED,
+                };
+                let Some(qp) = self.lanes.qps_mut().get_mut(lane) else {
+                    return Err(LinkError::Protocol(format!(
+                        "a striped READ names data QP {lane}, which this link lacks"
+                    )));
+                };
+                // SAFETY: a zero-length WRITE names no local memory.
+                unsafe { qp.post_send(std::slice::from_ref(&wr)) }.map_err(|e| {
+                    post_err("post_send(zero-length RDMA WRITE fencing a lane)", &e)
+                })?;
+                Ok(None)
+            }
             StripeDone::PostHeld(orig, h) => {
                 self.flush_sends()?;
                 let wr = SendWr {
@@ -1055,8 +1078,10 @@ impl<P: Provider> Link<P> {
         posted: &mut bool,
     ) -> Result<(), LinkError> {
         let orig = wr_id(self.key, kind, aux);
+        // A striped READ fences its lanes before it completes (see `stripe`).
+        let fence = matches!(op, Chunked::Read).then_some((remote.addr, remote.rkey));
         if let Some((span, used)) = self.lanes.plan(len)
-            && let Some((slot, generation)) = self.lanes.begin(orig, len, span, used, CHUNK)
+            && let Some((slot, generation)) = self.lanes.begin(orig, len, span, used, CHUNK, fence)
         {
             // Spans 0..used-1 on the lanes, the last on the primary QP (see `stripe`).
             let plain = match op {
@@ -1088,7 +1113,16 @@ impl<P: Provider> Link<P> {
             let start = (used - 1) * span;
             let (remaining, last_id) = match op {
                 Chunked::WriteImm(_) => (used - 1, orig),
-                _ => (
+                // Every span, and each lane's fence.
+                Chunked::Read => (
+                    2 * used - 1,
+                    wr_id(
+                        self.key,
+                        WrKind::Stripe,
+                        stripe::stripe_aux(slot, generation, 0),
+                    ),
+                ),
+                Chunked::Write => (
                     used,
                     wr_id(
                         self.key,
