@@ -178,6 +178,8 @@ pub enum LinkError {
     Completion(crate::verbs::WcError),
     /// The peer broke the protocol.
     Protocol(String),
+    /// A failure with what the link found out about its QPs ([`Link::explain`]).
+    Explained(Box<LinkError>, String),
 }
 
 impl std::fmt::Display for LinkError {
@@ -197,6 +199,7 @@ impl std::fmt::Display for LinkError {
                 }
             }
             LinkError::Protocol(s) => write!(f, "protocol violation by peer: {s}"),
+            LinkError::Explained(e, why) => write!(f, "{e}; {why}"),
         }
     }
 }
@@ -206,6 +209,9 @@ impl LinkError {
     pub fn status(&self) -> Status {
         match self {
             LinkError::Protocol(_) => Status::internal(format!("connection closed: {self}")),
+            LinkError::Explained(e, _) if matches!(**e, LinkError::Protocol(_)) => {
+                Status::internal(format!("connection closed: {self}"))
+            }
             _ => Status::unavailable(format!("connection lost: {self}")),
         }
     }
@@ -438,6 +444,46 @@ impl<P: Provider> Link<P> {
     /// The data QPs (empty with one QP per connection).
     pub fn lanes(&self) -> &Lanes<P> {
         &self.lanes
+    }
+
+    /// `e` with what the link knows of the QP a failed completion names: which of the
+    /// connection's QPs it is, and, when the first failure is a flush, the state of each QP
+    /// now. A flush as the first failure means the QP entered ERROR without a failed request
+    /// of its own: as the *responder* of a request of the peer (which NAKed it: a revoked or
+    /// out-of-bounds key, an invalid request), through an asynchronous error, or by a
+    /// `modify_qp` of ours. Called on the failure path only (it asks the device for each
+    /// QP's state).
+    pub fn explain(&self, e: LinkError) -> LinkError {
+        let LinkError::Completion(we) = &e else {
+            return e;
+        };
+        let qp_num = we.wc.qp_num;
+        let lanes = self.lanes.qps().len();
+        let role = |q: u32| {
+            if q == self.qp.qp_num() {
+                "the primary QP".to_owned()
+            } else {
+                match self.lanes.qps().iter().position(|l| l.qp_num() == q) {
+                    Some(j) => format!("data QP {} of {lanes}", j + 1),
+                    None => "not one of this connection's QPs".to_owned(),
+                }
+            }
+        };
+        let mut why = format!("QP {qp_num:#x} is {}", role(qp_num));
+        if we.wc.status == WcStatus::WrFlushErr {
+            let states: Vec<String> = std::iter::once(&self.qp)
+                .chain(self.lanes.qps())
+                .map(|q| format!("{:#x} {:?}", q.qp_num(), q.state()))
+                .collect();
+            why.push_str(&format!(
+                "; no request of it failed before: it entered ERROR as the responder of a \
+                 request of the peer (which the peer's NIC then saw rejected: a revoked or \
+                 out-of-bounds rkey, an invalid request), or through a device error; QP \
+                 states now: {}",
+                states.join(", ")
+            ));
+        }
+        LinkError::Explained(Box::new(e), why)
     }
 
     /// A completion of kind [`WrKind::Stripe`]: when it finishes its transfer, the completion

@@ -323,6 +323,11 @@ impl<P: Provider> Lanes<P> {
         &mut self.qps
     }
 
+    /// The data QPs.
+    pub(super) fn qps(&self) -> &[P::Qp] {
+        &self.qps
+    }
+
     /// How `len` bytes are cut: the span length and the number of spans (one per QP used, at
     /// least 2), or `None` when the transfer is not striped.
     pub(super) fn plan(&self, len: usize) -> Option<(usize, usize)> {
