@@ -13,6 +13,20 @@ conformance::conformance_suite!(ib_procs, rpc_core::verbs::ib::Ib, Processes);
 // `serve_pair_peers`; skips without CONFORMANCE_REMOTE.
 conformance::conformance_suite!(ib_pair, rpc_core::verbs::ib::Ib, Remote);
 
+// Across two hosts, with this host's packets delayed by `tc netem` (run alone, by
+// softroce/pair.sh): the hazard striped READs fence against. Skips without CONFORMANCE_REMOTE.
+mod ib_pair_wire {
+    #[test]
+    fn read_replayed_after_deregistration() {
+        super::conformance::harness::run::<rpc_core::verbs::ib::Ib>(
+            super::conformance::harness::Mode::Remote,
+            module_path!(),
+            "read_replayed_after_deregistration",
+            super::conformance::edges::read_replayed_after_deregistration,
+        );
+    }
+}
+
 /// The peer server of `ib_pair` (in the other host, with `CONFORMANCE_SERVE=ip:port`).
 #[test]
 #[ignore = "the peer side of a two-host run (softroce/vm.sh pair sets CONFORMANCE_SERVE)"]

@@ -177,6 +177,8 @@ pub enum LinkError {
     Completion(crate::verbs::WcError),
     /// The peer broke the protocol.
     Protocol(String),
+    /// A failure with what the link found out about its QPs ([`Link::explain`]).
+    Explained(Box<LinkError>, String),
 }
 
 impl std::fmt::Display for LinkError {
@@ -196,6 +198,7 @@ impl std::fmt::Display for LinkError {
                 }
             }
             LinkError::Protocol(s) => write!(f, "protocol violation by peer: {s}"),
+            LinkError::Explained(e, why) => write!(f, "{e}; {why}"),
         }
     }
 }
@@ -205,6 +208,9 @@ impl LinkError {
     pub fn status(&self) -> Status {
         match self {
             LinkError::Protocol(_) => Status::internal(format!("connection closed: {self}")),
+            LinkError::Explained(e, _) if matches!(**e, LinkError::Protocol(_)) => {
+                Status::internal(format!("connection closed: {self}"))
+            }
             _ => Status::unavailable(format!("connection lost: {self}")),
         }
     }
@@ -443,6 +449,46 @@ impl<P: Provider> Link<P> {
         &self.lanes
     }
 
+    /// `e` with what the link knows of the QP a failed completion names: which of the
+    /// connection's QPs it is, and, when the first failure is a flush, the state of each QP
+    /// now. A flush as the first failure means the QP entered ERROR without a failed request
+    /// of its own: as the *responder* of a request of the peer (which NAKed it: a revoked or
+    /// out-of-bounds key, an invalid request), through an asynchronous error, or by a
+    /// `modify_qp` of ours. Called on the failure path only (it asks the device for each
+    /// QP's state).
+    pub fn explain(&self, e: LinkError) -> LinkError {
+        let LinkError::Completion(we) = &e else {
+            return e;
+        };
+        let qp_num = we.wc.qp_num;
+        let lanes = self.lanes.qps().len();
+        let role = |q: u32| {
+            if q == self.qp.qp_num() {
+                "the primary QP".to_owned()
+            } else {
+                match self.lanes.qps().iter().position(|l| l.qp_num() == q) {
+                    Some(j) => format!("data QP {} of {lanes}", j + 1),
+                    None => "not one of this connection's QPs".to_owned(),
+                }
+            }
+        };
+        let mut why = format!("QP {qp_num:#x} is {}", role(qp_num));
+        if we.wc.status == WcStatus::WrFlushErr {
+            let states: Vec<String> = std::iter::once(&self.qp)
+                .chain(self.lanes.qps())
+                .map(|q| format!("{:#x} {:?}", q.qp_num(), q.state()))
+                .collect();
+            why.push_str(&format!(
+                "; no request of it failed before: it entered ERROR as the responder of a \
+                 request of the peer (which the peer's NIC then saw rejected: a revoked or \
+                 out-of-bounds rkey, an invalid request), or through a device error; QP \
+                 states now: {}",
+                states.join(", ")
+            ));
+        }
+        LinkError::Explained(Box::new(e), why)
+    }
+
     /// A completion of kind [`WrKind::Stripe`]: when it finishes its transfer, the completion
     /// to handle in its place (its `wr_id` is the transfer's own); a held-back WRITE_WITH_IMM
     /// is posted here, and its own completion comes later.
@@ -453,6 +499,29 @@ impl<P: Provider> Link<P> {
         match self.lanes.done(aux, wc.status) {
             StripeDone::Pending => Ok(None),
             StripeDone::Complete(orig) => Ok(Some(Wc { wr_id: orig, ..*wc })),
+            StripeDone::Fence {
+                lane,
+                aux,
+                remote_addr,
+                rkey,
+            } => {
+                let wr = SendWr {
+                    wr_id: wr_id(self.key, WrKind::Stripe, aux),
+                    op: WrOp::Write { remote_addr, rkey },
+                    sg_list: &[],
+                    flags: SendFlags::SIGNALED,
+                };
+                let Some(qp) = self.lanes.qps_mut().get_mut(lane) else {
+                    return Err(LinkError::Protocol(format!(
+                        "a striped READ names data QP {lane}, which this link lacks"
+                    )));
+                };
+                // SAFETY: a zero-length WRITE names no local memory.
+                unsafe { qp.post_send(std::slice::from_ref(&wr)) }.map_err(|e| {
+                    post_err("post_send(zero-length RDMA WRITE fencing a lane)", &e)
+                })?;
+                Ok(None)
+            }
             StripeDone::PostHeld(orig, h) => {
                 self.flush_sends()?;
                 let wr = SendWr {
@@ -1114,8 +1183,10 @@ impl<P: Provider> Link<P> {
         posted: &mut bool,
     ) -> Result<(), LinkError> {
         let orig = wr_id(self.key, kind, aux);
+        // A striped READ fences its lanes before it completes (see `stripe`).
+        let fence = matches!(op, Chunked::Read).then_some((remote.addr, remote.rkey));
         if let Some((span, used)) = self.lanes.plan(len)
-            && let Some((slot, generation)) = self.lanes.begin(orig, len, span, used, CHUNK)
+            && let Some((slot, generation)) = self.lanes.begin(orig, len, span, used, CHUNK, fence)
         {
             // Spans 0..used-1 on the lanes, the last on the primary QP (see `stripe`).
             let plain = match op {
@@ -1147,7 +1218,16 @@ impl<P: Provider> Link<P> {
             let start = (used - 1) * span;
             let (remaining, last_id) = match op {
                 Chunked::WriteImm(_) => (used - 1, orig),
-                _ => (
+                // Every span, and each lane's fence.
+                Chunked::Read => (
+                    2 * used - 1,
+                    wr_id(
+                        self.key,
+                        WrKind::Stripe,
+                        stripe::stripe_aux(slot, generation, 0),
+                    ),
+                ),
+                Chunked::Write => (
                     used,
                     wr_id(
                         self.key,

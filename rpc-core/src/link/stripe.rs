@@ -12,6 +12,8 @@
 //!   span n-1            -> primary QP            READ/WRITE: last chunk signaled STRIPE
 //!                                                WRITE_WITH_IMM: chunks posted, the last
 //!                                                one (the IMM) held back
+//! READ only: a lane's span, once complete, is followed on that lane by a zero-length
+//!   RDMA WRITE (the *fence*, signaled STRIPE too)
 //! every STRIPE completion counts down the transfer's slot; at zero:
 //!   READ/WRITE      -> the transfer completes (the caller sees its original wr_id)
 //!   WRITE_WITH_IMM  -> the held-back last chunk is posted on the primary QP, signaled with
@@ -19,6 +21,31 @@
 //!                      the lanes' completions mean their bytes were placed, so the peer's
 //!                      receive completion still means "every byte landed"
 //! ```
+//!
+//! # Why a striped READ fences its lanes
+//!
+//! A READ's completion is what lets the reader tell the lender "done" (the response to a
+//! request it read, a `BulkRelease` of a response), and the lender then ends the loan: it
+//! deregisters the key. On one QP that order is safe: RC retransmits a READ request only
+//! until the READ completes, and the "done" frame follows every copy of it on the same QP, so
+//! the lender's NIC has seen them all before the frame. Across QPs nothing orders them: a
+//! retransmitted copy of a lane's READ request (the requester timed out while the responses
+//! were on their way, or some were lost) can reach the lender *after* the "done" frame
+//! arrived on the primary QP and the key was revoked. The lender's NIC treats it as a
+//! duplicate and executes it again (RC re-executes duplicate READs), finds the key gone and
+//! answers with a remote access NAK, which the reader ignores (that READ already completed),
+//! while the lender's lane QP enters ERROR without a completion of its own (a responder
+//! error). The next striped transfer over that lane then fails or never completes. Seen on
+//! Soft-RoCE between two hosts; hardware re-executes duplicate READs the same way.
+//!
+//! So a lane's READ span is not done when its data arrived: the reader then posts a
+//! zero-length RDMA WRITE on the same lane and waits for its acknowledgement. The lender's
+//! responder handles a QP's requests in order, and every copy of the READ request was sent
+//! before the fence (a READ is not retransmitted once complete), so once the fence is
+//! acknowledged no copy of the READ is left in flight (RoCE keeps a QP's packets in order).
+//! A zero-length WRITE checks no key (IB spec C9-88) and a copy of it arriving late is only
+//! acknowledged again, never executed. Cost: one more round trip on each lane, overlapped
+//! with the spans still in flight. WRITEs need no fence: duplicate WRITEs are not executed.
 //!
 //! A transfer's local memory belongs to the NIC until every span completed, or the QPs are
 //! destroyed: a failed span ends the transfer early (with its error) but not the other spans,
@@ -77,6 +104,9 @@ struct Slot {
     wrs: [u16; MAX_QPS],
     /// The WRITE_WITH_IMM to post when every span is done.
     held: Option<Held>,
+    /// READ: the lender's address and key, for the zero-length fence WRITE each lane posts
+    /// after its span (see the module docs); `None` for a WRITE.
+    fence: Option<(u64, u32)>,
 }
 
 const EMPTY: Slot = Slot {
@@ -86,6 +116,7 @@ const EMPTY: Slot = Slot {
     remaining: 0,
     wrs: [0; MAX_QPS],
     held: None,
+    fence: None,
 };
 
 /// The bookkeeping of striped transfers, apart from the QPs (unit-testable).
@@ -122,6 +153,7 @@ impl Table {
         (used >= 2).then_some((span, used))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn begin(
         &mut self,
         orig: u64,
@@ -129,6 +161,7 @@ impl Table {
         span: usize,
         used: usize,
         chunk: usize,
+        fence: Option<(u64, u32)>,
     ) -> Option<(u32, u8)> {
         if used < 2 || used - 1 > self.lanes {
             return None;
@@ -137,7 +170,8 @@ impl Table {
         for (j, w) in wrs.iter_mut().enumerate().take(used - 1) {
             let s = j * span;
             let e = (s + span).min(len);
-            let n = (e - s).div_ceil(chunk) as u32;
+            // A READ's lane also posts its fence.
+            let n = (e - s).div_ceil(chunk) as u32 + u32::from(fence.is_some());
             if self.posted[j] + n > self.cap {
                 return None;
             }
@@ -158,6 +192,7 @@ impl Table {
         s.remaining = 0;
         s.wrs = wrs;
         s.held = None;
+        s.fence = fence;
         if let Some(c) = &self.striped_bytes {
             c.fetch_add(len as u64, Ordering::Relaxed);
         }
@@ -165,20 +200,34 @@ impl Table {
     }
 
     fn done(&mut self, aux: u32, status: WcStatus) -> StripeDone {
-        let (slot, generation, lane) = split_stripe_aux(aux);
+        let (slot, generation, lane, is_fence) = split_stripe_aux(aux);
         let Some(s) = self.slots.get_mut(slot) else {
             return StripeDone::Pending;
         };
         if !s.busy || s.generation != generation {
             return StripeDone::Pending;
         }
+        // A lane's span that must now be fenced keeps one work request (the fence's).
+        let fence = match s.fence {
+            Some(f) if status == WcStatus::Success && !is_fence && lane > 0 => Some(f),
+            _ => None,
+        };
         if lane > 0 && lane <= MAX_QPS {
+            let keep = u16::from(fence.is_some()).min(s.wrs[lane - 1]);
             self.posted[lane - 1] =
-                self.posted[lane - 1].saturating_sub(u32::from(s.wrs[lane - 1]));
-            s.wrs[lane - 1] = 0;
+                self.posted[lane - 1].saturating_sub(u32::from(s.wrs[lane - 1] - keep));
+            s.wrs[lane - 1] = keep;
         }
         if status == WcStatus::Success {
             s.remaining = s.remaining.saturating_sub(1);
+            if let Some((remote_addr, rkey)) = fence {
+                return StripeDone::Fence {
+                    lane: lane - 1,
+                    aux: stripe_fence_aux(aux),
+                    remote_addr,
+                    rkey,
+                };
+            }
             if s.remaining > 0 {
                 return StripeDone::Pending;
             }
@@ -226,6 +275,15 @@ pub(super) enum StripeDone {
     Complete(u64),
     /// Every span is done and the held-back WRITE_WITH_IMM must now be posted.
     PostHeld(u64, Held),
+    /// A lane's READ span is done: post the zero-length fence WRITE on lane `lane` (index
+    /// among the lanes), signaled STRIPE with `aux`, at the lender's `remote_addr`/`rkey`
+    /// (see the module docs). The transfer completes with the last fence.
+    Fence {
+        lane: usize,
+        aux: u32,
+        remote_addr: u64,
+        rkey: u32,
+    },
 }
 
 impl<P: Provider> Lanes<P> {
@@ -265,6 +323,11 @@ impl<P: Provider> Lanes<P> {
         &mut self.qps
     }
 
+    /// The data QPs.
+    pub(super) fn qps(&self) -> &[P::Qp] {
+        &self.qps
+    }
+
     /// How `len` bytes are cut: the span length and the number of spans (one per QP used, at
     /// least 2), or `None` when the transfer is not striped.
     pub(super) fn plan(&self, len: usize) -> Option<(usize, usize)> {
@@ -272,8 +335,11 @@ impl<P: Provider> Lanes<P> {
     }
 
     /// Reserves a slot for a transfer of `used` spans of `span` bytes (`len` in all) whose
-    /// first `used - 1` spans go on lanes `0..used - 1` in chunks of `chunk`; `None` when no
-    /// slot is free or a lane's send queue has no room (the caller posts on the primary).
+    /// first `used - 1` spans go on lanes `0..used - 1` in chunks of `chunk`; `fence` (a
+    /// READ's: the lender's address and key) makes each lane fence after its span (see the
+    /// module docs). `None` when no slot is free or a lane's send queue has no room (the
+    /// caller posts on the primary).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn begin(
         &mut self,
         orig: u64,
@@ -281,12 +347,15 @@ impl<P: Provider> Lanes<P> {
         span: usize,
         used: usize,
         chunk: usize,
+        fence: Option<(u64, u32)>,
     ) -> Option<(u32, u8)> {
-        self.table.as_mut()?.begin(orig, len, span, used, chunk)
+        self.table
+            .as_mut()?
+            .begin(orig, len, span, used, chunk, fence)
     }
 
-    /// Records how many signaled spans the transfer in `slot` waits for, and the held-back
-    /// WRITE_WITH_IMM if any.
+    /// Records how many signaled spans (and fences) the transfer in `slot` waits for, and
+    /// the held-back WRITE_WITH_IMM if any.
     pub(super) fn armed(&mut self, slot: u32, remaining: u8, held: Option<Held>) {
         if let Some(t) = self.table.as_mut()
             && let Some(s) = t.slots.get_mut(slot as usize)
@@ -312,14 +381,24 @@ impl<P: Provider> Lanes<P> {
 /// The `aux` of a span's STRIPE work request: slot, its generation, and the QP (0: primary,
 /// `j + 1`: lane `j`).
 pub const fn stripe_aux(slot: u32, generation: u8, qp: usize) -> u32 {
-    (qp as u32) << 16 | (generation as u32) << 8 | slot
+    ((qp as u32) & 0xff) << 16 | (generation as u32) << 8 | slot
 }
 
-const fn split_stripe_aux(aux: u32) -> (usize, u8, usize) {
+/// Bit of a STRIPE `aux` that marks a lane's fence (see the module docs).
+const FENCE_BIT: u32 = 1 << 24;
+
+/// The `aux` of the fence that follows the span of `aux`.
+const fn stripe_fence_aux(aux: u32) -> u32 {
+    aux | FENCE_BIT
+}
+
+/// Slot, generation, QP (0: primary, `j + 1`: lane `j`) and whether it is a fence.
+const fn split_stripe_aux(aux: u32) -> (usize, u8, usize, bool) {
     (
         (aux & 0xff) as usize,
         (aux >> 8) as u8,
-        (aux >> 16) as usize,
+        ((aux >> 16) & 0xff) as usize,
+        aux & FENCE_BIT != 0,
     )
 }
 
@@ -348,14 +427,15 @@ mod tests {
             "no lanes"
         );
         let aux = stripe_aux(63, 250, 16);
-        assert_eq!(split_stripe_aux(aux), (63, 250, 16));
+        assert_eq!(split_stripe_aux(aux), (63, 250, 16, false));
+        assert_eq!(split_stripe_aux(stripe_fence_aux(aux)), (63, 250, 16, true));
     }
 
     #[test]
     fn a_transfer_completes_when_every_span_is_done() {
         let count = Arc::new(AtomicU64::new(0));
         let mut t = Table::new(1, LANE_WRS, Some(Arc::clone(&count)));
-        let (slot, g) = t.begin(77, MIB, MIB / 2, 2, 4 * MIB).unwrap();
+        let (slot, g) = t.begin(77, MIB, MIB / 2, 2, 4 * MIB, None).unwrap();
         assert_eq!(t.posted[0], 1);
         t.slots[slot as usize].remaining = 2;
         assert_eq!(
@@ -378,7 +458,7 @@ mod tests {
     #[test]
     fn a_held_write_with_imm_goes_out_after_the_lanes() {
         let mut t = Table::new(2, LANE_WRS, None);
-        let (slot, g) = t.begin(5, 3 * MIB, MIB, 3, 4 * MIB).unwrap();
+        let (slot, g) = t.begin(5, 3 * MIB, MIB, 3, 4 * MIB, None).unwrap();
         let held = Held {
             sges: [Sge::default(); MAX_PIECES],
             nsge: 1,
@@ -401,7 +481,7 @@ mod tests {
     #[test]
     fn a_failed_span_ends_the_transfer_at_once() {
         let mut t = Table::new(2, LANE_WRS, None);
-        let (slot, g) = t.begin(78, 3 * MIB, MIB, 3, 4 * MIB).unwrap();
+        let (slot, g) = t.begin(78, 3 * MIB, MIB, 3, 4 * MIB, None).unwrap();
         t.slots[slot as usize].remaining = 3;
         assert_eq!(
             t.done(stripe_aux(slot, g, 1), WcStatus::RemAccessErr),
@@ -414,14 +494,80 @@ mod tests {
     }
 
     #[test]
+    fn a_striped_read_completes_only_after_each_lane_is_fenced() {
+        let mut t = Table::new(2, LANE_WRS, None);
+        let fence = Some((0x1000, 7));
+        let (slot, g) = t.begin(9, 3 * MIB, MIB, 3, 4 * MIB, fence).unwrap();
+        assert_eq!(
+            t.posted[..2],
+            [2, 2],
+            "each lane reserves its span and its fence"
+        );
+        // Three spans and two fences.
+        t.slots[slot as usize].remaining = 5;
+        let f = t.done(stripe_aux(slot, g, 2), WcStatus::Success);
+        let StripeDone::Fence {
+            lane,
+            aux,
+            remote_addr,
+            rkey,
+        } = f
+        else {
+            panic!("a lane's READ span asks for its fence: {f:?}");
+        };
+        assert_eq!((lane, remote_addr, rkey), (1, 0x1000, 7));
+        assert_eq!(t.posted[1], 1, "the fence's work request stays counted");
+        // The primary's span needs no fence.
+        assert_eq!(
+            t.done(stripe_aux(slot, g, 0), WcStatus::Success),
+            StripeDone::Pending
+        );
+        assert_eq!(t.done(aux, WcStatus::Success), StripeDone::Pending);
+        assert_eq!(t.posted[1], 0);
+        let StripeDone::Fence { aux: aux0, .. } = t.done(stripe_aux(slot, g, 1), WcStatus::Success)
+        else {
+            panic!("lane 0 fences too");
+        };
+        assert_eq!(
+            t.done(aux0, WcStatus::Success),
+            StripeDone::Complete(9),
+            "the last fence completes the READ"
+        );
+        assert_eq!(t.posted[..2], [0, 0]);
+    }
+
+    #[test]
+    fn a_failed_fence_fails_the_read() {
+        let mut t = Table::new(1, LANE_WRS, None);
+        let (slot, g) = t.begin(4, MIB, MIB / 2, 2, 4 * MIB, Some((0, 1))).unwrap();
+        t.slots[slot as usize].remaining = 3;
+        let StripeDone::Fence { aux, .. } = t.done(stripe_aux(slot, g, 1), WcStatus::Success)
+        else {
+            panic!("fence expected");
+        };
+        assert_eq!(t.done(aux, WcStatus::RemAccessErr), StripeDone::Complete(4));
+        // A failed READ span asks for no fence.
+        let (slot, g) = t.begin(5, MIB, MIB / 2, 2, 4 * MIB, Some((0, 1))).unwrap();
+        t.slots[slot as usize].remaining = 3;
+        assert_eq!(
+            t.done(stripe_aux(slot, g, 1), WcStatus::WrFlushErr),
+            StripeDone::Complete(5)
+        );
+    }
+
+    #[test]
     fn full_lanes_and_full_tables_fall_back_to_the_primary() {
         let mut t = Table::new(1, 2, None);
         // 12 MiB on the lane in 4 MiB chunks: 3 work requests, over the cap of 2.
-        assert_eq!(t.begin(1, 24 * MIB, 12 * MIB, 2, 4 * MIB), None);
+        assert_eq!(t.begin(1, 24 * MIB, 12 * MIB, 2, 4 * MIB, None), None);
         let mut t = Table::new(1, LANE_WRS, None);
         for i in 0..SLOTS {
-            assert!(t.begin(i as u64, MIB, MIB / 2, 2, MIB).is_some());
+            assert!(t.begin(i as u64, MIB, MIB / 2, 2, MIB, None).is_some());
         }
-        assert_eq!(t.begin(99, MIB, MIB / 2, 2, MIB), None, "no free slot");
+        assert_eq!(
+            t.begin(99, MIB, MIB / 2, 2, MIB, None),
+            None,
+            "no free slot"
+        );
     }
 }

@@ -376,3 +376,127 @@ pub fn cq_resize<P: Provider>(s: &mut Side<P>) {
         }
     }
 }
+
+/// How long [`read_replayed_after_deregistration`] holds back this host's outgoing packets.
+const REPLAY_DELAY: Duration = Duration::from_millis(300);
+
+/// `tc qdisc ... netem delay` on this host's RDMA netdev while alive (the pair VMs'
+/// `SOFTROCE_NETDEV`); the previous root qdisc comes back on drop.
+struct EgressDelay(String);
+
+impl EgressDelay {
+    /// `None` where this cannot run: no `SOFTROCE_NETDEV` (not a pair VM) or no `tc`.
+    fn new(d: Duration) -> Option<EgressDelay> {
+        let dev = std::env::var("SOFTROCE_NETDEV").ok()?;
+        let ms = format!("{}ms", d.as_millis());
+        let ok = std::process::Command::new("tc")
+            .args([
+                "qdisc", "replace", "dev", &dev, "root", "netem", "delay", &ms,
+            ])
+            .args(["limit", "10000"])
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(EgressDelay(dev))
+    }
+}
+
+impl Drop for EgressDelay {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("tc")
+            .args(["qdisc", "del", "dev", &self.0, "root"])
+            .status();
+    }
+}
+
+/// The hazard a striped READ fences against (`rpc-core/src/link/stripe.rs`), shown with the
+/// verbs alone across two hosts: A READs B's region while A's outgoing packets are held back
+/// by [`REPLAY_DELAY`] (longer than the ACK timeout, so A's NIC sends copies of the READ
+/// request before the first one even left); B deregisters the region once the READ has been
+/// served. A's READ completes with the right bytes, and the copies still on their way reach
+/// B after the key is gone: B's NIC executes each duplicate READ again (RC re-executes
+/// duplicate READs), finds no key, NAKs it and moves B's QP to ERROR; A ignores the NAK (its
+/// READ completed) and sees no error at all. So a lender may end a READ loan only once no
+/// copy of the READ request can still arrive: after a later request of the reader on the
+/// *same* QP, which RC orders after every copy.
+///
+/// Needs two hosts with `tc` (the Soft-RoCE pair: `softroce/pair.sh`); elsewhere it passes
+/// with a note.
+pub fn read_replayed_after_deregistration<P: Provider>(s: &mut Side<P>) {
+    // The control first (B keeps its region: both QPs stay in RTS), then the hazard.
+    for deregister in [false, true] {
+        if !replayed_read::<P>(s, deregister) {
+            return;
+        }
+    }
+}
+
+/// One round of [`read_replayed_after_deregistration`]; false when it skipped.
+fn replayed_read<P: Provider>(s: &mut Side<P>, deregister: bool) -> bool {
+    const LEN: usize = 64 << 10;
+    let mut c = connect(s, Opts::default());
+    match s.role {
+        Role::A => {
+            // Side A decides (side B may not know where it runs) and tells B.
+            let delay = (s.mode == Mode::Remote)
+                .then(|| EgressDelay::new(REPLAY_DELAY))
+                .flatten();
+            let Some(delay) = delay else {
+                eprintln!("skipping: needs a second host with tc (softroce/pair.sh)");
+                s.send(b"skip");
+                return false;
+            };
+            s.send(if deregister { b"dereg" } else { b"keep!" });
+            let r = s.recv_mr();
+            let mr = mr_all::<P>(&c.pd, LEN);
+            let op = WrOp::Read {
+                remote_addr: r.addr,
+                rkey: r.rkey,
+            };
+            post_send(&mut c.qp, 1, op, &[mr.sge(0, LEN as u32).unwrap()], SIG);
+            // Behind the READ request in this host's queue: B learns it was served.
+            s.send(b"posted");
+            let wc = poll_n(&mut c.cq, 1)[0];
+            assert_ok(&wc, 1);
+            assert_eq!(read_mr(&mr, 0, LEN), pattern(11, LEN), "the READ's bytes");
+            assert_eq!(s.recv(), b"served");
+            // Every copy sent before the READ completed lands within another delay.
+            std::thread::sleep(REPLAY_DELAY * 3);
+            drop(delay);
+            let late = poll_for(&mut c.cq, Duration::from_millis(100));
+            s.send(b"state?");
+            let b_state = String::from_utf8_lossy(&s.recv()).into_owned();
+            eprintln!(
+                "read_replayed_after_deregistration (B deregisters: {deregister}): A's QP \
+                 {:?}, completions after the READ {late:?}; B: {b_state}",
+                c.qp.state()
+            );
+            assert!(late.is_empty(), "A saw no error: {late:?}");
+            assert_eq!(c.qp.state(), QpState::Rts, "A's QP is untouched");
+            let want = if deregister { "Error" } else { "Rts" };
+            assert!(
+                b_state.starts_with(want),
+                "B's QP after the duplicate READs (deregistered: {deregister}): {b_state}"
+            );
+        }
+        Role::B => {
+            let deregister = match s.recv().as_slice() {
+                b"skip" => return false,
+                m => m == b"dereg",
+            };
+            let region = mr_all::<P>(&c.pd, LEN);
+            write_mr(&region, 0, &pattern(11, LEN));
+            s.send_mr(&region.remote());
+            assert_eq!(s.recv(), b"posted");
+            // The READ request came in before the message; let the NIC serve it, then end
+            // the loan while A's copies of the request are still on their way.
+            std::thread::sleep(Duration::from_millis(30));
+            let kept = (!deregister).then_some(region);
+            s.send(b"served");
+            assert_eq!(s.recv(), b"state?");
+            let wcs = poll_for(&mut c.cq, Duration::from_millis(100));
+            s.send(format!("{:?}, completions {wcs:?}", c.qp.state()).as_bytes());
+            drop(kept);
+        }
+    }
+    true
+}

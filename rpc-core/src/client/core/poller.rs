@@ -209,6 +209,7 @@ impl<P: Provider> Driver<P> {
                 work
             }
             Err(e) => {
+                let e = self.link.explain(e);
                 warn!("{}: connection failed: {e}", core.describe);
                 self.die(core, e.status())
             }

@@ -338,6 +338,10 @@ impl<P: Provider> Shard<P> {
             )),
         };
         if let Err(e) = result {
+            let e = match self.conns.get(idx) {
+                Some(Some(c)) => c.link.explain(e),
+                _ => e,
+            };
             warn!("connection failed: {e}");
             self.close_failed(key, &e.status());
         }
