@@ -60,6 +60,10 @@ pub struct SessionArgs {
     /// How long the active connections make calls, seconds.
     #[arg(long, default_value_t = 3.0)]
     pub load_secs: f64,
+    /// Active connections during the load, at every count (default: 1% of the count, at
+    /// least one): `--active 1` measures what the connections held open cost a lone caller.
+    #[arg(long)]
+    pub active: Option<u64>,
     /// Most seconds the clients spend opening the connections of one count.
     #[arg(long, default_value_t = 60.0)]
     pub phase_secs: f64,
@@ -262,6 +266,7 @@ pub fn run(args: &SessionArgs, command: String) -> Result<()> {
             "client_poller": args.client_poller.name(),
             "provider": args.provider,
             "load_secs": args.load_secs,
+            "active": args.active,
             "phase_secs": args.phase_secs,
             "give_up": args.give_up,
             "call_size": sessions_client::CALL_SIZE,
@@ -453,7 +458,7 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
 
 /// 1% of the open connections (at least one) make calls, spread over the clients.
 fn load_all(args: &SessionArgs, c: &Cell, clients: &mut [ClientProc]) -> Result<LoadFig> {
-    let mut left = (c.count / 100).max(1).min(c.opened);
+    let mut left = args.active.unwrap_or(c.count / 100).max(1).min(c.opened);
     let mut active = vec![0u64; clients.len()];
     while left > 0 {
         let before = left;
@@ -653,7 +658,11 @@ pub fn table(r: &Report) -> String {
         "server per connection",
         "server",
         "clients",
-        "1% active: 32 B calls"
+        if r.config.get("active").is_some_and(|a| !a.is_null()) {
+            "active: 32 B calls"
+        } else {
+            "1% active: 32 B calls"
+        }
     ));
     s.push_str(&format!(
         "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>8}{:>10}{:>9}\n",

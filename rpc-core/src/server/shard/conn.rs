@@ -139,6 +139,8 @@ pub(crate) fn open<P: Provider>(
         touched: Vec::new(),
         is_touched: Vec::new(),
         swept_at: Instant::now(),
+        sweep_cursor: 0,
+        pass_deadline: None,
         swept_deadline: None,
         task_owner: vec![(0, CallId(0)); cfg.tasks_per_shard as usize],
         tasks,

@@ -382,17 +382,21 @@ pub(crate) struct Shard<P: Provider> {
     qp_conn: QpMap,
     /// Where the pool's figures are published ([`crate::RunningServer::receive_pool`]).
     gauge: Arc<grants::Gauge>,
-    /// Indices of the live connections (what a full sweep of `maintain` walks).
+    /// Indices of the live connections (what the sweep of `maintain` walks, a slice at a
+    /// time).
     live: Vec<u16>,
-    /// Connections with work since the last full sweep (a completion, a handler that ran, a
-    /// bulk operation, a window grant, a new connection): what a turn flushes and maintains,
-    /// so that its cost follows the connections that are busy, not all that are open. Every
-    /// connection is swept every `SWEEP_EVERY`.
+    /// Connections with work since the last sweep (a completion, a handler that ran, a bulk
+    /// operation, a window grant, a new connection, the sweep's slice): what a turn flushes
+    /// and maintains, so that its cost follows the connections that are busy, not all that
+    /// are open.
     touched: Vec<u16>,
     is_touched: Vec<bool>,
-    /// When `maintain` last walked every connection, and the earliest protocol deadline it
-    /// found (`next_deadline`).
+    /// When `maintain` last swept a slice of the connections, where the next slice starts in
+    /// `live`, the earliest protocol deadline the pass in progress found, and the one the
+    /// last whole pass found (`next_deadline`).
     swept_at: Instant,
+    sweep_cursor: usize,
+    pass_deadline: Option<u64>,
     swept_deadline: Option<u64>,
     generations: Vec<u8>,
     tasks: Tasks,

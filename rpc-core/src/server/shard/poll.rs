@@ -32,10 +32,14 @@ const ADAPTIVE: Budget = Budget::adaptive(SPIN_ITERS, YIELD_ITERS);
 /// Idle iterations between two passes over the connections (reposts, credits, deadlines,
 /// inbox) when nothing happens; after any work the pass runs at once.
 const MAINTAIN_EVERY: u32 = 64;
-/// A busy shard maintains the connections it touched each turn, and every connection at
-/// least this often (deadlines, deferred frames and credits of connections that had no
-/// completion meanwhile).
+/// A busy shard maintains the connections it touched each turn, and this often sweeps a
+/// slice of the others (deadlines, deferred frames, credits and idle windows of connections
+/// that had no completion meanwhile).
 const SWEEP_EVERY: Duration = Duration::from_millis(1);
+/// Connections one sweep visits at most: a pass over all of them takes `live / SWEEP_SLICE`
+/// sweeps (40 ms with 10,000 connections), so a shard holding many idle connections spends
+/// a bounded share of its time on them.
+const SWEEP_SLICE: usize = 256;
 /// How often an idle shard reads the device's asynchronous events (one system call on ib).
 const EVENTS_EVERY: Duration = Duration::from_millis(10);
 /// Longest sleep, so shutdown and deadlines are noticed.
@@ -62,7 +66,7 @@ impl<P: Provider> Shard<P> {
             work += self.run_ready();
             if work > 0 {
                 // The responses of this turn go out together: one post per connection.
-                self.flush_sends(false);
+                self.flush_sends();
             }
             // Stopping: check every pass, or a sleeping shard notices only every
             // MAINTAIN_EVERY sleeps (up to 64 x MAX_SLEEP) that its last call is gone.
@@ -80,9 +84,9 @@ impl<P: Provider> Shard<P> {
                 }
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
-                let full = self.maintain(&mut work);
-                self.flush_sends(full);
-                if full {
+                let swept = self.maintain(&mut work);
+                self.flush_sends();
+                if swept {
                     self.clear_touched();
                 }
                 if self.stop.load(Ordering::Acquire) {
@@ -164,9 +168,9 @@ impl<P: Provider> Shard<P> {
         // until the next wake-up, and the client, out of credits or of posted receives,
         // waits for a timeout instead.
         let mut upkeep = self.drain_inbox() + self.start_bulk_ops();
-        let full = self.maintain(&mut upkeep);
-        self.flush_sends(full);
-        if full {
+        let swept = self.maintain(&mut upkeep);
+        self.flush_sends();
+        if swept {
             self.clear_touched();
         }
         if upkeep > 0 {
@@ -181,7 +185,7 @@ impl<P: Provider> Shard<P> {
             || self.poll_cq() > 0
             || self.run_ready() > 0
         {
-            self.flush_sends(false);
+            self.flush_sends();
             self.doorbell.awake();
             return None;
         }
@@ -194,8 +198,8 @@ impl<P: Provider> Shard<P> {
     }
 
     /// The time to the earliest protocol deadline: of the connections touched since the last
-    /// full sweep, and the earliest the sweep found among the others (waking early for a
-    /// deadline that went away meanwhile is harmless).
+    /// sweep, and the earliest the last pass of the sweep found among the others (waking
+    /// early for a deadline that went away meanwhile is harmless).
     pub(super) fn next_deadline(&self) -> Option<Duration> {
         let now = self.epoch.elapsed().as_nanos() as u64;
         self.touched
@@ -223,12 +227,11 @@ impl<P: Provider> Shard<P> {
         self.touched.clear();
     }
 
-    /// Posts the frames the connections queued ([`Link::flush_sends`]): those touched since
-    /// the last full sweep, or every one (`full`).
-    pub(super) fn flush_sends(&mut self, full: bool) {
+    /// Posts the frames the connections touched since the last sweep queued
+    /// ([`Link::flush_sends`]).
+    pub(super) fn flush_sends(&mut self) {
         let mut failed = None;
-        let list = if full { &self.live } else { &self.touched };
-        for &i in list {
+        for &i in &self.touched {
             if let Some(Some(conn)) = self.conns.get_mut(i as usize)
                 && conn.link.has_queued_sends()
                 && let Err(e) = conn.link.flush_sends()
@@ -391,18 +394,55 @@ impl<P: Provider> Shard<P> {
     }
 
     /// Reposts the pool's receive slots and settles their credits, returns credits, sends
-    /// deferred frames, expires deadlines, reclaims idle windows: for the connections touched
-    /// since the last full sweep, or, every `SWEEP_EVERY`, for all of them. Adds the work done
-    /// to `work`; returns whether it was a full sweep.
+    /// deferred frames, expires deadlines: for the connections touched since the last sweep,
+    /// and, every `SWEEP_EVERY`, a slice of the others (reclaiming idle windows too). Adds
+    /// the work done to `work`; returns whether it swept.
     pub(super) fn maintain(&mut self, work: &mut usize) -> bool {
         let now = Instant::now();
-        let full = now.duration_since(self.swept_at) >= SWEEP_EVERY;
-        if full {
+        let sweep = now.duration_since(self.swept_at) >= SWEEP_EVERY;
+        if sweep {
             self.swept_at = now;
-            self.swept_deadline = None;
+            self.sweep_slice(now);
         }
-        *work += self.maintain_list(full);
-        full
+        *work += self.maintain_list(sweep);
+        sweep
+    }
+
+    /// The sweep's next slice of the live connections: reclaims the windows of those idle
+    /// for `RECLAIM_IDLE`, notes their deadlines, and marks them for this turn's
+    /// maintenance. A pass ends when the slices wrapped around `live`.
+    fn sweep_slice(&mut self, now: Instant) {
+        let n = self.live.len();
+        // Draining: every connection is told GoAway at once.
+        let take = if self.stop.load(Ordering::Relaxed) {
+            n
+        } else {
+            n.min(SWEEP_SLICE)
+        };
+        let mut failed = None;
+        for j in 0..take {
+            let idx = usize::from(self.live[(self.sweep_cursor + j) % n]);
+            let Some(Some(conn)) = self.conns.get_mut(idx) else {
+                continue;
+            };
+            if let Err(e) = Self::maybe_reclaim(conn, now) {
+                failed = Some((conn.link.key(), e));
+                break;
+            }
+            if let Some(t) = conn.link.wire.poll_timeout() {
+                self.pass_deadline = Some(self.pass_deadline.map_or(t, |d| d.min(t)));
+            }
+            mark(&mut self.touched, &mut self.is_touched, idx);
+        }
+        self.sweep_cursor += take;
+        if self.sweep_cursor >= n {
+            self.sweep_cursor = 0;
+            self.swept_deadline = self.pass_deadline.take();
+        }
+        if let Some((key, e)) = failed {
+            warn!("connection failed: {e}");
+            self.close_failed(key, &e.status());
+        }
     }
 
     /// Posts the receive slots that came back to the pool, and settles each with the
@@ -460,16 +500,10 @@ impl<P: Provider> Shard<P> {
         done
     }
 
-    /// Once per full sweep (at `now`), for a connection whose client sent nothing for
+    /// When the sweep visits a connection (at `now`) whose client sent nothing for
     /// `RECLAIM_IDLE` and that holds more than the floor of the pool: asks the client to give
     /// back what it does not use.
-    fn maybe_reclaim(
-        conn: &mut super::ServerConn<P>,
-        now: Option<Instant>,
-    ) -> Result<(), LinkError> {
-        let Some(now) = now else {
-            return Ok(());
-        };
+    fn maybe_reclaim(conn: &mut super::ServerConn<P>, now: Instant) -> Result<(), LinkError> {
         let since = *conn.idle_since.get_or_insert(now);
         let w = &conn.link.wire;
         if now.duration_since(since) >= RECLAIM_IDLE
@@ -483,10 +517,9 @@ impl<P: Provider> Shard<P> {
     }
 
     /// `maintain` over every live connection (`full`) or those touched this turn.
-    fn maintain_list(&mut self, full: bool) -> usize {
+    fn maintain_list(&mut self, sweep: bool) -> usize {
         let mut work = self.repost_pool();
-        let sweep_at = full.then(Instant::now);
-        if full {
+        if sweep {
             self.grants.release_limbo(Instant::now());
             self.grants.publish(&self.gauge);
         }
@@ -504,13 +537,8 @@ impl<P: Provider> Shard<P> {
         let mut expired: [(usize, CallId); 8] = [(0, CallId(0)); 8];
         let mut n_expired = 0;
         // By index: the grants above may have touched more connections.
-        let len = if full {
-            self.live.len()
-        } else {
-            self.touched.len()
-        };
-        for k in 0..len {
-            let idx = usize::from(if full { self.live[k] } else { self.touched[k] });
+        for k in 0..self.touched.len() {
+            let idx = usize::from(self.touched[k]);
             let Some(Some(conn)) = self.conns.get_mut(idx) else {
                 continue;
             };
@@ -521,10 +549,6 @@ impl<P: Provider> Shard<P> {
                     failed = Some((conn.link.key(), e));
                     break;
                 }
-            }
-            if let Err(e) = Self::maybe_reclaim(conn, sweep_at) {
-                failed = Some((conn.link.key(), e));
-                break;
             }
             conn.flush_deferred();
             if let Err(e) = conn.link.flush_control() {
@@ -558,9 +582,6 @@ impl<P: Provider> Shard<P> {
                     expired[n_expired] = (idx, call);
                     n_expired += 1;
                 }
-            }
-            if full && let Some(t) = conn.link.wire.poll_timeout() {
-                self.swept_deadline = Some(self.swept_deadline.map_or(t, |d| d.min(t)));
             }
         }
         if let Some((key, e)) = failed {
