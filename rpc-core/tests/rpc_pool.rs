@@ -8,8 +8,68 @@ mod common;
 
 use std::time::Duration;
 
+use common::proc::{ChildProc, child_role, exit_with_parent, report};
 use common::*;
-use rpc_core::{ClientPoller, Code, Request, Response};
+use rpc_core::{Channel, ClientPoller, Code, Request, Response};
+
+const ENTRY: &str = "child_process_entry";
+const ADDR_ENV: &str = "RPC_TEST_SERVER_ADDR";
+
+/// Connections the killed client process opens (fewer in the emulated VM).
+fn kill_conns() -> usize {
+    if in_vm() { 60 } else { 1000 }
+}
+
+/// Not a test: the body of the child process of the kill test (run with `--ignored
+/// --exact`): opens many caller-polled connections to the parent's server, leaves a call in
+/// flight on every tenth (a handler that sleeps), keeps one busy, and waits to be killed.
+#[test]
+#[ignore = "entry point of the child processes of this binary's tests"]
+fn child_process_entry() {
+    let Some(role) = child_role() else {
+        eprintln!("child_process_entry only runs as a child process of this binary's tests");
+        return;
+    };
+    assert_eq!(role, "many", "unknown child role");
+    exit_with_parent(Duration::from_secs(300));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let addr = std::env::var(ADDR_ENV).expect("server address");
+        let mut chans = Vec::new();
+        for i in 0..kill_conns() {
+            let ch = Channel::builder(&addr)
+                .poller(ClientPoller::Caller)
+                .connect()
+                .await
+                .expect("child connects");
+            echo_seq(&ch, i as u64).await;
+            if i % 10 == 0 {
+                let c = ch.clone();
+                tokio::spawn(async move {
+                    let req = Request::new(SleepRequest {
+                        seq: i as u64,
+                        ms: 120_000,
+                        ..SleepRequest::default()
+                    });
+                    let _ = c.unary::<_, Blob>(&lab_server::SLEEP, req).await;
+                });
+            }
+            chans.push(ch);
+        }
+        let busy = chans[1].clone();
+        tokio::spawn(async move {
+            for seq in 0u64.. {
+                let _ = echo_call(&busy, seq).await;
+            }
+        });
+        report("open", chans.len());
+        std::future::pending::<()>().await;
+    });
+}
 
 /// Slots an idle connection holds (the server's floor).
 const FLOOR: u64 = 4;
@@ -164,4 +224,49 @@ async fn a_shard_with_few_send_slots_answers_every_call() {
         within(Duration::from_secs(120), "calls", c).await.unwrap();
     }
     srv.settle("every call answered").await;
+}
+
+/// A client process holding a thousand connections (calls in flight on a hundred, one
+/// connection busy) is killed: the server loses no other connection's call, frees every one
+/// of the dead client's connections, handlers and pool slots, and serves new clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_client_with_a_thousand_connections_gives_everything_back() {
+    init_logs();
+    let srv = TestServer::start_with(|b| b.shards(1)).await;
+    let mine = srv.channel(ClientPoller::Thread).await;
+    echo_seq(&mine, 0).await;
+    let mut child = ChildProc::spawn(ENTRY, "many", &[(ADDR_ENV, srv.addr())]);
+    let open = child.expect("open", Duration::from_secs(240));
+    assert_eq!(open, kill_conns().to_string());
+    assert_eq!(srv.server.connections(), kill_conns() + 1);
+    wait_until(
+        Duration::from_secs(30),
+        "the child's sleeping calls",
+        || srv.state.sleeping() >= (kill_conns() / 10) as u64,
+    )
+    .await;
+    // Our calls go on beside the dead client's, before and after the kill.
+    for seq in 1..50 {
+        echo_seq(&mine, seq).await;
+    }
+    child.kill();
+    for seq in 50..100 {
+        echo_seq(&mine, seq).await;
+    }
+    wait_until(
+        Duration::from_secs(60),
+        "the dead client's connections closed",
+        || srv.server.connections() == 1,
+    )
+    .await;
+    srv.settle("the dead client's handlers dropped").await;
+    // Every slot is back: our connection holds its window, nothing else.
+    wait_until(Duration::from_secs(10), "the pool's slots back", || {
+        let p = srv.server.receive_pool();
+        p.lent == 0 && p.slots - p.free <= 128
+    })
+    .await;
+    let fresh = srv.channel(ClientPoller::Caller).await;
+    echo_seq(&fresh, 1000).await;
+    echo_seq(&mine, 1001).await;
 }
