@@ -435,6 +435,11 @@ pub struct Conn {
     /// Client: the server asked for credits back; the next CreditUpdate says how many we gave
     /// ([`Conn::credit_update`]).
     surrender: Option<u32>,
+    /// A data frame found no credit since our last frame: the next one says so
+    /// ([`FrameFlags::STARVED`]).
+    starved: bool,
+    /// The peer said it was starved of credits ([`Conn::take_peer_starved`]).
+    peer_starved: bool,
     /// Client: GoAway received; server: GoAway sent.
     going_away: bool,
     /// The last frame received had [`FrameFlags::MORE`]: the next one is in the same receive
@@ -477,6 +482,8 @@ impl Conn {
             window: cfg.recv_depth,
             reclaiming: false,
             surrender: None,
+            starved: false,
+            peer_starved: false,
             going_away: false,
             batch_follows: false,
             joining: false,
@@ -525,6 +532,13 @@ impl Conn {
     /// Server: a [`Conn::reclaim`] waits for the client's answer.
     pub fn is_reclaiming(&self) -> bool {
         self.reclaiming
+    }
+
+    /// Whether a frame received since the last call said its sender ran out of credits for
+    /// data frames ([`FrameFlags::STARVED`]): a receiver that grants from a shared pool grows
+    /// the window of such a peer. Clears it.
+    pub fn take_peer_starved(&mut self) -> bool {
+        std::mem::take(&mut self.peer_starved)
     }
 
     /// Whether the runtime should send a CreditUpdate now (if no other frame is about to carry
@@ -661,6 +675,9 @@ impl Conn {
             }
             self.peer_credits -= 1;
             self.unreposted += 1;
+        }
+        if h.flags.contains(FrameFlags::STARVED) {
+            self.peer_starved = true;
         }
         let credits = self.send_credits + u32::from(h.credits);
         if credits > self.cfg.max_send_credits {
@@ -1340,7 +1357,7 @@ impl Conn {
         Ok(())
     }
 
-    fn check_credit(&self, class: Class) -> Result<(), SendError> {
+    fn check_credit(&mut self, class: Class) -> Result<(), SendError> {
         if self.joining {
             return Ok(());
         }
@@ -1352,6 +1369,7 @@ impl Conn {
         if self.send_credits >= need {
             Ok(())
         } else {
+            self.starved |= class == Class::Data;
             Err(SendError::NoCredit)
         }
     }
@@ -1362,6 +1380,9 @@ impl Conn {
         if !self.joining {
             debug_assert!(self.send_credits > 0);
             self.send_credits -= 1;
+        }
+        if std::mem::take(&mut self.starved) {
+            h.flags |= FrameFlags::STARVED;
         }
         let c = self.owed.min(u32::from(u16::MAX));
         h.credits = c as u16;

@@ -209,8 +209,12 @@ impl FrameFlags {
     /// the answer: `aux` credits given back (possibly 0). See
     /// [`Conn::reclaim`](super::Conn::reclaim).
     pub const RECLAIM: FrameFlags = FrameFlags(1 << 8);
+    /// The sender ran out of credits for a data frame since its last frame (frames of its
+    /// wait for credits): a receiver that grants from a shared pool grows its window. Any
+    /// kind. See [`Conn::take_peer_starved`](super::Conn::take_peer_starved).
+    pub const STARVED: FrameFlags = FrameFlags(1 << 9);
     /// Every flag this version knows.
-    pub const KNOWN: FrameFlags = FrameFlags(0x1ff);
+    pub const KNOWN: FrameFlags = FrameFlags(0x3ff);
     /// The flags that announce an extension.
     pub const EXTENSIONS: FrameFlags = FrameFlags(0x47);
 
@@ -264,7 +268,7 @@ impl std::ops::BitOrAssign for FrameFlags {
 
 impl fmt::Debug for FrameFlags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const NAMES: [(FrameFlags, &str); 9] = [
+        const NAMES: [(FrameFlags, &str); 10] = [
             (FrameFlags::HAS_DEADLINE, "HAS_DEADLINE"),
             (FrameFlags::HAS_BULK, "HAS_BULK"),
             (FrameFlags::HAS_LANDING, "HAS_LANDING"),
@@ -274,6 +278,7 @@ impl fmt::Debug for FrameFlags {
             (FrameFlags::BULK_PIECES, "BULK_PIECES"),
             (FrameFlags::MORE, "MORE"),
             (FrameFlags::RECLAIM, "RECLAIM"),
+            (FrameFlags::STARVED, "STARVED"),
         ];
         if self.0 == 0 {
             return f.write_str("(empty)");
@@ -1269,7 +1274,7 @@ pub(crate) mod tests {
         let f = FrameFlags::HAS_BULK | FrameFlags::END_STREAM;
         assert_eq!(format!("{f:?}"), "HAS_BULK | END_STREAM");
         assert_eq!(format!("{:?}", FrameFlags::EMPTY), "(empty)");
-        assert_eq!(FrameFlags::from_bits(0x200), None);
+        assert_eq!(FrameFlags::from_bits(0x400), None);
         assert_eq!(format!("{:?}", FrameFlags::RECLAIM), "RECLAIM");
         assert_eq!(format!("{:?}", FrameFlags::MORE), "MORE");
         assert_eq!(

@@ -2077,3 +2077,37 @@ fn reclaims_the_protocol_does_not_allow_close_the_connection() {
     let mut l = Link::new(pool_cfg());
     assert!(l.c.reclaim(4).is_err());
 }
+
+#[test]
+fn a_client_out_of_credits_says_so_on_its_next_frame() {
+    let mut l = Link::new(pool_cfg());
+    l.auto_repost = false;
+    let a = l.unary(b"a", None);
+    let _b = l.unary(b"b", None);
+    let call = l.c.start_call(M, CallKind::Unary, None, l.now).unwrap();
+    assert_eq!(
+        l.c.request(call, 1, 0, None, None, l.now),
+        Err(SendError::NoCredit),
+        "two data credits of four"
+    );
+    // Whatever frame comes next (here a control frame, from the reserve) carries the flag.
+    let h = l.c.bulk_release(a).unwrap();
+    assert!(h.flags.contains(FrameFlags::STARVED), "{h:?}");
+    l.send_c(h, &[], &[]);
+    l.deliver_to_server().unwrap();
+    l.deliver_to_server().unwrap();
+    assert!(
+        !l.s.take_peer_starved(),
+        "the requests went out before it ran out"
+    );
+    let _ = l.deliver_to_server();
+    assert!(l.s.take_peer_starved());
+    assert!(!l.s.take_peer_starved(), "taken once");
+    l.s.grant(4);
+    let h = l.s.credit_update().unwrap();
+    l.send_s(h, &[], &[]);
+    l.deliver_to_client().unwrap();
+    let call = l.c.start_call(M, CallKind::Unary, None, l.now).unwrap();
+    let h = l.c.request(call, 1, 0, None, None, l.now).unwrap();
+    assert!(!h.flags.contains(FrameFlags::STARVED), "said once");
+}
