@@ -188,11 +188,6 @@ impl<P: Provider> RecvPool<P> {
         self.repost.pop()
     }
 
-    /// How many slots wait to be posted again.
-    pub fn reposts_waiting(&self) -> usize {
-        self.repost.len()
-    }
-
     /// Returns a slot to the repost queue without a guard (a flushed or refused receive).
     pub fn repost_later(&self, idx: u32) {
         // Capacity covers every slot and each index is held once.

@@ -131,6 +131,7 @@ pub(crate) fn open<P: Provider>(
         srq,
         pool,
         grants: Grants::new(),
+        unposted: Vec::with_capacity(64),
         sends,
         qp_conn: super::QpMap::default(),
         gauge,

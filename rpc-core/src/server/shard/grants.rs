@@ -139,7 +139,6 @@ impl Grants {
     }
 
     /// Free slots.
-    #[cfg(test)]
     pub(crate) fn free(&self) -> u32 {
         self.free
     }
