@@ -249,7 +249,7 @@ fn assert_names_cause(st: &Status, what: &str) {
 /// The steady caller matters: a call whose request was delivered leaves nothing on the
 /// client's send queue, and an idle RC QP notices no broken path (no ACK is missing); the
 /// next SEND's retries run out (`RETRY_EXC_ERR`) and the connection fails with every call on
-/// it. Without traffic the calls would end only at their deadline.
+/// it. Without traffic keepalive ends them (see `link_down_for_good`'s quiet connections).
 async fn calls_across_link_down(
     ch: &Channel,
     n: u64,
@@ -371,8 +371,71 @@ async fn link_flap() {
     assert!(ch.is_connected());
 }
 
+/// Keepalive of the quiet connection of `link_down_for_good`: first probe after 2 s of
+/// silence, dead after 3 s more without an answer (probes every second): a bound of 5 s.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+const KEEPALIVE_BOUND: Duration = Duration::from_secs(5);
+/// The default keepalive's bound (10 s, then 20 s of probes every 7 s: 31 s).
+const DEFAULT_KEEPALIVE_BOUND: Duration = Duration::from_secs(31);
+/// Room for the emulated VM on top of a keepalive bound.
+const KEEPALIVE_SLACK: Duration = Duration::from_secs(10);
+
+/// A quiet connection: its only call is a `Sleep` of two minutes without a deadline, its
+/// request delivered, nothing else on the connection. When the link dies no post of its
+/// fails; keepalive on the bootstrap connection must notice. Returns the call's result and
+/// when it ended.
+async fn quiet_call(ch: Channel, seq: u64) -> (Result<(), Status>, Instant) {
+    let req = Request::new(SleepRequest {
+        seq,
+        ms: 120_000,
+        reply_len: 0,
+        pad: pattern(10, seq),
+    });
+    let r: Result<Response<Blob>, Status> = ch.unary(&lab_server::SLEEP, req).await;
+    (r.map(|_| ()), Instant::now())
+}
+
+/// That a quiet call ended `UNAVAILABLE` by keepalive within `bound` (plus the slack) of the
+/// link going down; prints the figure.
+#[track_caller]
+fn assert_keepalive_ended(
+    (r, ended): &(Result<(), Status>, Instant),
+    down: Instant,
+    bound: Duration,
+    what: &str,
+) {
+    let st = r
+        .as_ref()
+        .expect_err("a quiet call while the link went down");
+    let took = ended.saturating_duration_since(down);
+    assert_eq!(st.code(), Code::Unavailable, "{what}: {st}");
+    let named = format!(
+        "keepalive: the server did not answer for {} s",
+        bound.as_secs()
+    );
+    assert!(
+        st.message().contains(&named),
+        "{what}: the status does not say '{named}': {st}"
+    );
+    assert!(
+        took <= bound + KEEPALIVE_SLACK,
+        "{what}: ended {took:?} after the link went down (bound {bound:?})"
+    );
+    println!(
+        "LINK | down for good | {what} (keepalive bound {} s): call without deadline failed \
+         UNAVAILABLE {:.2} s after the link went down: {}",
+        bound.as_secs(),
+        took.as_secs_f64(),
+        st.message()
+    );
+}
+
 /// The link goes down for good: the calls in flight fail the same way, and every later call
-/// fails UNAVAILABLE within the limit (no hang), while the link stays down.
+/// fails UNAVAILABLE within the limit (no hang), while the link stays down. Two quiet
+/// connections, each with one call without a deadline in flight and no other traffic, end
+/// `UNAVAILABLE` naming keepalive within its bound: one with a short keepalive (5 s), one with
+/// the default (31 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "changes the host's network: run between two VMs by softroce/ci.sh"]
 async fn link_down_for_good() {
@@ -383,6 +446,27 @@ async fn link_down_for_good() {
         remote::connect(Channel::builder(addr.clone()).connect_timeout(Duration::from_secs(5)))
             .await;
     echo(&ch, 1, 100, false).await.expect("a call before");
+    let quiet_short = remote::connect(
+        Channel::builder(addr.clone())
+            .keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT),
+    )
+    .await;
+    let quiet_default = remote::connect(Channel::builder(addr.clone())).await;
+    echo(&quiet_short, 2, 100, false)
+        .await
+        .expect("a call before");
+    echo(&quiet_default, 3, 100, false)
+        .await
+        .expect("a call before");
+    let quiet_short = tokio::spawn(quiet_call(quiet_short, 4));
+    let quiet_default = tokio::spawn(quiet_call(quiet_default, 5));
+    // Their requests reach the server (and calls_across_link_down waits 500 ms more).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !quiet_short.is_finished() && !quiet_default.is_finished(),
+        "a quiet call ended before the link went down"
+    );
     let (results, down) = calls_across_link_down(&ch, 4, FAIL_LIMIT).await;
     for (i, r) in results.iter().enumerate() {
         let st = r
@@ -415,6 +499,27 @@ async fn link_down_for_good() {
             st.message()
         );
     }
+    let short = within(
+        KEEPALIVE_BOUND + KEEPALIVE_SLACK,
+        "the quiet call (short keepalive)",
+        quiet_short,
+    )
+    .await
+    .unwrap();
+    assert_keepalive_ended(&short, down, KEEPALIVE_BOUND, "quiet connection");
+    let default = within(
+        (DEFAULT_KEEPALIVE_BOUND + KEEPALIVE_SLACK).saturating_sub(down.elapsed()),
+        "the quiet call (default keepalive)",
+        quiet_default,
+    )
+    .await
+    .unwrap();
+    assert_keepalive_ended(
+        &default,
+        down,
+        DEFAULT_KEEPALIVE_BOUND,
+        "quiet connection, default keepalive",
+    );
 }
 
 /// The active MTU of this host's first rxe port, as a new context sees it.

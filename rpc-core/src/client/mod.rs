@@ -24,6 +24,7 @@ use tokio::net::TcpStream;
 use tracing::{Instrument as _, info, warn};
 
 use crate::buf::{BulkPool, Geometry, SlotArena};
+use crate::connect::keepalive::{self, KeepAlive};
 use crate::connect::{self, Hello, Message as Handshake};
 use crate::link::{Lanes, Link, lane_caps};
 use crate::method::MethodDesc;
@@ -67,6 +68,8 @@ pub struct ChannelBuilder {
     geometry: Geometry,
     max_message: u64,
     connect_timeout: Duration,
+    keep_alive_interval: Option<Duration>,
+    keep_alive_timeout: Duration,
     qps_per_connection: Option<u32>,
     retry: Option<RetryPolicy>,
     learn_response_sizes: bool,
@@ -139,6 +142,31 @@ impl ChannelBuilder {
     /// How long connecting may take (default 5 s).
     pub fn connect_timeout(mut self, t: Duration) -> Self {
         self.connect_timeout = t;
+        self
+    }
+
+    /// How long the connection may be silent before the server is probed, and between
+    /// answered probes (default 10 s; `None` turns probing off), as tonic's
+    /// `Endpoint::http2_keep_alive_interval`. The probes are TCP keepalive on the bootstrap
+    /// connection, the connection's liveness channel: the server's kernel answers them, so
+    /// they cost neither process anything and run whether calls are in flight or not (there
+    /// is no `keep_alive_while_idle` to set). A server that answers none for
+    /// [`keep_alive_timeout`](Self::keep_alive_timeout) is gone (link down, host powered off
+    /// or partitioned away): the connection closes and its calls end `UNAVAILABLE` with a
+    /// message that starts `keepalive:`, even a call without a deadline whose request was
+    /// delivered long before. Whole seconds (rounded up, at least 1).
+    pub fn keep_alive_interval(mut self, interval: impl Into<Option<Duration>>) -> Self {
+        self.keep_alive_interval = interval.into();
+        self
+    }
+
+    /// How long probes may go unanswered before the connection is declared dead (default
+    /// 20 s, as tonic's `Endpoint::keep_alive_timeout`). With the defaults a dead server is
+    /// noticed within 31 s of its last answer (the interval, then probes for the timeout,
+    /// in whole seconds; unacknowledged data on the bootstrap connection is bounded the same
+    /// way, by `TCP_USER_TIMEOUT`). See [`keep_alive_interval`](Self::keep_alive_interval).
+    pub fn keep_alive_timeout(mut self, timeout: Duration) -> Self {
+        self.keep_alive_timeout = timeout;
         self
     }
 
@@ -617,6 +645,8 @@ impl Channel {
             geometry: Geometry::default(),
             max_message: 256 << 20,
             connect_timeout: Duration::from_secs(5),
+            keep_alive_interval: Some(keepalive::DEFAULT_INTERVAL),
+            keep_alive_timeout: keepalive::DEFAULT_TIMEOUT,
             qps_per_connection: None,
             retry: None,
             learn_response_sizes: true,
@@ -1097,6 +1127,12 @@ async fn open(b: &ChannelBuilder) -> Result<Conn, Error> {
             )
         })?;
     let _ = stream.set_nodelay(true);
+    let keep_alive = KeepAlive::from_options(b.keep_alive_interval, b.keep_alive_timeout);
+    if let Some(k) = keep_alive
+        && let Err(e) = k.apply(&stream)
+    {
+        warn!("{}: no keepalive on the connection: {e}", b.addr);
+    }
     b.provider
         .visit(OpenConn {
             b: b.clone(),
@@ -1294,18 +1330,19 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     let (close_tx, close_rx) = tokio::sync::oneshot::channel::<()>();
     let watch = Arc::clone(&core);
     let addr = b.addr.clone();
+    let keep_alive = KeepAlive::from_options(b.keep_alive_interval, b.keep_alive_timeout);
     tokio::spawn(async move {
         tokio::select! {
             r = connect::recv_closing(&mut stream) => {
                 // The server says why it closes the connection (a remote access error, its
-                // shutdown, ...), or just closes it.
+                // shutdown, ...), or just closes it, or keepalive found it gone.
                 let why = match r {
                     Ok(Handshake::Refusal(r)) => format!("server closed the connection: {}", r.reason),
                     Ok(_) => "server sent unexpected bytes on the control connection".to_string(),
                     Err(e) if e.kind() == TransportErrorKind::Handshake => {
                         "server sent unexpected bytes on the control connection".to_string()
                     }
-                    Err(_) => "server closed the connection".to_string(),
+                    Err(e) => keepalive::why_ended("server", keepalive::io_source(&e), keep_alive),
                 };
                 warn!("{addr}: {why}");
                 watch.kill(Status::unavailable(format!("{addr}: {why}")));

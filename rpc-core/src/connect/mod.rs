@@ -11,6 +11,8 @@
 //! reads it under a timeout and validates every field before it allocates anything, so garbage,
 //! a wrong version or a stranger without the token gets a clear error and no resources.
 
+pub(crate) mod keepalive;
+
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! acceptor (tokio): accept ─> peek ─> Hello ─> checks ─> shard inbox ─> shard creates QP
-//!                   ─> Welcome, then holds the TCP connection: EOF => shard drops its calls
+//!                   ─> Welcome, then holds the TCP connection (probed by keepalive):
+//!                      EOF, or no answer to the probes => shard drops its calls
 //!                         └─> HTTP/2 preface ─> tonic server (feature `grpc`)
 //! shard i (thread): poll CQ ─> frames ─> Service::call ─> handler runs inline or parks
 //!                   ─> response encoded into a send slot ─> SEND
@@ -46,7 +47,8 @@
 //! Limits: cleartext HTTP/2 with prior knowledge only (what gRPC clients send on `http://`);
 //! no TLS, no HTTP/1.1 `Upgrade: h2c` (such a request gets the handshake's refusal). The tonic
 //! server runs with tonic's defaults (no HTTP/2 keep-alive, no per-request timeout, no stream
-//! limit of its own).
+//! limit of its own); its connections get the listener's TCP keepalive
+//! ([`ServerBuilder::keep_alive_interval`]) like the RDMA clients' bootstrap connections.
 
 mod call;
 mod detect;
@@ -72,6 +74,7 @@ pub use peer::{BulkBuffer, BulkMem, Peer};
 
 use crate::Code;
 use crate::buf::Geometry;
+use crate::connect::keepalive::{self, KeepAlive};
 use crate::connect::{self, Hello, Message, Refusal};
 use crate::method::MethodDesc;
 use crate::verbs::{Context, Provider, ProviderKind, ProviderVisitor};
@@ -167,6 +170,11 @@ pub(crate) struct ServerConfig {
     pub(crate) qps_per_connection: Option<u32>,
     /// Keep per-method call statistics ([`ServerBuilder::stats`]).
     pub(crate) stats: bool,
+    /// Keepalive of the bootstrap connections ([`ServerBuilder::keep_alive_interval`]; None:
+    /// off).
+    pub(crate) keep_alive_interval: Option<Duration>,
+    /// [`ServerBuilder::keep_alive_timeout`].
+    pub(crate) keep_alive_timeout: Duration,
 }
 
 impl ServerConfig {
@@ -215,6 +223,8 @@ impl Server {
                 shutdown_grace: Duration::from_secs(10),
                 qps_per_connection: None,
                 stats: false,
+                keep_alive_interval: Some(keepalive::DEFAULT_INTERVAL),
+                keep_alive_timeout: keepalive::DEFAULT_TIMEOUT,
             },
             provider_error: ProviderKind::from_env().err().map(|e| e.to_string()),
         }
@@ -395,6 +405,28 @@ impl ServerBuilder {
     /// (RDMA READ/WRITE of 256 KiB or more), like `NCCL_IB_QPS_PER_CONNECTION`.
     pub fn qps_per_connection(mut self, n: u32) -> Self {
         self.cfg.qps_per_connection = Some(n.clamp(1, crate::verbs::MAX_QPS_PER_CONNECTION));
+        self
+    }
+
+    /// How long a client's connection may be silent before the client is probed, and between
+    /// answered probes (default 10 s; `None` turns probing off), as tonic's
+    /// `Server::http2_keepalive_interval`. The probes are TCP keepalive on the client's
+    /// bootstrap connection (the liveness channel; the client's kernel answers them, so they
+    /// cost neither process anything and run whether calls are in flight or not). A client
+    /// that answers none for [`keep_alive_timeout`](Self::keep_alive_timeout) is gone (its
+    /// host vanished or the link is down): the server closes its connection, drops its
+    /// handlers and frees what the connection held. Whole seconds (rounded up, at least 1).
+    pub fn keep_alive_interval(mut self, interval: impl Into<Option<Duration>>) -> Self {
+        self.cfg.keep_alive_interval = interval.into();
+        self
+    }
+
+    /// How long probes may go unanswered before a client's connection is closed (default
+    /// 20 s, as tonic's `Server::http2_keepalive_timeout`): with the defaults a vanished
+    /// client is noticed within 31 s of its last answer. See
+    /// [`keep_alive_interval`](Self::keep_alive_interval).
+    pub fn keep_alive_timeout(mut self, timeout: Duration) -> Self {
+        self.cfg.keep_alive_timeout = timeout;
         self
     }
 
@@ -595,6 +627,11 @@ async fn accept_loop(
             }
         };
         let _ = stream.set_nodelay(true);
+        if let Some(k) = KeepAlive::from_options(cfg.keep_alive_interval, cfg.keep_alive_timeout)
+            && let Err(e) = k.apply(&stream)
+        {
+            warn!("no keepalive on the connection from {peer}: {e}");
+        }
         let shard = next % shards.len();
         next = next.wrapping_add(1);
         let held = PeerSlot::take(&peers, peer.ip(), cfg.max_conns_per_peer);
@@ -743,11 +780,16 @@ async fn serve_connection(
         handle.send(ShardMsg::Disconnect(key));
         return;
     }
-    // Liveness: the client never sends more on TCP; EOF or an error means it is gone.
+    // Liveness: the client never sends more on TCP; EOF or an error (keepalive's included)
+    // means it is gone.
     let mut byte = [0u8; 1];
     use tokio::io::AsyncReadExt;
     tokio::select! {
-        _ = stream.read(&mut byte) => {
+        r = stream.read(&mut byte) => {
+            if let Err(e) = r {
+                let k = KeepAlive::from_options(cfg.keep_alive_interval, cfg.keep_alive_timeout);
+                warn!("connection from {peer}: {}", keepalive::why_ended("client", Some(&e), k));
+            }
             handle.send(ShardMsg::Disconnect(key));
         }
         why = &mut closed_rx => {
