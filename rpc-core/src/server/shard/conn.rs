@@ -141,6 +141,7 @@ pub(crate) fn open<P: Provider>(
         is_touched: Vec::new(),
         swept_at: Instant::now(),
         sweep_cursor: 0,
+        free_conns: Vec::new(),
         pass_deadline: None,
         swept_deadline: None,
         task_owner: vec![(0, CallId(0)); cfg.tasks_per_shard as usize],
@@ -331,9 +332,10 @@ impl<P: Provider> Shard<P> {
         closed: tokio::sync::oneshot::Sender<String>,
     ) -> Result<(Welcome, LinkKey), (crate::Code, String)> {
         let exhausted = |why: String| (crate::Code::ResourceExhausted, why);
-        // The table grows as connections come (a high limit costs nothing while unused).
-        let idx = match self.conns.iter().position(Option::is_none) {
-            Some(i) => i,
+        // The table grows as connections come (a high limit costs nothing while unused); the
+        // entries closed connections left are reused first, without a scan of the table.
+        let idx = match self.free_conns.pop() {
+            Some(i) => usize::from(i),
             None if self.conns.len() < self.cfg.max_conns_per_shard as usize => {
                 self.conns.push(None);
                 self.conns.len() - 1
@@ -357,6 +359,7 @@ impl<P: Provider> Shard<P> {
         if !self.grants.admit(Instant::now())
             && (self.grow_pool().is_err() || !self.grants.admit(Instant::now()))
         {
+            self.free_conns.push(idx as u16);
             return Err(exhausted(format!(
                 "server shard {}'s receive pool is full ({} slots for {} connections; \
                  ServerBuilder::receive_pool_slots raises the limit)",
@@ -368,6 +371,7 @@ impl<P: Provider> Shard<P> {
         let r = self.connect_admitted(idx, hello, peer, closed, cfg);
         if r.is_err() {
             self.grants.refused();
+            self.free_conns.push(idx as u16);
         }
         r
     }
@@ -519,6 +523,7 @@ impl<P: Provider> Shard<P> {
         let Some(mut conn) = self.conns[idx].take() else {
             return;
         };
+        self.free_conns.push(idx as u16);
         self.live.retain(|&i| i as usize != idx);
         self.qp_conn.remove(&conn.link.qp.qp_num());
         self.open_conns.store(self.live.len(), Ordering::Release);

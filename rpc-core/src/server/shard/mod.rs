@@ -398,6 +398,8 @@ pub(crate) struct Shard<P: Provider> {
     /// last whole pass found (`next_deadline`).
     swept_at: Instant,
     sweep_cursor: usize,
+    /// Entries of `conns` that closed connections left empty, reused by the next ones.
+    free_conns: Vec<u16>,
     pass_deadline: Option<u64>,
     swept_deadline: Option<u64>,
     generations: Vec<u8>,
