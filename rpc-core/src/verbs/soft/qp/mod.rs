@@ -851,7 +851,13 @@ impl SoftQp {
         match &s.rq.srq {
             Some(st) => {
                 let mut m = st.members.lock().unwrap_or_else(|e| e.into_inner());
-                m.retain(|w| w.strong_count() > 0);
+                // Destroyed members are dropped once the list doubled since the last time:
+                // amortised O(1) per QP made (an SRQ may serve tens of thousands).
+                let kept = st.members_kept.load(Ordering::Relaxed);
+                if m.len() >= (2 * kept).max(64) {
+                    m.retain(|w| w.strong_count() > 0);
+                    st.members_kept.store(m.len(), Ordering::Relaxed);
+                }
                 m.push(Arc::downgrade(&s));
             }
             None => recv_cq.attach(recv_bit, s.clone(), true),

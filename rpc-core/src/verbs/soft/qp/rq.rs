@@ -66,6 +66,8 @@ pub(crate) struct SrqState {
     /// next receive claimed and not completed, which a live claimer ends within
     /// microseconds).
     pub(crate) members: Mutex<Vec<Weak<QpShared>>>,
+    /// Members left after the last sweep of destroyed ones (written under `members`' lock).
+    pub(crate) members_kept: std::sync::atomic::AtomicUsize,
 }
 
 impl Rq {
@@ -449,6 +451,7 @@ impl SrqState {
             ctrl_pub,
             handle_dropped: AtomicBool::new(false),
             members: Mutex::new(Vec::new()),
+            members_kept: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 }
