@@ -30,13 +30,23 @@ fn child_process_entry() {
         eprintln!("child_process_entry only runs as a child process of this binary's tests");
         return;
     };
-    assert_eq!(role, "many", "unknown child role");
     exit_with_parent(Duration::from_secs(300));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
+    if role == "serve" {
+        rt.block_on(async {
+            let srv =
+                TestServer::start_with(|b| b.shards(1).poll_mode(rpc_core::ShardPolling::Busy))
+                    .await;
+            report("addr", srv.addr());
+            std::future::pending::<()>().await;
+        });
+        return;
+    }
+    assert_eq!(role, "many", "unknown child role");
     rt.block_on(async {
         let addr = std::env::var(ADDR_ENV).expect("server address");
         let mut chans = Vec::new();
@@ -269,4 +279,49 @@ async fn a_killed_client_with_a_thousand_connections_gives_everything_back() {
     let fresh = srv.channel(ClientPoller::Caller).await;
     echo_seq(&fresh, 1000).await;
     echo_seq(&mine, 1001).await;
+}
+
+/// A server in another process answers 64 pipelined calls of 4 KiB at a time: its responses
+/// are too long to be sent inline, so each holds a send slot of the shard until its SEND
+/// completes, and the connection's share of the shard's slots keeps its QP's send queue from
+/// overflowing (it once overflowed and failed the connection: the shard's shared slots no
+/// longer bounded one connection's SENDs in flight).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_process_answers_64_pipelined_4k_calls() {
+    let mut child = ChildProc::spawn(ENTRY, "serve", &[]);
+    let addr = child.expect("addr", Duration::from_secs(60));
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        Channel::builder(&addr)
+            .poller(ClientPoller::Caller)
+            .max_concurrent_calls(128)
+            .connect(),
+    )
+    .await
+    .unwrap();
+    blocking(Duration::from_secs(120), "pipeline", move || {
+        let n = if in_vm() { 500 } else { 20_000 };
+        let mut p = ch
+            .pipeline::<Blob, Blob>(&lab_server::ECHO)
+            .expect("pipeline");
+        let (mut next, mut done) = (0u64, 0u64);
+        while done < n {
+            while next < n && p.in_flight() < 64 {
+                let mut req = Request::new(Blob {
+                    seq: next,
+                    data: pattern(4096, next),
+                });
+                req.set_timeout(Duration::from_secs(30));
+                p.submit(next, req).expect("submit");
+                next += 1;
+            }
+            if let Some((tag, r)) = p.wait() {
+                let r = r.unwrap_or_else(|e| panic!("pipelined call {tag}: {e:?}"));
+                check_blob(r.get_ref(), tag, 4096, "pipelined 4 KiB echo");
+                done += 1;
+            }
+        }
+    })
+    .await;
 }

@@ -225,17 +225,19 @@ impl<P: Provider> SlotArena<P> {
     /// Returns the send slots of a SEND whose first frame is in `slot` (chained with
     /// [`SlotArena::chain`]) to the free queue: its completion was polled, it was never
     /// posted, or its QP is destroyed.
-    pub fn release_chain(&self, slot: u32) {
+    /// Returns how many slots went back.
+    pub fn release_chain(&self, slot: u32) -> u32 {
         let mut s = slot;
         // A chain never holds more than a SEND's frames; bounded all the same.
-        for _ in 0..self.next.len().min(64) {
+        for n in 1..=self.next.len().min(64) as u32 {
             let next = self.next_in_chain(s);
             self.release_send(s);
             if next == NO_SLOT {
-                return;
+                return n;
             }
             s = next;
         }
+        self.next.len().min(64) as u32
     }
 
     /// How many send slots are free.

@@ -339,6 +339,10 @@ pub struct Link<P: Provider> {
     sends: SendQueue,
     /// Frames one SEND may carry: [`BATCH_FRAMES`] or the QP's gather limit.
     gather: usize,
+    /// Send slots this link holds, and the most it may ([`Link::set_slot_cap`]; `u32::MAX`:
+    /// no cap, nothing counted).
+    held: std::cell::Cell<u32>,
+    slot_cap: u32,
     /// The rest of a receive slot whose first frames were handed over: the slot and where its
     /// next frame starts ([`Link::next_batched`]).
     batch: Option<(RecvSlot, usize)>,
@@ -396,6 +400,8 @@ impl<P: Provider> Link<P> {
             backlog: std::collections::VecDeque::new(),
             sends: SendQueue::default(),
             gather: 1,
+            held: std::cell::Cell::new(0),
+            slot_cap: u32::MAX,
             batch: None,
             posted: owned::PostedSends::new(Arc::clone(&arena_for_posted)),
             graveyard: Graveyard::default(),
@@ -682,11 +688,11 @@ impl<P: Provider> Link<P> {
             // SAFETY: the caller owns `slot` (taken, not posted).
             let buf = unsafe { self.arena.send_buf(slot) };
             if MAX_HEADER_LEN + body > buf.len() {
-                self.arena.release_send(slot);
+                self.give(slot);
                 return Err(LinkError::Protocol("frame larger than a slot".into()));
             }
             if let Err(e) = header.encode(&mut buf[start..MAX_HEADER_LEN]) {
-                self.arena.release_send(slot);
+                self.give(slot);
                 return Err(LinkError::Protocol(format!("header encode: {e}")));
             }
         }
@@ -702,7 +708,7 @@ impl<P: Provider> Link<P> {
             // SAFETY: `open.last` is a send slot of a queued, not yet posted SEND: ours.
             let prev = unsafe { self.arena.send_buf(open.last) };
             if let Err(e) = wire::mark_more(&mut prev[open.last_header as usize..]) {
-                self.arena.release_send(slot);
+                self.give(slot);
                 return Err(LinkError::Protocol(format!("batch: {e}")));
             }
             self.arena.chain(open.last, slot);
@@ -716,7 +722,7 @@ impl<P: Provider> Link<P> {
         if self.sends.n == SEND_BATCH
             && let Err(e) = self.flush_sends()
         {
-            self.arena.release_send(slot);
+            self.give(slot);
             return Err(e);
         }
         let mut sges = [Sge::default(); BATCH_FRAMES];
@@ -747,13 +753,49 @@ impl<P: Provider> Link<P> {
     /// Returns the send slots of a SEND whose first frame is in `slot` to the free queue: it
     /// was never posted, or (inline) the NIC has copied it.
     fn release_sends(&self, slot: u32) {
-        self.arena.release_chain(slot);
+        let n = self.arena.release_chain(slot);
+        self.gave(n);
     }
 
     /// The completion of the SEND whose first frame is in `slot` was polled: its send slots
     /// go back to the free queue.
     pub fn send_completed(&mut self, slot: u32) {
-        self.posted.completed(slot);
+        let n = self.posted.completed(slot);
+        self.gave(n);
+    }
+
+    /// Caps the send slots this link holds at once (taken and not yet back: staged, queued,
+    /// or posted and not completed) at `cap`, for a link whose arena is shared (a server
+    /// shard's): every SEND posted and not completed holds a slot, so its QP's send queue,
+    /// sized for `cap` SENDs besides its one-sided operations, never overflows, and no
+    /// connection takes every slot of the shard.
+    pub fn set_slot_cap(&mut self, cap: u32) {
+        self.slot_cap = cap;
+    }
+
+    /// A send slot of the arena, counted against the cap.
+    fn take(&self) -> Option<u32> {
+        if self.slot_cap != u32::MAX && self.held.get() >= self.slot_cap {
+            return None;
+        }
+        let slot = self.arena.take_send()?;
+        if self.slot_cap != u32::MAX {
+            self.held.set(self.held.get() + 1);
+        }
+        Some(slot)
+    }
+
+    /// A send slot taken with [`Link::take`] goes back unposted.
+    fn give(&self, slot: u32) {
+        self.arena.release_send(slot);
+        self.gave(1);
+    }
+
+    /// `n` slots went back: uncounts them.
+    fn gave(&self, n: u32) {
+        if self.slot_cap != u32::MAX {
+            self.held.set(self.held.get().saturating_sub(n));
+        }
     }
 
     /// Whether SENDs wait for [`Link::flush_sends`].
@@ -831,6 +873,7 @@ impl<P: Provider> Link<P> {
     /// Whether [`Link::stage`] finds a send slot now.
     pub fn can_stage(&self) -> bool {
         self.arena.free_sends() > self.control_reserve()
+            && (self.slot_cap == u32::MAX || self.held.get() < self.slot_cap)
     }
 
     /// Send slots a data frame leaves to control frames: a frame that waits for credit holds
@@ -850,7 +893,18 @@ impl<P: Provider> Link<P> {
         if keep > 0 && self.arena.free_sends() <= keep {
             return Err(FrameError::Busy);
         }
-        let Some(slot) = self.arena.take_send() else {
+        // Control frames (`keep == 0`) are small and inline: their slot comes back at the
+        // flush, so they may go past the cap (a CreditUpdate must always find one).
+        let slot = if keep == 0 {
+            let s = self.arena.take_send();
+            if s.is_some() && self.slot_cap != u32::MAX {
+                self.held.set(self.held.get() + 1);
+            }
+            s
+        } else {
+            self.take()
+        };
+        let Some(slot) = slot else {
             return Err(FrameError::Busy);
         };
         match self.encode_body(slot, metadata, msg) {
@@ -860,7 +914,7 @@ impl<P: Provider> Link<P> {
                 payload_len,
             }),
             None => {
-                self.arena.release_send(slot);
+                self.give(slot);
                 Err(FrameError::TooLarge)
             }
         }
@@ -876,7 +930,7 @@ impl<P: Provider> Link<P> {
         if self.arena.free_sends() <= self.control_reserve() {
             return Err(FrameError::Busy);
         }
-        let Some(slot) = self.arena.take_send() else {
+        let Some(slot) = self.take() else {
             return Err(FrameError::Busy);
         };
         // SAFETY: we took `slot` and have not posted it.
@@ -891,7 +945,7 @@ impl<P: Provider> Link<P> {
                 })
             }
             _ => {
-                self.arena.release_send(slot);
+                self.give(slot);
                 Err(FrameError::TooLarge)
             }
         }
@@ -918,7 +972,7 @@ impl<P: Provider> Link<P> {
                 .map_err(CommitError::Link),
             Err(SendError::NoCredit | SendError::Window) => Err(CommitError::NoCredit(staged)),
             Err(e) => {
-                self.arena.release_send(staged.slot);
+                self.give(staged.slot);
                 Err(CommitError::Refused(e))
             }
         }
@@ -926,7 +980,7 @@ impl<P: Provider> Link<P> {
 
     /// Drops a staged frame, releasing its slot.
     pub fn discard(&self, staged: Staged) {
-        self.arena.release_send(staged.slot);
+        self.give(staged.slot);
     }
 
     /// [`Link::stage`] then [`Link::commit`]; no credit is [`FrameError::Busy`].

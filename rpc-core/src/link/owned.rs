@@ -151,17 +151,17 @@ impl<P: Provider> PostedSends<P> {
         self.slots.push_back(slot);
     }
 
-    /// The completion of the SEND in `slot` was polled: its slots go back.
-    pub(crate) fn completed(&mut self, slot: u32) {
+    /// The completion of the SEND in `slot` was polled: its slots go back (how many).
+    pub(crate) fn completed(&mut self, slot: u32) -> u32 {
         if self.slots.front() == Some(&slot) {
             self.slots.pop_front();
         } else if let Some(i) = self.slots.iter().position(|&s| s == slot) {
             self.slots.remove(i);
         } else {
             // Not ours (a forged or duplicated completion): nothing to give back.
-            return;
+            return 0;
         }
-        self.arena.release_chain(slot);
+        self.arena.release_chain(slot)
     }
 }
 

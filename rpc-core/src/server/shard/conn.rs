@@ -441,6 +441,16 @@ impl<P: Provider> Shard<P> {
         )
         .map_err(|e| exhausted(format!("post receives: {e}")))?;
         let mut link = link;
+        // The QP's send queue holds a SEND per receive slot of the client besides its
+        // one-sided operations (`qp_caps`); the inline SENDs not yet freed by a signaled one
+        // take the rest.
+        link.set_slot_cap(
+            hello
+                .geometry
+                .recv_slots
+                .saturating_sub(crate::link::SIGNAL_EVERY)
+                .max(4),
+        );
         link.set_lanes(Lanes::new(
             lanes,
             lcaps.max_send_wr,
