@@ -34,6 +34,9 @@ use super::{POLL_BATCH, ServerConn, Shard, ShardHandle, ShardMsg, retire};
 /// Connections the shard's CQ is first sized for (it grows with more).
 const FIRST_CQ_CONNS: u32 = 64;
 
+/// Free receive slots kept posted beyond what the windows need (see `post_excess`).
+const POSTED_SPARE: usize = 16;
+
 /// The key in the work-request ids of the shard's SRQ receives: they belong to no connection
 /// until a completion names the QP that consumed one.
 pub(super) const POOL_KEY: LinkKey = LinkKey {
@@ -131,7 +134,7 @@ pub(crate) fn open<P: Provider>(
         srq,
         pool,
         grants: Grants::new(),
-        unposted: Vec::with_capacity(64),
+        stash: Vec::new(),
         sends,
         qp_conn: super::QpMap::default(),
         gauge,
@@ -176,14 +179,22 @@ pub(crate) fn open<P: Provider>(
     Ok((shard, handle))
 }
 
+/// The send slots of the shard one connection may hold at once: a SEND in flight per receive
+/// slot of its client, and a SEND per call whose completion is not polled yet (the client may
+/// have taken the frame and given the credit back before the shard polls the send's
+/// completion: with only the ring, a shard answering a full pipeline ran out of its share).
+pub(super) fn slot_cap(peer_ring: u32, peer_calls: u32) -> u32 {
+    peer_ring.saturating_add(peer_calls).max(4)
+}
+
 /// Send queue sizes of a connection whose client has a receive ring of `peer_ring` slots and
-/// `peer_calls` calls: a SEND per receive slot of the client (its credits bound our SENDs in
-/// flight), plus a READ (rendezvous request, stream message) and a WRITE (landing zone, bulk
-/// handle) per call, plus the unsignaled inline SENDs and control frames; within the device's
-/// limit. Receives come from the shard's SRQ.
+/// `peer_calls` calls: the SENDs of its share of the shard's send slots ([`slot_cap`]), plus a
+/// READ (rendezvous request, stream message) and a WRITE (landing zone, bulk handle) per call,
+/// plus the unsignaled inline SENDs and control frames; within the device's limit. Receives
+/// come from the shard's SRQ.
 pub(super) fn qp_caps(caps: &crate::verbs::Caps, peer_ring: u32, peer_calls: u32) -> QpCaps {
     QpCaps {
-        max_send_wr: peer_ring
+        max_send_wr: slot_cap(peer_ring, peer_calls)
             .saturating_add(peer_calls.saturating_mul(2))
             .saturating_add(crate::link::SIGNAL_EVERY + 16)
             .min(caps.max_qp_wr),
@@ -223,16 +234,13 @@ impl<P: Provider> Shard<P> {
     /// # Errors
     /// At the pool's limit, or when registering or posting fails.
     pub(super) fn grow_pool(&mut self) -> crate::verbs::Result<()> {
-        let slots: Vec<u32> = self.pool.grow(&self.pd)?.collect();
-        // The slots not posted wait on the repost queue and are counted when posted.
-        let posted = match self.post_slots(&slots) {
-            Ok(()) => slots.len(),
-            Err((n, e)) => {
-                warn!(shard = self.id, "posting the receive pool's new slots: {e}");
-                n
-            }
-        };
-        self.grants.grown(slots.len() as u32, posted as u32);
+        let slots = self.pool.grow(&self.pd)?;
+        let n = slots.len();
+        // The new slots are free and go under the stash (the coldest end): posted when the
+        // windows need them (`post_excess`).
+        self.stash.reserve(n);
+        self.stash.splice(0..0, slots);
+        self.grants.grown(n as u32, n as u32);
         self.grants.publish(&self.gauge);
         info!(
             shard = self.id,
@@ -242,6 +250,40 @@ impl<P: Provider> Shard<P> {
             (u64::from(self.pool.slots()) * u64::from(self.pool.slot_size())) >> 20
         );
         Ok(())
+    }
+
+    /// Posts slots from the top of the stash (the most recently used, likely still in cache)
+    /// until at most the pool's free slots less `POSTED_SPARE` stay unposted: every credit a
+    /// client holds or is owed then has a posted receive behind it (the stash holds free
+    /// slots only), while the SRQ holds no more than the windows need, so the slots it
+    /// cycles through stay few and warm. Called after anything that took free slots (a
+    /// grant, an admission, a loan, returned slots) and before frames go out.
+    pub(super) fn post_excess(&mut self) {
+        let keep = (self.grants.free() as usize).saturating_sub(POSTED_SPARE);
+        if self.stash.len() <= keep {
+            return;
+        }
+        let from = keep;
+        let total = self.stash.len() - from;
+        let mut buf = [0u32; 64];
+        let mut done = 0;
+        while done < total {
+            let n = (total - done).min(buf.len());
+            buf[..n].copy_from_slice(&self.stash[from + done..from + done + n]);
+            if let Err((k, e)) = self.post_slots(&buf[..n]) {
+                // The SRQ refused (it holds every slot of the pool, so it cannot be full);
+                // the slots of this batch not taken went back on the repost queue and come
+                // back as free; the ones not tried stay on the stash.
+                warn!(
+                    shard = self.id,
+                    "posting receive slots ({k} of {n} posted): {e}"
+                );
+                self.stash.drain(from..from + done + n);
+                return;
+            }
+            done += n;
+        }
+        self.stash.truncate(from);
     }
 
     /// Posts the pool's slots `idxs` (none posted, none guarded) to the SRQ, in batches.
@@ -368,6 +410,8 @@ impl<P: Provider> Shard<P> {
                 self.live.len()
             )));
         }
+        // The new connection's credits have receives behind them before the Welcome.
+        self.post_excess();
         let r = self.connect_admitted(idx, hello, peer, closed, cfg);
         if r.is_err() {
             self.grants.refused();
@@ -441,16 +485,10 @@ impl<P: Provider> Shard<P> {
         )
         .map_err(|e| exhausted(format!("post receives: {e}")))?;
         let mut link = link;
-        // The QP's send queue holds a SEND per receive slot of the client besides its
-        // one-sided operations (`qp_caps`); the inline SENDs not yet freed by a signaled one
-        // take the rest.
-        link.set_slot_cap(
-            hello
-                .geometry
-                .recv_slots
-                .saturating_sub(crate::link::SIGNAL_EVERY)
-                .max(4),
-        );
+        // The QP's send queue holds what `qp_caps` sized it for: these SENDs (each holds a
+        // slot until its completion is polled), its one-sided operations, and the inline
+        // SENDs a signaled one has not freed yet.
+        link.set_slot_cap(slot_cap(hello.geometry.recv_slots, hello.max_calls));
         link.set_lanes(Lanes::new(
             lanes,
             lcaps.max_send_wr,

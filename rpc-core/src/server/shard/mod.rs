@@ -376,8 +376,8 @@ pub(crate) struct Shard<P: Provider> {
     pool: Arc<RecvPool<P>>,
     /// Who may use how many of the pool's slots.
     grants: grants::Grants,
-    /// Slots of the pool settled and waiting to be posted in a batch (see `repost_pool`).
-    unposted: Vec<u32>,
+    /// Free slots of the pool, unposted: the most recently used on top (see `post_excess`).
+    stash: Vec<u32>,
     /// The send slots of every connection of the shard.
     sends: Arc<SlotArena<P>>,
     /// The connection of each primary QP (receive completions of the SRQ name the QP).

@@ -40,10 +40,6 @@ const SWEEP_EVERY: Duration = Duration::from_millis(1);
 /// sweeps (40 ms with 10,000 connections), so a shard holding many idle connections spends
 /// a bounded share of its time on them.
 const SWEEP_SLICE: usize = 256;
-/// Receive slots that wait to be posted to the SRQ together (see `repost_pool`).
-const REPOST_BATCH: usize = 8;
-/// Most receive slots that wait: posted at once past it.
-const UNPOSTED_MAX: usize = 64;
 /// How often an idle shard reads the device's asynchronous events (one system call on ib).
 const EVENTS_EVERY: Duration = Duration::from_millis(10);
 /// Longest sleep, so shutdown and deadlines are noticed.
@@ -88,7 +84,7 @@ impl<P: Provider> Shard<P> {
                 }
                 work += self.drain_inbox();
                 work += self.start_bulk_ops();
-                let swept = self.maintain(&mut work, idle_turn);
+                let swept = self.maintain(&mut work);
                 self.flush_sends();
                 if swept {
                     self.clear_touched();
@@ -172,7 +168,7 @@ impl<P: Provider> Shard<P> {
         // until the next wake-up, and the client, out of credits or of posted receives,
         // waits for a timeout instead.
         let mut upkeep = self.drain_inbox() + self.start_bulk_ops();
-        let swept = self.maintain(&mut upkeep, true);
+        let swept = self.maintain(&mut upkeep);
         self.flush_sends();
         if swept {
             self.clear_touched();
@@ -401,14 +397,14 @@ impl<P: Provider> Shard<P> {
     /// deferred frames, expires deadlines: for the connections touched since the last sweep,
     /// and, every `SWEEP_EVERY`, a slice of the others (reclaiming idle windows too). Adds
     /// the work done to `work`; returns whether it swept.
-    pub(super) fn maintain(&mut self, work: &mut usize, idle: bool) -> bool {
+    pub(super) fn maintain(&mut self, work: &mut usize) -> bool {
         let now = Instant::now();
         let sweep = now.duration_since(self.swept_at) >= SWEEP_EVERY;
         if sweep {
             self.swept_at = now;
             self.sweep_slice(now);
         }
-        *work += self.maintain_list(sweep, idle);
+        *work += self.maintain_list(sweep);
         sweep
     }
 
@@ -451,17 +447,13 @@ impl<P: Provider> Shard<P> {
 
     /// Settles the receive slots that came back to the pool with the connections whose
     /// frames they held (the credit is owed back, or the window shrinks:
-    /// [`super::grants::Grants::settle`]), and posts them to the SRQ in batches of
-    /// `REPOST_BATCH`, or at once when `idle`. The credits go back at once all the same: a
-    /// slot waiting for its batch is one of the pool's free slots, and the batch is posted
-    /// before the waiting slots outnumber the free ones (then every credit still has a
-    /// posted receive behind it; a posted slot per SRQ doorbell on a busy shard was most of
-    /// what a shared queue cost a call).
-    fn repost_pool(&mut self, idle: bool) -> usize {
+    /// [`super::grants::Grants::settle`]) and puts them on the stash of unposted slots
+    /// ([`Shard::post_excess`] posts what is needed).
+    fn repost_pool(&mut self) -> usize {
         let mut done = 0;
         while let Some(idx) = self.pool.take_repost() {
             done += 1;
-            self.unposted.push(idx);
+            self.stash.push(idx);
             match self.grants.returned(idx) {
                 Returned::Free => {}
                 Returned::Conn(key) => {
@@ -477,28 +469,9 @@ impl<P: Provider> Shard<P> {
                     }
                 }
             }
-            if self.unposted.len() >= UNPOSTED_MAX {
-                self.post_unposted();
-            }
         }
-        let n = self.unposted.len();
-        if n > 0 && (idle || n >= REPOST_BATCH || n as u32 >= self.grants.free()) {
-            self.post_unposted();
-        }
+        self.post_excess();
         done
-    }
-
-    /// Posts the slots waiting for their batch.
-    fn post_unposted(&mut self) {
-        let slots = std::mem::take(&mut self.unposted);
-        if let Err((k, e)) = self.post_slots(&slots) {
-            // The SRQ refused (it cannot be full: it holds every slot of the pool); the slots
-            // not taken went back on the repost queue, already settled: they come back as
-            // free ones (`Returned::Free`).
-            warn!(shard = self.id, "reposting receive slots ({k} posted): {e}");
-        }
-        self.unposted = slots;
-        self.unposted.clear();
     }
 
     /// When the sweep visits a connection (at `now`) whose client sent nothing for
@@ -518,8 +491,8 @@ impl<P: Provider> Shard<P> {
     }
 
     /// `maintain` over every live connection (`full`) or those touched this turn.
-    fn maintain_list(&mut self, sweep: bool, idle: bool) -> usize {
-        let mut work = self.repost_pool(idle);
+    fn maintain_list(&mut self, sweep: bool) -> usize {
+        let mut work = self.repost_pool();
         if sweep {
             self.grants.release_limbo(Instant::now());
             self.grants.publish(&self.gauge);

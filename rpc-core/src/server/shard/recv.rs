@@ -85,6 +85,9 @@ impl<P: Provider> Shard<P> {
             }
             self.grants.maybe_grow(&mut conn.link.wire);
         }
+        // A loan or a grant took free slots: their credits need receives behind them before
+        // any frame carries them.
+        self.post_excess();
     }
 
     /// Handles `first` and the frames after it in the same receive slot.

@@ -317,49 +317,65 @@ impl Cq for SoftCq {
             }
         }
 
+        // Sides are drained from the one after the side that filled the last full batch
+        // (`cursor`, a bit index), so that a side with many completions waiting (an SRQ fed
+        // by many QPs) cannot starve the sides after it: a full batch resumes where it
+        // stopped, as an RNIC's CQ hands out completions in the order they came.
         let mut n = 0;
-        let start = if words == 0 { 0 } else { self.cursor % words };
+        let start = if words == 0 {
+            0
+        } else {
+            self.cursor % (words * 64)
+        };
+        let (start_word, start_bit) = (start / 64, start % 64);
         for k in 0..words {
-            let w = (start + k) % words;
+            let w = (start_word + k) % words;
             let word = shared.dev.in64(shared.entry + cq_in::BITMAP + w * 8);
             if word.load(Ordering::Relaxed) == 0 {
                 continue;
             }
-            let mut bits = word.swap(0, Ordering::AcqRel);
-            while bits != 0 {
-                let b = bits.trailing_zeros() as usize;
-                let mask = 1u64 << b;
-                bits &= !mask;
-                let idx = w * 64 + b;
-                let Some(slot) = sides.get_mut(idx) else {
-                    continue; // a bit nobody owns: garbage from a peer, ignore
-                };
-                let Some(side) = slot.as_ref() else {
-                    continue;
-                };
-                if side.is_gone() {
-                    *slot = None; // drops our reference; the owner frees its bits and slots
-                    continue;
-                }
-                let (got, more) = match side {
-                    Side::Recv(qp) => qp.drain_recv(&mut wcs[n..]),
-                    Side::Send(qp) => qp.drain_send(&mut wcs[n..]),
-                    Side::Srq(rq) => rq.drain(&mut wcs[n..], None),
-                };
-                n += got;
-                if more {
-                    word.fetch_or(mask, Ordering::AcqRel);
-                }
-                if n == wcs.len() {
-                    if bits != 0 {
-                        word.fetch_or(bits, Ordering::AcqRel);
+            let all = word.swap(0, Ordering::AcqRel);
+            // The first word from the start bit, its lower bits last.
+            let from = if k == 0 { start_bit } else { 0 };
+            let high = all & (u64::MAX << from);
+            let parts = [high, all & !high];
+            for (p, &part) in parts.iter().enumerate() {
+                let mut bits = part;
+                while bits != 0 {
+                    let b = bits.trailing_zeros() as usize;
+                    let mask = 1u64 << b;
+                    bits &= !mask;
+                    let idx = w * 64 + b;
+                    let Some(slot) = sides.get_mut(idx) else {
+                        continue; // a bit nobody owns: garbage from a peer, ignore
+                    };
+                    let Some(side) = slot.as_ref() else {
+                        continue;
+                    };
+                    if side.is_gone() {
+                        *slot = None; // drops our reference; the owner frees its bits and slots
+                        continue;
                     }
-                    self.cursor = w + 1;
-                    return Ok(n);
+                    let (got, more) = match side {
+                        Side::Recv(qp) => qp.drain_recv(&mut wcs[n..]),
+                        Side::Send(qp) => qp.drain_send(&mut wcs[n..]),
+                        Side::Srq(rq) => rq.drain(&mut wcs[n..], None),
+                    };
+                    n += got;
+                    if more {
+                        word.fetch_or(mask, Ordering::AcqRel);
+                    }
+                    if n == wcs.len() {
+                        let rest = bits | parts.get(p + 1).copied().unwrap_or(0);
+                        if rest != 0 {
+                            word.fetch_or(rest, Ordering::AcqRel);
+                        }
+                        self.cursor = idx + 1;
+                        return Ok(n);
+                    }
                 }
             }
         }
-        self.cursor = self.cursor.wrapping_add(1);
         Ok(n)
     }
 
