@@ -1332,20 +1332,39 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
     let addr = b.addr.clone();
     let keep_alive = KeepAlive::from_options(b.keep_alive_interval, b.keep_alive_timeout);
     tokio::spawn(async move {
+        let why_closed = |r: Result<Handshake, Error>| match r {
+            Ok(Handshake::Refusal(r)) => format!("server closed the connection: {}", r.reason),
+            Ok(_) => "server sent unexpected bytes on the control connection".to_string(),
+            Err(e) if e.kind() == TransportErrorKind::Handshake => {
+                "server sent unexpected bytes on the control connection".to_string()
+            }
+            Err(e) => keepalive::why_ended("server", keepalive::io_source(&e), keep_alive),
+        };
+        let closing = connect::recv_closing(&mut stream);
+        tokio::pin!(closing);
         tokio::select! {
-            r = connect::recv_closing(&mut stream) => {
+            r = &mut closing => {
                 // The server says why it closes the connection (a remote access error, its
                 // shutdown, ...), or just closes it, or keepalive found it gone.
-                let why = match r {
-                    Ok(Handshake::Refusal(r)) => format!("server closed the connection: {}", r.reason),
-                    Ok(_) => "server sent unexpected bytes on the control connection".to_string(),
-                    Err(e) if e.kind() == TransportErrorKind::Handshake => {
-                        "server sent unexpected bytes on the control connection".to_string()
-                    }
-                    Err(e) => keepalive::why_ended("server", keepalive::io_source(&e), keep_alive),
-                };
+                let why = why_closed(r);
                 warn!("{addr}: {why}");
                 watch.kill(Status::unavailable(format!("{addr}: {why}")));
+            }
+            lost = watch.link_lost() => {
+                // The server stopped answering on the link; its reason, if it sent one,
+                // names the cause better than the error completion that followed it.
+                let status = match tokio::time::timeout(core::LOST_GRACE, &mut closing).await {
+                    Ok(r @ Ok(Handshake::Refusal(_))) => {
+                        let why = why_closed(r);
+                        warn!("{addr}: {why}");
+                        Status::unavailable(format!(
+                            "{addr}: {why} (here the link failed: {})",
+                            lost.message()
+                        ))
+                    }
+                    _ => lost,
+                };
+                watch.kill(status);
             }
             _ = close_rx => {}
         }

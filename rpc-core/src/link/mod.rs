@@ -204,6 +204,21 @@ impl std::fmt::Display for LinkError {
 }
 
 impl LinkError {
+    /// Whether the failure says the peer is gone or stuck (its NIC never acknowledged, or it
+    /// never posted a receive): the peer may know why better than we do.
+    pub fn peer_silent(&self) -> bool {
+        match self {
+            LinkError::Completion(e) => {
+                matches!(
+                    e.wc.status,
+                    WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr
+                )
+            }
+            LinkError::Explained(e, _) => e.peer_silent(),
+            _ => false,
+        }
+    }
+
     /// The status calls of a failed link end with.
     pub fn status(&self) -> Status {
         match self {

@@ -30,6 +30,7 @@ mod submit;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
 
@@ -286,6 +287,13 @@ pub(crate) struct ClientCore<P: Provider> {
     /// The server sent GoAway: calls in flight finish here, new calls go to a new connection.
     draining: AtomicBool,
     dead_status: OnceLock<Status>,
+    /// The server stopped answering on the link (retries exceeded) and the connection waits
+    /// [`LOST_GRACE`] for the server's reason on the control connection before it dies: the
+    /// server closes its QP right after it sends the reason, so the client's next SEND may
+    /// fail first, with a cause less precise than the server's.
+    lost: AtomicBool,
+    lost_status: OnceLock<(Instant, Status)>,
+    lost_notify: tokio::sync::Notify,
     stop: AtomicBool,
     mode: ClientPoller,
     eager_limit: usize,
@@ -382,6 +390,9 @@ impl<P: Provider> ClientCore<P> {
             dead: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             dead_status: OnceLock::new(),
+            lost: AtomicBool::new(false),
+            lost_status: OnceLock::new(),
+            lost_notify: tokio::sync::Notify::new(),
             stop: AtomicBool::new(false),
             mode: parts.mode,
             eager_limit: parts.eager_limit,
@@ -436,6 +447,23 @@ impl<P: Provider> ClientCore<P> {
             .unwrap_or_else(|| Status::unavailable("connection closed"))
     }
 
+    /// Whether the link failed and the connection waits for the server's reason.
+    #[inline]
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
+    }
+
+    /// Waits until the link fails; gives why.
+    pub(crate) async fn link_lost(&self) -> Status {
+        loop {
+            let notified = self.lost_notify.notified();
+            if let Some((_, st)) = self.lost_status.get() {
+                return st.clone();
+            }
+            notified.await;
+        }
+    }
+
     /// Marks the connection dead (TCP closed, QP failed); every call fails with `status`.
     pub(crate) fn kill(&self, status: Status) {
         let _ = self.dead_status.set(status);
@@ -454,6 +482,17 @@ impl<P: Provider> ClientCore<P> {
         self.drive.notify_one();
     }
 }
+
+/// How long a connection whose link failed waits for the server's reason (sent on the control
+/// connection just before the server closes its QP) before its calls fail with the link's
+/// error. Real RNICs report a vanished peer only after their retries (about half a second with
+/// the usual ACK timeout), so the reason is normally there already; the wait matters when the
+/// peer's QP is gone at once (soft) or when the host is loaded.
+pub(crate) const LOST_GRACE: Duration = Duration::from_millis(250);
+
+/// When the connection dies by itself if nobody acted on the link's failure (its control
+/// connection's task is gone).
+const LOST_FALLBACK: Duration = Duration::from_secs(1);
 
 /// Key of a client's only link.
 pub(crate) const CLIENT_LINK: LinkKey = LinkKey {

@@ -183,6 +183,12 @@ impl<P: Provider> Driver<P> {
             core.doorbell.awake();
             return None;
         }
+        if core.is_lost() {
+            // Nothing to poll: wait for the kill (it rings the doorbell) or the fallback.
+            wait_readable(&[core.doorbell.fd()], max);
+            core.doorbell.awake();
+            return Some(max);
+        }
         let deadline = self.link.wire.poll_timeout().map(|t| {
             Duration::from_nanos(t.saturating_sub(self.link.now())).max(Duration::from_micros(50))
         });
@@ -201,6 +207,9 @@ impl<P: Provider> Driver<P> {
             }
             return self.fail_all(core, core.dead_status());
         }
+        if core.is_lost() {
+            return self.while_lost(core);
+        }
         match self.step(core) {
             Ok(work) => {
                 if work > 0 {
@@ -211,8 +220,35 @@ impl<P: Provider> Driver<P> {
             Err(e) => {
                 let e = self.link.explain(e);
                 warn!("{}: connection failed: {e}", core.describe);
-                self.die(core, e.status())
+                if e.peer_silent() {
+                    self.lose(core, e.status())
+                } else {
+                    self.die(core, e.status())
+                }
             }
+        }
+    }
+
+    /// The peer stopped answering: nothing more is posted or polled; the control
+    /// connection's task waits [`super::LOST_GRACE`] for the server's reason, then kills the
+    /// connection with it, or with `status`.
+    fn lose(&mut self, core: &ClientCore<P>, status: Status) -> usize {
+        let _ = core.lost_status.set((Instant::now(), status));
+        core.lost.store(true, Ordering::Release);
+        core.lost_notify.notify_one();
+        0
+    }
+
+    /// Waits for the control connection's task to kill the connection; kills it after
+    /// [`super::LOST_FALLBACK`] if nobody did.
+    fn while_lost(&mut self, core: &ClientCore<P>) -> usize {
+        match core.lost_status.get() {
+            Some((at, st)) if at.elapsed() >= super::LOST_FALLBACK => {
+                let st = st.clone();
+                self.die(core, st)
+            }
+            Some(_) => 0,
+            None => self.die(core, Status::unavailable("connection lost")),
         }
     }
 
