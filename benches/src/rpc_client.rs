@@ -6,7 +6,7 @@
 //! calling (only) thread, which also drives the connection (no tasks, no wakers); with
 //! `AsyncMode::Caller`, `k` tasks on one current-thread tokio runtime sharing the channel,
 //! still polled by that one thread; with `AsyncMode::Poller`, tasks on a two-worker runtime
-//! with a dedicated poller thread.
+//! with the process's poller thread.
 //!
 //! Streaming calls (issue 7) run on the caller-polled channel and its current-thread runtime:
 //! the consumer of a stream drives the connection while it waits, the request pump is a task
@@ -46,7 +46,7 @@ pub enum AsyncMode {
     Pipeline,
     /// Tasks on one current-thread runtime; the same thread polls the CQ (one client thread).
     Caller,
-    /// Tasks on a two-worker runtime; a dedicated poller thread polls the CQ.
+    /// Tasks on a two-worker runtime; the process's poller thread polls the CQ.
     Poller,
 }
 

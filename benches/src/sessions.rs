@@ -53,7 +53,7 @@ pub struct SessionArgs {
     /// RDMA provider for rdma-rpc.
     #[arg(long, default_value = "soft")]
     pub provider: String,
-    /// rdma-rpc channels' poller: `thread` (the builder's default, a thread per channel) or
+    /// rdma-rpc channels' poller: `thread` (the builder's default, the process's poller thread) or
     /// `caller` (the calling task drives its connection: no thread per channel).
     #[arg(long, value_enum, default_value = "thread")]
     pub client_poller: SessionPoller,

@@ -74,7 +74,7 @@ pub struct SessionClientArgs {
     /// Exit when the parent process dies.
     #[arg(long)]
     pub die_with_parent: bool,
-    /// rdma-rpc channels' poller (the builder's default: a thread per channel).
+    /// rdma-rpc channels' poller (the builder's default: the process's poller thread).
     #[arg(long, value_enum, default_value = "thread")]
     pub poller: SessionPoller,
 }
@@ -83,7 +83,8 @@ pub struct SessionClientArgs {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum SessionPoller {
-    /// A poller thread per channel (`ClientPoller::Thread`, the default).
+    /// The process's poller thread, shared by its channels (`ClientPoller::Thread`, the
+    /// default).
     Thread,
     /// The calling task drives the connection (`ClientPoller::Caller`): no thread per channel.
     Caller,

@@ -13,32 +13,52 @@ use rpc_core::ClientPoller;
 
 const CHANNELS: usize = 24;
 
-/// Channels polled by their callers add no thread each: the device context (and, on soft,
-/// its service thread) is opened once per process, however many channels use it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn caller_polled_channels_share_one_device_and_add_no_threads() {
+/// Channels add no thread each, whoever polls them: the device context (and, on soft, its
+/// service thread) is opened once per process, and `ClientPoller::Thread` channels share the
+/// process's poller thread.
+async fn channels_add_no_threads(mode: ClientPoller) {
     let srv = TestServer::start().await;
-    let first = srv.channel(ClientPoller::Caller).await;
+    let first = srv.channel(mode).await;
     echo_seq(&first, 0).await;
     let before = threads();
     let mut more = Vec::new();
     for i in 0..CHANNELS {
-        let ch = srv.channel(ClientPoller::Caller).await;
+        let ch = srv.channel(mode).await;
         echo_seq(&ch, i as u64 + 1).await;
         more.push(ch);
     }
-    // Every channel still works, in any order.
+    // Every channel still works, in any order, and all at once.
     for (i, ch) in more.iter().enumerate().rev() {
         echo_seq(ch, 100 + i as u64).await;
     }
+    let all = more
+        .iter()
+        .enumerate()
+        .map(|(i, ch)| echo_seq(ch, 200 + i as u64));
+    within(
+        Duration::from_secs(20),
+        "calls on every channel",
+        futures_util::future::join_all(all),
+    )
+    .await;
     let after = threads();
     assert!(
         after <= before + 2,
-        "{CHANNELS} caller-polled channels added {} threads ({before} -> {after})",
+        "{mode:?}: {CHANNELS} channels added {} threads ({before} -> {after})",
         after.saturating_sub(before)
     );
     drop(more);
     echo_seq(&first, 1000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_polled_channels_share_one_device_and_add_no_threads() {
+    channels_add_no_threads(ClientPoller::Caller).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thread_polled_channels_share_the_process_poller_thread() {
+    channels_add_no_threads(ClientPoller::Thread).await;
 }
 
 /// A server with default settings holds hundreds of connections on one shard, past the two

@@ -46,7 +46,8 @@ pub use retry::{MAX_ATTEMPTS, RetryPolicy, TRANSPARENT_ATTEMPTS};
 /// Who polls the connection's completion queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum ClientPoller {
-    /// A dedicated poller thread (spins briefly, then sleeps on the completion channel).
+    /// The process's poller thread, shared by every such connection of the process (it
+    /// spins briefly over them, then sleeps on their completion channels).
     #[default]
     Thread,
     /// The calling threads: a blocking call polls the CQ itself (the lowest latency), and async
@@ -1321,11 +1322,9 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         tokio::spawn(ClientCore::drive_task(Arc::downgrade(&core)));
     }
     if b.poller == ClientPoller::Thread {
-        let c = Arc::clone(&core);
-        std::thread::Builder::new()
-            .name("rpc-client-poller".into())
-            .spawn(move || c.run_poller())
-            .map_err(|e| Error::with_source(TransportErrorKind::Io, "spawn poller thread", e))?;
+        core.join_poller().map_err(|e| {
+            Error::with_source(TransportErrorKind::Io, "join the client poller thread", e)
+        })?;
     }
     let (close_tx, close_rx) = tokio::sync::oneshot::channel::<()>();
     let watch = Arc::clone(&core);

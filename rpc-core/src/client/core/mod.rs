@@ -9,19 +9,21 @@
 //!   await cell (zero-copy decode from slot)      cancels, deadlines, credits, reposts
 //! ```
 //!
-//! The driver is a dedicated poller thread by default, or the calling threads themselves
+//! The driver is the process's poller thread by default ([`group`]: one thread for every such
+//! connection of the process), or the calling threads themselves
 //! (`ClientPoller::Caller`: each waiting caller tries to take the driver token and poll). No lock
 //! is ever waited on: the token is try-only.
 //!
 //! This file holds the connection's types and its setup; the rest is by concern: [`submit`]
 //! (call cells, send slots, unary and pipelined calls), [`encode`] (requests and the buffers
-//! they lend), [`stream`] (streaming calls), [`poller`] (who drives and how it waits),
+//! they lend), [`stream`] (streaming calls), [`poller`] (who drives and how it waits; [`group`], the process's poller thread),
 //! [`driver`] (the driver's turn, call life cycle, failure) and [`frames`] (what the server
 //! sends). The per-call machinery shared with the server is in [`crate::call`].
 
 mod driver;
 mod encode;
 mod frames;
+mod group;
 mod poller;
 mod sizes;
 mod stream;
@@ -386,7 +388,11 @@ impl<P: Provider> ClientCore<P> {
             stream_window: parts.stream_window,
             arena,
             bulk,
-            doorbell: Doorbell::new()?,
+            // Connections of the process's poller thread share its doorbell.
+            doorbell: match parts.mode {
+                ClientPoller::Thread => group::Poller::get()?.doorbell(),
+                ClientPoller::Caller => Doorbell::new()?,
+            },
             dead: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             dead_status: OnceLock::new(),

@@ -11,17 +11,12 @@ use tracing::{info, warn};
 
 use crate::Status;
 use crate::client::ClientPoller;
-use crate::poll_policy::{Budget, CLOCK_EVERY, Spinner, Wait};
+use crate::poll_policy::CLOCK_EVERY;
 use crate::server::notify::wait_readable;
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
+use super::group::Member;
 use super::{ClientCore, Driver};
-
-/// How a poller thread waits while idle: spins, then sleeps (no yields: it has the doorbell
-/// and the completion channel to sleep on); briefly when the host is contended.
-const POLLER: Budget = Budget::adaptive(20_000, 0);
-
-const MAX_SLEEP: Duration = Duration::from_millis(20);
 
 /// How often a busy `ClientPoller::Caller` driver reads the device's asynchronous events (an
 /// idle one reads them before it sleeps, the poller thread before each sleep).
@@ -109,42 +104,54 @@ impl<P: Provider> ClientCore<P> {
         d.progress(self)
     }
 
-    /// The poller thread's loop: spins while idle, then sleeps on the doorbell and the
-    /// completion channel ([`Driver::sleep`]).
-    ///
-    /// Spinning pays only while the poller has a core of its own. When the scheduler takes it
-    /// away (several pollers and busy servers on few cores: a client of two servers), a
-    /// spinner keeps a core from the threads that have work (the server, the caller's
-    /// runtime, the poller of the connection in use), and each of them waits a time slice
-    /// for it: milliseconds per call. So a poller that sees it was preempted while spinning,
-    /// or woke late from a sleep, sleeps at once and spins only briefly for a while (see
-    /// [`crate::poll_policy`]): a sleeper woken by an event gets a core back at once.
-    pub(crate) fn run_poller(self: Arc<Self>) {
-        let mut spin = Spinner::new();
-        while !self.stop.load(Ordering::Acquire) {
-            if self.progress() > 0 {
-                spin.work();
-                continue;
-            }
-            if self.is_dead() && self.free.len() == self.cells.len() {
-                // Nothing in flight on a dead connection: sleep until stopped.
-                wait_readable(&[self.doorbell.fd()], MAX_SLEEP);
-                continue;
-            }
-            match spin.idle(&POLLER, Instant::now) {
-                Wait::Spin => std::hint::spin_loop(),
-                Wait::Yield => std::thread::yield_now(),
-                Wait::Sleep => {
-                    let Some(mut d) = self.driver.try_lock() else {
-                        continue;
-                    };
-                    let started = Instant::now();
-                    let asked = d.sleep(&self, MAX_SLEEP);
-                    drop(d);
-                    spin.woke(started, asked.unwrap_or(Duration::ZERO), Instant::now());
-                }
-            }
+    /// Hands the connection to the process's poller thread ([`super::group`]).
+    pub(crate) fn join_poller(self: &Arc<Self>) -> std::io::Result<()> {
+        super::group::Poller::get()?.join(Arc::clone(self) as Arc<dyn Member>);
+        Ok(())
+    }
+}
+
+/// A `ClientPoller::Thread` connection, as the process's poller thread drives it.
+impl<P: Provider> Member for ClientCore<P> {
+    fn turn(&self) -> usize {
+        self.progress()
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    fn prepare_sleep(&self, max: Duration) -> Option<Duration> {
+        if self.is_dead() && self.free.len() == self.cells.len() {
+            // Nothing in flight on a dead connection: nothing to wait for.
+            return Some(max);
         }
+        match self.driver.try_lock() {
+            Some(mut d) => d.prepare_sleep(self, max),
+            // Someone else drives it this instant: look again soon.
+            None => Some(Duration::from_micros(100)),
+        }
+    }
+
+    fn woke(&self) {
+        if let Some(d) = self.driver.try_lock() {
+            let _ = d.channel.drain();
+        }
+    }
+
+    fn with_channel_fd(&self, f: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>)) {
+        // The driver is free when the connection joins and when it has stopped.
+        for _ in 0..1000 {
+            if let Some(d) = self.driver.try_lock() {
+                f(d.channel.fd());
+                return;
+            }
+            std::thread::yield_now();
+        }
+        warn!(
+            "{}: completion channel busy: not added to the poller's set",
+            self.describe
+        );
     }
 }
 
@@ -166,37 +173,52 @@ pub(super) async fn yield_once() {
 }
 
 impl<P: Provider> Driver<P> {
-    /// The poller thread's sleep, the verbs way: announce it (doorbell flag), arm the CQ, then
-    /// look once more (queues and the CQ) and sleep only if nothing came. A completion that
-    /// landed between the last poll and the arming rang nobody (the soft RNIC and a real one
-    /// alike signal only completions that arrive after `req_notify`): without the second look
-    /// it waits for the next event or the timeout (at most `max`). Returns the timeout it
+    /// A sleep on the connection's own descriptors, the verbs way (a contended caller of
+    /// `ClientPoller::Caller`): announce it (doorbell flag), arm the CQ, then look once more
+    /// ([`Driver::prepare_sleep`]) and sleep only if nothing came. Returns the timeout it
     /// slept with, `None` when it did not sleep.
     pub(super) fn sleep(&mut self, core: &ClientCore<P>, max: Duration) -> Option<Duration> {
-        self.device_events(core);
         core.doorbell.prepare_sleep();
-        let _ = self.cq.req_notify(false);
-        // Anything queued before the doorbell flag was visible, or completed before the CQ was
-        // armed, is seen by this re-check (the flag and the arming are SeqCst stores, the
-        // ringers' and the RNIC's checks SeqCst loads).
-        if !core.submitted.is_empty() || !core.cancelled.is_empty() || self.progress(core) > 0 {
+        let Some(timeout) = self.prepare_sleep(core, max) else {
             core.doorbell.awake();
+            return None;
+        };
+        if core.is_lost() {
+            wait_readable(&[core.doorbell.fd()], timeout);
+        } else {
+            wait_readable(&[core.doorbell.fd(), self.channel.fd()], timeout);
+            let _ = self.channel.drain();
+        }
+        core.doorbell.awake();
+        Some(timeout)
+    }
+
+    /// Gets ready to sleep once the doorbell's flag is up: reads the device's events, arms
+    /// the CQ, then looks once more (queues and the CQ). A completion that landed between the
+    /// last poll and the arming rang nobody (the soft RNIC and a real one alike signal only
+    /// completions that arrive after `req_notify`): without the second look the sleeper waits
+    /// for the next event or the timeout. Anything queued before the flag was visible, or
+    /// completed before the CQ was armed, is seen by it (the flag and the arming are SeqCst
+    /// stores, the ringers' and the RNIC's checks SeqCst loads). `None` when work came, else
+    /// how long it may sleep (at most `max`; less when a protocol timer is due).
+    pub(super) fn prepare_sleep(
+        &mut self,
+        core: &ClientCore<P>,
+        max: Duration,
+    ) -> Option<Duration> {
+        self.device_events(core);
+        let _ = self.cq.req_notify(false);
+        if !core.submitted.is_empty() || !core.cancelled.is_empty() || self.progress(core) > 0 {
             return None;
         }
         if core.is_lost() {
             // Nothing to poll: wait for the kill (it rings the doorbell) or the fallback.
-            wait_readable(&[core.doorbell.fd()], max);
-            core.doorbell.awake();
             return Some(max);
         }
         let deadline = self.link.wire.poll_timeout().map(|t| {
             Duration::from_nanos(t.saturating_sub(self.link.now())).max(Duration::from_micros(50))
         });
-        let timeout = deadline.unwrap_or(max).min(max);
-        wait_readable(&[core.doorbell.fd(), self.channel.fd()], timeout);
-        let _ = self.channel.drain();
-        core.doorbell.awake();
-        Some(timeout)
+        Some(deadline.unwrap_or(max).min(max))
     }
 
     pub(super) fn progress(&mut self, core: &ClientCore<P>) -> usize {

@@ -1,0 +1,207 @@
+//! The process's poller thread (`ClientPoller::Thread`): one thread drives every such
+//! connection of the process, so a process with a thousand channels has one poller, not a
+//! thousand.
+//!
+//! ```text
+//! connections join ──> [ turn every member ] ── work? ──> again (spin)
+//!                              │ idle (Spinner says sleep)
+//!                              v
+//!        doorbell flag up, each member arms its CQ and looks once more
+//!                              │ nothing
+//!                              v
+//!        epoll_wait: the shared doorbell + every member's completion channel
+//! ```
+//!
+//! Members share one doorbell (submitters ring it only while the thread sleeps); each keeps
+//! its own completion channel, registered with the thread's epoll set when it joins and
+//! removed when it stops. The thread starts with the first member and lives as long as the
+//! process (asleep, without a timeout, while it has no member).
+
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::SegQueue;
+use rustix::event::epoll;
+use tracing::warn;
+
+use crate::poll_policy::{Budget, Spinner, Wait};
+use crate::server::notify::Doorbell;
+
+/// How the thread waits while idle: spins, then sleeps (it has the doorbell and the
+/// channels to sleep on); briefly when the host is contended.
+const POLLER: Budget = Budget::adaptive(20_000, 0);
+
+/// The longest sleep while it has members (their protocol timers are looked at after it).
+pub(super) const MAX_SLEEP: Duration = Duration::from_millis(20);
+
+/// The epoll data of the doorbell (members use their slab key).
+const DOORBELL: u64 = u64::MAX;
+
+/// A connection driven by the process's poller thread.
+pub(crate) trait Member: Send + Sync {
+    /// Drives the connection once; the work done.
+    fn turn(&self) -> usize;
+    /// Whether the connection's last handle is gone: it leaves the thread.
+    fn stopped(&self) -> bool;
+    /// Gets ready to sleep (the doorbell flag is up): arms the CQ and looks once more.
+    /// `None` when work came meanwhile, else the longest the connection may sleep.
+    fn prepare_sleep(&self, max: Duration) -> Option<Duration>;
+    /// After a sleep its completion channel woke: clears it.
+    fn woke(&self);
+    /// Runs `f` with its completion channel's descriptor (for the epoll set).
+    fn with_channel_fd(&self, f: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>));
+}
+
+struct Group {
+    doorbell: Arc<Doorbell>,
+    joining: SegQueue<Arc<dyn Member>>,
+}
+
+static GROUP: OnceLock<Result<Group, String>> = OnceLock::new();
+
+/// The process's poller: its doorbell (the connection rings it) and a way in.
+pub(crate) struct Poller(&'static Group);
+
+impl Poller {
+    /// The process's poller thread, started on first use.
+    pub(crate) fn get() -> std::io::Result<Poller> {
+        let g = GROUP.get_or_init(|| {
+            let doorbell = Doorbell::new().map_err(|e| format!("eventfd: {e}"))?;
+            let ep = epoll::create(epoll::CreateFlags::CLOEXEC)
+                .map_err(|e| format!("epoll_create: {e}"))?;
+            epoll::add(
+                &ep,
+                doorbell.fd(),
+                epoll::EventData::new_u64(DOORBELL),
+                epoll::EventFlags::IN,
+            )
+            .map_err(|e| format!("epoll_ctl(ADD, doorbell): {e}"))?;
+            Ok(Group {
+                doorbell,
+                joining: SegQueue::new(),
+            })
+            .and_then(|g: Group| spawn(ep).map(|()| g))
+        });
+        match g {
+            Ok(g) => Ok(Poller(g)),
+            Err(e) => Err(std::io::Error::other(format!(
+                "the process's client poller thread could not start: {e}"
+            ))),
+        }
+    }
+
+    /// The doorbell members ring when they queue work.
+    pub(crate) fn doorbell(&self) -> Arc<Doorbell> {
+        Arc::clone(&self.0.doorbell)
+    }
+
+    /// Hands `m` to the thread, which drives it until it stops.
+    pub(crate) fn join(&self, m: Arc<dyn Member>) {
+        self.0.joining.push(m);
+        self.0.doorbell.ring_always();
+    }
+}
+
+fn spawn(ep: OwnedFd) -> Result<(), String> {
+    std::thread::Builder::new()
+        .name("rpc-client-poller".into())
+        .spawn(move || {
+            // The group is set once the spawn returned: wait for it (a few instructions).
+            let g = loop {
+                match GROUP.get() {
+                    Some(Ok(g)) => break g,
+                    Some(Err(_)) => return,
+                    None => std::thread::yield_now(),
+                }
+            };
+            run(g, ep);
+        })
+        .map(|_| ())
+        .map_err(|e| format!("spawn: {e}"))
+}
+
+fn run(g: &Group, ep: OwnedFd) {
+    let mut members: slab::Slab<Arc<dyn Member>> = slab::Slab::new();
+    let mut events = [MaybeUninit::<epoll::Event>::uninit(); 64];
+    let mut spin = Spinner::new();
+    loop {
+        while let Some(m) = g.joining.pop() {
+            let key = members.insert(m);
+            members[key].with_channel_fd(&mut |fd| {
+                if let Err(e) = epoll::add(
+                    &ep,
+                    fd,
+                    epoll::EventData::new_u64(key as u64),
+                    epoll::EventFlags::IN,
+                ) {
+                    // It is still driven; its completions are seen at the next turn.
+                    warn!("client poller: epoll_ctl(ADD) of a completion channel: {e}");
+                }
+            });
+        }
+        let mut work = 0;
+        let mut gone = Vec::new();
+        for (key, m) in members.iter() {
+            if m.stopped() {
+                gone.push(key);
+            } else {
+                work += m.turn();
+            }
+        }
+        for key in gone {
+            let m = members.remove(key);
+            m.with_channel_fd(&mut |fd| {
+                let _ = epoll::delete(&ep, fd);
+            });
+        }
+        if work > 0 {
+            spin.work();
+            continue;
+        }
+        match spin.idle(&POLLER, Instant::now) {
+            Wait::Spin => std::hint::spin_loop(),
+            Wait::Yield => std::thread::yield_now(),
+            Wait::Sleep => {
+                g.doorbell.prepare_sleep();
+                let mut timeout = Some(MAX_SLEEP);
+                if members.is_empty() {
+                    timeout = None;
+                }
+                let mut ready = g.joining.is_empty();
+                for (_, m) in members.iter() {
+                    if !ready {
+                        break;
+                    }
+                    match m.prepare_sleep(MAX_SLEEP) {
+                        Some(t) => timeout = timeout.map(|d| d.min(t)),
+                        None => ready = false,
+                    }
+                }
+                if !ready {
+                    g.doorbell.awake();
+                    spin.work();
+                    continue;
+                }
+                let started = Instant::now();
+                let ts = timeout.map(|t| rustix::time::Timespec {
+                    tv_sec: t.as_secs() as i64,
+                    tv_nsec: i64::from(t.subsec_nanos()),
+                });
+                if let Ok((woke, _)) = epoll::wait(ep.as_fd(), &mut events, ts.as_ref()) {
+                    for ev in woke.iter() {
+                        let key = ev.data.u64();
+                        if key != DOORBELL
+                            && let Some(m) = members.get(key as usize)
+                        {
+                            m.woke();
+                        }
+                    }
+                }
+                g.doorbell.awake();
+                spin.woke(started, timeout.unwrap_or(MAX_SLEEP), Instant::now());
+            }
+        }
+    }
+}
