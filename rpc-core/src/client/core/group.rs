@@ -36,6 +36,9 @@ const POLLER: Budget = Budget::adaptive(20_000, 0);
 /// The longest sleep while it has members (their protocol timers are looked at after it).
 pub(super) const MAX_SLEEP: Duration = Duration::from_millis(20);
 
+/// Idle members are turned once in this many sweeps (and before each sleep).
+const IDLE_EVERY: u32 = 64;
+
 /// The epoll data of the doorbell (members use their slab key).
 const DOORBELL: u64 = u64::MAX;
 
@@ -43,6 +46,10 @@ const DOORBELL: u64 = u64::MAX;
 pub(crate) trait Member: Send + Sync {
     /// Drives the connection once; the work done.
     fn turn(&self) -> usize;
+    /// Whether it has calls in flight or work queued: it is turned at every sweep, the others
+    /// every [`IDLE_EVERY`] sweeps (what reaches an idle connection, such as a credit
+    /// reclaim, waits that long) and before the thread sleeps.
+    fn busy(&self) -> bool;
     /// Whether the connection's last handle is gone: it leaves the thread.
     fn stopped(&self) -> bool;
     /// Gets ready to sleep (the doorbell flag is up): arms the CQ and looks once more.
@@ -52,6 +59,16 @@ pub(crate) trait Member: Send + Sync {
     fn woke(&self);
     /// Runs `f` with its completion channel's descriptor (for the epoll set).
     fn with_channel_fd(&self, f: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>));
+}
+
+/// A member as the thread keeps it.
+struct Entry {
+    m: Arc<dyn Member>,
+    /// Its CQ was armed before a sleep and has not fired since (an armed CQ stays armed
+    /// until its next completion): an idle member needs no new arming, and no second look,
+    /// before the next sleep. (Its protocol timers wait for a turn: at most [`MAX_SLEEP`]
+    /// plus [`IDLE_EVERY`] sweeps.)
+    armed: bool,
 }
 
 struct Group {
@@ -123,13 +140,14 @@ fn spawn(ep: OwnedFd) -> Result<(), String> {
 }
 
 fn run(g: &Group, ep: OwnedFd) {
-    let mut members: slab::Slab<Arc<dyn Member>> = slab::Slab::new();
+    let mut members: slab::Slab<Entry> = slab::Slab::new();
     let mut events = [MaybeUninit::<epoll::Event>::uninit(); 64];
     let mut spin = Spinner::new();
+    let mut sweeps = 0u32;
     loop {
         while let Some(m) = g.joining.pop() {
-            let key = members.insert(m);
-            members[key].with_channel_fd(&mut |fd| {
+            let key = members.insert(Entry { m, armed: false });
+            members[key].m.with_channel_fd(&mut |fd| {
                 if let Err(e) = epoll::add(
                     &ep,
                     fd,
@@ -143,15 +161,17 @@ fn run(g: &Group, ep: OwnedFd) {
         }
         let mut work = 0;
         let mut gone = Vec::new();
-        for (key, m) in members.iter() {
+        sweeps = sweeps.wrapping_add(1);
+        let all = sweeps.is_multiple_of(IDLE_EVERY);
+        for (key, Entry { m, .. }) in members.iter() {
             if m.stopped() {
                 gone.push(key);
-            } else {
+            } else if all || m.busy() {
                 work += m.turn();
             }
         }
         for key in gone {
-            let m = members.remove(key);
+            let Entry { m, .. } = members.remove(key);
             m.with_channel_fd(&mut |fd| {
                 let _ = epoll::delete(&ep, fd);
             });
@@ -160,7 +180,16 @@ fn run(g: &Group, ep: OwnedFd) {
             spin.work();
             continue;
         }
-        match spin.idle(&POLLER, Instant::now) {
+        // An idle sweep counts one idle turn per member: the spin budget is about time, and
+        // a sweep over many connections takes as long as as many turns over one.
+        let mut wait = Wait::Spin;
+        for _ in 0..members.len().max(1) {
+            wait = spin.idle(&POLLER, Instant::now);
+            if !matches!(wait, Wait::Spin) {
+                break;
+            }
+        }
+        match wait {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::Sleep => {
@@ -170,12 +199,19 @@ fn run(g: &Group, ep: OwnedFd) {
                     timeout = None;
                 }
                 let mut ready = g.joining.is_empty();
-                for (_, m) in members.iter() {
+                for (_, e) in members.iter_mut() {
                     if !ready {
                         break;
                     }
-                    match m.prepare_sleep(MAX_SLEEP) {
-                        Some(t) => timeout = timeout.map(|d| d.min(t)),
+                    if e.armed && !e.m.busy() {
+                        // Its CQ is armed since the last sleep and nothing is queued.
+                        continue;
+                    }
+                    match e.m.prepare_sleep(MAX_SLEEP) {
+                        Some(t) => {
+                            e.armed = true;
+                            timeout = timeout.map(|d| d.min(t));
+                        }
                         None => ready = false,
                     }
                 }
@@ -193,9 +229,11 @@ fn run(g: &Group, ep: OwnedFd) {
                     for ev in woke.iter() {
                         let key = ev.data.u64();
                         if key != DOORBELL
-                            && let Some(m) = members.get(key as usize)
+                            && let Some(e) = members.get_mut(key as usize)
                         {
-                            m.woke();
+                            // Its CQ fired: armed no more.
+                            e.armed = false;
+                            e.m.woke();
                         }
                     }
                 }

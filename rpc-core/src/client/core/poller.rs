@@ -121,6 +121,14 @@ impl<P: Provider> Member for ClientCore<P> {
         self.stop.load(Ordering::Acquire)
     }
 
+    fn busy(&self) -> bool {
+        self.free.len() != self.cells.len()
+            || !self.submitted.is_empty()
+            || !self.cancelled.is_empty()
+            || !self.stream_sends.is_empty()
+            || !self.grants.is_empty()
+    }
+
     fn prepare_sleep(&self, max: Duration) -> Option<Duration> {
         if self.is_dead() && self.free.len() == self.cells.len() {
             // Nothing in flight on a dead connection: nothing to wait for.
