@@ -15,11 +15,12 @@
 //! Members share one doorbell (submitters ring it only while the thread sleeps); each keeps
 //! its own completion channel, registered with the thread's epoll set when it joins and
 //! removed when it stops. The thread starts with the first member and lives as long as the
-//! process (asleep, without a timeout, while it has no member).
+//! process (asleep, without a timeout, while it has no member); a child forked after it
+//! started gets its own with its first member.
 
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::SegQueue;
@@ -76,37 +77,34 @@ struct Group {
     joining: SegQueue<Arc<dyn Member>>,
 }
 
-static GROUP: OnceLock<Result<Group, String>> = OnceLock::new();
+/// The process's group, with the process id that started its thread: a child forked after
+/// that has no such thread and starts its own. (A failure to start is not kept: the next
+/// channel tries again.)
+static GROUP: Mutex<Option<(u32, &'static Group)>> = Mutex::new(None);
 
 /// The process's poller: its doorbell (the connection rings it) and a way in.
 pub(crate) struct Poller(&'static Group);
 
 impl Poller {
-    /// The process's poller thread, started on first use.
+    /// The process's poller thread, started on first use (once per connect: a lock and a
+    /// process-id read, off the call path).
     pub(crate) fn get() -> std::io::Result<Poller> {
-        let g = GROUP.get_or_init(|| {
-            let doorbell = Doorbell::new().map_err(|e| format!("eventfd: {e}"))?;
-            let ep = epoll::create(epoll::CreateFlags::CLOEXEC)
-                .map_err(|e| format!("epoll_create: {e}"))?;
-            epoll::add(
-                &ep,
-                doorbell.fd(),
-                epoll::EventData::new_u64(DOORBELL),
-                epoll::EventFlags::IN,
-            )
-            .map_err(|e| format!("epoll_ctl(ADD, doorbell): {e}"))?;
-            Ok(Group {
-                doorbell,
-                joining: SegQueue::new(),
-            })
-            .and_then(|g: Group| spawn(ep).map(|()| g))
-        });
-        match g {
-            Ok(g) => Ok(Poller(g)),
-            Err(e) => Err(std::io::Error::other(format!(
-                "the process's client poller thread could not start: {e}"
-            ))),
+        let pid = std::process::id();
+        let mut g = GROUP
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((owner, group)) = *g
+            && owner == pid
+        {
+            return Ok(Poller(group));
         }
+        let group = start().map_err(|e| {
+            std::io::Error::other(format!(
+                "the process's client poller thread could not start: {e}"
+            ))
+        })?;
+        *g = Some((pid, group));
+        Ok(Poller(group))
     }
 
     /// The doorbell members ring when they queue work.
@@ -121,22 +119,27 @@ impl Poller {
     }
 }
 
-fn spawn(ep: OwnedFd) -> Result<(), String> {
+/// Makes a group and starts its thread (the group lives as long as the process).
+fn start() -> Result<&'static Group, String> {
+    let doorbell = Doorbell::new().map_err(|e| format!("eventfd: {e}"))?;
+    let ep =
+        epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| format!("epoll_create: {e}"))?;
+    epoll::add(
+        &ep,
+        doorbell.fd(),
+        epoll::EventData::new_u64(DOORBELL),
+        epoll::EventFlags::IN,
+    )
+    .map_err(|e| format!("epoll_ctl(ADD, doorbell): {e}"))?;
+    let group: &'static Group = Box::leak(Box::new(Group {
+        doorbell,
+        joining: SegQueue::new(),
+    }));
     std::thread::Builder::new()
         .name("rpc-client-poller".into())
-        .spawn(move || {
-            // The group is set once the spawn returned: wait for it (a few instructions).
-            let g = loop {
-                match GROUP.get() {
-                    Some(Ok(g)) => break g,
-                    Some(Err(_)) => return,
-                    None => std::thread::yield_now(),
-                }
-            };
-            run(g, ep);
-        })
-        .map(|_| ())
-        .map_err(|e| format!("spawn: {e}"))
+        .spawn(move || run(group, ep))
+        .map_err(|e| format!("spawn: {e}"))?;
+    Ok(group)
 }
 
 fn run(g: &Group, ep: OwnedFd) {
