@@ -1507,6 +1507,11 @@ impl<P: Provider> Link<P> {
         Ok(())
     }
 
+    /// Whether control frames wait for credit (they go out once the peer's credits arrive).
+    pub fn has_backlog(&self) -> bool {
+        !self.backlog.is_empty()
+    }
+
     /// Sends queued control frames while credit allows.
     ///
     /// # Errors

@@ -18,6 +18,10 @@ use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 use super::group::Member;
 use super::{ClientCore, Driver};
 
+/// How often an idle `ClientPoller::Caller` driver task polls a connection that still has
+/// calls no caller waits for, or control frames waiting for credit.
+const PENDING_TICK: Duration = Duration::from_millis(2);
+
 /// How often a busy `ClientPoller::Caller` driver reads the device's asynchronous events (an
 /// idle one reads them before it sleeps, the poller thread before each sleep).
 const EVENTS_EVERY: Duration = Duration::from_millis(10);
@@ -81,8 +85,13 @@ impl<P: Provider> ClientCore<P> {
                 yield_once().await;
                 continue;
             }
+            // Calls whose callers are gone (a dropped pipeline's, cancelled) or control frames
+            // waiting for the server's credits need the CQ polled although no caller waits:
+            // then it looks again every `PENDING_TICK`.
+            let mut pending = core.free.len() != core.cells.len();
             if let Some(mut d) = core.driver.try_lock() {
                 d.device_events(&core);
+                pending |= d.link.has_backlog();
             }
             let notified = drive.notified();
             tokio::pin!(notified);
@@ -91,7 +100,11 @@ impl<P: Provider> ClientCore<P> {
                 continue;
             }
             drop(core);
-            notified.await;
+            if pending {
+                let _ = tokio::time::timeout(PENDING_TICK, notified).await;
+            } else {
+                notified.await;
+            }
         }
     }
 
