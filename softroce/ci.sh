@@ -85,17 +85,32 @@ if [[ -z "$VM_ONLY" ]]; then
 fi
 
 phase "host: building the test binaries"
+df -h "$ROOT" 2>/dev/null | tail -1 | awk '{print "softroce/ci: disk: " $4 " free of " $2}'
+# cargo's JSON goes to a file and its messages to another, so that a failed build shows why.
+build_log=$(mktemp "${TMPDIR:-/tmp}/softroce-build.XXXXXX")
+build_json=$(mktemp "${TMPDIR:-/tmp}/softroce-json.XXXXXX")
+built() {  # built WHAT CARGO-ARGS...: run cargo, print its messages and fail when it fails
+  local what=$1; shift
+  if ! cargo "$@" --message-format=json >"$build_json" 2>"$build_log"; then
+    echo "softroce/ci: FAILED: building $what (cargo $*); cargo said:" >&2
+    tail -n 60 "$build_log" >&2
+    grep -o '"rendered":"[^"]*' "$build_json" | sed 's/^"rendered":"//; s/\\n/\n/g' | tail -n 60 >&2
+    df -h "$ROOT" >&2 || true
+    exit 1
+  fi
+}
+built "the ib test binaries" test -p rpc-core --features ibverbs --no-run
 exes=()
 while IFS= read -r exe; do
   base=$(basename "$exe")
   name=${base%-*}
   [[ "$name" =~ $TESTS && "$name" != rpc_core ]] && exes+=("$exe")
-done < <(cargo test -p rpc-core --features ibverbs --no-run --message-format=json 2>/dev/null |
-           sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
+done < <(sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' "$build_json")
 [[ ${#exes[@]} -gt 0 ]] || { echo "softroce/ci: no test binary matches $TESTS" >&2; exit 1; }
-doctor=$(cargo build -p rpc-examples --features ibverbs --bin rpc-doctor --message-format=json 2>/dev/null |
-           sed -n 's/.*"executable":"\([^"]*rpc-doctor\)".*/\1/p' | tail -1)
+built "rpc-doctor" build -p rpc-examples --features ibverbs --bin rpc-doctor
+doctor=$(sed -n 's/.*"executable":"\([^"]*rpc-doctor\)".*/\1/p' "$build_json" | tail -1)
 [[ -x "$doctor" ]] || { echo "softroce/ci: rpc-doctor did not build" >&2; exit 1; }
+rm -f "$build_log" "$build_json"
 
 phase "VM image (softroce/vm.sh prepare)"
 softroce/vm.sh prepare
