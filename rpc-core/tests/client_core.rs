@@ -330,3 +330,67 @@ async fn pipeline_thread_poller_under_load() {
     }
     srv.settle("pipeline: live calls back to 0").await;
 }
+
+// ----- 4. a lone async call drives its own connection ---------------------------------------
+
+/// The process's only async call on a thread-polled channel drives the connection from its
+/// own task: every such call either got its answer that way or, its answer slow, handed the
+/// connection to the poller thread and was woken by it (`Channel::async_drives`). A slow call
+/// completes after the hand-over, a call dropped while it drives leaves the connection usable,
+/// and concurrent calls (company) leave the driving to the poller thread.
+#[allow(clippy::await_holding_lock)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_async_call_drives_its_connection() {
+    let _turn = serial();
+    let srv = TestServer::start().await;
+    let ch = srv.channel(ClientPoller::Thread).await;
+    echo(&ch, 0).await;
+    let (d0, h0) = ch.async_drives();
+    const N: u64 = 200;
+    for seq in 1..=N {
+        echo(&ch, seq).await;
+    }
+    let (d1, h1) = ch.async_drives();
+    assert_eq!(
+        (d1 - d0) + (h1 - h0),
+        N,
+        "every lone call is driven by its task or handed over: {d0}/{h0} -> {d1}/{h1}"
+    );
+
+    // A slow answer (20 ms): the call hands the connection over and the poller thread
+    // completes it.
+    let sleep = |seq: u64, ms: u64| {
+        let mut req = Request::new(SleepRequest {
+            seq,
+            ms,
+            reply_len: 16,
+            pad: Default::default(),
+        });
+        req.set_timeout(Duration::from_secs(30));
+        ch.unary::<_, Blob>(&lab_server::SLEEP, req)
+    };
+    let r = within(CALL_LIMIT, "slow call", sleep(1, 20))
+        .await
+        .expect("a slow lone call completes");
+    check_blob(r.get_ref(), 1, 16, "slow call");
+    let (d2, h2) = ch.async_drives();
+    assert_eq!((d2, h2), (d1, h1 + 1), "the slow call was handed over");
+
+    // Dropped while it drives (or waits): the connection stays usable.
+    let dropped = tokio::time::timeout(Duration::from_millis(5), sleep(2, 50)).await;
+    assert!(dropped.is_err(), "the 50 ms call outlived its 5 ms wait");
+    echo(&ch, N + 1).await;
+
+    // Two calls at once: the second is not alone, so neither counter moves for it.
+    let (d3, h3) = ch.async_drives();
+    let (a, b) = tokio::join!(sleep(3, 10), sleep(4, 10));
+    check_blob(a.expect("call 3").get_ref(), 3, 16, "call 3");
+    check_blob(b.expect("call 4").get_ref(), 4, 16, "call 4");
+    let (d4, h4) = ch.async_drives();
+    assert_eq!(
+        (d4 - d3) + (h4 - h3),
+        1,
+        "only the first of two concurrent calls drives"
+    );
+    srv.settle("live calls back to 0").await;
+}

@@ -58,8 +58,16 @@ async fn main() -> anyhow::Result<()> {
     );
 
     // A quick latency figure (not a benchmark: see benches/ for that): async calls as above,
-    // then blocking calls from one thread, on the same channel.
+    // then blocking calls from one thread, on the same channel, after as many untimed calls
+    // (the first calls of a connection fault in its pages and warm its caches).
     const CALLS: usize = 2000;
+    for i in 0..CALLS {
+        client
+            .say_hello(HelloRequest {
+                name: format!("#{i}"),
+            })
+            .await?;
+    }
     let mut samples = Vec::with_capacity(CALLS);
     for i in 0..CALLS {
         let t = Instant::now();

@@ -825,6 +825,22 @@ impl Channel {
         with_any!(AnyCore, &c.core, c => c.counters.zero_copy_request_bytes.load(std::sync::atomic::Ordering::Relaxed))
     }
 
+    /// How the current connection's async unary calls found their outcome, as
+    /// `(driven, handed_over)`: `driven` calls were the process's only async call in flight
+    /// and got their answer while their own task drove the connection (no wake-up from
+    /// another thread); `handed_over` ones drove it for a while (tens of microseconds, less
+    /// on a contended host), then left it to the poller thread and waited to be woken. Calls
+    /// with company are in neither. `ClientPoller::Thread` connections only.
+    pub fn async_drives(&self) -> (u64, u64) {
+        let Some(c) = self.current() else {
+            return (0, 0);
+        };
+        with_any!(AnyCore, &c.core, c => (
+            c.counters.caller_driven.load(std::sync::atomic::Ordering::Relaxed),
+            c.counters.handed_over.load(std::sync::atomic::Ordering::Relaxed),
+        ))
+    }
+
     /// Large responses of the current connection that the server wrote into a landing zone
     /// the call lent (a response size hint, or a size learned per method: see
     /// [`ChannelBuilder::learn_response_sizes`]); the other large responses were READ.

@@ -47,6 +47,9 @@ const DOORBELL: u64 = u64::MAX;
 pub(crate) trait Member: Send + Sync {
     /// Drives the connection once; the work done.
     fn turn(&self) -> usize;
+    /// Whether a caller drives it for now: the thread neither turns it nor arms its CQ
+    /// (the caller rings the doorbell when it gives it back with work left).
+    fn driven(&self) -> bool;
     /// Whether it has calls in flight or work queued: it is turned at every sweep, the others
     /// every [`IDLE_EVERY`] sweeps (what reaches an idle connection, such as a credit
     /// reclaim, waits that long) and before the thread sleeps.
@@ -147,6 +150,10 @@ fn run(g: &Group, ep: OwnedFd) {
     let mut events = [MaybeUninit::<epoll::Event>::uninit(); 64];
     let mut spin = Spinner::new();
     let mut sweeps = 0u32;
+    // The thread has just woken from a sleep: if its first sweep finds nothing to do (a CQ
+    // armed before its connection's caller began to drive it fired; a timeout), it sleeps
+    // again at once instead of spinning a full budget beside the threads that have work.
+    let mut woke = false;
     loop {
         while let Some(m) = g.joining.pop() {
             let key = members.insert(Entry { m, armed: false });
@@ -169,7 +176,7 @@ fn run(g: &Group, ep: OwnedFd) {
         for (key, Entry { m, .. }) in members.iter() {
             if m.stopped() {
                 gone.push(key);
-            } else if all || m.busy() {
+            } else if (all || m.busy()) && !m.driven() {
                 work += m.turn();
             }
         }
@@ -181,12 +188,20 @@ fn run(g: &Group, ep: OwnedFd) {
         }
         if work > 0 {
             spin.work();
+            woke = false;
             continue;
         }
         // An idle sweep counts one idle turn per member: the spin budget is about time, and
         // a sweep over many connections takes as long as as many turns over one.
-        let mut wait = Wait::Spin;
+        let mut wait = if std::mem::take(&mut woke) {
+            Wait::Sleep
+        } else {
+            Wait::Spin
+        };
         for _ in 0..members.len().max(1) {
+            if wait == Wait::Sleep {
+                break;
+            }
             wait = spin.idle(&POLLER, Instant::now);
             if !matches!(wait, Wait::Spin) {
                 break;
@@ -206,8 +221,9 @@ fn run(g: &Group, ep: OwnedFd) {
                     if !ready {
                         break;
                     }
-                    if e.armed && !e.m.busy() {
-                        // Its CQ is armed since the last sleep and nothing is queued.
+                    if (e.armed && !e.m.busy()) || e.m.driven() {
+                        // Its CQ is armed since the last sleep and nothing is queued, or a
+                        // caller drives it (and rings when it stops).
                         continue;
                     }
                     match e.m.prepare_sleep(MAX_SLEEP) {
@@ -242,6 +258,7 @@ fn run(g: &Group, ep: OwnedFd) {
                 }
                 g.doorbell.awake();
                 spin.woke(started, timeout.unwrap_or(MAX_SLEEP), Instant::now());
+                woke = true;
             }
         }
     }

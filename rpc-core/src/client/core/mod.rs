@@ -260,6 +260,11 @@ pub(crate) struct Counters {
     pub(crate) landing_responses: AtomicU64,
     /// Request payload bytes sent from the user's registered memory (not copied).
     pub(crate) zero_copy_request_bytes: AtomicU64,
+    /// Async unary calls that found their outcome while their own task drove the connection.
+    pub(crate) caller_driven: AtomicU64,
+    /// Async unary calls that drove the connection for a while, then handed it to the
+    /// poller thread and slept.
+    pub(crate) handed_over: AtomicU64,
 }
 
 /// One client connection.
@@ -277,6 +282,9 @@ pub(crate) struct ClientCore<P: Provider> {
     drive: Arc<tokio::sync::Notify>,
     /// Cells held by async calls.
     async_calls: std::sync::atomic::AtomicUsize,
+    /// Callers driving the connection themselves while they wait (`ClientPoller::Thread`):
+    /// the poller thread leaves it to them ([`poller::CallerDrive`]).
+    caller_drives: std::sync::atomic::AtomicU32,
     submitted: ArrayQueue<(u32, u32)>,
     cancelled: ArrayQueue<(u32, u32)>,
     stream_sends: SegQueue<StreamSend<P>>,
@@ -381,6 +389,7 @@ impl<P: Provider> ClientCore<P> {
             slot_freed: tokio::sync::Notify::new(),
             drive: Arc::new(tokio::sync::Notify::new()),
             async_calls: std::sync::atomic::AtomicUsize::new(0),
+            caller_drives: std::sync::atomic::AtomicU32::new(0),
             submitted: ArrayQueue::new(n),
             cancelled: ArrayQueue::new(n),
             stream_sends: SegQueue::new(),

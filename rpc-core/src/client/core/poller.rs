@@ -3,7 +3,7 @@
 //! that drive it themselves.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -11,12 +11,12 @@ use tracing::{info, warn};
 
 use crate::Status;
 use crate::client::ClientPoller;
-use crate::poll_policy::CLOCK_EVERY;
+use crate::poll_policy::{Budget, CLOCK_EVERY, Wait, with_thread_spinner};
 use crate::server::notify::wait_readable;
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
 use super::group::Member;
-use super::{ClientCore, Driver};
+use super::{ClientCore, Driver, Outcome};
 
 /// How often an idle `ClientPoller::Caller` driver task polls a connection that still has
 /// calls no caller waits for, or control frames waiting for credit.
@@ -124,10 +124,142 @@ impl<P: Provider> ClientCore<P> {
     }
 }
 
+/// How long a lone async caller of a thread-polled connection drives it itself before it
+/// hands it to the poller thread and sleeps on its waker. It covers an answer from a server
+/// shard that slept (woken by the request: tens of microseconds on a VM), and is short as
+/// busy waits inside a poll go (the task's worker runs nothing else meanwhile).
+const CALLER_DRIVE_FOR: Duration = Duration::from_micros(200);
+
+/// The spinning of that drive: no limit in turns on a quiet host (the time is), the
+/// detector's brief spin on a contended one.
+const CALLER_DRIVE: Budget = Budget::adaptive(u32::MAX, 0);
+
+/// Async calls of this process waiting for their outcome: a call drives its connection
+/// from its own task only when it is the only one (a task that busy-waits inside its poll
+/// holds up every other task of its runtime's worker).
+static ASYNC_WAITING: AtomicUsize = AtomicUsize::new(0);
+
+/// An async call counted in [`ASYNC_WAITING`] until it is dropped.
+pub(super) struct Waiting(bool);
+
+impl Waiting {
+    /// Counts the caller in; whether it is the process's only waiting async call.
+    pub(super) fn enter() -> Waiting {
+        Waiting(ASYNC_WAITING.fetch_add(1, Ordering::AcqRel) == 0)
+    }
+
+    pub(super) fn alone(&self) -> bool {
+        self.0
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        ASYNC_WAITING.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A caller of a `ClientPoller::Thread` connection that drives it itself while it waits (a
+/// blocking call; a lone async call, for a while): the poller thread leaves the connection
+/// alone meanwhile (it neither turns it nor arms its CQ), so that the waiting thread finds
+/// its answer with no hand-off between threads and no third thread spins. Dropped, it gives
+/// the connection back: the poller thread is rung if calls are still in flight (drop it after
+/// releasing the caller's own cell).
+pub(super) struct CallerDrive<'a, P: Provider> {
+    core: &'a ClientCore<P>,
+}
+
+impl<P: Provider> ClientCore<P> {
+    /// The connection for this caller to drive, on a thread-polled connection (`None` with
+    /// `ClientPoller::Caller`, whose callers drive it anyway).
+    pub(super) fn caller_drive(&self) -> Option<CallerDrive<'_, P>> {
+        if self.mode != ClientPoller::Thread {
+            return None;
+        }
+        self.caller_drives.fetch_add(1, Ordering::SeqCst);
+        Some(CallerDrive { core: self })
+    }
+
+    /// Whether a caller drives the connection (the poller thread stands down).
+    fn driven_by_caller(&self) -> bool {
+        self.caller_drives.load(Ordering::SeqCst) > 0
+    }
+
+    /// Waits for the outcome of the async call in cell `idx` (which the caller owns) driving
+    /// the connection from the waiting task, for at most [`CALLER_DRIVE_FOR`] inside this
+    /// poll (a short busy wait: the task does not return to the runtime, whose wake-up of a
+    /// parked worker costs more than the answer takes); then, or at once on a contended
+    /// host, it hands the connection to the poller thread and sleeps on its waker.
+    ///
+    /// `drive` is left `None` after a hand-over; the caller drops it (if still there) once it
+    /// has released its cell, so that its own finished call does not count as work left for
+    /// the poller thread.
+    pub(super) async fn outcome_driving(
+        &self,
+        idx: u32,
+        drive: &mut Option<CallerDrive<'_, P>>,
+    ) -> Outcome<P> {
+        let mb = &self.cells[idx as usize].mb;
+        std::future::poll_fn(|cx| {
+            if let Some(o) = mb.try_done() {
+                return Poll::Ready(o);
+            }
+            if drive.is_some() {
+                let start = Instant::now();
+                let mut idle = 0u32;
+                let done = with_thread_spinner(|spin| {
+                    loop {
+                        if self.progress() > 0 {
+                            spin.work();
+                        } else if !matches!(spin.idle(&CALLER_DRIVE, Instant::now), Wait::Spin) {
+                            return None;
+                        } else {
+                            idle = idle.wrapping_add(1);
+                            if idle.is_multiple_of(CLOCK_EVERY)
+                                && start.elapsed() >= CALLER_DRIVE_FOR
+                            {
+                                return None;
+                            }
+                            std::hint::spin_loop();
+                        }
+                        if let Some(o) = mb.try_done() {
+                            return Some(o);
+                        }
+                    }
+                });
+                if let Some(o) = done {
+                    self.counters.caller_driven.fetch_add(1, Ordering::Relaxed);
+                    return Poll::Ready(o);
+                }
+                // Long enough: the poller thread takes over (rung if it sleeps).
+                *drive = None;
+                self.counters.handed_over.fetch_add(1, Ordering::Relaxed);
+            }
+            mb.poll_done(cx)
+        })
+        .await
+    }
+}
+
+impl<P: Provider> Drop for CallerDrive<'_, P> {
+    fn drop(&mut self) {
+        // SeqCst against the poller's sleep: it either sees the count fall (and turns the
+        // connection), or it had announced its sleep and we ring it.
+        self.core.caller_drives.fetch_sub(1, Ordering::SeqCst);
+        if Member::busy(self.core) {
+            self.core.doorbell.ring();
+        }
+    }
+}
+
 /// A `ClientPoller::Thread` connection, as the process's poller thread drives it.
 impl<P: Provider> Member for ClientCore<P> {
     fn turn(&self) -> usize {
         self.progress()
+    }
+
+    fn driven(&self) -> bool {
+        self.driven_by_caller()
     }
 
     fn stopped(&self) -> bool {

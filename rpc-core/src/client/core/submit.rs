@@ -246,12 +246,28 @@ impl<P: Provider> ClientCore<P> {
         let mut guard = CellGuard::new(self, idx, generation, false);
         let slot = self.send_slot().await?;
         let sub = self.prepare(slot, method, metadata, msg, timeout, hint, registered)?;
-        self.submit(idx, generation, sub)?;
+        self.hand_over(idx, generation, sub)?;
         guard.submitted = true;
-        let outcome = self.outcome(idx).await;
+        // The process's only async call in flight drives its connection itself for a while
+        // (no hand-off between threads); with company the poller thread (or driver task)
+        // serves them all.
+        let waiting = super::poller::Waiting::enter();
+        let mut drive = if waiting.alone() && self.async_calls.load(Ordering::Acquire) == 1 {
+            self.caller_drive()
+        } else {
+            None
+        };
+        let outcome = if drive.is_some() {
+            self.outcome_driving(idx, &mut drive).await
+        } else {
+            self.kick();
+            self.outcome(idx).await
+        };
         guard.submitted = false;
         let r = decode_outcome::<P, Resp>(outcome);
         drop(guard);
+        drop(drive);
+        drop(waiting);
         r
     }
 
@@ -273,7 +289,12 @@ impl<P: Provider> ClientCore<P> {
         Resp: Message + Default,
     {
         let mut guard = self.hand_over_blocking(method, request)?;
-        self.kick();
+        // A thread-polled connection is ours to drive while we wait (the poller thread
+        // stands down); `ClientPoller::Caller` callers drive it anyway.
+        let drive = self.caller_drive();
+        if drive.is_none() {
+            self.kick();
+        }
         let idx = guard.idx;
         let outcome = with_thread_spinner(|spin| {
             loop {
@@ -290,6 +311,7 @@ impl<P: Provider> ClientCore<P> {
         guard.submitted = false;
         let r = decode_outcome::<P, Resp>(outcome);
         drop(guard);
+        drop(drive);
         r
     }
 
