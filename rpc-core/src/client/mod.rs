@@ -47,7 +47,11 @@ pub use retry::{MAX_ATTEMPTS, RetryPolicy, TRANSPARENT_ATTEMPTS};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum ClientPoller {
     /// The process's poller thread, shared by every such connection of the process (it
-    /// spins briefly over them, then sleeps on their completion channels).
+    /// spins briefly over them, then sleeps on their completion channels). A caller that
+    /// waits drives its connection itself meanwhile, and the thread stands down for it: a
+    /// blocking call until its answer, the process's only async call in flight for up to
+    /// 200 µs inside its poll (no wake-up from another thread); see
+    /// [`Channel::async_drives`].
     #[default]
     Thread,
     /// The calling threads: a blocking call polls the CQ itself (the lowest latency), and async
