@@ -217,6 +217,22 @@ thread_local! {
     static THREAD_SPINNER: std::cell::Cell<Spinner> = const { std::cell::Cell::new(Spinner::new()) };
 }
 
+thread_local! {
+    /// Whether this thread runs a server shard's polling loop.
+    static SHARD_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as a server shard's: code it runs (handlers) must not busy-wait, since
+/// the shard's other connections wait meanwhile.
+pub(crate) fn mark_shard_thread() {
+    SHARD_THREAD.with(|c| c.set(true));
+}
+
+/// Whether this thread is a server shard's ([`mark_shard_thread`]).
+pub(crate) fn on_shard_thread() -> bool {
+    SHARD_THREAD.with(std::cell::Cell::get)
+}
+
 /// Runs `f` with this thread's [`Spinner`], starting a new idle phase (no allocation, no
 /// system call: a const-initialised thread-local).
 pub(crate) fn with_thread_spinner<T>(f: impl FnOnce(&mut Spinner) -> T) -> T {

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use rpc_core::{Channel, ClientPoller, Request};
+use rpc_core::{Channel, ClientPoller, Request, Status};
 
 // ----- helpers -------------------------------------------------------------------------------
 
@@ -393,4 +393,67 @@ async fn a_lone_async_call_drives_its_connection() {
         "only the first of two concurrent calls drives"
     );
     srv.settle("live calls back to 0").await;
+}
+
+// ----- 5. a handler's call does not busy-wait on the shard's thread -------------------------
+
+/// Relays an echo to a backend channel (a frontend handler calling a backend).
+#[rpc_derive::service(package = "relay")]
+pub trait Relay {
+    /// Echoes the request through the backend.
+    async fn relay(&self, request: Blob) -> Result<Blob, Status>;
+}
+
+struct RelaySvc {
+    backend: Channel,
+}
+
+impl Relay for RelaySvc {
+    async fn relay(&self, request: Blob) -> Result<Blob, Status> {
+        let r: rpc_core::Response<Blob> = self
+            .backend
+            .unary(&lab_server::ECHO, Request::new(request))
+            .await?;
+        Ok(r.into_inner())
+    }
+}
+
+/// A handler runs on its server shard's thread: the backend call it awaits, although the
+/// process's only async call in flight, leaves the driving to the poller thread (driving it
+/// there would keep the shard's other connections waiting). Every relayed call completes.
+#[allow(clippy::await_holding_lock)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_call_leaves_the_shard_thread_free() {
+    let _turn = serial();
+    let backend_srv = TestServer::start().await;
+    let backend = backend_srv.channel(ClientPoller::Thread).await;
+    let front = rpc_core::Server::builder()
+        .add_service(relay_server::RelayServer::new(RelaySvc {
+            backend: backend.clone(),
+        }))
+        .bind("127.0.0.1:0")
+        .await
+        .expect("frontend binds");
+    let client = relay_client::RelayClient::connect(front.local_addr().to_string())
+        .await
+        .expect("connects to the frontend");
+    // Blocking calls from the test: no async call of this process but the handler's is in
+    // flight, so that one is alone.
+    let blocking = relay_client::RelayBlockingClient::from(client);
+    tokio::task::spawn_blocking(move || {
+        for seq in 0..50u64 {
+            let r = blocking
+                .relay(small_blob(seq))
+                .unwrap_or_else(|e| panic!("relay {seq}: {e:?}"));
+            check_blob(&r.into_inner(), seq, 32, "relay");
+        }
+    })
+    .await
+    .expect("relayed calls");
+    assert_eq!(
+        backend.async_drives(),
+        (0, 0),
+        "the handler's backend calls were driven by the poller thread"
+    );
+    backend_srv.settle("backend: live calls back to 0").await;
 }

@@ -50,8 +50,8 @@ pub enum ClientPoller {
     /// spins briefly over them, then sleeps on their completion channels). A caller that
     /// waits drives its connection itself meanwhile, and the thread stands down for it: a
     /// blocking call until its answer, the process's only async call in flight for up to
-    /// 200 µs inside its poll (no wake-up from another thread); see
-    /// [`Channel::async_drives`].
+    /// 200 µs inside its poll (no wake-up from another thread), except in a handler on a
+    /// server shard's thread; see [`Channel::async_drives`].
     #[default]
     Thread,
     /// The calling threads: a blocking call polls the CQ itself (the lowest latency), and async

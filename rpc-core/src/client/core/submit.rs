@@ -250,9 +250,13 @@ impl<P: Provider> ClientCore<P> {
         guard.submitted = true;
         // The process's only async call in flight drives its connection itself for a while
         // (no hand-off between threads); with company the poller thread (or driver task)
-        // serves them all.
+        // serves them all. Not from a handler on a server shard's thread: the shard's other
+        // connections would wait.
         let waiting = super::poller::Waiting::enter();
-        let mut drive = if waiting.alone() && self.async_calls.load(Ordering::Acquire) == 1 {
+        let mut drive = if waiting.alone()
+            && self.async_calls.load(Ordering::Acquire) == 1
+            && !crate::poll_policy::on_shard_thread()
+        {
             self.caller_drive()
         } else {
             None

@@ -55,6 +55,7 @@ impl<P: Provider> Shard<P> {
     /// Runs the poll loop until the server stops and every call has finished.
     pub(crate) fn run(mut self, rt: tokio::runtime::Handle) {
         let _enter = rt.enter();
+        crate::poll_policy::mark_shard_thread();
         if let Some(core) = self.cfg.core_of(self.id) {
             pin_to_core(core);
         }
