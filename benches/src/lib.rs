@@ -186,7 +186,12 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
         report.seconds
     );
     println!();
-    let mut table = report::table(&report, &args.outstanding, runner::LARGE_FROM);
+    // `--streaming-only` measured no unary phase: no unary table and no targets.
+    let mut table = if args.streaming_only {
+        String::new()
+    } else {
+        report::table(&report, &args.outstanding, runner::LARGE_FROM)
+    };
     let provider = report.config["provider"].as_str().unwrap_or("soft");
     match &report.streaming {
         Some(s) => {

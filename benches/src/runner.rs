@@ -58,6 +58,10 @@ pub struct RunArgs {
     /// Skip the streaming measurements.
     #[arg(long)]
     pub no_streaming: bool,
+    /// Run only the streaming measurements (no unary phases), at `--stream-sizes` (or
+    /// `--sizes`).
+    #[arg(long, conflicts_with = "no_streaming")]
+    pub streaming_only: bool,
     /// Messages in flight on the pipelined bidi call of the streaming measurements (0: skip
     /// that phase).
     #[arg(long, default_value_t = DEFAULT_PIPELINE)]
@@ -440,7 +444,11 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
     };
     // More, shorter repetitions: medians over more interleaved runs resist a noisy machine.
     let reps = args.reps.unwrap_or(if quick { 3 } else { 7 }).max(1);
-    let sizes = args.sizes.clone().unwrap_or_else(|| DEFAULT_SIZES.to_vec());
+    let sizes = if args.streaming_only {
+        Vec::new()
+    } else {
+        args.sizes.clone().unwrap_or_else(|| DEFAULT_SIZES.to_vec())
+    };
     let stream_systems: Vec<System> = if args.no_streaming {
         Vec::new()
     } else {
@@ -536,7 +544,7 @@ pub fn run(args: &RunArgs, command: String) -> Result<Report> {
         }
     };
 
-    let issue3 = !args.no_issue3 && args.systems.contains(&System::Rpc);
+    let issue3 = !args.no_issue3 && !args.streaming_only && args.systems.contains(&System::Rpc);
     let unary_cells = sizes
         .iter()
         .flat_map(|&size| args.systems.iter().map(move |&s| (size, s)))

@@ -5,10 +5,22 @@
 //! when taken. The inbox holds at most the stream window, which the sender never exceeds; the
 //! consumer returns window to the sender as it takes messages (every half window), so a slow
 //! consumer slows its producer and nothing grows without bound.
+//!
+//! # How large the window is
+//!
+//! Every stream starts with [`STREAM_WINDOW`] messages. The consumer sizes the window by
+//! bytes, as HTTP/2 does, but counts messages on the wire: when it grants, it opens the window
+//! to [`STREAM_WINDOW_BYTES`] worth of the largest message it has taken, within
+//! [`STREAM_WINDOW`]`..=`[`STREAM_WINDOW_MAX`]. A stream of small messages runs up to 256
+//! ahead of its consumer (a window of 16 allowed one burst per round trip: 32 B streams ran
+//! at a quarter of the rate), one of large messages keeps 16 (a large message is a loan of
+//! the sender's registered memory; senders also keep at most [`STREAM_LOANS`] of those open
+//! per stream, whatever the window). A window that is larger than the target shrinks as the
+//! consumer takes messages without granting.
 
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
@@ -19,6 +31,17 @@ use prost::Message;
 
 use crate::buf::{Lend, RecvSlot, SlotReader};
 use crate::{Metadata, Status};
+
+/// The window every stream starts with, in messages (both ends use it: handshake 5).
+pub(crate) const STREAM_WINDOW: u32 = 16;
+/// The most a consumer opens a stream's window to, in messages (both ends: handshake 5).
+pub(crate) const STREAM_WINDOW_MAX: u32 = 256;
+/// The bytes a consumer lets a stream have in flight: the window is opened to this many
+/// bytes of the largest message taken so far (within the two limits above).
+pub(crate) const STREAM_WINDOW_BYTES: usize = 256 << 10;
+/// Large stream messages (rendezvous loans of the sender's registered memory) a sender keeps
+/// open per stream, whatever the window: the peer returns them as it reads them.
+pub(crate) const STREAM_LOANS: usize = 16;
 
 /// A received stream message, still in registered memory.
 pub(crate) enum Item {
@@ -70,6 +93,14 @@ impl AsRef<[u8]> for OwnedItem {
 impl Lend for OwnedItem {}
 
 impl Item {
+    /// The message's bytes.
+    fn len(&self) -> usize {
+        match self {
+            Item::Slot { start, end, .. } => end.saturating_sub(*start),
+            Item::Owned(b) => b.as_ref().as_ref().len(),
+        }
+    }
+
     fn decode<T: Message + Default>(self) -> Result<T, Status> {
         let r = match self {
             Item::Slot { slot, start, end } => T::decode(SlotReader::new(slot, start, end)),
@@ -103,8 +134,15 @@ pub(crate) struct Inbox {
     end: OnceLock<Option<Status>>,
     metadata: OnceLock<Metadata>,
     trailers: OnceLock<Metadata>,
+    /// The consumer's own counters (only the consumer reads or writes them): messages taken
+    /// since the last grant, the window the sender was last allowed (messages in flight, queued
+    /// and taken since that grant included), and the largest message taken.
     consumed: AtomicU32,
-    window: u32,
+    window: AtomicU32,
+    largest: AtomicUsize,
+    /// The window the stream starts with and the most it is opened to.
+    initial: u32,
+    max: u32,
     host: OnceLock<Box<dyn InboxHost>>,
 }
 
@@ -118,17 +156,23 @@ impl std::fmt::Debug for Inbox {
 }
 
 impl Inbox {
-    /// An inbox for a stream window of `window` messages.
-    pub(crate) fn new(window: u32) -> Arc<Inbox> {
+    /// An inbox for a stream whose window starts at `initial` messages and may be opened to
+    /// `max` (the connection's `stream_window` and `stream_window_max`).
+    pub(crate) fn new(initial: u32, max: u32) -> Arc<Inbox> {
+        let initial = initial.max(1);
+        let max = max.max(initial);
         Arc::new(Inbox {
-            items: ArrayQueue::new(window.max(1) as usize + 1),
+            items: ArrayQueue::new(max as usize + 1),
             waker: AtomicWaker::new(),
             ended: AtomicBool::new(false),
             end: OnceLock::new(),
             metadata: OnceLock::new(),
             trailers: OnceLock::new(),
             consumed: AtomicU32::new(0),
-            window: window.max(1),
+            window: AtomicU32::new(initial),
+            largest: AtomicUsize::new(0),
+            initial,
+            max,
             host: OnceLock::new(),
         })
     }
@@ -183,13 +227,13 @@ impl Inbox {
     fn poll_item(&self, cx: &mut Context<'_>) -> Poll<Option<Result<Item, Status>>> {
         for attempt in 0..2 {
             if let Some(item) = self.items.pop() {
-                self.took_one();
+                self.took_one(item.len());
                 return Poll::Ready(Some(Ok(item)));
             }
             if self.ended.load(Ordering::Acquire) {
                 // Items pushed before `finish` are visible (push happens-before the flag).
                 if let Some(item) = self.items.pop() {
-                    self.took_one();
+                    self.took_one(item.len());
                     return Poll::Ready(Some(Ok(item)));
                 }
                 return Poll::Ready(match self.end.get() {
@@ -207,18 +251,31 @@ impl Inbox {
         Poll::Pending
     }
 
-    fn took_one(&self) {
-        let n = self.consumed.fetch_add(1, Ordering::AcqRel) + 1;
-        let half = self.window.div_ceil(2);
-        if n >= half
-            && self
-                .consumed
-                .compare_exchange(n, 0, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            && !self.ended.load(Ordering::Acquire)
+    /// The consumer took a message of `len` bytes: every half window it grants the sender
+    /// what it took, resized to the target (see the module's documentation).
+    fn took_one(&self, len: usize) {
+        // Only the consumer (`&mut Streaming`) gets here: plain loads and stores suffice.
+        let n = self.consumed.load(Ordering::Relaxed) + 1;
+        let largest = self.largest.load(Ordering::Relaxed).max(len);
+        self.largest.store(largest, Ordering::Relaxed);
+        let window = self.window.load(Ordering::Relaxed);
+        if n < window.div_ceil(2) {
+            self.consumed.store(n, Ordering::Relaxed);
+            return;
+        }
+        self.consumed.store(0, Ordering::Relaxed);
+        let target = window_for(largest, self.initial, self.max);
+        // After a grant of `g` the sender may have `window - n + g` messages out.
+        let grant = (n + target).saturating_sub(window);
+        if grant == 0 {
+            self.window.store(window - n, Ordering::Relaxed);
+            return;
+        }
+        self.window.store(target, Ordering::Relaxed);
+        if !self.ended.load(Ordering::Acquire)
             && let Some(h) = self.host.get()
         {
-            h.grant(n);
+            h.grant(grant);
         }
     }
 
@@ -227,6 +284,13 @@ impl Inbox {
             h.abandon();
         }
     }
+}
+
+/// The window (messages) for a stream whose largest message so far is `largest` bytes:
+/// [`STREAM_WINDOW_BYTES`] of them, within `initial..=max`.
+fn window_for(largest: usize, initial: u32, max: u32) -> u32 {
+    let n = STREAM_WINDOW_BYTES / largest.max(1);
+    n.clamp(initial as usize, max as usize) as u32
 }
 
 /// A stream of `T`s from another source (tests, adapters).
@@ -429,7 +493,7 @@ mod tests {
 
     #[tokio::test]
     async fn messages_then_end_and_grants_every_half_window() {
-        let inbox = Inbox::new(4);
+        let inbox = Inbox::new(4, 4);
         let host = Arc::new(Host::default());
         inbox.set_host(Box::new(Arc::clone(&host)));
         let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
@@ -458,7 +522,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_error_status_ends_the_stream_and_dropping_early_abandons() {
-        let inbox = Inbox::new(2);
+        let inbox = Inbox::new(2, 2);
         let host = Arc::new(Host::default());
         inbox.set_host(Box::new(Arc::clone(&host)));
         let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
@@ -467,11 +531,47 @@ mod tests {
         drop(s);
         assert!(host.abandoned.load(Ordering::SeqCst));
 
-        let inbox = Inbox::new(2);
+        let inbox = Inbox::new(2, 2);
         let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
         inbox.finish(Some(Status::aborted("boom")));
         assert_eq!(s.message().await.unwrap_err().code(), crate::Code::Aborted);
         assert_eq!(s.message().await.unwrap(), None);
+    }
+
+    fn sized(len: usize) -> Item {
+        Item::Owned(Box::new(vec![0u8; len]))
+    }
+
+    /// Takes `n` messages of `len` bytes (pushed as room allows): the grants made meanwhile.
+    fn take(inbox: &Arc<Inbox>, host: &Host, n: usize, len: usize) -> Vec<u32> {
+        let before = host.grants.lock().unwrap().len();
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        for _ in 0..n {
+            inbox.push(sized(len)).unwrap();
+            assert!(matches!(inbox.poll_item(&mut cx), Poll::Ready(Some(Ok(_)))));
+        }
+        host.grants.lock().unwrap()[before..].to_vec()
+    }
+
+    #[test]
+    fn the_window_opens_for_small_messages_and_closes_for_large_ones() {
+        assert_eq!(window_for(32, 16, 256), 256);
+        assert_eq!(window_for(4096, 16, 256), 64);
+        assert_eq!(window_for(1 << 20, 16, 256), 16);
+        let inbox = Inbox::new(16, 256);
+        let host = Arc::new(Host::default());
+        inbox.set_host(Box::new(Arc::clone(&host)));
+        // Small messages: the first grant (after half the initial window) opens it to the
+        // most; then half of it is granted back each time.
+        assert_eq!(take(&inbox, &host, 8, 32), vec![8 + 256 - 16]);
+        assert_eq!(take(&inbox, &host, 128, 32), vec![128]);
+        // Large messages: no grant until the window has shrunk to its target (16), then
+        // half of that, each time.
+        let large = take(&inbox, &host, 248, 1 << 20);
+        assert_eq!(large.iter().sum::<u32>(), 248 + 16 - 256, "{large:?}");
+        assert_eq!(inbox.window.load(Ordering::Relaxed), 16);
+        assert_eq!(take(&inbox, &host, 16, 1 << 20), vec![8, 8]);
     }
 
     #[tokio::test]

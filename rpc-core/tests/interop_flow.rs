@@ -23,9 +23,17 @@ use rpc_core::{
     Channel, ClientPoller, Code, Metadata, Request, Response, Server, Status, Streaming,
 };
 
-/// The per-call stream window both ends configure (`wire::Config::stream_window`, 16 messages
-/// in the client and the server today). Flow-control bounds below are stated in windows.
+/// The window every stream starts with (`wire::Config::stream_window`, 16 messages in the
+/// client and the server), and the most a consumer opens it to for small messages
+/// (`stream_window_max`): 256 KiB of the largest message taken, within the two. Flow-control
+/// bounds below are stated in windows.
 const WINDOW: u64 = 16;
+const WINDOW_MAX: u64 = 256;
+
+/// The window a consumer of `size`-byte messages opens the stream to.
+fn window_for(size: u64) -> u64 {
+    ((256 << 10) / size.max(1)).clamp(WINDOW, WINDOW_MAX)
+}
 
 // ----- the service ------------------------------------------------------------------------------
 
@@ -471,18 +479,19 @@ async fn drain(s: &mut Streaming<Item>, mut each: impl AsyncFnMut(u64)) -> Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_consumer_slows_the_producer() {
     let env = Env::start_local().await; // reads the server's counters
-    // Small messages, then large ones (the bulk path) under the same window.
-    for (count, size) in [(200u64, 100u64), (60, 64 << 10)] {
+    // Small messages (the window opens to its maximum), then large ones (the bulk path, the
+    // window stays at its start).
+    for (count, size) in [(600u64, 100u64), (60, 64 << 10)] {
         let svc_counters = Arc::clone(&env.counters);
         let mut s = env.produce(count, vec![size], None).await;
         // Before anything is consumed the producer runs a whole window ahead (pipelining)...
         env.counters
             .until("the producer filled the window", |c| c.produced() >= WINDOW)
             .await;
-        // ...and no further while the consumer takes one message every 2 ms.
+        // ...and no further while the consumer takes one message every millisecond.
         let n = drain(&mut s, async |_| {
             svc_counters.consumed_one();
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         })
         .await
         .expect("the stream ends OK");
@@ -490,11 +499,18 @@ async fn slow_consumer_slows_the_producer() {
         // The window is given back inside `message()`, before the drain callback counts the
         // message consumed: the producer may be one ahead of what the counter shows.
         let ahead = env.counters.max_ahead();
+        let window = window_for(size);
         assert!(
-            ahead <= WINDOW + 1,
-            "the producer got {ahead} messages ahead of the consumer (window {WINDOW}, bound {})",
-            WINDOW + 1
+            ahead <= window + 1,
+            "the producer got {ahead} messages ahead of the consumer (window {window}, bound {})",
+            window + 1
         );
+        if window > WINDOW {
+            assert!(
+                ahead > WINDOW + 1,
+                "the window never opened past {WINDOW}: {ahead}"
+            );
+        }
         // Reset for the next size.
         env.counters.produced.store(0, Ordering::SeqCst);
         env.counters.consumed.store(0, Ordering::SeqCst);
@@ -530,7 +546,11 @@ async fn fast_producer_stays_bounded() {
     assert_eq!(n, N);
     // The window is given back inside `message()`, before the drain callback counts the
     // message consumed: the producer may be one ahead of what the counter shows.
-    assert!(env.counters.max_ahead() <= WINDOW + 1, "{:?}", env.counters);
+    assert!(
+        env.counters.max_ahead() <= window_for(64) + 1,
+        "{:?}",
+        env.counters
+    );
 
     // Client -> server: the handler starts 200 ms late and sleeps every 1,000 messages. The
     // client pulls at most one window ahead, plus the item it holds while the window is shut.
@@ -555,9 +575,9 @@ async fn fast_producer_stays_bounded() {
     );
     let ahead = svc.max_ahead();
     assert!(
-        ahead <= WINDOW + 1,
+        ahead <= window_for(64) + 1,
         "the client pulled {ahead} messages ahead of the handler (bound {})",
-        WINDOW + 1
+        window_for(64) + 1
     );
     env.finish().await;
 }

@@ -56,6 +56,11 @@ impl<P: Provider> Ledger<P> {
         self.lent.pop_front().is_some()
     }
 
+    /// Loans open.
+    pub(crate) fn len(&self) -> usize {
+        self.lent.len()
+    }
+
     /// Whether no loan is open.
     pub(crate) fn is_empty(&self) -> bool {
         self.lent.is_empty()

@@ -1277,10 +1277,11 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         // RESOURCE_EXHAUSTED (checked per call by the driver), not be a protocol violation
         // that closes the connection.
         max_message: u64::MAX,
-        stream_window: 16,
+        stream_window: crate::streaming::STREAM_WINDOW,
+        stream_window_max: crate::streaming::STREAM_WINDOW_MAX,
     };
     let eager_limit = wcfg.eager_limit as usize;
-    let wcfg_window = wcfg.stream_window;
+    let wcfg_window = (wcfg.stream_window, wcfg.stream_window_max);
     let wire = wire::Conn::new(Role::Client, wcfg).map_err(|e| {
         Error::new(
             TransportErrorKind::Config,
@@ -1323,9 +1324,10 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         link.qp.qp_num(),
         welcome.endpoint.qp_num
     );
-    let stream_window = wcfg_window;
+    let (stream_window, stream_window_max) = wcfg_window;
     let core = ClientCore::new(Parts {
         stream_window,
+        stream_window_max,
         dev,
         pd,
         cq,

@@ -26,8 +26,10 @@ pub const MAGIC: [u8; 4] = *b"RRPC";
 /// Handshake protocol version (2: data QP endpoints; 3: wire format 2, several frames per
 /// SEND, so a peer of an older release is refused at the handshake with this version in the
 /// message, before any frame; 4: wire format 3, a server's receive credits granted from a
-/// pool shared by its connections, starting at `Welcome::initial_credits`).
-pub const VERSION: u16 = 4;
+/// pool shared by its connections, starting at `Welcome::initial_credits`; 5: stream windows
+/// start at 16 messages and are opened to at most 256 by the receiver's grants, where a
+/// version-4 peer refused any window above 16).
+pub const VERSION: u16 = 5;
 /// Largest handshake message.
 pub const MAX_MESSAGE: usize = 1024;
 /// Most data QPs (besides the primary) one connection may have.
@@ -480,13 +482,17 @@ mod tests {
         let e = Message::decode(&m).unwrap_err();
         assert!(
             e.to_string()
-                .contains("version 2 not supported (this side speaks 4)"),
+                .contains("version 2 not supported (this side speaks 5)"),
             "{e}"
         );
         // A peer of the release before credits from a shared pool (handshake 3, wire 2).
         m[4] = 3;
         let e = Message::decode(&m).unwrap_err();
         assert!(e.to_string().contains("version 3 not supported"), "{e}");
+        // A peer of the release before stream windows above 16 messages (handshake 4).
+        m[4] = 4;
+        let e = Message::decode(&m).unwrap_err();
+        assert!(e.to_string().contains("version 4 not supported"), "{e}");
         let good = Message::Hello(Hello {
             provider: 1,
             endpoint: ep(),

@@ -65,7 +65,7 @@ use crate::buf::{BulkBuf, BulkPool, EncodeMsg, RecvSlot, SlotArena};
 use crate::verbs::{
     PostError, Provider, Qp, RecvWr, SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOp,
 };
-use crate::wire::{self, BulkDesc, FrameHeader, MAX_HEADER_LEN, SendError};
+use crate::wire::{self, BASE_HEADER_LEN, BulkDesc, FrameHeader, MAX_HEADER_LEN, SendError};
 use crate::{Metadata, Status};
 
 /// Largest RDMA READ/WRITE posted as one work request; larger transfers are pipelined in
@@ -101,6 +101,9 @@ struct QueuedSend {
     /// [`MORE`](wire::FrameFlags::MORE) when another frame joins).
     last: u32,
     last_header: u32,
+    /// Where the last frame ends in its slot: a packed frame ([`Link::send_packed`]) starts
+    /// there.
+    last_end: u32,
 }
 
 /// The frames of one turn of the poll loop, posted together: one doorbell on an RNIC, one ring
@@ -732,6 +735,7 @@ impl<P: Provider> Link<P> {
             open.len += len;
             open.last = slot;
             open.last_header = start as u32;
+            open.last_end = (MAX_HEADER_LEN + body) as u32;
             return Ok(());
         }
         if self.sends.n == SEND_BATCH
@@ -749,9 +753,92 @@ impl<P: Provider> Link<P> {
             slot,
             last: slot,
             last_header: start as u32,
+            last_end: (MAX_HEADER_LEN + body) as u32,
         };
         self.sends.n += 1;
         Ok(())
+    }
+
+    /// Builds a data frame whose header has no extension (an eager stream message: `build`
+    /// must not add one) and queues it. While the last queued SEND has room, the frame is
+    /// *packed*: its body is encoded straight into that SEND's last send slot, right after the
+    /// frame there, its header written before it, and the SEND's last gather entry grows over
+    /// it. No send slot and no gather entry of its own, so a turn's small messages (a
+    /// server-streaming handler's burst) fill the peer's receive slot up to the eager limit,
+    /// not [`BATCH_FRAMES`] frames, and hold one send slot, not one each. The bytes on the
+    /// wire are the same as a joined frame's (a batch, the frames back to back). Without room
+    /// it is [`Link::stage`] then [`Link::commit`].
+    ///
+    /// # Errors
+    /// As [`Link::send_frame`]: [`FrameError::Busy`] when no send slot, credit or stream
+    /// window is there (nothing was sent or spent).
+    pub fn send_packed(
+        &mut self,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+        build: impl FnOnce(&mut wire::Conn, usize, usize) -> Result<FrameHeader, SendError>,
+    ) -> Result<(), FrameError> {
+        let md_len = metadata.encoded_len();
+        let len = msg.encoded_len();
+        let Some(at) = self.pack_room(md_len + len) else {
+            let staged = self.stage(metadata, msg)?;
+            return match self.commit(staged, build) {
+                Ok(()) => Ok(()),
+                Err(CommitError::NoCredit(st)) => {
+                    self.discard(st);
+                    Err(FrameError::Busy)
+                }
+                Err(CommitError::Refused(e)) => Err(FrameError::Refused(e)),
+                Err(CommitError::Link(e)) => Err(FrameError::Link(e)),
+            };
+        };
+        let i = self.sends.n - 1;
+        let (last, last_header) = (self.sends.q[i].last, self.sends.q[i].last_header);
+        let body_at = at + BASE_HEADER_LEN;
+        let end = body_at + md_len + len;
+        // SAFETY: `last` is a send slot of a queued SEND not posted yet: ours. The bytes past
+        // the SEND's end are not in its gather list until the frame is committed below.
+        let buf = unsafe { self.arena.send_buf(last) };
+        {
+            let body = &mut buf[body_at..end];
+            metadata.encode(&mut body[..md_len]);
+            if msg.encode_into(&mut body[md_len..]) != Some(len) {
+                return Err(FrameError::TooLarge);
+            }
+        }
+        self.wire.set_joining(true);
+        let built = build(&mut self.wire, len, md_len);
+        self.wire.set_joining(false);
+        let h = match built {
+            Ok(h) => h,
+            Err(SendError::NoCredit | SendError::Window) => return Err(FrameError::Busy),
+            Err(e) => return Err(FrameError::Refused(e)),
+        };
+        // Committed: from here on a failure is the link's (a caller that broke the contract).
+        if h.encoded_len() != BASE_HEADER_LEN {
+            return Err(LinkError::Protocol("a packed frame has a header extension".into()).into());
+        }
+        h.encode(&mut buf[at..body_at])
+            .and_then(|_| wire::mark_more(&mut buf[last_header as usize..]))
+            .map_err(|e| LinkError::Protocol(format!("packed frame: {e}")))?;
+        let open = &mut self.sends.q[i];
+        let grown = (end - at) as u32;
+        open.len += grown;
+        open.sges[open.nsge as usize - 1].length += grown;
+        open.last_header = at as u32;
+        open.last_end = end as u32;
+        Ok(())
+    }
+
+    /// Where a frame of `body` bytes (metadata and payload) with a base header would start
+    /// in the last queued SEND's last slot, if it fits there and in the peer's receive slot.
+    fn pack_room(&self, body: usize) -> Option<usize> {
+        let open = self.sends.q.get(self.sends.n.checked_sub(1)?)?;
+        let at = open.last_end as usize;
+        let frame = BASE_HEADER_LEN + body;
+        (at + frame <= self.arena.geometry().slot_size as usize
+            && open.len as usize + frame <= self.wire.config().eager_limit as usize)
+            .then_some(at)
     }
 
     /// Whether a frame of `body` bytes (metadata and payload) may join the last queued SEND:

@@ -119,9 +119,14 @@ pub struct Config {
     pub eager_limit: u32,
     /// The largest message, inline or bulk; larger ones are RESOURCE_EXHAUSTED.
     pub max_message: u64,
-    /// Stream messages a receiver accepts per call before it grants more (WindowUpdate).
-    /// Both ends must use the same value (the handshake takes the smaller).
+    /// Stream messages a receiver accepts per call before it grants more (WindowUpdate): the
+    /// window every stream starts with. Both ends must use the same value.
     pub stream_window: u32,
+    /// The most a stream's window may be opened to by grants (`stream_window ..=`): a
+    /// receiver grants past the initial window to let a stream of small messages run ahead
+    /// (see [`crate::streaming`]). Both ends must use the same value (the handshake fixes
+    /// it).
+    pub stream_window_max: u32,
 }
 
 /// Smallest `eager_limit`: the longest header and a little metadata.
@@ -146,6 +151,7 @@ impl Config {
         eager_limit: 8192,
         max_message: 256 << 20,
         stream_window: 16,
+        stream_window_max: 16,
     };
 
     /// Checks every field's range and the relations between them.
@@ -205,6 +211,9 @@ impl Config {
         }
         if self.stream_window == 0 {
             return bad("stream_window must be at least 1");
+        }
+        if self.stream_window_max < self.stream_window {
+            return bad("stream_window_max must be at least stream_window");
         }
         None
     }
@@ -1171,7 +1180,8 @@ impl Conn {
     /// # Errors
     /// [`SendError::NoCredit`]; [`SendError::Gone`] when the call ended;
     /// [`SendError::BadState`] when the peer has no stream on this call;
-    /// [`SendError::Invalid`] for a grant of 0 or above what the peer used.
+    /// [`SendError::Invalid`] for a grant of 0 or one that opens the window past
+    /// [`Config::stream_window_max`].
     pub fn window_update(&mut self, call: CallId, grant: u32) -> Result<FrameHeader, SendError> {
         let i = self.live_call(call)?;
         let c = self.calls[i];
@@ -1185,9 +1195,9 @@ impl Conn {
         if grant == 0 {
             return Err(SendError::Invalid("window grant of 0"));
         }
-        if u64::from(c.recv_window) + u64::from(grant) > u64::from(self.cfg.stream_window) {
+        if u64::from(c.recv_window) + u64::from(grant) > u64::from(self.cfg.stream_window_max) {
             return Err(SendError::Invalid(
-                "window grant larger than the messages the peer used",
+                "window grant opens the window past stream_window_max",
             ));
         }
         self.check_credit(Class::Control)?;
@@ -1492,7 +1502,7 @@ impl Conn {
         call: CallId,
         grant: u32,
     ) -> Result<Event, ProtocolError> {
-        let max = self.cfg.stream_window;
+        let max = self.cfg.stream_window_max;
         let c = &mut self.calls[i];
         let window = u64::from(c.send_window) + u64::from(grant);
         if window > u64::from(max) {
@@ -1767,7 +1777,9 @@ impl Conn {
             if pending && c.deadline.is_some() {
                 timed += 1;
             }
-            if c.send_window > self.cfg.stream_window || c.recv_window > self.cfg.stream_window {
+            if c.send_window > self.cfg.stream_window_max
+                || c.recv_window > self.cfg.stream_window_max
+            {
                 return Err("stream window above the configured maximum");
             }
         }

@@ -302,7 +302,8 @@ impl fmt::Display for ProtocolError {
             ProtocolError::WindowOverflow { call, window, max } => write!(
                 f,
                 "protocol violation: window update for {call} opens the window to {window}, \
-                 above the stream window {max} (stream_window differs between the ends?)"
+                 above the largest stream window {max} (stream_window_max differs between the \
+                 ends?)"
             ),
             ProtocolError::Reclaim(why) => {
                 write!(f, "protocol violation: credit reclaim: {why}")

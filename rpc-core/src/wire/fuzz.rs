@@ -174,6 +174,7 @@ pub const FUZZ_CONFIG: Config = Config {
     eager_limit: 512,
     max_message: 4096,
     stream_window: 2,
+    stream_window_max: 4,
 };
 
 /// Drives a client and a server [`Conn`] with operations read from `data`: legitimate

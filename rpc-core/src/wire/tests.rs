@@ -23,6 +23,7 @@ fn cfg() -> Config {
         eager_limit: 1024,
         max_message: 1 << 20,
         stream_window: 2,
+        stream_window_max: 2,
     }
 }
 
@@ -458,6 +459,7 @@ fn one_way_streams_never_stall() {
         recv_max: 4,
         credit_update_threshold: 4,
         stream_window: 10_000,
+        stream_window_max: 10_000,
         ..cfg()
     });
     let call =
@@ -735,6 +737,49 @@ fn server_stream_window_flow_control() {
     // After the final status the server may send nothing more.
     assert_eq!(l.s.stream_message(call, 1, 0, None), Err(SendError::Gone));
     l.check();
+}
+
+#[test]
+fn a_receiver_opens_a_stream_window_up_to_the_maximum() {
+    let mut l = Link::new(Config {
+        stream_window_max: 6,
+        ..cfg()
+    }); // starts at 2
+    let call =
+        l.c.start_call(M, CallKind::ServerStreaming, None, l.now)
+            .unwrap();
+    let h = l.c.request(call, 1, 0, None, None, l.now).unwrap();
+    l.send_c(h, &[], b"n");
+    l.deliver_to_server().unwrap();
+    // Before any message arrived the client opens the window to the maximum, not past it.
+    assert!(matches!(
+        l.c.window_update(call, 5),
+        Err(SendError::Invalid(_))
+    ));
+    let h = l.c.window_update(call, 4).unwrap();
+    l.send_c(h, &[], &[]);
+    assert_eq!(
+        l.deliver_to_server().unwrap().ev,
+        Event::WindowUpdate { call, grant: 4 }
+    );
+    for i in 0..6u8 {
+        let h = l.s.stream_message(call, 1, 0, None).unwrap();
+        l.send_s(h, &[], &[i]);
+    }
+    assert_eq!(l.s.stream_message(call, 1, 0, None), Err(SendError::Window));
+    for _ in 0..6 {
+        l.deliver_to_client().unwrap();
+    }
+    // A forged grant past the maximum is a protocol error at the sender.
+    let forged = FrameHeader {
+        aux: 7,
+        ..FrameHeader::new(FrameKind::WindowUpdate, call.0)
+    };
+    l.send_c(forged, &[], &[]);
+    assert!(matches!(
+        l.deliver_to_server().unwrap_err(),
+        ProtocolError::WindowOverflow { max: 6, .. }
+    ));
 }
 
 #[test]
@@ -1797,6 +1842,7 @@ proptest! {
 fn a_batch_spends_one_credit_and_fills_one_slot() {
     let mut l = Link::new(Config {
         stream_window: 8,
+        stream_window_max: 8,
         ..cfg()
     });
     let call =

@@ -225,6 +225,17 @@ impl<P: Provider> Driver<P> {
             Event::BulkRelease { call } => {
                 let s = call.slot() as usize;
                 if self.calls[s].id == call && self.calls[s].stream_lent.release() {
+                    if let Some((idx, generation)) = self.calls[s].cell {
+                        let cell = &core.cells[idx as usize];
+                        if cell.generation.load(Ordering::Acquire) == generation {
+                            let _ =
+                                cell.loans
+                                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                                        n.checked_sub(1)
+                                    });
+                            cell.send_waker.wake();
+                        }
+                    }
                     if self.calls[s].finishing && !self.calls[s].lends() {
                         self.retire(s);
                     }

@@ -133,7 +133,10 @@ struct Cell<P: Provider> {
     /// before a message is staged (so a message only holds a send slot while it can go out at
     /// once: a stalled stream holds none), given back by the server's WindowUpdates.
     window: AtomicU32,
-    /// Woken when the window grows or the call ends.
+    /// Large messages of the client stream staged or lent and not yet released by the
+    /// server: at most `STREAM_LOANS` (the window may let many more small ones go).
+    loans: AtomicU32,
+    /// Woken when the window grows, a loan ends or the call ends.
     send_waker: atomic_waker::AtomicWaker,
     /// Claimed by an async call (the driver task polls for those, not for blocking calls).
     is_async: AtomicBool,
@@ -289,7 +292,9 @@ pub(crate) struct ClientCore<P: Provider> {
     cancelled: ArrayQueue<(u32, u32)>,
     stream_sends: SegQueue<StreamSend<P>>,
     grants: SegQueue<(u32, u32, u32)>,
+    /// A stream's initial window and the most it is opened to (`wire::Config`).
     stream_window: u32,
+    stream_window_max: u32,
     arena: Arc<SlotArena<P>>,
     pub(crate) bulk: Arc<BulkPool<P>>,
     doorbell: Arc<Doorbell>,
@@ -341,6 +346,7 @@ pub(crate) struct Parts<P: Provider> {
     pub(crate) learn_sizes: bool,
     pub(crate) describe: String,
     pub(crate) stream_window: u32,
+    pub(crate) stream_window_max: u32,
 }
 
 impl<P: Provider> ClientCore<P> {
@@ -378,6 +384,7 @@ impl<P: Provider> ClientCore<P> {
                     mb: Mailbox::default(),
                     generation: AtomicU32::new(0),
                     window: AtomicU32::new(0),
+                    loans: AtomicU32::new(0),
                     send_waker: atomic_waker::AtomicWaker::new(),
                     is_async: AtomicBool::new(false),
                 })
@@ -395,6 +402,7 @@ impl<P: Provider> ClientCore<P> {
             stream_sends: SegQueue::new(),
             grants: SegQueue::new(),
             stream_window: parts.stream_window,
+            stream_window_max: parts.stream_window_max,
             arena,
             bulk,
             // Connections of the process's poller thread share its doorbell.

@@ -13,7 +13,7 @@ use crate::call::{desc, lend_read};
 use crate::client::{ClientPoller, RegHandle};
 use crate::link::{CommitError, FrameError, LinkError};
 use crate::method::MethodDesc;
-use crate::streaming::{Inbox, InboxHost, Streaming};
+use crate::streaming::{Inbox, InboxHost, STREAM_LOANS, Streaming};
 use crate::verbs::Provider;
 use crate::wire::MAX_HEADER_LEN;
 use crate::{Metadata, Request, Response, Status};
@@ -38,7 +38,7 @@ impl<P: Provider> ClientCore<P> {
         let slot = self.send_slot().await?;
         let mut sub = self.prepare(slot, method, metadata, msg, timeout, None, registered)?;
         let streaming = if method.kind.server_streams() {
-            let inbox = Inbox::new(self.stream_window);
+            let inbox = Inbox::new(self.stream_window, self.stream_window_max);
             inbox.set_host(Box::new(CallHost {
                 core: Arc::clone(self),
                 idx,
@@ -72,15 +72,19 @@ impl<P: Provider> ClientCore<P> {
         msg: &dyn EncodeMsg,
     ) -> Result<(), Status> {
         let cell = &self.cells[idx as usize];
+        let len = msg.encoded_len();
+        let large = MAX_HEADER_LEN + len > self.eager_limit;
+        // Room in the window, and for a large message a loan below `STREAM_LOANS`.
+        let may_go = || {
+            cell.window.load(Ordering::Acquire) > 0
+                && (!large || (cell.loans.load(Ordering::Acquire) as usize) < STREAM_LOANS)
+        };
         std::future::poll_fn(|cx| {
-            if !self.call_live(idx, generation) {
-                return Poll::Ready(());
-            }
-            if cell.window.load(Ordering::Acquire) > 0 {
+            if !self.call_live(idx, generation) || may_go() {
                 return Poll::Ready(());
             }
             cell.send_waker.register(cx.waker());
-            if cell.window.load(Ordering::Acquire) > 0 {
+            if may_go() {
                 return Poll::Ready(());
             }
             Poll::Pending
@@ -89,10 +93,9 @@ impl<P: Provider> ClientCore<P> {
         if !self.call_live(idx, generation) {
             return Err(self.dead_status_or_ended());
         }
-        let len = msg.encoded_len();
         let md = Metadata::new();
         let slot = self.send_slot().await?;
-        let (staged, bulk) = if MAX_HEADER_LEN + len <= self.eager_limit {
+        let (staged, bulk) = if !large {
             (self.stage(slot, &md, msg)?, None)
         } else {
             if len as u64 > self.max_message {
@@ -108,7 +111,10 @@ impl<P: Provider> ClientCore<P> {
             if msg.encode_into(buf.as_mut_slice()).is_none() {
                 return Err(Status::internal("stream message encoding failed"));
             }
-            (self.stage(slot, &md, &NoMsg)?, Some(buf))
+            let staged = self.stage(slot, &md, &NoMsg)?;
+            // Only this call's pump counts loans up; the driver counts them down.
+            cell.loans.fetch_add(1, Ordering::AcqRel);
+            (staged, Some(buf))
         };
         // Only this call's pump takes window (one message at a time); the driver only gives.
         let _ = cell

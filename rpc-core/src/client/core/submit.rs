@@ -24,6 +24,7 @@ impl<P: Provider> ClientCore<P> {
         let ok = cell.mb.claim_exclusive();
         debug_assert!(ok, "a free cell must be claimable");
         cell.window.store(self.stream_window, Ordering::Release);
+        cell.loans.store(0, Ordering::Release);
         // Only the cell's claimant writes its generation (a load and a store, not a locked
         // read-modify-write).
         let g = cell.generation.load(Ordering::Relaxed).wrapping_add(1);

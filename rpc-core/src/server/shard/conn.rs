@@ -465,7 +465,8 @@ impl<P: Provider> Shard<P> {
             // Clients do not know our limit: a request above it fails its call with
             // RESOURCE_EXHAUSTED (`start_read`), it does not close the connection.
             max_message: u64::MAX,
-            stream_window: 16,
+            stream_window: crate::streaming::STREAM_WINDOW,
+            stream_window_max: crate::streaming::STREAM_WINDOW_MAX,
         };
         let wire =
             wire::Conn::new(Role::Server, wcfg).map_err(|e| exhausted(format!("protocol: {e}")))?;

@@ -168,7 +168,8 @@ impl<P: Provider> Shard<P> {
                     ));
                 };
                 let inbox = kind.client_streams().then(|| {
-                    let inbox = Inbox::new(conn.link.wire.config().stream_window);
+                    let cfg = conn.link.wire.config();
+                    let inbox = Inbox::new(cfg.stream_window, cfg.stream_window_max);
                     inbox.set_host(Box::new(ShardInbox {
                         api: Arc::clone(&self.peer_api),
                         key: conn.link.key(),
@@ -214,10 +215,15 @@ impl<P: Provider> Shard<P> {
             Event::BulkRelease { call } => {
                 // Only for this very call: a late release of an earlier call in the same slot
                 // must not free the buffer the current call lent.
-                if let Some(c) = conn.slot(call)
-                    && !c.stream_bulks.release()
-                {
-                    c.resp_bulk = None;
+                if let Some(c) = conn.slot(call) {
+                    if !c.stream_bulks.release() {
+                        c.resp_bulk = None;
+                    } else if std::mem::take(&mut c.blocked)
+                        && let Some(t) = c.task
+                    {
+                        // A stream that waited for its loans may go on.
+                        self.tasks.wake(t);
+                    }
                 }
             }
             Event::Stale {

@@ -13,6 +13,7 @@ use crate::call::lend_read;
 use crate::link::{CommitError, Control, FrameError};
 use crate::server::call::CallCtx;
 use crate::server::peer::{Peer, PeerApi};
+use crate::streaming::STREAM_LOANS;
 use crate::verbs::{Provider, Sge};
 use crate::wire::{self, BulkDesc, CallId, MAX_HEADER_LEN, Transfer};
 use crate::{Metadata, Status};
@@ -48,8 +49,15 @@ impl<P: Provider> CallCtx for Reply<'_, P> {
     }
 
     fn stream_ready(&mut self) -> bool {
+        // At most `STREAM_LOANS` large messages open (not released by the client) per stream,
+        // however far the window is open: the next message may be large.
+        let loans_full = self
+            .conn
+            .slot(self.call)
+            .is_some_and(|c| c.stream_bulks.len() >= STREAM_LOANS);
         let link = &self.conn.link;
-        let ok = link.wire.send_window(self.call).is_some_and(|w| w > 0)
+        let ok = !loans_full
+            && link.wire.send_window(self.call).is_some_and(|w| w > 0)
             && link.wire.data_credits() > 0
             && link.can_stage()
             && self.conn.deferred.is_empty();
@@ -58,7 +66,11 @@ impl<P: Provider> CallCtx for Reply<'_, P> {
             && !c.blocked
         {
             c.blocked = true;
-            self.conn.blocked.push(self.call);
+            // A BulkRelease wakes a stream waiting for its loans (and a WindowUpdate any); the
+            // list is for those waiting for credits or send slots.
+            if !loans_full {
+                self.conn.blocked.push(self.call);
+            }
         }
         ok
     }
@@ -306,13 +318,16 @@ impl<P: Provider> ServerConn<P> {
         };
         match self.link.wire.plan(len as u64, md_len, None) {
             Transfer::Eager | Transfer::Landing => {
-                let st = self
-                    .link
-                    .stage(metadata, msg)
-                    .map_err(|e| Status::internal(format!("stream message: {e:?}")))?;
                 self.link
-                    .commit(st, |w, pl, ml| w.stream_message(call, pl, ml, None))
-                    .map_err(refused)?;
+                    .send_packed(metadata, msg, |w, pl, ml| {
+                        w.stream_message(call, pl, ml, None)
+                    })
+                    .map_err(|e| match e {
+                        FrameError::Refused(wire::SendError::Gone) => {
+                            Status::cancelled("the call ended")
+                        }
+                        e => Status::internal(format!("stream message: {e:?}")),
+                    })?;
                 self.stat_message(call, len, false);
                 Ok(())
             }
