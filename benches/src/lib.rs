@@ -222,7 +222,12 @@ fn run_and_print(args: &runner::RunArgs, command: String) -> anyhow::Result<()> 
             .filter(|d| !d.as_os_str().is_empty())
             .unwrap_or_else(|| std::path::PathBuf::from("."));
         let title = format!("{provider} provider, {}", report.machine.cpu);
-        let mut plots = plot::write_all(&dir, &report.rows, provider, &title);
+        // No unary phase ran with `--streaming-only`: no latency or throughput plot.
+        let mut plots = if args.streaming_only {
+            Ok(Vec::new())
+        } else {
+            plot::write_all(&dir, &report.rows, provider, &title)
+        };
         if let (Ok(files), Some(s)) = (&mut plots, &report.streaming) {
             let data = plot::StreamPlot {
                 rows: &s.rows,
