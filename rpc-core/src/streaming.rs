@@ -8,13 +8,13 @@
 //!
 //! # How large the window is
 //!
-//! Every stream starts with [`STREAM_WINDOW`] messages. The consumer sizes the window by
+//! Every stream starts with `STREAM_WINDOW` messages. The consumer sizes the window by
 //! bytes, as HTTP/2 does, but counts messages on the wire: when it grants, it opens the window
-//! to [`STREAM_WINDOW_BYTES`] worth of the largest message it has taken, within
-//! [`STREAM_WINDOW`]`..=`[`STREAM_WINDOW_MAX`]. A stream of small messages runs up to 256
+//! to `STREAM_WINDOW_BYTES` worth of the largest message it has taken, within
+//! `STREAM_WINDOW..=STREAM_WINDOW_MAX`. A stream of small messages runs up to 256
 //! ahead of its consumer (a window of 16 allowed one burst per round trip: 32 B streams ran
 //! at a quarter of the rate), one of large messages keeps 16 (a large message is a loan of
-//! the sender's registered memory; senders also keep at most [`STREAM_LOANS`] of those open
+//! the sender's registered memory; senders also keep at most `STREAM_LOANS` of those open
 //! per stream, whatever the window). A window that is larger than the target shrinks as the
 //! consumer takes messages without granting.
 
@@ -287,7 +287,7 @@ impl Inbox {
 }
 
 /// The window (messages) for a stream whose largest message so far is `largest` bytes:
-/// [`STREAM_WINDOW_BYTES`] of them, within `initial..=max`.
+/// `STREAM_WINDOW_BYTES` of them, within `initial..=max`.
 fn window_for(largest: usize, initial: u32, max: u32) -> u32 {
     let n = STREAM_WINDOW_BYTES / largest.max(1);
     n.clamp(initial as usize, max as usize) as u32
