@@ -782,15 +782,7 @@ impl<P: Provider> Link<P> {
         let len = msg.encoded_len();
         let Some(at) = self.pack_room(md_len + len) else {
             let staged = self.stage(metadata, msg)?;
-            return match self.commit(staged, build) {
-                Ok(()) => Ok(()),
-                Err(CommitError::NoCredit(st)) => {
-                    self.discard(st);
-                    Err(FrameError::Busy)
-                }
-                Err(CommitError::Refused(e)) => Err(FrameError::Refused(e)),
-                Err(CommitError::Link(e)) => Err(FrameError::Link(e)),
-            };
+            return self.commit_now(staged, build);
         };
         let i = self.sends.n - 1;
         let (last, last_header) = (self.sends.q[i].last, self.sends.q[i].last_header);
@@ -1097,6 +1089,16 @@ impl<P: Provider> Link<P> {
     ) -> Result<(), FrameError> {
         // Control frames (this is how they go out) may use the slots data frames leave.
         let staged = self.stage_keeping(metadata, msg, 0)?;
+        self.commit_now(staged, build)
+    }
+
+    /// [`Link::commit`] that drops the staged frame when it cannot go now (no credit is
+    /// [`FrameError::Busy`]).
+    fn commit_now(
+        &mut self,
+        staged: Staged,
+        build: impl FnOnce(&mut wire::Conn, usize, usize) -> Result<FrameHeader, SendError>,
+    ) -> Result<(), FrameError> {
         match self.commit(staged, build) {
             Ok(()) => Ok(()),
             Err(CommitError::NoCredit(st)) => {
