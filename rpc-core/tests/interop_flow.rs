@@ -519,6 +519,36 @@ async fn slow_consumer_slows_the_producer() {
     env.finish().await;
 }
 
+/// A stream whose messages grow from small to large mid-way: the window the consumer opened
+/// for the small ones (256) lets large ones through by the bulk path, each lent and released in
+/// order (at most 16 loans open at the sender), and everything arrives intact and in order.
+/// A consumer that pauses after the small ones still bounds the producer by that window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_growing_from_small_to_large_messages() {
+    let env = Env::start_local().await; // reads the server's counters
+    let mut sizes = vec![100u64; 300];
+    sizes.extend([96 << 10; 100]);
+    let count = sizes.len() as u64;
+    let c = Arc::clone(&env.counters);
+    let mut s = env.produce(count, sizes, None).await;
+    let n = drain(&mut s, async |i| {
+        c.consumed_one();
+        if i == 300 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the stream ends OK");
+    assert_eq!(n, count);
+    let ahead = env.counters.max_ahead();
+    assert!(
+        ahead <= window_for(100) + 1,
+        "the producer got {ahead} messages ahead (window {})",
+        window_for(100)
+    );
+    env.finish().await;
+}
+
 /// A fast producer of 10,000 messages against a consumer that sleeps: what is in flight stays
 /// within the window in both directions, whatever the producer could make.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
