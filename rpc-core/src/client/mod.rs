@@ -1281,7 +1281,6 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         stream_window_max: crate::streaming::STREAM_WINDOW_MAX,
     };
     let eager_limit = wcfg.eager_limit as usize;
-    let wcfg_window = (wcfg.stream_window, wcfg.stream_window_max);
     let wire = wire::Conn::new(Role::Client, wcfg).map_err(|e| {
         Error::new(
             TransportErrorKind::Config,
@@ -1324,10 +1323,10 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         link.qp.qp_num(),
         welcome.endpoint.qp_num
     );
-    let (stream_window, stream_window_max) = wcfg_window;
+    let wcfg = *link.wire.config();
     let core = ClientCore::new(Parts {
-        stream_window,
-        stream_window_max,
+        stream_window: wcfg.stream_window,
+        stream_window_max: wcfg.stream_window_max,
         dev,
         pd,
         cq,

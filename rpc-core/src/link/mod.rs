@@ -1094,7 +1094,10 @@ impl<P: Provider> Link<P> {
 
     /// [`Link::commit`] that drops the staged frame when it cannot go now (no credit is
     /// [`FrameError::Busy`]).
-    fn commit_now(
+    ///
+    /// # Errors
+    /// As [`Link::commit`], the staged frame released in every case.
+    pub fn commit_now(
         &mut self,
         staged: Staged,
         build: impl FnOnce(&mut wire::Conn, usize, usize) -> Result<FrameHeader, SendError>,

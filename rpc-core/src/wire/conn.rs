@@ -124,8 +124,8 @@ pub struct Config {
     pub stream_window: u32,
     /// The most a stream's window may be opened to by grants (`stream_window ..=`): a
     /// receiver grants past the initial window to let a stream of small messages run ahead
-    /// (see [`crate::streaming`]). Both ends must use the same value (the handshake fixes
-    /// it).
+    /// (how far is the receiver's policy, not the protocol's). Both ends must use the same
+    /// value (the handshake fixes it).
     pub stream_window_max: u32,
 }
 

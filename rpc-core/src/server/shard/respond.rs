@@ -312,24 +312,18 @@ impl<P: Provider> ServerConn<P> {
     ) -> Result<(), Status> {
         let len = msg.encoded_len();
         let md_len = metadata.encoded_len();
-        let refused = |e: CommitError| match e {
-            CommitError::Refused(wire::SendError::Gone) => Status::cancelled("the call ended"),
+        let refused = |e: FrameError| match e {
+            FrameError::Refused(wire::SendError::Gone) => Status::cancelled("the call ended"),
             e => Status::internal(format!("stream message: {e:?}")),
         };
-        match self.link.wire.plan(len as u64, md_len, None) {
+        let bulk = match self.link.wire.plan(len as u64, md_len, None) {
             Transfer::Eager | Transfer::Landing => {
                 self.link
                     .send_packed(metadata, msg, |w, pl, ml| {
                         w.stream_message(call, pl, ml, None)
                     })
-                    .map_err(|e| match e {
-                        FrameError::Refused(wire::SendError::Gone) => {
-                            Status::cancelled("the call ended")
-                        }
-                        e => Status::internal(format!("stream message: {e:?}")),
-                    })?;
-                self.stat_message(call, len, false);
-                Ok(())
+                    .map_err(refused)?;
+                false
             }
             Transfer::Rendezvous => {
                 let mut buf = self
@@ -342,24 +336,24 @@ impl<P: Provider> ServerConn<P> {
                 }
                 let desc = lend_read(&mut buf, &self.link.qp)
                     .map_err(|e| Status::resource_exhausted(format!("cannot lend: {e}")))?;
-                let st = self
-                    .link
-                    .stage(metadata, &NoMsg)
-                    .map_err(|e| Status::internal(format!("stream message: {e:?}")))?;
+                let st = self.link.stage(metadata, &NoMsg).map_err(refused)?;
                 self.link
-                    .commit(st, |w, _, ml| w.stream_message(call, 0, ml, Some(desc)))
+                    .commit_now(st, |w, _, ml| w.stream_message(call, 0, ml, Some(desc)))
                     .map_err(refused)?;
                 if let Some(c) = self.slot(call) {
                     c.stream_bulks.lend(buf);
                 }
-                self.stat_message(call, len, true);
-                Ok(())
+                true
             }
-            Transfer::TooLarge => Err(Status::resource_exhausted(format!(
-                "stream message of {len} bytes exceeds the {} byte message limit",
-                self.link.wire.config().max_message
-            ))),
-        }
+            Transfer::TooLarge => {
+                return Err(Status::resource_exhausted(format!(
+                    "stream message of {len} bytes exceeds the {} byte message limit",
+                    self.link.wire.config().max_message
+                )));
+            }
+        };
+        self.stat_message(call, len, bulk);
+        Ok(())
     }
 
     /// Ends `call` with `status` (a handler's, or one of the runtime's). The reserved
