@@ -1214,7 +1214,6 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         q.modify_to_init(access)?;
         lanes.push(q);
     }
-    let arena = SlotArena::<P>::new(&pd, b.geometry)?;
     let hello = Hello {
         provider: P::KIND.wire_tag(),
         endpoint: qp.endpoint(),
@@ -1224,6 +1223,8 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         data_endpoints: lanes.iter().map(Qp::endpoint).collect(),
     };
     connect::send(&mut stream, &Handshake::Hello(hello)).await?;
+    // Registered while the server sets up its side (the Hello does not name it).
+    let arena = SlotArena::<P>::new(&pd, b.geometry)?;
     let welcome = match connect::recv(&mut stream).await? {
         Handshake::Welcome(w) => w,
         Handshake::Refusal(r) => {

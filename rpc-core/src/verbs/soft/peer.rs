@@ -408,7 +408,12 @@ impl Watchdog {
             .channels
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        v.retain(|w| w.strong_count() > 0);
+        // Dropped channels are pruned only when the list would grow: one scan per doubling
+        // of its capacity, not one per channel (a process with thousands of connections
+        // adds thousands of channels).
+        if v.len() == v.capacity() {
+            v.retain(|w| w.strong_count() > 0);
+        }
         v.push(ch);
         drop(v);
         self.ensure_thread();
