@@ -20,6 +20,15 @@
 //! - **Late wake-ups.** A yield or a sleep that returns [`PREEMPTED`] later than it asked for
 //!   (measured by the caller around a call that is a system call anyway).
 //!
+//! Not every preemption means a busy host. Short ones (hundreds of microseconds: a process
+//! starting its threads, another tenant's burst) come now and then on any shared machine; a
+//! shard that took one for contention slept between requests for the next 100 ms (the
+//! in-process greeter, a newcomer's first run, was ten times slower one run in three). So a
+//! quiet loop is contended by a preemption of a whole time slice ([`SLICE`]: a CPU-bound
+//! thread shares its core), or by shorter ones once they add up to a quarter
+//! ([`LOST_SHARE`]) of [`LOST_WINDOW`]. A loop that was contended a moment ago is again at
+//! its next preemption, whatever its length.
+//!
 //! Once it noticed, the loop is *contended* for a while ([`CONTENDED_FOR`], doubled up to
 //! [`MAX_CONTENDED_FOR`] when contention comes back right after it ended): it spins only
 //! [`Budget::contended_spin`] turns, then sleeps. With no new evidence it returns to full
@@ -37,6 +46,17 @@ pub(crate) const CLOCK_EVERY: u32 = 16;
 /// A gap this long between two clock reads of a spinning loop, or a yield or sleep that
 /// returns this much later than asked, means the scheduler took the core.
 pub(crate) const PREEMPTED: Duration = Duration::from_micros(200);
+
+/// A preemption this long took a whole time slice: a CPU-bound thread shares the core (the
+/// scheduler's tick is 1-4 ms). One is enough to make a loop contended.
+pub(crate) const SLICE: Duration = Duration::from_millis(2);
+
+/// The window over which a quiet loop adds up the shorter preemptions it saw.
+pub(crate) const LOST_WINDOW: Duration = Duration::from_millis(50);
+
+/// The share of [`LOST_WINDOW`] a quiet loop must lose to preemptions to be contended, as a
+/// divisor: a quarter.
+pub(crate) const LOST_SHARE: u32 = 4;
 
 /// How long a loop that was preempted stays contended (spins only briefly).
 pub(crate) const CONTENDED_FOR: Duration = Duration::from_millis(100);
@@ -112,6 +132,10 @@ pub(crate) struct Spinner {
     contended: bool,
     /// The current contended period.
     hold: Duration,
+    /// Time a quiet loop lost to preemptions since `window` began (see [`LOST_WINDOW`]).
+    lost: Duration,
+    /// When the current window began (its first preemption).
+    window: Option<Instant>,
 }
 
 impl Default for Spinner {
@@ -130,6 +154,8 @@ impl Spinner {
             until: None,
             contended: false,
             hold: CONTENDED_FOR,
+            lost: Duration::ZERO,
+            window: None,
         }
     }
 
@@ -158,7 +184,7 @@ impl Spinner {
             let now = clock();
             match self.last {
                 Some(last) if now.saturating_duration_since(last) > PREEMPTED => {
-                    self.preempted(now);
+                    self.preempted(now, now.saturating_duration_since(last));
                 }
                 _ => self.refresh(now),
             }
@@ -184,14 +210,39 @@ impl Spinner {
     /// a new idle phase.
     pub(crate) fn woke(&mut self, started: Instant, asked: Duration, now: Instant) {
         self.idle = 0;
-        if now.saturating_duration_since(started) > asked.saturating_add(PREEMPTED) {
-            self.preempted(now);
+        let took = now.saturating_duration_since(started);
+        if took > asked.saturating_add(PREEMPTED) {
+            self.preempted(now, took.saturating_sub(asked));
         } else {
             self.refresh(now);
         }
     }
 
-    fn preempted(&mut self, now: Instant) {
+    /// The loop was off its core for about `lost` until `now`.
+    fn preempted(&mut self, now: Instant, lost: Duration) {
+        // Contended now or a moment ago, or a time slice lost at once: this preemption is
+        // enough. Shorter ones make a quiet loop contended once they add up to
+        // LOST_WINDOW / LOST_SHARE within LOST_WINDOW.
+        let recent = self
+            .until
+            .is_some_and(|until| now < until || now.saturating_duration_since(until) < self.hold);
+        if !recent && lost < SLICE {
+            match self.window {
+                Some(t) if now.saturating_duration_since(t) <= LOST_WINDOW => {
+                    self.lost = self.lost.saturating_add(lost);
+                }
+                _ => {
+                    self.window = Some(now.checked_sub(lost).unwrap_or(now));
+                    self.lost = lost;
+                }
+            }
+            if self.lost < LOST_WINDOW / LOST_SHARE {
+                self.refresh(now);
+                return;
+            }
+        }
+        self.lost = Duration::ZERO;
+        self.window = None;
         self.hold = match self.until {
             // Still contended: renew for the same period.
             Some(until) if now < until => self.hold,
@@ -319,14 +370,27 @@ mod tests {
         assert_eq!(c.reads, 0);
     }
 
+    /// Off the core for `off` in the middle of the next CLOCK_EVERY turns; returns their last
+    /// decision.
+    fn gap(s: &mut Spinner, b: &Budget, c: &mut Clock, off: Duration) -> Wait {
+        c.advance(off);
+        turns(s, b, c, CLOCK_EVERY, TURN)
+    }
+
+    /// A yield (asked: nothing) that came back `after` later.
+    fn late(s: &mut Spinner, c: &mut Clock, after: Duration) {
+        let t0 = c.now;
+        c.advance(after);
+        s.woke(t0, Duration::ZERO, c.now);
+    }
+
     #[test]
     fn a_clock_gap_while_spinning_means_contended() {
         let b = Budget::BUSY;
         let (mut s, mut c) = (Spinner::new(), Clock::new());
         assert_eq!(turns(&mut s, &b, &mut c, 1000, TURN), Wait::Spin);
-        // Off the core for 3 ms in the middle of the next CLOCK_EVERY turns.
-        c.advance(Duration::from_millis(3));
-        let w = turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+        // Off the core for 3 ms (a time slice) in the middle of the next CLOCK_EVERY turns.
+        let w = gap(&mut s, &b, &mut c, Duration::from_millis(3));
         assert!(s.is_contended());
         assert_eq!(
             w,
@@ -337,6 +401,40 @@ mod tests {
         s.work();
         assert_eq!(turns(&mut s, &b, &mut c, CONTENDED_SPIN, TURN), Wait::Spin);
         assert_eq!(turns(&mut s, &b, &mut c, 1, TURN), Wait::Sleep);
+    }
+
+    #[test]
+    fn short_preemptions_are_not_contention_until_they_add_up() {
+        let b = Budget::BUSY;
+        let short = Duration::from_micros(500);
+        let enough = (LOST_WINDOW / LOST_SHARE).as_micros() / short.as_micros();
+        // A process starting its threads, another tenant's burst: preempted briefly, then
+        // quiet. Never enough within one window, however long it goes on.
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        for _ in 0..100 {
+            s.work();
+            turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+            assert_eq!(gap(&mut s, &b, &mut c, short), Wait::Spin);
+            c.advance(Duration::from_millis(10));
+        }
+        assert!(!s.is_contended());
+        // Many within one window add up.
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+        for _ in 1..enough {
+            assert_eq!(gap(&mut s, &b, &mut c, short), Wait::Spin);
+        }
+        assert!(!s.is_contended());
+        gap(&mut s, &b, &mut c, short);
+        assert!(s.is_contended());
+        // Late wake-ups count the same.
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        for _ in 1..enough {
+            late(&mut s, &mut c, short);
+        }
+        assert!(!s.is_contended());
+        late(&mut s, &mut c, short);
+        assert!(s.is_contended());
     }
 
     #[test]
@@ -367,8 +465,7 @@ mod tests {
         let b = Budget::adaptive(1000, 0);
         let (mut s, mut c) = (Spinner::new(), Clock::new());
         turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
-        c.advance(Duration::from_millis(1));
-        turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
+        gap(&mut s, &b, &mut c, SLICE);
         assert!(s.is_contended());
         // Quiet phases (each shorter than the contended budget, then a sleep that was woken
         // in time) for a little less than CONTENDED_FOR: still contended.
@@ -395,10 +492,8 @@ mod tests {
     #[test]
     fn a_late_wake_up_means_contended() {
         let (mut s, mut c) = (Spinner::new(), Clock::new());
-        let t0 = c.now;
-        // A yield (asked: nothing) that came back after 2 ms.
-        c.advance(Duration::from_millis(2));
-        s.woke(t0, Duration::ZERO, c.now);
+        // A yield (asked: nothing) that came back after a time slice.
+        late(&mut s, &mut c, SLICE);
         assert!(s.is_contended());
 
         let (mut s, mut c) = (Spinner::new(), Clock::new());
@@ -420,29 +515,35 @@ mod tests {
     #[test]
     fn contention_that_keeps_coming_back_lasts_longer() {
         let (mut s, mut c) = (Spinner::new(), Clock::new());
-        let late = |s: &mut Spinner, c: &mut Clock| {
-            let t0 = c.now;
-            c.advance(Duration::from_millis(1));
-            s.woke(t0, Duration::ZERO, c.now);
-        };
+        // Short preemptions while contended (or right after) renew it; a quiet loop needs a
+        // time slice lost.
+        let short = |s: &mut Spinner, c: &mut Clock| late(s, c, Duration::from_millis(1));
+        short(&mut s, &mut c);
+        assert!(!s.is_contended());
+        let late = |s: &mut Spinner, c: &mut Clock| late(s, c, SLICE);
         late(&mut s, &mut c);
+        assert!(s.is_contended());
         assert_eq!(s.hold, CONTENDED_FOR);
         // Renewed while contended: same period.
         c.advance(CONTENDED_FOR / 2);
-        late(&mut s, &mut c);
+        short(&mut s, &mut c);
         assert_eq!(s.hold, CONTENDED_FOR);
         // Back right after it ended: doubled, up to the cap.
         let mut expect = CONTENDED_FOR;
         for _ in 0..10 {
             c.advance(s.hold + Duration::from_millis(1));
-            late(&mut s, &mut c);
+            short(&mut s, &mut c);
             expect = (expect * 2).min(MAX_CONTENDED_FOR);
             assert_eq!(s.hold, expect);
         }
         assert_eq!(s.hold, MAX_CONTENDED_FOR);
-        // Back long after: the first period again.
+        // Back long after: a quiet loop again (a short preemption is not enough), the first
+        // period again.
         c.advance(s.hold * 3);
+        short(&mut s, &mut c);
+        assert!(!s.is_contended());
         late(&mut s, &mut c);
+        assert!(s.is_contended());
         assert_eq!(s.hold, CONTENDED_FOR);
     }
 }
