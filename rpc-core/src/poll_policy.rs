@@ -17,12 +17,8 @@
 //!   read of an idle phase is only a reference point, so the time between two phases (the
 //!   work done in between) is never taken for a gap; a phase shorter than [`CLOCK_EVERY`]
 //!   turns reads no clock at all.
-//! - **Late wake-ups.** A sleep that returns [`PREEMPTED`] later than it asked for (measured
-//!   by the caller around a call that is a system call anyway).
-//!
-//! A yield is measured too ([`yield_once`]), for another reason: beside a runnable CPU-bound
-//! thread it gives the core away until the next scheduler tick. One that came back a time
-//! slice late makes the loop spin where it would yield for a while ([`Spinner::yielded`]).
+//! - **Late wake-ups.** A yield or a sleep that returns [`PREEMPTED`] later than it asked for
+//!   (measured by the caller around a call that is a system call anyway).
 //!
 //! Not every preemption means a busy host. Short ones (hundreds of microseconds: a process
 //! starting its threads, another tenant's burst) come now and then on any shared machine; a
@@ -140,10 +136,6 @@ pub(crate) struct Spinner {
     lost: Duration,
     /// When the current window began (its first preemption).
     window: Option<Instant>,
-    /// A yield came back a time slice late: the loop spins where it would yield until then.
-    no_yield_until: Option<Instant>,
-    /// Whether `no_yield_until` was in the future at the last clock read.
-    yields_late: bool,
 }
 
 impl Default for Spinner {
@@ -164,8 +156,6 @@ impl Spinner {
             hold: CONTENDED_FOR,
             lost: Duration::ZERO,
             window: None,
-            no_yield_until: None,
-            yields_late: false,
         }
     }
 
@@ -199,7 +189,6 @@ impl Spinner {
                 _ => self.refresh(now),
             }
             self.last = Some(now);
-            self.yields_late = self.no_yield_until.is_some_and(|t| now < t);
         }
         if self.contended {
             if self.idle <= budget.contended_spin {
@@ -210,11 +199,7 @@ impl Spinner {
         } else if self.idle <= budget.spin {
             Wait::Spin
         } else if self.idle - budget.spin <= budget.yields {
-            if self.yields_late {
-                Wait::Spin
-            } else {
-                Wait::Yield
-            }
+            Wait::Yield
         } else {
             Wait::Sleep
         }
@@ -230,22 +215,6 @@ impl Spinner {
             self.preempted(now, took.saturating_sub(asked));
         } else {
             self.refresh(now);
-        }
-    }
-
-    /// The loop yielded (`std::thread::yield_now`) from `started` to `now`, inside an idle
-    /// phase that goes on. Beside a runnable CPU-bound thread a yield gives the core away
-    /// until the next scheduler tick (milliseconds; a 1 MiB call under background load waited
-    /// one at every call): a yield that came back [`SLICE`] late makes the loop spin where it
-    /// would yield for [`CONTENDED_FOR`]. Not contention evidence: the loop kept its core
-    /// until it gave it away.
-    pub(crate) fn yielded(&mut self, started: Instant, now: Instant) {
-        if now.saturating_duration_since(started) >= SLICE {
-            self.no_yield_until = Some(now + CONTENDED_FOR);
-            self.yields_late = true;
-            // Not a gap: the next clock read measures from here.
-            self.last = Some(now);
-            self.since_clock = 0;
         }
     }
 
@@ -290,14 +259,6 @@ impl Spinner {
     fn refresh(&mut self, now: Instant) {
         self.contended = self.until.is_some_and(|t| now < t);
     }
-}
-
-/// [`Wait::Yield`]: gives the core away once and tells `spin` how long that took
-/// ([`Spinner::yielded`]).
-pub(crate) fn yield_once(spin: &mut Spinner) {
-    let started = Instant::now();
-    std::thread::yield_now();
-    spin.yielded(started, Instant::now());
 }
 
 thread_local! {
@@ -549,33 +510,6 @@ mod tests {
         c.advance(Duration::from_millis(23));
         s.woke(t0, Duration::from_millis(20), c.now);
         assert!(s.is_contended());
-    }
-
-    #[test]
-    fn a_yield_that_gave_the_core_away_for_a_tick_makes_the_loop_spin_instead() {
-        let b = Budget::adaptive(100, u32::MAX);
-        let (mut s, mut c) = (Spinner::new(), Clock::new());
-        assert_eq!(turns(&mut s, &b, &mut c, 101, TURN), Wait::Yield);
-        let yielded = |s: &mut Spinner, c: &mut Clock, took: Duration| {
-            let t0 = c.now;
-            c.advance(took);
-            s.yielded(t0, c.now);
-        };
-        // Yields that came back at once, or a little late: the loop keeps yielding.
-        yielded(&mut s, &mut c, Duration::from_micros(2));
-        yielded(&mut s, &mut c, Duration::from_micros(300));
-        assert_eq!(turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN), Wait::Yield);
-        // One that gave the core away until the next tick: it spins instead, and is not
-        // contended (it does not sleep), in this phase and the next ones.
-        yielded(&mut s, &mut c, Duration::from_millis(4));
-        assert_eq!(turns(&mut s, &b, &mut c, 1, TURN), Wait::Spin);
-        assert!(!s.is_contended());
-        s.work();
-        assert_eq!(turns(&mut s, &b, &mut c, 200, TURN), Wait::Spin);
-        // Yielding again once the period is over.
-        c.advance(CONTENDED_FOR);
-        s.work();
-        assert_eq!(turns(&mut s, &b, &mut c, 101, TURN), Wait::Yield);
     }
 
     #[test]

@@ -209,7 +209,7 @@ fn run(g: &Group, ep: OwnedFd) {
         }
         match wait {
             Wait::Spin => std::hint::spin_loop(),
-            Wait::Yield => crate::poll_policy::yield_once(&mut spin),
+            Wait::Yield => std::thread::yield_now(),
             Wait::Sleep => {
                 g.doorbell.prepare_sleep();
                 let mut timeout = Some(MAX_SLEEP);

@@ -441,7 +441,7 @@ impl<P: Provider> ClientCore<P> {
     fn turn(&self, spin: &mut Spinner, budget: &Budget, on_channel: bool) {
         match spin.idle(budget, Instant::now) {
             Wait::Spin => std::hint::spin_loop(),
-            Wait::Yield => crate::poll_policy::yield_once(spin),
+            Wait::Yield => std::thread::yield_now(),
             Wait::Sleep => {
                 let started = Instant::now();
                 if on_channel

@@ -134,7 +134,7 @@ impl<P: Provider> Shard<P> {
             };
             match wait {
                 Wait::Spin => std::hint::spin_loop(),
-                Wait::Yield => crate::poll_policy::yield_once(&mut spin),
+                Wait::Yield => std::thread::yield_now(),
                 Wait::Sleep => {
                     let started = Instant::now();
                     match self.sleep() {
