@@ -17,8 +17,11 @@
 //!   read of an idle phase is only a reference point, so the time between two phases (the
 //!   work done in between) is never taken for a gap; a phase shorter than [`CLOCK_EVERY`]
 //!   turns reads no clock at all.
-//! - **Late wake-ups.** A yield or a sleep that returns [`PREEMPTED`] later than it asked for
-//!   (measured by the caller around a call that is a system call anyway).
+//! - **Late wake-ups.** A sleep that returns [`PREEMPTED`] later than it asked for (measured
+//!   by the caller around a call that is a system call anyway). Yields are not timed: beside
+//!   a runnable CPU-bound thread one gives the core away until the next scheduler tick, and
+//!   the work that came meanwhile ends the idle phase before a clock gap shows it (a 1 MiB
+//!   blocking call under background load waits a tick so; see `benches/HISTORY.md`).
 //!
 //! Not every preemption means a busy host. Short ones (hundreds of microseconds: a process
 //! starting its threads, another tenant's burst) come now and then on any shared machine; a
