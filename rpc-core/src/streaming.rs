@@ -19,6 +19,7 @@
 //! consumer takes messages without granting.
 
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -29,7 +30,9 @@ use crossbeam_queue::ArrayQueue;
 use futures_core::Stream;
 use prost::Message;
 
+use crate::buf::decode::ZERO_COPY_MIN;
 use crate::buf::{Lend, RecvSlot, SlotReader};
+use crate::wire::packed;
 use crate::{Metadata, Status};
 
 /// The window every stream starts with, in messages (both ends use it: handshake 5).
@@ -54,6 +57,60 @@ pub(crate) enum Item {
     /// A whole buffer (a large message READ into a bulk buffer, or a small one copied out of
     /// its slot).
     Owned(Box<dyn AsRef<[u8]> + Send>),
+    /// Several messages packed in one frame ([`crate::wire::packed`]), taken one by one.
+    Packed(Packed),
+}
+
+/// The messages of a packed frame not taken yet, in the receive slot or copied out of it.
+pub(crate) struct Packed {
+    bytes: PackedBytes,
+    /// Where the next message's length starts, and where the payload ends, in `bytes`.
+    at: usize,
+    end: usize,
+    /// Messages left.
+    left: u32,
+}
+
+enum PackedBytes {
+    Slot(RecvSlot),
+    Copy(Vec<u8>),
+}
+
+impl Packed {
+    /// The next message, decoded, and its length; `None` when none is left.
+    fn take<T: Message + Default>(&mut self) -> Option<(usize, Result<T, Status>)> {
+        if self.left == 0 {
+            return None;
+        }
+        let payload = match &self.bytes {
+            PackedBytes::Slot(s) => s.bytes().get(..self.end),
+            PackedBytes::Copy(v) => v.get(..self.end),
+        };
+        // The decoder checked the packing (`wire::packed::check`): a miss is a bug, reported
+        // as the stream's error rather than trusted.
+        let Some((start, end)) = payload.and_then(|p| packed::next(p, self.at)) else {
+            self.left = 0;
+            return Some((
+                0,
+                Err(Status::internal("a packed stream frame ended early")),
+            ));
+        };
+        self.at = end;
+        self.left -= 1;
+        let r = match &mut self.bytes {
+            // Large `bytes` fields borrow the slot, as those of a message alone in one do.
+            PackedBytes::Slot(slot) if end - start >= ZERO_COPY_MIN => {
+                T::decode(SlotReader::new(slot.share(), start, end))
+            }
+            PackedBytes::Slot(slot) => T::decode(&slot.bytes()[start..end]),
+            PackedBytes::Copy(v) => T::decode(&v[start..end]),
+        };
+        Some((end - start, r.map_err(decode_error)))
+    }
+}
+
+fn decode_error(e: prost::DecodeError) -> Status {
+    Status::internal(format!("failed to decode stream message: {e}"))
 }
 
 impl std::fmt::Debug for Item {
@@ -61,6 +118,7 @@ impl std::fmt::Debug for Item {
         match self {
             Item::Slot { slot, start, end } => write!(f, "Item::Slot({slot:?}, {start}..{end})"),
             Item::Owned(b) => write!(f, "Item::Owned({} bytes)", b.as_ref().as_ref().len()),
+            Item::Packed(p) => write!(f, "Item::Packed({} left)", p.left),
         }
     }
 }
@@ -80,6 +138,28 @@ impl Item {
         let copy = b.get(start.min(end)..end).unwrap_or_default().to_vec();
         Item::Owned(Box::new(copy))
     }
+
+    /// The stream message(s) of a frame whose payload is bytes `start..end` of `slot`: one
+    /// message ([`Item::from_slot`]) when `packed` is 0, else `packed` messages packed there
+    /// (kept in the slot, or copied out past the lending budget, as one message is).
+    pub(crate) fn from_frame(mut slot: RecvSlot, payload: Range<usize>, packed: u32) -> Item {
+        if packed == 0 {
+            return Item::from_slot(slot, payload.start, payload.end);
+        }
+        let (bytes, at, end) = if slot.try_lend() {
+            (PackedBytes::Slot(slot), payload.start, payload.end)
+        } else {
+            let copy = slot.bytes().get(payload).unwrap_or_default().to_vec();
+            let n = copy.len();
+            (PackedBytes::Copy(copy), 0, n)
+        };
+        Item::Packed(Packed {
+            bytes,
+            at,
+            end,
+            left: packed,
+        })
+    }
 }
 
 struct OwnedItem(Box<dyn AsRef<[u8]> + Send>);
@@ -93,14 +173,17 @@ impl AsRef<[u8]> for OwnedItem {
 impl Lend for OwnedItem {}
 
 impl Item {
-    /// The message's bytes.
+    /// The message's bytes (0 for packed messages: each is counted as it is taken).
     fn len(&self) -> usize {
         match self {
             Item::Slot { start, end, .. } => end.saturating_sub(*start),
             Item::Owned(b) => b.as_ref().as_ref().len(),
+            Item::Packed(_) => 0,
         }
     }
 
+    /// Decodes a message alone in its item (not [`Item::Packed`], whose messages are taken
+    /// with [`Packed::take`]).
     fn decode<T: Message + Default>(self) -> Result<T, Status> {
         let r = match self {
             Item::Slot { slot, start, end } => T::decode(SlotReader::new(slot, start, end)),
@@ -108,8 +191,11 @@ impl Item {
                 let n = b.as_ref().as_ref().len();
                 T::decode(SlotReader::new(OwnedItem(b), 0, n))
             }
+            Item::Packed(_) => {
+                return Err(Status::internal("packed stream messages decoded as one"));
+            }
         };
-        r.map_err(|e| Status::internal(format!("failed to decode stream message: {e}")))
+        r.map_err(decode_error)
     }
 }
 
@@ -224,16 +310,15 @@ impl Inbox {
         self.waker.wake();
     }
 
+    /// The next item (the consumer counts each message it takes with [`Inbox::took_one`]).
     fn poll_item(&self, cx: &mut Context<'_>) -> Poll<Option<Result<Item, Status>>> {
         for attempt in 0..2 {
             if let Some(item) = self.items.pop() {
-                self.took_one(item.len());
                 return Poll::Ready(Some(Ok(item)));
             }
             if self.ended.load(Ordering::Acquire) {
                 // Items pushed before `finish` are visible (push happens-before the flag).
                 if let Some(item) = self.items.pop() {
-                    self.took_one(item.len());
                     return Poll::Ready(Some(Ok(item)));
                 }
                 return Poll::Ready(match self.end.get() {
@@ -309,6 +394,8 @@ enum Source<T> {
 /// connection open while it lives, even when every `Channel` handle is gone.
 pub struct Streaming<T> {
     source: Source<T>,
+    /// The messages of a packed frame taken from the inbox and not all given out yet.
+    packed: Option<Packed>,
     /// What must live as long as the stream (the client connection it arrives on).
     keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// The method called (client streams): the runtime's unknown-method status names it.
@@ -331,6 +418,7 @@ impl<T> Streaming<T> {
     pub(crate) fn from_inbox(inbox: Arc<Inbox>) -> Streaming<T> {
         Streaming {
             source: Source::Inbox(inbox),
+            packed: None,
             keep: None,
             path: None,
             _marker: PhantomData,
@@ -355,6 +443,7 @@ impl<T> Streaming<T> {
     pub fn from_stream(s: impl Stream<Item = Result<T, Status>> + Send + 'static) -> Streaming<T> {
         Streaming {
             source: Source::Local(Box::pin(s)),
+            packed: None,
             keep: None,
             path: None,
             _marker: PhantomData,
@@ -427,9 +516,29 @@ impl<T: Message + Default> Stream for Streaming<T> {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
+        if let (Some(p), Source::Inbox(inbox)) = (&mut this.packed, &this.source) {
+            if let Some((len, r)) = p.take::<T>() {
+                inbox.took_one(len);
+                return Poll::Ready(Some(r));
+            }
+            this.packed = None;
+        }
         let r = match &mut this.source {
             Source::Inbox(inbox) => match inbox.poll_item(cx) {
-                Poll::Ready(Some(Ok(item))) => Poll::Ready(Some(item.decode::<T>())),
+                Poll::Ready(Some(Ok(Item::Packed(mut p)))) => match p.take::<T>() {
+                    Some((len, r)) => {
+                        inbox.took_one(len);
+                        this.packed = Some(p);
+                        Poll::Ready(Some(r))
+                    }
+                    None => Poll::Ready(Some(Err(Status::internal(
+                        "a packed stream frame with no message",
+                    )))),
+                },
+                Poll::Ready(Some(Ok(item))) => {
+                    inbox.took_one(item.len());
+                    Poll::Ready(Some(item.decode::<T>()))
+                }
                 Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(match this.path {
                     Some(path) => e.for_method(path),
                     None => e,
@@ -549,7 +658,10 @@ mod tests {
         let mut cx = Context::from_waker(&waker);
         for _ in 0..n {
             inbox.push(sized(len)).unwrap();
-            assert!(matches!(inbox.poll_item(&mut cx), Poll::Ready(Some(Ok(_)))));
+            let Poll::Ready(Some(Ok(item))) = inbox.poll_item(&mut cx) else {
+                panic!("no item");
+            };
+            inbox.took_one(item.len());
         }
         host.grants.lock().unwrap()[before..].to_vec()
     }
@@ -572,6 +684,68 @@ mod tests {
         assert_eq!(large.iter().sum::<u32>(), 248 + 16 - 256, "{large:?}");
         assert_eq!(inbox.window.load(Ordering::Relaxed), 16);
         assert_eq!(take(&inbox, &host, 16, 1 << 20), vec![8, 8]);
+    }
+
+    /// `msgs` packed as a sender packs them, in a plain `Vec` slot of a soft arena-less test:
+    /// the payload bytes.
+    fn packed_payload(msgs: &[M]) -> Vec<u8> {
+        let mut p = Vec::new();
+        for m in msgs {
+            let b = m.encode_to_vec();
+            p.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            p.extend_from_slice(&b);
+        }
+        p
+    }
+
+    #[tokio::test]
+    async fn packed_messages_come_out_one_by_one_and_count_in_the_window() {
+        let inbox = Inbox::new(4, 4);
+        let host = Arc::new(Host::default());
+        inbox.set_host(Box::new(Arc::clone(&host)));
+        let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
+        let msgs: Vec<M> = (0..3).map(|v| M { v }).collect();
+        let payload = packed_payload(&msgs);
+        let n = payload.len();
+        inbox
+            .push(Item::Packed(Packed {
+                bytes: PackedBytes::Copy(payload),
+                at: 0,
+                end: n,
+                left: 3,
+            }))
+            .unwrap();
+        inbox.push(owned(3)).unwrap();
+        for v in 0..4 {
+            assert_eq!(s.message().await.unwrap(), Some(M { v }));
+        }
+        inbox.finish(None);
+        assert_eq!(s.message().await.unwrap(), None);
+        assert_eq!(
+            *host.grants.lock().unwrap(),
+            vec![2, 2],
+            "each packed message counts as one taken (a grant every 2 of a window of 4)"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_packed_message_that_does_not_decode_fails_the_stream() {
+        let inbox = Inbox::new(4, 4);
+        let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
+        // A length that says 5 bytes of garbage (a truncated varint field).
+        let mut payload = 5u32.to_le_bytes().to_vec();
+        payload.extend_from_slice(&[0x08, 0xff, 0xff, 0xff, 0xff]);
+        inbox
+            .push(Item::Packed(Packed {
+                bytes: PackedBytes::Copy(payload),
+                at: 0,
+                end: 9,
+                left: 1,
+            }))
+            .unwrap();
+        let e = s.message().await.unwrap_err();
+        assert_eq!(e.code(), crate::Code::Internal);
+        assert!(e.message().contains("decode stream message"), "{e}");
     }
 
     #[tokio::test]

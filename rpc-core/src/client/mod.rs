@@ -853,6 +853,19 @@ impl Channel {
         with_any!(AnyCore, &c.core, c => c.counters.landing_responses.load(std::sync::atomic::Ordering::Relaxed))
     }
 
+    /// Server stream messages of the current connection that arrived packed in one frame
+    /// with the rest of their burst (a server sends the small messages its handler yields in
+    /// one turn that way), and the frames they came in: `(messages, frames)`.
+    pub fn packed_stream_messages(&self) -> (u64, u64) {
+        let Some(c) = self.current() else {
+            return (0, 0);
+        };
+        with_any!(AnyCore, &c.core, c => (
+            c.counters.packed_messages.load(std::sync::atomic::Ordering::Relaxed),
+            c.counters.packed_frames.load(std::sync::atomic::Ordering::Relaxed),
+        ))
+    }
+
     /// RC queue pairs the current connection uses (see
     /// [`ChannelBuilder::qps_per_connection`]).
     pub fn qps_per_connection(&self) -> u32 {

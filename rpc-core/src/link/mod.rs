@@ -104,6 +104,9 @@ struct QueuedSend {
     /// Where the last frame ends in its slot: a packed frame ([`Link::send_packed`]) starts
     /// there.
     last_end: u32,
+    /// The raw call id when the last frame is an eager StreamMessage with a base header that
+    /// further messages of its stream may be packed into ([`Link::send_stream`]); 0 else.
+    last_stream: u32,
 }
 
 /// The frames of one turn of the poll loop, posted together: one doorbell on an RNIC, one ring
@@ -736,6 +739,7 @@ impl<P: Provider> Link<P> {
             open.last = slot;
             open.last_header = start as u32;
             open.last_end = (MAX_HEADER_LEN + body) as u32;
+            open.last_stream = 0;
             return Ok(());
         }
         if self.sends.n == SEND_BATCH
@@ -754,6 +758,7 @@ impl<P: Provider> Link<P> {
             last: slot,
             last_header: start as u32,
             last_end: (MAX_HEADER_LEN + body) as u32,
+            last_stream: 0,
         };
         self.sends.n += 1;
         Ok(())
@@ -819,7 +824,75 @@ impl<P: Provider> Link<P> {
         open.sges[open.nsge as usize - 1].length += grown;
         open.last_header = at as u32;
         open.last_end = end as u32;
+        open.last_stream = 0;
         Ok(())
+    }
+
+    /// Sends an eager message of `call`'s stream. When the frame built last is a message of
+    /// the same stream, still in the last queued SEND, the message is packed into that frame
+    /// ([`wire::packed`]: its length and bytes appended to the frame's payload, one message of
+    /// the window, no header, no credit), while the SEND's slot and the peer's receive slot
+    /// have room; otherwise it is a frame of its own, as [`Link::send_packed`] builds it. So a
+    /// burst of small messages reaches the peer as one frame: one header to check and one
+    /// hand-off to the stream's consumer, not one per message.
+    ///
+    /// # Errors
+    /// As [`Link::send_packed`].
+    pub fn send_stream(
+        &mut self,
+        call: wire::CallId,
+        metadata: &Metadata,
+        msg: &dyn EncodeMsg,
+    ) -> Result<(), FrameError> {
+        if metadata.encoded_len() == 0 && self.pack_stream(call, msg)? {
+            return Ok(());
+        }
+        self.send_packed(metadata, msg, |w, pl, ml| {
+            w.stream_message(call, pl, ml, None)
+        })?;
+        if let Some(open) = self.sends.n.checked_sub(1).map(|i| &mut self.sends.q[i]) {
+            open.last_stream = call.0;
+        }
+        Ok(())
+    }
+
+    /// Packs `msg` into `call`'s stream frame at the end of the last queued SEND: `Ok(false)`
+    /// (nothing done) when that is not the last frame built or there is no room.
+    fn pack_stream(&mut self, call: wire::CallId, msg: &dyn EncodeMsg) -> Result<bool, FrameError> {
+        let Some(i) = self.sends.n.checked_sub(1) else {
+            return Ok(false);
+        };
+        let open = self.sends.q[i];
+        if call.0 == 0 || open.last_stream != call.0 {
+            return Ok(false);
+        }
+        let len = msg.encoded_len();
+        // SAFETY: `open.last` is a send slot of a queued SEND not posted yet: ours. The bytes
+        // past the SEND's end are not in its gather list until the message is appended below.
+        let buf = unsafe { self.arena.send_buf(open.last) };
+        let Some(frame) = buf.get_mut(open.last_header as usize..) else {
+            return Ok(false);
+        };
+        let grown = wire::packed::growth(wire::packed::is_packed(frame), len);
+        let eager = self.wire.config().eager_limit as usize;
+        if open.last_end as usize + grown > self.arena.geometry().slot_size as usize
+            || open.len as usize + grown > eager
+        {
+            return Ok(false);
+        }
+        match self.wire.stream_message_packed(call) {
+            Ok(()) => {}
+            Err(SendError::Window | SendError::NoCredit) => return Err(FrameError::Busy),
+            Err(e) => return Err(FrameError::Refused(e)),
+        }
+        // Counted by the protocol: from here on a failure is the link's.
+        let grown = wire::packed::append(frame, len, |out| msg.encode_into(out))
+            .map_err(|e| LinkError::Protocol(format!("packing a stream message: {e}")))?;
+        let open = &mut self.sends.q[i];
+        open.len += grown as u32;
+        open.sges[open.nsge as usize - 1].length += grown as u32;
+        open.last_end += grown as u32;
+        Ok(true)
     }
 
     /// Where a frame of `body` bytes (metadata and payload) with a base header would start

@@ -288,14 +288,17 @@ pub enum Event {
         /// The gRPC status code.
         code: u8,
     },
-    /// A stream message (in sequence, inside the window).
+    /// A stream message (in sequence, inside the window), or several packed in one frame.
     StreamMessage {
         /// The call.
         call: CallId,
-        /// Its sequence number.
+        /// Its sequence number (the first one's, when packed).
         seq: u32,
         /// The payload to RDMA-READ, if by rendezvous.
         bulk: Option<BulkDesc>,
+        /// 0 for a frame of one message (its payload); `n >= 1` when the payload holds `n`
+        /// packed messages ([`FrameFlags::PACKED`], [`super::packed`]).
+        packed: u32,
     },
     /// Server: the client's stream is complete (every message arrived).
     EndOfStream {
@@ -1111,6 +1114,33 @@ impl Conn {
         Ok(h)
     }
 
+    /// One more message of `call`'s stream, packed into the StreamMessage frame of that call
+    /// built last, which is not sent yet (the caller appends the message to it with
+    /// [`super::packed::append`]): numbered next in sequence, it uses one message of the
+    /// stream's window and no credit (it adds no SEND).
+    ///
+    /// # Errors
+    /// As [`Conn::stream_message`], but never [`SendError::NoCredit`].
+    pub fn stream_message_packed(&mut self, call: CallId) -> Result<(), SendError> {
+        let i = self.live_call(call)?;
+        let c = &mut self.calls[i];
+        let streams = match self.role {
+            Role::Client => c.kind.client_streams(),
+            Role::Server => c.kind.server_streams(),
+        };
+        if !streams || c.local_closed {
+            return Err(SendError::BadState(
+                "this call has no open stream in our direction",
+            ));
+        }
+        if c.send_window == 0 {
+            return Err(SendError::Window);
+        }
+        c.send_seq = c.send_seq.wrapping_add(1);
+        c.send_window -= 1;
+        Ok(())
+    }
+
     /// Client: ends the client's stream of `call` (half-close); carries the number of
     /// messages sent.
     ///
@@ -1476,8 +1506,14 @@ impl Conn {
         h: &FrameHeader,
     ) -> Result<Event, ProtocolError> {
         self.check_bulk(call, h)?;
+        // `decode` checked that a packed frame counts at least one message.
+        let packed = if h.flags.contains(FrameFlags::PACKED) {
+            h.aux
+        } else {
+            0
+        };
         let c = &mut self.calls[i];
-        if c.recv_window == 0 {
+        if c.recv_window < packed.max(1) {
             return Err(ProtocolError::WindowExceeded(call));
         }
         if h.seq != c.recv_seq {
@@ -1487,12 +1523,13 @@ impl Conn {
                 got: h.seq,
             });
         }
-        c.recv_seq = c.recv_seq.wrapping_add(1);
-        c.recv_window -= 1;
+        c.recv_seq = c.recv_seq.wrapping_add(packed.max(1));
+        c.recv_window -= packed.max(1);
         Ok(Event::StreamMessage {
             call,
             seq: h.seq,
             bulk: h.bulk,
+            packed,
         })
     }
 

@@ -51,6 +51,14 @@ pub enum WireError {
         /// Bytes the SEND delivered.
         len: usize,
     },
+    /// The payload of a [`FrameFlags::PACKED`](super::FrameFlags::PACKED) frame is not
+    /// exactly its messages.
+    Packed {
+        /// The message (from 0) where the payload went wrong.
+        index: u32,
+        /// What is wrong.
+        why: &'static str,
+    },
 }
 
 impl fmt::Display for WireError {
@@ -85,6 +93,11 @@ impl fmt::Display for WireError {
                 "decode batch: {} bytes after the last frame (it ends at byte {end} without \
                  MORE; the SEND has {len})",
                 len.saturating_sub(*end)
+            ),
+            WireError::Packed { index, why } => write!(
+                f,
+                "decode packed stream frame: message {index}: {why} (a sender that broke the \
+                 packing rules, or a corrupted payload)"
             ),
         }
     }

@@ -8,7 +8,8 @@
 //! 2   2   flags (FrameFlags)
 //! 4   4   call_id (0 for connection frames: CreditUpdate, GoAway)
 //! 8   4   aux: method id (Request), status code (Status), grant (WindowUpdate), credits to
-//!             keep or surrendered (CreditUpdate with RECLAIM), 0 else
+//!             keep or surrendered (CreditUpdate with RECLAIM), messages packed in the
+//!             payload (StreamMessage with PACKED), 0 else
 //! 12  2   credits: receive slots the sender re-posted for the receiver since its last report
 //! 14  2   metadata_len
 //! 16  4   payload_len (inline payload bytes after header + extensions + metadata)
@@ -47,6 +48,16 @@
 //! whatever its frames: [`crate::wire::Conn::handle_frame`] counts a slot only for a frame
 //! that does not follow a MORE frame. Batches are version 2 of the wire format: a version-1
 //! peer refuses every frame with [`WireError::BadVersion`], and the handshake refuses it first.
+//!
+//! # Packed stream messages
+//!
+//! A StreamMessage frame with [`FrameFlags::PACKED`] carries `aux` (at least 1) consecutive
+//! messages of its stream, numbered `seq ..= seq + aux - 1`: its payload is each message as a
+//! little-endian `u32` length and that many bytes, nothing before, between or after them
+//! ([`super::packed`]). A sender appends the small messages of a burst to the stream's last
+//! frame while it is not sent yet, so a receiver handles one header, one window check and one
+//! hand-off per burst rather than per message. [`decode`] checks that the lengths tile the
+//! payload exactly. Version 4 of the wire format.
 
 use std::fmt;
 
@@ -56,8 +67,9 @@ use super::WireError;
 ///
 /// 2: batches ([`FrameFlags::MORE`]); a version-1 peer would have read only the first frame
 /// of a SEND. 3: credit reclaims ([`FrameFlags::RECLAIM`]), for receivers that grant credits
-/// from a receive pool shared by many connections.
-pub const WIRE_VERSION: u8 = 3;
+/// from a receive pool shared by many connections. 4: packed stream messages
+/// ([`FrameFlags::PACKED`]).
+pub const WIRE_VERSION: u8 = 4;
 /// Bytes of the fixed base header.
 pub const BASE_HEADER_LEN: usize = 24;
 /// Bytes of the deadline extension.
@@ -213,8 +225,12 @@ impl FrameFlags {
     /// wait for credits): a receiver that grants from a shared pool grows its window. Any
     /// kind. See [`Conn::take_peer_starved`](super::Conn::take_peer_starved).
     pub const STARVED: FrameFlags = FrameFlags(1 << 9);
+    /// On a StreamMessage without a bulk descriptor: the payload is `aux` messages of the
+    /// stream, each a `u32` length and its bytes (see the
+    /// [module docs](self#packed-stream-messages)).
+    pub const PACKED: FrameFlags = FrameFlags(1 << 10);
     /// Every flag this version knows.
-    pub const KNOWN: FrameFlags = FrameFlags(0x3ff);
+    pub const KNOWN: FrameFlags = FrameFlags(0x7ff);
     /// The flags that announce an extension.
     pub const EXTENSIONS: FrameFlags = FrameFlags(0x47);
 
@@ -268,7 +284,7 @@ impl std::ops::BitOrAssign for FrameFlags {
 
 impl fmt::Debug for FrameFlags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const NAMES: [(FrameFlags, &str); 10] = [
+        const NAMES: [(FrameFlags, &str); 11] = [
             (FrameFlags::HAS_DEADLINE, "HAS_DEADLINE"),
             (FrameFlags::HAS_BULK, "HAS_BULK"),
             (FrameFlags::HAS_LANDING, "HAS_LANDING"),
@@ -279,6 +295,7 @@ impl fmt::Debug for FrameFlags {
             (FrameFlags::MORE, "MORE"),
             (FrameFlags::RECLAIM, "RECLAIM"),
             (FrameFlags::STARVED, "STARVED"),
+            (FrameFlags::PACKED, "PACKED"),
         ];
         if self.0 == 0 {
             return f.write_str("(empty)");
@@ -612,6 +629,25 @@ impl FrameHeader {
                 "RECLAIM on a frame other than CreditUpdate",
             ));
         }
+        if f.contains(FrameFlags::PACKED) {
+            if k != K::StreamMessage {
+                return Err(WireError::Inconsistent(
+                    "PACKED on a frame other than StreamMessage",
+                ));
+            }
+            if self.bulk.is_some() {
+                return Err(WireError::Inconsistent("PACKED together with HAS_BULK"));
+            }
+            if self.aux == 0 {
+                return Err(WireError::Inconsistent("PACKED with no message (aux 0)"));
+            }
+            if u64::from(self.aux) * super::packed::PREFIX_LEN as u64 > u64::from(self.payload_len)
+            {
+                return Err(WireError::Inconsistent(
+                    "PACKED with more messages than its payload has lengths for",
+                ));
+            }
+        }
         if k.is_call_scoped() == (self.call_id == 0) {
             return Err(WireError::Inconsistent(if self.call_id == 0 {
                 "call id 0 on a frame that belongs to a call"
@@ -633,6 +669,7 @@ impl FrameHeader {
             }
             K::Request | K::Status | K::WindowUpdate => {}
             K::CreditUpdate if f.contains(FrameFlags::RECLAIM) => {}
+            K::StreamMessage if f.contains(FrameFlags::PACKED) => {}
             _ if self.aux != 0 => {
                 return Err(WireError::Inconsistent(
                     "nonzero aux on a frame kind that does not use it",
@@ -677,8 +714,9 @@ impl FrameHeader {
 /// Checks the version, the kind, that only known flags are set, that flags agree with the kind
 /// and the fields (extensions only where they belong, bulk only with `payload_len == 0`, call
 /// id 0 exactly on connection frames, `aux` and `seq` only where used, reserved padding zero,
-/// no message on control frames), and that header, metadata and payload lie inside `buf`. Never
-/// panics, whatever `buf` holds.
+/// no message on control frames), that header, metadata and payload lie inside `buf`, and that
+/// a packed payload is exactly its messages ([`super::packed::check`]). Never panics, whatever
+/// `buf` holds.
 ///
 /// # Errors
 /// The first rule the bytes break, as a [`WireError`].
@@ -688,6 +726,9 @@ pub fn decode(buf: &[u8]) -> Result<Frame<'_>, WireError> {
     let metadata = r.bytes(usize::from(header.metadata_len))?;
     let payload_len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
     let payload = r.bytes(payload_len)?;
+    if header.flags.contains(FrameFlags::PACKED) {
+        super::packed::check(payload, header.aux)?;
+    }
     Ok(Frame {
         header,
         metadata,
@@ -965,7 +1006,7 @@ pub(crate) mod tests {
         assert_eq!(
             &buf[..24],
             &[
-                3, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
+                4, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
                 0x08, 0, 0, 0, 0, 0, 0, 0, 0
             ]
         );
@@ -1055,8 +1096,14 @@ pub(crate) mod tests {
             Err(WireError::BadVersion(2)),
             "a version-2 peer (no credit reclaims) is refused"
         );
-        b[0] = 4;
-        assert_eq!(decode(&b), Err(WireError::BadVersion(4)));
+        b[0] = 3;
+        assert_eq!(
+            decode(&b),
+            Err(WireError::BadVersion(3)),
+            "a version-3 peer (no packed stream messages) is refused"
+        );
+        b[0] = 5;
+        assert_eq!(decode(&b), Err(WireError::BadVersion(5)));
         let mut b = good.clone();
         b[1] = 0;
         assert_eq!(decode(&b), Err(WireError::UnknownKind(0)));
@@ -1135,6 +1182,27 @@ pub(crate) mod tests {
             ..FrameHeader::new(K::Request, 1)
         }));
         assert!(bad(FrameHeader::new(K::Cancel, 0)));
+        // PACKED: only on a StreamMessage without bulk, counting 1 message or more, each
+        // with room for its length.
+        let packed = |aux, payload_len| FrameHeader {
+            flags: FrameFlags::PACKED,
+            aux,
+            payload_len,
+            ..FrameHeader::new(K::StreamMessage, 1)
+        };
+        assert!(!bad(packed(2, 8)));
+        assert!(bad(packed(0, 8)), "no message");
+        assert!(bad(packed(3, 8)), "no room for three lengths");
+        assert!(bad(FrameHeader {
+            kind: K::Response,
+            ..packed(2, 8)
+        }));
+        assert!(bad(FrameHeader {
+            flags: FrameFlags::PACKED | FrameFlags::HAS_BULK,
+            bulk,
+            payload_len: 0,
+            ..packed(1, 0)
+        }));
         // And some that are fine.
         assert!(!bad(FrameHeader {
             aux: 255,
@@ -1274,7 +1342,8 @@ pub(crate) mod tests {
         let f = FrameFlags::HAS_BULK | FrameFlags::END_STREAM;
         assert_eq!(format!("{f:?}"), "HAS_BULK | END_STREAM");
         assert_eq!(format!("{:?}", FrameFlags::EMPTY), "(empty)");
-        assert_eq!(FrameFlags::from_bits(0x400), None);
+        assert_eq!(FrameFlags::from_bits(0x800), None);
+        assert_eq!(format!("{:?}", FrameFlags::PACKED), "PACKED");
         assert_eq!(format!("{:?}", FrameFlags::RECLAIM), "RECLAIM");
         assert_eq!(format!("{:?}", FrameFlags::MORE), "MORE");
         assert_eq!(

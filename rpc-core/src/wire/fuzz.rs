@@ -359,12 +359,23 @@ pub fn conn_events(data: &[u8]) {
                 let call = pick(&mut inp, &ids);
                 let b = bulk(&mut inp);
                 let pl = usize::from(inp.u8());
-                if side_is_client {
-                    if let Ok(h) = client.stream_message(call, pl, 0, b) {
-                        to_server.push(h);
+                // Without bulk, up to 3 more messages may be packed into the frame.
+                let more = if b.is_none() { inp.u8() % 4 } else { 0 };
+                let (conn, out) = if side_is_client {
+                    (&mut client, &mut to_server)
+                } else {
+                    (&mut server, &mut to_client)
+                };
+                if let Ok(mut h) = conn.stream_message(call, pl, 0, b) {
+                    let packed = (0..more)
+                        .take_while(|_| conn.stream_message_packed(call).is_ok())
+                        .count() as u32;
+                    if more > 0 {
+                        h.flags |= FrameFlags::PACKED;
+                        h.aux = packed + 1;
+                        h.payload_len = h.payload_len.max(4 * h.aux);
                     }
-                } else if let Ok(h) = server.stream_message(call, pl, 0, b) {
-                    to_client.push(h);
+                    out.push(h);
                 }
             }
             6 => {

@@ -8,7 +8,9 @@
 //! [`frame`]: a 24-byte little-endian base header, optional extensions (deadline, bulk
 //! descriptor, landing zone), then metadata, then inline payload. [`decode`] never panics and
 //! says what is wrong with bad bytes; [`FrameHeader::encode`] applies the same rules. One SEND
-//! may carry several frames back to back (a batch; [`FrameFlags::MORE`], [`next_in_batch`]).
+//! may carry several frames back to back (a batch; [`FrameFlags::MORE`], [`next_in_batch`]),
+//! and one StreamMessage frame several messages of its stream ([`FrameFlags::PACKED`],
+//! [`packed`]).
 //!
 //! # Calls
 //!
@@ -83,6 +85,7 @@ pub mod frame;
 #[doc(hidden)]
 pub mod fuzz;
 mod heap;
+pub mod packed;
 
 pub use conn::{
     CallId, Config, Conn, Event, MAX_CALLS, MAX_RING_DEPTH, MIN_EAGER_LIMIT, Role, Transfer,

@@ -707,7 +707,8 @@ fn server_stream_window_flow_control() {
             Event::StreamMessage {
                 call,
                 seq: i,
-                bulk: None
+                bulk: None,
+                packed: 0
             }
         );
     }
@@ -780,6 +781,95 @@ fn a_receiver_opens_a_stream_window_up_to_the_maximum() {
         l.deliver_to_server().unwrap_err(),
         ProtocolError::WindowOverflow { max: 6, .. }
     ));
+}
+
+/// Packs `msgs` into the stream frame `h` (built by `stream_message` for the first of them)
+/// as a sender's link does: the frame and its bytes.
+fn pack(mut h: FrameHeader, msgs: &[&[u8]]) -> (FrameHeader, Vec<u8>) {
+    let first = msgs[0];
+    h.payload_len = first.len() as u32;
+    let mut slot = encode(&h, &[], first);
+    slot.resize(4096, 0);
+    for m in &msgs[1..] {
+        crate::wire::packed::append(&mut slot, m.len(), |out| {
+            out.get_mut(..m.len())?.copy_from_slice(m);
+            Some(m.len())
+        })
+        .unwrap();
+    }
+    let f = decode(&slot).unwrap();
+    let len = f.header.frame_len() as usize;
+    let h = f.header;
+    slot.truncate(len);
+    (h, slot)
+}
+
+#[test]
+fn packed_stream_messages_use_the_window_and_sequence_of_each() {
+    let mut l = Link::new(Config {
+        stream_window: 4,
+        stream_window_max: 4,
+        ..cfg()
+    });
+    let call =
+        l.c.start_call(M, CallKind::ServerStreaming, None, l.now)
+            .unwrap();
+    let h = l.c.request(call, 0, 0, None, None, l.now).unwrap();
+    l.send_c(h, &[], &[]);
+    l.deliver_to_server().unwrap();
+    // Three messages in one frame, then one alone: the window (4) is spent.
+    let h = l.s.stream_message(call, 1, 0, None).unwrap();
+    l.s.stream_message_packed(call).unwrap();
+    l.s.stream_message_packed(call).unwrap();
+    let (ph, bytes) = pack(h, &[b"a", b"bc", b""]);
+    assert_eq!((ph.aux, ph.seq), (3, 0));
+    l.to_c.push_back(bytes);
+    let h = l.s.stream_message(call, 1, 0, None).unwrap();
+    assert_eq!(
+        h.seq, 3,
+        "the packed messages took sequence numbers 0, 1 and 2"
+    );
+    l.send_s(h, &[], b"d");
+    assert_eq!(
+        l.s.stream_message_packed(call),
+        Err(SendError::Window),
+        "a packed message needs window like any"
+    );
+    let got = l.deliver_to_client().unwrap();
+    assert_eq!(
+        got.ev,
+        Event::StreamMessage {
+            call,
+            seq: 0,
+            bulk: None,
+            packed: 3
+        }
+    );
+    assert!(crate::wire::packed::check(&got.payload, 3).is_ok());
+    assert!(matches!(
+        l.deliver_to_client().unwrap().ev,
+        Event::StreamMessage {
+            seq: 3,
+            packed: 0,
+            ..
+        }
+    ));
+    // A forged packed frame past the window: refused whole.
+    let h = l.c.window_update(call, 2).unwrap();
+    l.send_c(h, &[], &[]);
+    l.deliver_to_server().unwrap();
+    let h = FrameHeader {
+        seq: 4,
+        ..FrameHeader::new(FrameKind::StreamMessage, call.0)
+    };
+    let (forged, bytes) = pack(h, &[b"1", b"2", b"3"]);
+    assert_eq!(forged.aux, 3);
+    l.to_c.push_back(bytes);
+    assert_eq!(
+        l.deliver_to_client().unwrap_err(),
+        ProtocolError::WindowExceeded(call)
+    );
+    l.check();
 }
 
 #[test]
@@ -877,7 +967,8 @@ fn client_stream_and_half_close() {
         Event::StreamMessage {
             call,
             seq: 0,
-            bulk: Some(big)
+            bulk: Some(big),
+            packed: 0
         }
     );
     assert_eq!(l.deliver_to_server().unwrap().payload, b"abc");
@@ -1888,7 +1979,8 @@ fn a_batch_spends_one_credit_and_fills_one_slot() {
             Event::StreamMessage {
                 call,
                 seq: i as u32,
-                bulk: None
+                bulk: None,
+                packed: 0
             }
         );
     }

@@ -187,10 +187,18 @@ impl<P: Provider> Driver<P> {
                     self.end_call(core, s, end);
                 }
             }
-            Event::StreamMessage { call, bulk, .. } => {
+            Event::StreamMessage {
+                call, bulk, packed, ..
+            } => {
                 let s = call.slot() as usize;
                 if self.calls[s].id != call {
                     return Ok(());
+                }
+                if packed > 0 {
+                    core.counters.packed_frames.fetch_add(1, Ordering::Relaxed);
+                    core.counters
+                        .packed_messages
+                        .fetch_add(u64::from(packed), Ordering::Relaxed);
                 }
                 if let (Some(inbox), Some(sl)) = (&self.calls[s].inbox, &slot)
                     && !md.is_empty()
@@ -200,9 +208,7 @@ impl<P: Provider> Driver<P> {
                 }
                 let held = match (bulk, slot) {
                     (Some(d), _) => Held::Bulk(d),
-                    (None, Some(slot)) => {
-                        Held::Item(Item::from_slot(slot, payload.start, payload.end))
-                    }
+                    (None, Some(slot)) => Held::Item(Item::from_frame(slot, payload, packed)),
                     (None, None) => return Ok(()),
                 };
                 let c = &mut self.calls[s];

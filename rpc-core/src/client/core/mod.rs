@@ -261,6 +261,9 @@ pub(crate) struct Counters {
     pub(crate) bulk_requests: AtomicU64,
     pub(crate) bulk_responses: AtomicU64,
     pub(crate) landing_responses: AtomicU64,
+    /// Packed stream frames received ([`crate::wire::packed`]), and the messages they held.
+    pub(crate) packed_frames: AtomicU64,
+    pub(crate) packed_messages: AtomicU64,
     /// Request payload bytes sent from the user's registered memory (not copied).
     pub(crate) zero_copy_request_bytes: AtomicU64,
     /// Async unary calls that found their outcome while their own task drove the connection.

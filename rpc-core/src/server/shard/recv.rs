@@ -239,17 +239,15 @@ impl<P: Provider> Shard<P> {
                     conn.link.control(Control::BulkRelease(call))?;
                 }
             }
-            Event::StreamMessage { call, bulk, .. } => {
+            Event::StreamMessage {
+                call, bulk, packed, ..
+            } => {
                 let held = match bulk {
                     Some(desc) => {
                         drop(inbound);
                         Held::Bulk(desc)
                     }
-                    None => Held::Item(Item::from_slot(
-                        inbound.slot,
-                        inbound.payload.start,
-                        inbound.payload.end,
-                    )),
+                    None => Held::Item(Item::from_frame(inbound.slot, inbound.payload, packed)),
                 };
                 conn.stream_in(call, held)?;
             }

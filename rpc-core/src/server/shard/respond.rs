@@ -319,9 +319,7 @@ impl<P: Provider> ServerConn<P> {
         let bulk = match self.link.wire.plan(len as u64, md_len, None) {
             Transfer::Eager | Transfer::Landing => {
                 self.link
-                    .send_packed(metadata, msg, |w, pl, ml| {
-                        w.stream_message(call, pl, ml, None)
-                    })
+                    .send_stream(call, metadata, msg)
                     .map_err(refused)?;
                 false
             }
