@@ -3,7 +3,7 @@
 //! Received stream messages stay in the registered memory they arrived in (a receive slot, or
 //! a bulk buffer a large message was READ into) until the consumer takes them; each is decoded
 //! when taken. The inbox holds at most the stream window, which the sender never exceeds; the
-//! consumer returns window to the sender as it takes messages (every half window), so a slow
+//! consumer returns window to the sender as it takes messages (every quarter window), so a slow
 //! consumer slows its producer and nothing grows without bound.
 //!
 //! # How large the window is
@@ -26,11 +26,11 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
 use atomic_waker::AtomicWaker;
+use bytes::Bytes;
 use crossbeam_queue::ArrayQueue;
 use futures_core::Stream;
 use prost::Message;
 
-use crate::buf::decode::ZERO_COPY_MIN;
 use crate::buf::{Lend, RecvSlot, SlotReader};
 use crate::wire::packed;
 use crate::{Metadata, Status};
@@ -42,6 +42,8 @@ pub(crate) const STREAM_WINDOW_MAX: u32 = 256;
 /// The bytes a consumer lets a stream have in flight: the window is opened to this many
 /// bytes of the largest message taken so far (within the two limits above).
 pub(crate) const STREAM_WINDOW_BYTES: usize = 256 << 10;
+/// The consumer grants window back each time it has taken this fraction of it.
+const GRANT_FRACTION: u32 = 4;
 /// Large stream messages (rendezvous loans of the sender's registered memory) a sender keeps
 /// open per stream, whatever the window: the peer returns them as it reads them.
 pub(crate) const STREAM_LOANS: usize = 16;
@@ -61,19 +63,19 @@ pub(crate) enum Item {
     Packed(Packed),
 }
 
-/// The messages of a packed frame not taken yet, in the receive slot or copied out of it.
+/// The messages of a packed frame not taken yet: the frame's receive slot as one shared
+/// `Bytes` (or a copy of its payload, past the connection's lending budget), which every
+/// message taken is decoded from and whose `bytes` fields borrow it, whatever their size: one
+/// allocation per frame, none per message. The slot goes back to its ring when the last
+/// message (and the last field kept from one) is dropped; it is counted in the lending
+/// budget meanwhile, as a slot holding one message is.
 pub(crate) struct Packed {
-    bytes: PackedBytes,
+    bytes: Bytes,
     /// Where the next message's length starts, and where the payload ends, in `bytes`.
     at: usize,
     end: usize,
     /// Messages left.
     left: u32,
-}
-
-enum PackedBytes {
-    Slot(RecvSlot),
-    Copy(Vec<u8>),
 }
 
 impl Packed {
@@ -82,13 +84,13 @@ impl Packed {
         if self.left == 0 {
             return None;
         }
-        let payload = match &self.bytes {
-            PackedBytes::Slot(s) => s.bytes().get(..self.end),
-            PackedBytes::Copy(v) => v.get(..self.end),
-        };
         // The decoder checked the packing (`wire::packed::check`): a miss is a bug, reported
         // as the stream's error rather than trusted.
-        let Some((start, end)) = payload.and_then(|p| packed::next(p, self.at)) else {
+        let Some((start, end)) = self
+            .bytes
+            .get(..self.end)
+            .and_then(|p| packed::next(p, self.at))
+        else {
             self.left = 0;
             return Some((
                 0,
@@ -97,15 +99,8 @@ impl Packed {
         };
         self.at = end;
         self.left -= 1;
-        let r = match &mut self.bytes {
-            // Large `bytes` fields borrow the slot, as those of a message alone in one do.
-            PackedBytes::Slot(slot) if end - start >= ZERO_COPY_MIN => {
-                T::decode(SlotReader::new(slot.share(), start, end))
-            }
-            PackedBytes::Slot(slot) => T::decode(&slot.bytes()[start..end]),
-            PackedBytes::Copy(v) => T::decode(&v[start..end]),
-        };
-        Some((end - start, r.map_err(decode_error)))
+        let r = T::decode(self.bytes.slice(start..end)).map_err(decode_error);
+        Some((end - start, r))
     }
 }
 
@@ -147,11 +142,11 @@ impl Item {
             return Item::from_slot(slot, payload.start, payload.end);
         }
         let (bytes, at, end) = if slot.try_lend() {
-            (PackedBytes::Slot(slot), payload.start, payload.end)
+            (Bytes::from_owner(slot), payload.start, payload.end)
         } else {
             let copy = slot.bytes().get(payload).unwrap_or_default().to_vec();
             let n = copy.len();
-            (PackedBytes::Copy(copy), 0, n)
+            (Bytes::from(copy), 0, n)
         };
         Item::Packed(Packed {
             bytes,
@@ -336,15 +331,19 @@ impl Inbox {
         Poll::Pending
     }
 
-    /// The consumer took a message of `len` bytes: every half window it grants the sender
-    /// what it took, resized to the target (see the module's documentation).
+    /// The consumer took a message of `len` bytes: every quarter window it grants the sender
+    /// what it took, resized to the target (see the module's documentation). A quarter, not a
+    /// half: the sender gets window back while most of what it sent is still queued, so a
+    /// stream of small messages (packed a burst to a frame) never waits a round trip with
+    /// nothing to send (32 B server streaming: 11.6 M messages/s with half-window grants,
+    /// 13.3 M with quarter ones).
     fn took_one(&self, len: usize) {
         // Only the consumer (`&mut Streaming`) gets here: plain loads and stores suffice.
         let n = self.consumed.load(Ordering::Relaxed) + 1;
         let largest = self.largest.load(Ordering::Relaxed).max(len);
         self.largest.store(largest, Ordering::Relaxed);
         let window = self.window.load(Ordering::Relaxed);
-        if n < window.div_ceil(2) {
+        if n < window.div_ceil(GRANT_FRACTION) {
             self.consumed.store(n, Ordering::Relaxed);
             return;
         }
@@ -601,8 +600,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn messages_then_end_and_grants_every_half_window() {
-        let inbox = Inbox::new(4, 4);
+    async fn messages_then_end_and_grants_every_quarter_window() {
+        let inbox = Inbox::new(8, 8);
         let host = Arc::new(Host::default());
         inbox.set_host(Box::new(Arc::clone(&host)));
         let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
@@ -674,16 +673,16 @@ mod tests {
         let inbox = Inbox::new(16, 256);
         let host = Arc::new(Host::default());
         inbox.set_host(Box::new(Arc::clone(&host)));
-        // Small messages: the first grant (after half the initial window) opens it to the
-        // most; then half of it is granted back each time.
-        assert_eq!(take(&inbox, &host, 8, 32), vec![8 + 256 - 16]);
-        assert_eq!(take(&inbox, &host, 128, 32), vec![128]);
-        // Large messages: no grant until the window has shrunk to its target (16), then
-        // half of that, each time.
-        let large = take(&inbox, &host, 248, 1 << 20);
-        assert_eq!(large.iter().sum::<u32>(), 248 + 16 - 256, "{large:?}");
+        // Small messages: the first grant (after a quarter of the initial window) opens it
+        // to the most; then a quarter of it is granted back each time.
+        assert_eq!(take(&inbox, &host, 4, 32), vec![4 + 256 - 16]);
+        assert_eq!(take(&inbox, &host, 128, 32), vec![64, 64]);
+        // Large messages: no grant until the window has shrunk to its target (16), then a
+        // quarter of that, each time.
+        let large = take(&inbox, &host, 243, 1 << 20);
+        assert_eq!(large.iter().sum::<u32>(), 243 + 16 - 256, "{large:?}");
         assert_eq!(inbox.window.load(Ordering::Relaxed), 16);
-        assert_eq!(take(&inbox, &host, 16, 1 << 20), vec![8, 8]);
+        assert_eq!(take(&inbox, &host, 16, 1 << 20), vec![4, 4, 4, 4]);
     }
 
     /// `msgs` packed as a sender packs them, in a plain `Vec` slot of a soft arena-less test:
@@ -700,7 +699,7 @@ mod tests {
 
     #[tokio::test]
     async fn packed_messages_come_out_one_by_one_and_count_in_the_window() {
-        let inbox = Inbox::new(4, 4);
+        let inbox = Inbox::new(8, 8);
         let host = Arc::new(Host::default());
         inbox.set_host(Box::new(Arc::clone(&host)));
         let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
@@ -709,7 +708,7 @@ mod tests {
         let n = payload.len();
         inbox
             .push(Item::Packed(Packed {
-                bytes: PackedBytes::Copy(payload),
+                bytes: Bytes::from(payload),
                 at: 0,
                 end: n,
                 left: 3,
@@ -724,7 +723,7 @@ mod tests {
         assert_eq!(
             *host.grants.lock().unwrap(),
             vec![2, 2],
-            "each packed message counts as one taken (a grant every 2 of a window of 4)"
+            "each packed message counts as one taken (a grant every 2 of a window of 8)"
         );
     }
 
@@ -737,7 +736,7 @@ mod tests {
         payload.extend_from_slice(&[0x08, 0xff, 0xff, 0xff, 0xff]);
         inbox
             .push(Item::Packed(Packed {
-                bytes: PackedBytes::Copy(payload),
+                bytes: Bytes::from(payload),
                 at: 0,
                 end: 9,
                 left: 1,

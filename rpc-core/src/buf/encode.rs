@@ -12,6 +12,13 @@ pub trait EncodeMsg: Send + Sync {
     /// nothing) when `out` is too small.
     fn encode_into(&self, out: &mut [u8]) -> Option<usize>;
 
+    /// Encodes into `out`, which is exactly [`EncodeMsg::encoded_len`] bytes (the caller
+    /// measured it): [`EncodeMsg::encode_into`] without measuring again. Returns the bytes
+    /// written.
+    fn encode_measured(&self, out: &mut [u8]) -> Option<usize> {
+        self.encode_into(out)
+    }
+
     /// Encodes through a [`Gather`]: large `bytes` fields that already lie in the gather's
     /// registered region are referenced, not copied. Returns `None` when the staging area is
     /// too small ([`Gather::needed`] then says how much would do). The default copies
@@ -33,6 +40,14 @@ impl<M: Message> EncodeMsg for M {
         let mut w = out.get_mut(..len)?;
         self.encode_raw(&mut w);
         debug_assert!(w.is_empty(), "prost encoded_len disagrees with encode_raw");
+        Some(len - w.len())
+    }
+
+    fn encode_measured(&self, out: &mut [u8]) -> Option<usize> {
+        let len = out.len();
+        let mut w = out;
+        // A message's length does not change between two calls on `&self`: `out` fits.
+        self.encode_raw(&mut w);
         Some(len - w.len())
     }
 

@@ -828,7 +828,8 @@ impl<P: Provider> Link<P> {
         Ok(())
     }
 
-    /// Sends an eager message of `call`'s stream. When the frame built last is a message of
+    /// Sends an eager message of `call`'s stream (`msg`, of `len` bytes encoded). When the
+    /// frame built last is a message of
     /// the same stream, still in the last queued SEND, the message is packed into that frame
     /// ([`wire::packed`]: its length and bytes appended to the frame's payload, one message of
     /// the window, no header, no credit), while the SEND's slot and the peer's receive slot
@@ -843,8 +844,9 @@ impl<P: Provider> Link<P> {
         call: wire::CallId,
         metadata: &Metadata,
         msg: &dyn EncodeMsg,
+        len: usize,
     ) -> Result<(), FrameError> {
-        if metadata.encoded_len() == 0 && self.pack_stream(call, msg)? {
+        if metadata.is_empty() && self.pack_stream(call, msg, len)? {
             return Ok(());
         }
         self.send_packed(metadata, msg, |w, pl, ml| {
@@ -858,7 +860,12 @@ impl<P: Provider> Link<P> {
 
     /// Packs `msg` into `call`'s stream frame at the end of the last queued SEND: `Ok(false)`
     /// (nothing done) when that is not the last frame built or there is no room.
-    fn pack_stream(&mut self, call: wire::CallId, msg: &dyn EncodeMsg) -> Result<bool, FrameError> {
+    fn pack_stream(
+        &mut self,
+        call: wire::CallId,
+        msg: &dyn EncodeMsg,
+        len: usize,
+    ) -> Result<bool, FrameError> {
         let Some(i) = self.sends.n.checked_sub(1) else {
             return Ok(false);
         };
@@ -866,7 +873,6 @@ impl<P: Provider> Link<P> {
         if call.0 == 0 || open.last_stream != call.0 {
             return Ok(false);
         }
-        let len = msg.encoded_len();
         // SAFETY: `open.last` is a send slot of a queued SEND not posted yet: ours. The bytes
         // past the SEND's end are not in its gather list until the message is appended below.
         let buf = unsafe { self.arena.send_buf(open.last) };
@@ -886,7 +892,7 @@ impl<P: Provider> Link<P> {
             Err(e) => return Err(FrameError::Refused(e)),
         }
         // Counted by the protocol: from here on a failure is the link's.
-        let grown = wire::packed::append(frame, len, |out| msg.encode_into(out))
+        let grown = wire::packed::append(frame, len, |out| msg.encode_measured(out))
             .map_err(|e| LinkError::Protocol(format!("packing a stream message: {e}")))?;
         let open = &mut self.sends.q[i];
         open.len += grown as u32;

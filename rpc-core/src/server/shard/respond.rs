@@ -319,7 +319,7 @@ impl<P: Provider> ServerConn<P> {
         let bulk = match self.link.wire.plan(len as u64, md_len, None) {
             Transfer::Eager | Transfer::Landing => {
                 self.link
-                    .send_stream(call, metadata, msg)
+                    .send_stream(call, metadata, msg, len)
                     .map_err(refused)?;
                 false
             }
