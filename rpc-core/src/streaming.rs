@@ -99,8 +99,49 @@ impl Packed {
         };
         self.at = end;
         self.left -= 1;
-        let r = T::decode(self.bytes.slice(start..end)).map_err(decode_error);
+        let r = T::decode(Slice {
+            whole: &self.bytes,
+            pos: start,
+            end,
+        })
+        .map_err(decode_error);
         Some((end - start, r))
+    }
+}
+
+/// A [`bytes::Buf`] over `whole[pos..end]` whose `bytes` fields are slices of `whole`: one
+/// reference count taken per field, none for the message itself.
+struct Slice<'a> {
+    whole: &'a Bytes,
+    pos: usize,
+    end: usize,
+}
+
+impl bytes::Buf for Slice<'_> {
+    fn remaining(&self) -> usize {
+        self.end - self.pos
+    }
+
+    fn chunk(&self) -> &[u8] {
+        &self.whole[self.pos..self.end]
+    }
+
+    fn advance(&mut self, cnt: usize) {
+        assert!(
+            cnt <= self.remaining(),
+            "advance past the end of the message"
+        );
+        self.pos += cnt;
+    }
+
+    fn copy_to_bytes(&mut self, len: usize) -> Bytes {
+        assert!(
+            len <= self.remaining(),
+            "copy_to_bytes past the end of the message"
+        );
+        let b = self.whole.slice(self.pos..self.pos + len);
+        self.pos += len;
+        b
     }
 }
 
