@@ -869,20 +869,22 @@ impl<P: Provider> Link<P> {
         let Some(i) = self.sends.n.checked_sub(1) else {
             return Ok(false);
         };
-        let open = self.sends.q[i];
+        let open = &self.sends.q[i];
         if call.0 == 0 || open.last_stream != call.0 {
             return Ok(false);
         }
+        let (last, last_header, last_end, open_len) =
+            (open.last, open.last_header, open.last_end, open.len);
         // SAFETY: `open.last` is a send slot of a queued SEND not posted yet: ours. The bytes
         // past the SEND's end are not in its gather list until the message is appended below.
-        let buf = unsafe { self.arena.send_buf(open.last) };
-        let Some(frame) = buf.get_mut(open.last_header as usize..) else {
+        let buf = unsafe { self.arena.send_buf(last) };
+        let Some(frame) = buf.get_mut(last_header as usize..) else {
             return Ok(false);
         };
         let grown = wire::packed::growth(wire::packed::is_packed(frame), len);
         let eager = self.wire.config().eager_limit as usize;
-        if open.last_end as usize + grown > self.arena.geometry().slot_size as usize
-            || open.len as usize + grown > eager
+        if last_end as usize + grown > self.arena.geometry().slot_size as usize
+            || open_len as usize + grown > eager
         {
             return Ok(false);
         }
