@@ -27,7 +27,7 @@ pub(crate) trait Record<P: Provider> {
 
 /// The records of a connection's calls, indexed by wire call slot.
 ///
-/// A table made with [`Calls::lazy`] holds records only up to the highest slot used so far
+/// A table ([`Calls::lazy`]) holds records only up to the highest slot used so far
 /// (clients reuse their lowest free slot first), so an idle connection that made a few calls
 /// costs a few records, not its peer's whole call table; [`Calls::get_mut`] adds the records
 /// up to a new slot (once per slot, not per call).
@@ -38,18 +38,6 @@ pub(crate) struct Calls<C> {
 }
 
 impl<C> Calls<C> {
-    /// A table of `n` empty records.
-    pub(crate) fn new<P: Provider>(n: usize) -> Calls<C>
-    where
-        C: Record<P>,
-    {
-        Calls {
-            recs: (0..n).map(|_| C::empty()).collect(),
-            max: n,
-            empty: C::empty,
-        }
-    }
-
     /// A table of up to `n` records, made as slots are first used.
     pub(crate) fn lazy<P: Provider>(n: usize) -> Calls<C>
     where
@@ -156,7 +144,5 @@ mod tests {
             t.live::<Soft>(CallId::new(0, 1)).map(|r| r.0),
             Some(CallId::new(0, 1))
         );
-        let full = Calls::<R>::new::<Soft>(8);
-        assert_eq!(full.len(), 8);
     }
 }

@@ -107,7 +107,15 @@ impl<P: Provider> Driver<P> {
             .wire
             .start_call(sub.method, sub.kind, sub.timeout_ns, now)
         {
-            Ok(c) => c,
+            // Its record exists from now on (the call table is lazy): every slot the wire
+            // has started, and so every slot an event or a deadline can name, is in it.
+            Ok(c) if self.calls.get_mut(c.slot() as usize).is_some() => c,
+            Ok(c) => {
+                return Err(LinkError::Protocol(format!(
+                    "the wire started a call in slot {}, beyond the call table",
+                    c.slot()
+                )));
+            }
             Err(wire::StartError::TooManyCalls) => {
                 // Calls still finishing hold wire slots: wait for them.
                 self.pending.push_back((idx, generation, CallId(0), sub));
@@ -173,7 +181,11 @@ impl<P: Provider> Driver<P> {
                 });
                 // In place: the slot was reset when its last call retired (a DrvCall is large;
                 // building and moving a whole one per call showed up as memcpy).
-                let c = &mut self.calls[slot];
+                let Some(c) = self.calls.get_mut(slot) else {
+                    return Err(LinkError::Protocol(format!(
+                        "the wire started a call in slot {slot}, beyond the call table"
+                    )));
+                };
                 c.reset();
                 c.id = call;
                 c.method = sub.method;

@@ -362,7 +362,12 @@ impl<P: Provider> ClientCore<P> {
         let driver = Driver {
             #[cfg(test)]
             seen_bulk: Vec::new(),
-            calls: Calls::new(n),
+            // Records are made as wire slots are first used (the lowest free slot goes
+            // first): a connection that never has more than a few calls in flight writes a
+            // few records at connect, not `n` of about 700 bytes. Every slot a frame names
+            // was started here first (the wire refuses slots never used), so indexing by
+            // the slots of events stays in the table.
+            calls: Calls::lazy(n),
             cell_slot: vec![None; n].into_boxed_slice(),
             pending: VecDeque::with_capacity(n),
 
