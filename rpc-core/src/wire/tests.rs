@@ -804,19 +804,26 @@ fn pack(mut h: FrameHeader, msgs: &[&[u8]]) -> (FrameHeader, Vec<u8>) {
     (h, slot)
 }
 
-#[test]
-fn packed_stream_messages_use_the_window_and_sequence_of_each() {
+/// A link with a server-streaming call open (its request delivered), stream windows of
+/// `window` messages.
+fn server_stream(window: u32) -> (Link, CallId) {
     let mut l = Link::new(Config {
-        stream_window: 4,
-        stream_window_max: 4,
+        stream_window: window,
+        stream_window_max: window,
         ..cfg()
     });
     let call =
         l.c.start_call(M, CallKind::ServerStreaming, None, l.now)
             .unwrap();
-    let h = l.c.request(call, 0, 0, None, None, l.now).unwrap();
-    l.send_c(h, &[], &[]);
+    let h = l.c.request(call, 1, 0, None, None, l.now).unwrap();
+    l.send_c(h, &[], b"n");
     l.deliver_to_server().unwrap();
+    (l, call)
+}
+
+#[test]
+fn packed_stream_messages_use_the_window_and_sequence_of_each() {
+    let (mut l, call) = server_stream(4);
     // Three messages in one frame, then one alone: the window (4) is spent.
     let h = l.s.stream_message(call, 1, 0, None).unwrap();
     l.s.stream_message_packed(call).unwrap();
@@ -1931,17 +1938,7 @@ proptest! {
 /// spends one credit for the whole batch, the receiver counts one receive slot for it.
 #[test]
 fn a_batch_spends_one_credit_and_fills_one_slot() {
-    let mut l = Link::new(Config {
-        stream_window: 8,
-        stream_window_max: 8,
-        ..cfg()
-    });
-    let call =
-        l.c.start_call(M, CallKind::ServerStreaming, None, l.now)
-            .unwrap();
-    let h = l.c.request(call, 1, 0, None, None, l.now).unwrap();
-    l.send_c(h, &[], b"n");
-    l.deliver_to_server().unwrap();
+    let (mut l, call) = server_stream(8);
     let credits = l.s.send_credits();
     // Five stream messages and the final status in one SEND: the first takes a credit, the
     // others join it.
