@@ -829,13 +829,13 @@ impl<P: Provider> Link<P> {
     }
 
     /// Sends an eager message of `call`'s stream (`msg`, of `len` bytes encoded). When the
-    /// frame built last is a message of
-    /// the same stream, still in the last queued SEND, the message is packed into that frame
-    /// ([`wire::packed`]: its length and bytes appended to the frame's payload, one message of
-    /// the window, no header, no credit), while the SEND's slot and the peer's receive slot
-    /// have room; otherwise it is a frame of its own, as [`Link::send_packed`] builds it. So a
-    /// burst of small messages reaches the peer as one frame: one header to check and one
-    /// hand-off to the stream's consumer, not one per message.
+    /// frame built last is a message of the same stream, still in the last queued SEND, the
+    /// message is packed into that frame ([`wire::packed`]: its length and bytes appended to
+    /// the frame's payload, one message of the window, no header, no credit), while the
+    /// SEND's slot and the peer's receive slot have room; otherwise it is a frame of its own,
+    /// as [`Link::send_packed`] builds it. So a burst of small messages reaches the peer as
+    /// one frame: one header to check and one hand-off to the stream's consumer, not one per
+    /// message.
     ///
     /// # Errors
     /// As [`Link::send_packed`].
