@@ -175,7 +175,7 @@ impl Item {
         Item::Owned(Box::new(copy))
     }
 
-    /// The stream message(s) of a frame whose payload is bytes `start..end` of `slot`: one
+    /// The stream message(s) of a frame whose payload is bytes `payload` of `slot`: one
     /// message ([`Item::from_slot`]) when `packed` is 0, else `packed` messages packed there
     /// (kept in the slot, or copied out past the lending budget, as one message is).
     pub(crate) fn from_frame(mut slot: RecvSlot, payload: Range<usize>, packed: u32) -> Item {
@@ -556,14 +556,19 @@ impl<T: Message + Default> Stream for Streaming<T> {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
-        if let (Some(p), Source::Inbox(inbox)) = (&mut this.packed, &this.source) {
-            if let Some((len, r)) = p.take::<T>() {
+        // The rest of a packed frame first.
+        let next = match (&mut this.packed, &this.source) {
+            (Some(p), Source::Inbox(inbox)) => p.take::<T>().map(|(len, r)| {
                 inbox.took_one(len);
-                return Poll::Ready(Some(r));
-            }
+                r
+            }),
+            _ => None,
+        };
+        if next.is_none() {
             this.packed = None;
         }
         let r = match &mut this.source {
+            Source::Inbox(_) if next.is_some() => Poll::Ready(next),
             Source::Inbox(inbox) => match inbox.poll_item(cx) {
                 Poll::Ready(Some(Ok(Item::Packed(mut p)))) => match p.take::<T>() {
                     Some((len, r)) => {
@@ -786,6 +791,27 @@ mod tests {
         let e = s.message().await.unwrap_err();
         assert_eq!(e.code(), crate::Code::Internal);
         assert!(e.message().contains("decode stream message"), "{e}");
+
+        // A bad message in the middle of a frame ends the stream there too, as a bad message
+        // alone does: the messages after it are not handed out.
+        let inbox = Inbox::new(8, 8);
+        let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
+        let mut payload = packed_payload(&[M { v: 1 }]);
+        payload.extend_from_slice(&5u32.to_le_bytes());
+        payload.extend_from_slice(&[0x08, 0xff, 0xff, 0xff, 0xff]);
+        payload.extend_from_slice(&packed_payload(&[M { v: 3 }]));
+        let n = payload.len();
+        inbox
+            .push(Item::Packed(Packed {
+                bytes: Bytes::from(payload),
+                at: 0,
+                end: n,
+                left: 3,
+            }))
+            .unwrap();
+        assert_eq!(s.message().await.unwrap(), Some(M { v: 1 }));
+        assert_eq!(s.message().await.unwrap_err().code(), crate::Code::Internal);
+        assert_eq!(s.message().await.unwrap(), None, "over after the error");
     }
 
     #[tokio::test]
