@@ -249,7 +249,7 @@ fn assert_names_cause(st: &Status, what: &str) {
 /// The steady caller matters: a call whose request was delivered leaves nothing on the
 /// client's send queue, and an idle RC QP notices no broken path (no ACK is missing); the
 /// next SEND's retries run out (`RETRY_EXC_ERR`) and the connection fails with every call on
-/// it. So the steady caller starts a call every 50 ms whatever became of the one before.
+/// it. So the steady caller does not wait long for a call before it starts the next.
 /// Without traffic keepalive ends them (see `link_down_for_good`'s quiet connections).
 async fn calls_across_link_down(
     ch: &Channel,
@@ -275,16 +275,23 @@ async fn calls_across_link_down(
     set.spawn(async move {
         let start = Instant::now();
         let mut seq = 1_000;
-        // Each echo starts 50 ms after the one before, without waiting for it: an echo whose
-        // request was delivered just before the link went down waits for a response that
-        // never comes and posts nothing, and a caller that waited for it would post no SEND
-        // to fail either: the calls would wait for keepalive (31 s), the likely cause of this
-        // test's hang in two CI runs of about six. The next echo's SEND fails.
+        // One echo at a time, 50 ms apart, as long as each answers; one that has no answer
+        // after 200 ms (a round trip takes a few ms) is left running and the next starts:
+        // an echo whose request was delivered just before the link went down waits for a
+        // response that never comes and posts nothing, and a caller that waited for it would
+        // post no SEND to fail either (the calls would wait for keepalive, 31 s). Not one
+        // echo every 50 ms regardless: those would pile up and take the connection's credits
+        // while the link is down, and a frame waiting for a credit posts nothing either.
         let mut echoes = tokio::task::JoinSet::new();
         loop {
             seq += 1;
             let ch = steady.clone();
             echoes.spawn(async move { echo(&ch, seq, 100, false).await });
+            if let Ok(Some(r)) =
+                tokio::time::timeout(Duration::from_millis(200), echoes.join_next()).await
+            {
+                r.expect("an echo task")?;
+            }
             while let Some(r) = echoes.try_join_next() {
                 r.expect("an echo task")?;
             }
