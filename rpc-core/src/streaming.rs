@@ -743,6 +743,17 @@ mod tests {
         p
     }
 
+    /// A packed item of `left` messages whose payload is `payload`.
+    fn packed(payload: Vec<u8>, left: u32) -> Item {
+        let end = payload.len();
+        Item::Packed(Packed {
+            bytes: Bytes::from(payload),
+            at: 0,
+            end,
+            left,
+        })
+    }
+
     #[tokio::test]
     async fn packed_messages_come_out_one_by_one_and_count_in_the_window() {
         let inbox = Inbox::new(8, 8);
@@ -751,15 +762,7 @@ mod tests {
         let mut s: Streaming<M> = Streaming::from_inbox(Arc::clone(&inbox));
         let msgs: Vec<M> = (0..3).map(|v| M { v }).collect();
         let payload = packed_payload(&msgs);
-        let n = payload.len();
-        inbox
-            .push(Item::Packed(Packed {
-                bytes: Bytes::from(payload),
-                at: 0,
-                end: n,
-                left: 3,
-            }))
-            .unwrap();
+        inbox.push(packed(payload, 3)).unwrap();
         inbox.push(owned(3)).unwrap();
         for v in 0..4 {
             assert_eq!(s.message().await.unwrap(), Some(M { v }));
@@ -780,14 +783,7 @@ mod tests {
         // A length that says 5 bytes of garbage (a truncated varint field).
         let mut payload = 5u32.to_le_bytes().to_vec();
         payload.extend_from_slice(&[0x08, 0xff, 0xff, 0xff, 0xff]);
-        inbox
-            .push(Item::Packed(Packed {
-                bytes: Bytes::from(payload),
-                at: 0,
-                end: 9,
-                left: 1,
-            }))
-            .unwrap();
+        inbox.push(packed(payload, 1)).unwrap();
         let e = s.message().await.unwrap_err();
         assert_eq!(e.code(), crate::Code::Internal);
         assert!(e.message().contains("decode stream message"), "{e}");
@@ -800,15 +796,7 @@ mod tests {
         payload.extend_from_slice(&5u32.to_le_bytes());
         payload.extend_from_slice(&[0x08, 0xff, 0xff, 0xff, 0xff]);
         payload.extend_from_slice(&packed_payload(&[M { v: 3 }]));
-        let n = payload.len();
-        inbox
-            .push(Item::Packed(Packed {
-                bytes: Bytes::from(payload),
-                at: 0,
-                end: n,
-                left: 3,
-            }))
-            .unwrap();
+        inbox.push(packed(payload, 3)).unwrap();
         assert_eq!(s.message().await.unwrap(), Some(M { v: 1 }));
         assert_eq!(s.message().await.unwrap_err().code(), crate::Code::Internal);
         assert_eq!(s.message().await.unwrap(), None, "over after the error");

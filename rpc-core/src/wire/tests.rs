@@ -742,16 +742,7 @@ fn server_stream_window_flow_control() {
 
 #[test]
 fn a_receiver_opens_a_stream_window_up_to_the_maximum() {
-    let mut l = Link::new(Config {
-        stream_window_max: 6,
-        ..cfg()
-    }); // starts at 2
-    let call =
-        l.c.start_call(M, CallKind::ServerStreaming, None, l.now)
-            .unwrap();
-    let h = l.c.request(call, 1, 0, None, None, l.now).unwrap();
-    l.send_c(h, &[], b"n");
-    l.deliver_to_server().unwrap();
+    let (mut l, call) = server_stream(2, 6);
     // Before any message arrived the client opens the window to the maximum, not past it.
     assert!(matches!(
         l.c.window_update(call, 5),
@@ -805,11 +796,11 @@ fn pack(mut h: FrameHeader, msgs: &[&[u8]]) -> (FrameHeader, Vec<u8>) {
 }
 
 /// A link with a server-streaming call open (its request delivered), stream windows of
-/// `window` messages.
-fn server_stream(window: u32) -> (Link, CallId) {
+/// `window` messages, opened to at most `max`.
+fn server_stream(window: u32, max: u32) -> (Link, CallId) {
     let mut l = Link::new(Config {
         stream_window: window,
-        stream_window_max: window,
+        stream_window_max: max,
         ..cfg()
     });
     let call =
@@ -823,7 +814,7 @@ fn server_stream(window: u32) -> (Link, CallId) {
 
 #[test]
 fn packed_stream_messages_use_the_window_and_sequence_of_each() {
-    let (mut l, call) = server_stream(4);
+    let (mut l, call) = server_stream(4, 4);
     // Three messages in one frame, then one alone: the window (4) is spent.
     let h = l.s.stream_message(call, 1, 0, None).unwrap();
     l.s.stream_message_packed(call).unwrap();
@@ -1938,7 +1929,7 @@ proptest! {
 /// spends one credit for the whole batch, the receiver counts one receive slot for it.
 #[test]
 fn a_batch_spends_one_credit_and_fills_one_slot() {
-    let (mut l, call) = server_stream(8);
+    let (mut l, call) = server_stream(8, 8);
     let credits = l.s.send_credits();
     // Five stream messages and the final status in one SEND: the first takes a credit, the
     // others join it.
