@@ -291,11 +291,14 @@ in_guest() {  # is library basename $1 part of the image?
 
 stage_exe() {
   local exe=$1 name arrow path rest
-  stage_file "$exe" || die "cannot stage $exe"
   # Debug info is most of a test binary (60-70 MB each with it): the guest unpacks the whole
   # initramfs into its RAM, and a dozen binaries with it no longer fit in 2 GiB. Symbols stay,
-  # so backtraces in the guest still name functions.
-  if command -v strip >/dev/null; then strip --strip-debug "$STAGE$exe" 2>/dev/null || true; fi
+  # so backtraces in the guest still name functions. Stripped straight into the stage, so the
+  # disk never holds a second full-size copy (CI hosts can be short of disk).
+  mkdir -p "$(dirname "$STAGE$exe")" || die "cannot stage $exe"
+  if ! { command -v strip >/dev/null && strip --strip-debug -o "$STAGE$exe" "$exe" 2>/dev/null; }; then
+    stage_file "$exe" || die "cannot stage $exe$(disk_note "$STAGE")"
+  fi
   while read -r name arrow path rest; do
     [[ "$arrow" == "=>" ]] || continue
     if [[ "$path" == not ]]; then say "warning: $exe needs $name, which the host lacks"; continue; fi
@@ -445,8 +448,8 @@ boot() {
       write_batch "$STAGE/softroce/cmd"
       echo 'exit $first' >>"$STAGE/softroce/cmd"
     fi
-    pack_run "$work/run.cpio"
-    cat "$CACHE/base.cpio" "$work/run.cpio" >"$work/initrd"
+    cp "$CACHE/base.cpio" "$work/initrd" || die "cannot copy the base image$(disk_note "$work")"
+    pack_run "$work/initrd"
     launch "$work" x "$work/initrd" "$mode" -nic none
     finish_vm x
     exit "$VM_RC"
@@ -466,6 +469,7 @@ boot() {
     echo 'done'
     echo 'exit $first'
   } >>"$work/cmd-b"
+  : >"$work/run.cpio"
   pack_run "$work/run.cpio"
   local side mark_a mark_b
   mark_a=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
@@ -482,9 +486,11 @@ boot() {
         SOFTROCE_NET_PEER=$PAIR_IP_A SOFTROCE_NET_MTU="$mtu_b" SOFTROCE_PAIR_ROLE=b
     fi
     (cd "$s" && find . | "$CACHE/busybox" cpio -o -H newc -R 0:0 2>/dev/null) >"$work/$side.cpio" ||
-      die "packing the run archive failed"
-    cat "$CACHE/base.cpio" "$work/run.cpio" "$work/$side.cpio" >"$work/initrd-$side"
+      die "packing VM $side's archive failed$(disk_note "$work")"
+    cat "$CACHE/base.cpio" "$work/run.cpio" "$work/$side.cpio" >"$work/initrd-$side" ||
+      die "writing VM $side's initramfs failed$(disk_note "$work")"
   done
+  rm -f "$work/run.cpio" "$work/a.cpio" "$work/b.cpio"
   local sock="$work/link.sock"
   say "pair: VM A ($PAIR_IP_A, ${names_a[*]}) <-> VM B ($PAIR_IP_B, ${PNAMES[*]}), MTU $mtu/$mtu_b"
   launch "$work" a "$work/initrd-a" pair \
@@ -519,9 +525,22 @@ boot() {
 PAIR_IP_A=192.0.2.1
 PAIR_IP_B=192.0.2.2
 
-pack_run() {  # the staged programs and files as a newc archive
-  (cd "$STAGE" && find . | "$CACHE/busybox" cpio -o -H newc -R 0:0 2>/dev/null) >"$1" ||
-    die "packing the run archive failed"
+# pack_run FILE: appends the staged programs and files to FILE as a newc archive (the kernel
+# unpacks concatenated archives in order), then drops the staged programs, so that only one
+# copy is on disk (softroce/env stays: finish_vm reads the run's mark from it).
+pack_run() {
+  (cd "$STAGE" && find . | "$CACHE/busybox" cpio -o -H newc -R 0:0 2>/dev/null) >>"$1" ||
+    die "packing the run archive failed$(disk_note "$(dirname "$1")")"
+  find "$STAGE" -mindepth 1 -maxdepth 1 ! -name softroce -exec rm -rf {} +
+}
+
+# disk_note DIR: what a failed write most likely ran into, for its error message.
+disk_note() {
+  local staged free
+  staged=$(du -sh "$STAGE" 2>/dev/null | cut -f1)
+  free=$(df -h "$1" 2>/dev/null | tail -1 | awk '{print $4 " free of " $2}')
+  printf ' (stage: %s; disk at %s: %s; likely cause: the disk is full)' \
+    "${staged:-gone}" "$1" "${free:-unknown}"
 }
 
 WORK=
