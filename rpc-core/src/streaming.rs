@@ -48,8 +48,16 @@ const GRANT_FRACTION: u32 = 4;
 /// open per stream, whatever the window: the peer returns them as it reads them.
 pub(crate) const STREAM_LOANS: usize = 16;
 
-/// A received stream message, still in registered memory.
+/// What one received stream frame hands its stream's consumer, still in registered memory.
 pub(crate) enum Item {
+    /// One message.
+    One(Lone),
+    /// Several messages packed in one frame ([`crate::wire::packed`]), taken one by one.
+    Packed(Packed),
+}
+
+/// A message alone in its frame.
+pub(crate) enum Lone {
     /// Bytes `start..end` of a receive slot, counted in its connection's lending budget.
     Slot {
         slot: RecvSlot,
@@ -59,8 +67,6 @@ pub(crate) enum Item {
     /// A whole buffer (a large message READ into a bulk buffer, or a small one copied out of
     /// its slot).
     Owned(Box<dyn AsRef<[u8]> + Send>),
-    /// Several messages packed in one frame ([`crate::wire::packed`]), taken one by one.
-    Packed(Packed),
 }
 
 /// The messages of a packed frame not taken yet: the frame's receive slot as one shared
@@ -152,8 +158,12 @@ fn decode_error(e: prost::DecodeError) -> Status {
 impl std::fmt::Debug for Item {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Item::Slot { slot, start, end } => write!(f, "Item::Slot({slot:?}, {start}..{end})"),
-            Item::Owned(b) => write!(f, "Item::Owned({} bytes)", b.as_ref().as_ref().len()),
+            Item::One(Lone::Slot { slot, start, end }) => {
+                write!(f, "Item::One(Slot({slot:?}, {start}..{end}))")
+            }
+            Item::One(Lone::Owned(b)) => {
+                write!(f, "Item::One(Owned({} bytes))", b.as_ref().as_ref().len())
+            }
             Item::Packed(p) => write!(f, "Item::Packed({} left)", p.left),
         }
     }
@@ -166,13 +176,18 @@ impl Item {
     /// the copies take is bounded by the stream windows).
     pub(crate) fn from_slot(mut slot: RecvSlot, start: usize, end: usize) -> Item {
         if slot.try_lend() {
-            return Item::Slot { slot, start, end };
+            return Item::One(Lone::Slot { slot, start, end });
         }
         // Clamped as `SlotReader` clamps (the parser checked the range already).
         let b = slot.bytes();
         let end = end.min(b.len());
         let copy = b.get(start.min(end)..end).unwrap_or_default().to_vec();
-        Item::Owned(Box::new(copy))
+        Item::owned(Box::new(copy))
+    }
+
+    /// A message in a whole buffer of its own.
+    pub(crate) fn owned(b: Box<dyn AsRef<[u8]> + Send>) -> Item {
+        Item::One(Lone::Owned(b))
     }
 
     /// The stream message(s) of a frame whose payload is bytes `payload` of `slot`: one
@@ -208,27 +223,21 @@ impl AsRef<[u8]> for OwnedItem {
 
 impl Lend for OwnedItem {}
 
-impl Item {
-    /// The message's bytes (0 for packed messages: each is counted as it is taken).
+impl Lone {
+    /// The message's bytes.
     fn len(&self) -> usize {
         match self {
-            Item::Slot { start, end, .. } => end.saturating_sub(*start),
-            Item::Owned(b) => b.as_ref().as_ref().len(),
-            Item::Packed(_) => 0,
+            Lone::Slot { start, end, .. } => end.saturating_sub(*start),
+            Lone::Owned(b) => b.as_ref().as_ref().len(),
         }
     }
 
-    /// Decodes a message alone in its item (not [`Item::Packed`], whose messages are taken
-    /// with [`Packed::take`]).
     fn decode<T: Message + Default>(self) -> Result<T, Status> {
         let r = match self {
-            Item::Slot { slot, start, end } => T::decode(SlotReader::new(slot, start, end)),
-            Item::Owned(b) => {
+            Lone::Slot { slot, start, end } => T::decode(SlotReader::new(slot, start, end)),
+            Lone::Owned(b) => {
                 let n = b.as_ref().as_ref().len();
                 T::decode(SlotReader::new(OwnedItem(b), 0, n))
-            }
-            Item::Packed(_) => {
-                return Err(Status::internal("packed stream messages decoded as one"));
             }
         };
         r.map_err(decode_error)
@@ -580,9 +589,9 @@ impl<T: Message + Default> Stream for Streaming<T> {
                         "a packed stream frame with no message",
                     )))),
                 },
-                Poll::Ready(Some(Ok(item))) => {
-                    inbox.took_one(item.len());
-                    Poll::Ready(Some(item.decode::<T>()))
+                Poll::Ready(Some(Ok(Item::One(one)))) => {
+                    inbox.took_one(one.len());
+                    Poll::Ready(Some(one.decode::<T>()))
                 }
                 Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(match this.path {
                     Some(path) => e.for_method(path),
@@ -636,7 +645,7 @@ mod tests {
     }
 
     fn owned(v: u32) -> Item {
-        Item::Owned(Box::new(M { v }.encode_to_vec()))
+        Item::owned(Box::new(M { v }.encode_to_vec()))
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -693,7 +702,7 @@ mod tests {
     }
 
     fn sized(len: usize) -> Item {
-        Item::Owned(Box::new(vec![0u8; len]))
+        Item::owned(Box::new(vec![0u8; len]))
     }
 
     /// Takes `n` messages of `len` bytes (pushed as room allows): the grants made meanwhile.
@@ -703,10 +712,10 @@ mod tests {
         let mut cx = Context::from_waker(&waker);
         for _ in 0..n {
             inbox.push(sized(len)).unwrap();
-            let Poll::Ready(Some(Ok(item))) = inbox.poll_item(&mut cx) else {
-                panic!("no item");
+            let Poll::Ready(Some(Ok(Item::One(one)))) = inbox.poll_item(&mut cx) else {
+                panic!("no lone message");
             };
-            inbox.took_one(item.len());
+            inbox.took_one(one.len());
         }
         host.grants.lock().unwrap()[before..].to_vec()
     }

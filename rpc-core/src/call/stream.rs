@@ -148,7 +148,7 @@ impl<P: Provider> StreamIn<P> {
             return Ok(false);
         };
         if let Some(inbox) = inbox {
-            push(inbox, Item::Owned(Box::new(buf)), peer)?;
+            push(inbox, Item::owned(Box::new(buf)), peer)?;
         }
         link.control(Control::BulkRelease(call))?;
         while self.read.is_none()
