@@ -971,7 +971,8 @@ impl RunningServer {
 
     /// Stops accepting, tells clients to start no new call here (GoAway), lets calls in flight
     /// finish for at most the grace period ([`ServerBuilder::shutdown_grace`]), then stops the
-    /// shards and closes every connection. Requests that arrive meanwhile (sent before the
+    /// shards and closes every connection; when it returns the port is closed (another
+    /// listener may bind it). Requests that arrive meanwhile (sent before the
     /// client saw the GoAway) never reach a handler: they are refused `UNAVAILABLE` with the
     /// not-executed trailer ([`Status::is_not_executed`](crate::Status::is_not_executed)), and
     /// a shard lingers 100 ms (within the grace period) after its last call for those still on
@@ -999,6 +1000,9 @@ impl RunningServer {
         }
         this.stop_shards().await;
         this.acceptor.abort();
+        // An aborted task is dropped when the runtime next gets to it, not at `abort`: waiting
+        // for it closes the listener before `shutdown` returns, so the port is free then.
+        let _ = (&mut this.acceptor).await;
         #[cfg(feature = "grpc")]
         {
             let left = this.grace.saturating_sub(start.elapsed());
