@@ -100,6 +100,7 @@ mod connect;
 mod error;
 pub mod intercept;
 mod link;
+mod memcopy;
 pub mod method;
 mod poll_policy;
 mod request;

@@ -37,18 +37,21 @@ impl<M: Message> EncodeMsg for M {
 
     fn encode_into(&self, out: &mut [u8]) -> Option<usize> {
         let len = Message::encoded_len(self);
-        let mut w = out.get_mut(..len)?;
+        let mut w = Out(out.get_mut(..len)?);
         self.encode_raw(&mut w);
-        debug_assert!(w.is_empty(), "prost encoded_len disagrees with encode_raw");
-        Some(len - w.len())
+        debug_assert!(
+            w.0.is_empty(),
+            "prost encoded_len disagrees with encode_raw"
+        );
+        Some(len - w.0.len())
     }
 
     fn encode_measured(&self, out: &mut [u8]) -> Option<usize> {
         let len = out.len();
-        let mut w = out;
+        let mut w = Out(out);
         // A message's length does not change between two calls on `&self`: `out` fits.
         self.encode_raw(&mut w);
-        Some(len - w.len())
+        Some(len - w.0.len())
     }
 
     fn encode_gather(&self, g: &mut Gather<'_>) -> Option<()> {
@@ -227,7 +230,7 @@ unsafe impl bytes::BufMut for Gather<'_> {
             self.lost += src.len();
             return;
         }
-        self.rest()[..src.len()].copy_from_slice(src);
+        crate::memcopy::copy(&mut self.rest()[..src.len()], src);
         self.staged(src.len());
     }
 
@@ -241,6 +244,49 @@ unsafe impl bytes::BufMut for Gather<'_> {
             if !self.try_reference(chunk) {
                 self.put_slice(chunk);
             }
+            src.advance(n);
+        }
+    }
+}
+
+/// The unwritten rest of an output slice, as prost's `BufMut`: `&mut [u8]`'s own, except that
+/// fields are copied with [`crate::memcopy`] (a `bytes` field lands a few bytes past where it
+/// lies in its source, the distance at which `memcpy` falls off a cliff on some hosts).
+struct Out<'a>(&'a mut [u8]);
+
+// SAFETY: `chunk_mut` hands out the unwritten rest, and `advance_mut` refuses to move past
+// its end: the contract of `BufMut`.
+unsafe impl bytes::BufMut for Out<'_> {
+    fn remaining_mut(&self) -> usize {
+        self.0.len()
+    }
+
+    unsafe fn advance_mut(&mut self, cnt: usize) {
+        assert!(cnt <= self.0.len(), "advance_mut past the output");
+        let rest = std::mem::take(&mut self.0);
+        self.0 = &mut rest[cnt..];
+    }
+
+    fn chunk_mut(&mut self) -> &mut bytes::buf::UninitSlice {
+        bytes::buf::UninitSlice::new(self.0)
+    }
+
+    fn put_slice(&mut self, src: &[u8]) {
+        let rest = std::mem::take(&mut self.0);
+        assert!(src.len() <= rest.len(), "put_slice past the output");
+        let (head, tail) = rest.split_at_mut(src.len());
+        crate::memcopy::copy(head, src);
+        self.0 = tail;
+    }
+
+    fn put<T: bytes::Buf>(&mut self, mut src: T)
+    where
+        Self: Sized,
+    {
+        while src.has_remaining() {
+            let chunk = src.chunk();
+            let n = chunk.len();
+            self.put_slice(chunk);
             src.advance(n);
         }
     }
@@ -271,7 +317,7 @@ impl EncodeMsg for RawBytes<'_> {
 
     fn encode_into(&self, out: &mut [u8]) -> Option<usize> {
         let dst = out.get_mut(..self.0.len())?;
-        dst.copy_from_slice(self.0);
+        crate::memcopy::copy(dst, self.0);
         Some(self.0.len())
     }
 }

@@ -1112,7 +1112,7 @@ impl<P: Provider> Link<P> {
         let buf = unsafe { self.arena.send_buf(slot) };
         match buf.get_mut(MAX_HEADER_LEN..MAX_HEADER_LEN + body.len()) {
             Some(dst) if md_len <= body.len() => {
-                dst.copy_from_slice(body);
+                crate::memcopy::copy(dst, body);
                 Ok(Staged {
                     slot,
                     md_len,

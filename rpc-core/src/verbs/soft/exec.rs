@@ -1322,7 +1322,7 @@ unsafe fn copy_out(local: &Pieces, targets: &[Target], pid: u32) -> std::result:
                 // `t` (`done + take <= t.len`); the two cannot overlap unless the caller posts
                 // a SEND whose source is its peer's posted receive buffer, which the
                 // post_send contract rules out (the receive buffer is not to be accessed).
-                unsafe { std::ptr::copy_nonoverlapping(p.add(loff), t.ptr.add(done), take) };
+                unsafe { crate::memcopy::copy_raw(p.add(loff), t.ptr.add(done), take) };
                 done += take;
                 loff += take;
                 if loff == l {
@@ -1365,7 +1365,7 @@ unsafe fn copy_in(t: &Target, local: &Pieces, pid: u32) -> std::result::Result<(
         let take = l.min(t.len - off);
         // SAFETY: destination is local piece memory (contract), source inside the target
         // (`off + take <= t.len`).
-        unsafe { std::ptr::copy_nonoverlapping(t.ptr.add(off), p, take) };
+        unsafe { crate::memcopy::copy_raw(t.ptr.add(off), p, take) };
         off += take;
     }
     Ok(())
