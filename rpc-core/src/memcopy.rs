@@ -41,6 +41,18 @@ pub(crate) fn copy(dst: &mut [u8], src: &[u8]) {
     unsafe { copy_raw(src.as_ptr(), dst.as_mut_ptr(), src.len()) }
 }
 
+/// A new vector holding a copy of `src` (as `src.to_vec()`).
+pub(crate) fn to_vec(src: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(src.len());
+    // SAFETY: `v` has room for `src.len()` bytes, a fresh allocation apart from `src`; they
+    // are all written before the length is set.
+    unsafe {
+        copy_raw(src.as_ptr(), v.as_mut_ptr(), src.len());
+        v.set_len(src.len());
+    }
+    v
+}
+
 /// Copies `len` bytes from `src` to `dst` (as `ptr::copy_nonoverlapping`).
 ///
 /// # Safety
@@ -125,6 +137,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn to_vec_copies_exactly() {
+        let src: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        for off in [0usize, 3, 17] {
+            assert_eq!(to_vec(&src[off..]), src[off..].to_vec());
+        }
+        assert!(to_vec(&[]).is_empty());
     }
 
     /// Past the block range (`memcpy` again), at a short distance and not.

@@ -113,7 +113,7 @@ impl<O: Lend> Buf for SlotReader<O> {
         }
         let b = match &self.shared {
             Some(s) if len >= ZERO_COPY_MIN => s.slice(self.pos..self.pos + len),
-            _ => Bytes::copy_from_slice(&self.chunk()[..len]),
+            _ => Bytes::from(crate::memcopy::to_vec(&self.chunk()[..len])),
         };
         self.pos += len;
         b
