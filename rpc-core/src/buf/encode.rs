@@ -234,18 +234,26 @@ unsafe impl bytes::BufMut for Gather<'_> {
         self.staged(src.len());
     }
 
-    fn put<T: bytes::Buf>(&mut self, mut src: T)
+    fn put<T: bytes::Buf>(&mut self, src: T)
     where
         Self: Sized,
     {
-        while src.has_remaining() {
-            let chunk = src.chunk();
-            let n = chunk.len();
+        for_each_chunk(src, |chunk| {
             if !self.try_reference(chunk) {
                 self.put_slice(chunk);
             }
-            src.advance(n);
-        }
+        });
+    }
+}
+
+/// Hands `src`'s chunks to `f` in order (the `put` of the `BufMut`s here: bytes' own `put`
+/// copies through `chunk_mut`, around their `put_slice`).
+fn for_each_chunk<T: bytes::Buf>(mut src: T, mut f: impl FnMut(&[u8])) {
+    while src.has_remaining() {
+        let chunk = src.chunk();
+        let n = chunk.len();
+        f(chunk);
+        src.advance(n);
     }
 }
 
@@ -279,16 +287,11 @@ unsafe impl bytes::BufMut for Out<'_> {
         self.0 = tail;
     }
 
-    fn put<T: bytes::Buf>(&mut self, mut src: T)
+    fn put<T: bytes::Buf>(&mut self, src: T)
     where
         Self: Sized,
     {
-        while src.has_remaining() {
-            let chunk = src.chunk();
-            let n = chunk.len();
-            self.put_slice(chunk);
-            src.advance(n);
-        }
+        for_each_chunk(src, |chunk| self.put_slice(chunk));
     }
 }
 
