@@ -58,6 +58,8 @@
 //! - `wire` (internal, public for fuzzing): frames, calls, credits, rendezvous; no I/O, no clock.
 //! - `buf` (internal): registered memory carved into send/receive slot rings and a bulk pool.
 //! - [`server`], [`client`]: shards polling CQs, handler dispatch, futures and blocking calls.
+//! - `memcopy` (internal, below every layer, depends on none): the payload copies of `verbs::soft`,
+//!   `buf`, `link` and streams, steered around a `memcpy` slow case.
 //!
 //! # Registered memory: who may touch which bytes, and when
 //!

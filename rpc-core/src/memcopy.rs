@@ -13,9 +13,9 @@
 //! `alloc_bytes` and a response size hint took 23.6 µs p50 there against 13.4 µs without them
 //! (the server's RDMA READ of the request: 4 bytes of distance).
 //!
-//! [`copy`] and [`copy_raw`] take such copies (2 KiB to 1 MiB, 1 to 15 bytes of distance) 64
-//! bytes at a time with unaligned vector loads and stores (40 to 58 GB/s at every distance on
-//! that host); every other copy goes to `memcpy`.
+//! [`copy`], [`copy_raw`] and [`to_vec`] take such copies (2 KiB to 1 MiB, 1 to 15 bytes of
+//! distance) 64 bytes at a time with unaligned vector loads and stores (40 to 58 GB/s at every
+//! distance on that host); every other copy goes to `memcpy`.
 
 /// Copies shorter than this go to `memcpy` whatever the distance (it does not use `rep movsb`
 /// for them).

@@ -181,7 +181,7 @@ impl Item {
         // Clamped as `SlotReader` clamps (the parser checked the range already).
         let b = slot.bytes();
         let end = end.min(b.len());
-        let copy = b.get(start.min(end)..end).unwrap_or_default().to_vec();
+        let copy = crate::memcopy::to_vec(b.get(start.min(end)..end).unwrap_or_default());
         Item::owned(Box::new(copy))
     }
 
