@@ -301,6 +301,10 @@ pub(crate) struct ClientCore<P: Provider> {
     arena: Arc<SlotArena<P>>,
     pub(crate) bulk: Arc<BulkPool<P>>,
     doorbell: Arc<Doorbell>,
+    /// `ClientPoller::Thread`: the process's poller, and this connection's place on its list
+    /// of connections with work ([`group`]).
+    poller: Option<group::Poller>,
+    listing: group::Listing,
     dead: AtomicBool,
     /// The server sent GoAway: calls in flight finish here, new calls go to a new connection.
     draining: AtomicBool,
@@ -359,6 +363,10 @@ impl<P: Provider> ClientCore<P> {
         let bulk = Arc::clone(&parts.link.bulk);
         let pd = Arc::clone(&parts.pd);
         let window_target = crate::verbs::Qp::window_target(&parts.link.qp);
+        let poller = match parts.mode {
+            ClientPoller::Thread => Some(group::Poller::get()?),
+            ClientPoller::Caller => None,
+        };
         let driver = Driver {
             #[cfg(test)]
             seen_bulk: Vec::new(),
@@ -414,10 +422,12 @@ impl<P: Provider> ClientCore<P> {
             arena,
             bulk,
             // Connections of the process's poller thread share its doorbell.
-            doorbell: match parts.mode {
-                ClientPoller::Thread => group::Poller::get()?.doorbell(),
-                ClientPoller::Caller => Doorbell::new()?,
+            doorbell: match poller {
+                Some(p) => p.doorbell(),
+                None => Doorbell::new()?,
             },
+            poller,
+            listing: group::Listing::new(),
             dead: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             dead_status: OnceLock::new(),
@@ -501,7 +511,7 @@ impl<P: Provider> ClientCore<P> {
         self.dead.store(true, Ordering::Release);
         self.cell_freed.notify_waiters();
         self.slot_freed.notify_waiters();
-        self.doorbell.ring_always();
+        self.ring_always();
         // Whoever drives next fails the calls; make sure someone does.
         self.progress();
     }
@@ -509,7 +519,7 @@ impl<P: Provider> ClientCore<P> {
     /// Stops the poller thread (when the last handle is dropped).
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::Release);
-        self.doorbell.ring_always();
+        self.ring_always();
         self.drive.notify_one();
     }
 }

@@ -15,7 +15,7 @@ use crate::poll_policy::{Budget, CLOCK_EVERY, Wait, with_thread_spinner};
 use crate::server::notify::wait_readable;
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
-use super::group::Member;
+use super::group::{Listing, Member};
 use super::{ClientCore, Driver, Outcome};
 
 /// How often an idle `ClientPoller::Caller` driver task polls a connection that still has
@@ -27,9 +27,26 @@ const PENDING_TICK: Duration = Duration::from_millis(2);
 const EVENTS_EVERY: Duration = Duration::from_millis(10);
 
 impl<P: Provider> ClientCore<P> {
+    /// Work was queued (before this call) for whoever drives the connection: the poller
+    /// thread lists it (`ClientPoller::Thread`), and a sleeping driver is woken.
+    pub(super) fn ring(&self) {
+        if let Some(p) = self.poller {
+            p.list(&self.listing);
+        }
+        self.doorbell.ring();
+    }
+
+    /// As [`ClientCore::ring`], waking the driver whether it sleeps or not.
+    pub(super) fn ring_always(&self) {
+        if let Some(p) = self.poller {
+            p.list(&self.listing);
+        }
+        self.doorbell.ring_always();
+    }
+
     pub(super) fn kick(&self) {
         match self.mode {
-            ClientPoller::Thread => self.doorbell.ring(),
+            ClientPoller::Thread => self.ring(),
             ClientPoller::Caller => {
                 // With other async calls in flight the driver task is turning on this runtime
                 // and posts the submission at its next turn, together with the others of the
@@ -247,7 +264,7 @@ impl<P: Provider> Drop for CallerDrive<'_, P> {
         // connection), or it had announced its sleep and we ring it.
         self.core.caller_drives.fetch_sub(1, Ordering::SeqCst);
         if Member::busy(self.core) {
-            self.core.doorbell.ring();
+            self.core.ring();
         }
     }
 }
@@ -274,15 +291,15 @@ impl<P: Provider> Member for ClientCore<P> {
             || !self.grants.is_empty()
     }
 
-    fn prepare_sleep(&self, max: Duration) -> Option<Duration> {
+    fn prepare_sleep(&self, max: Duration) -> Option<(Duration, bool)> {
         if self.is_dead() && self.free.len() == self.cells.len() {
             // Nothing in flight on a dead connection: nothing to wait for.
-            return Some(max);
+            return Some((max, true));
         }
         match self.driver.try_lock() {
-            Some(mut d) => d.prepare_sleep(self, max),
+            Some(mut d) => d.prepare_sleep(self, max).map(|t| (t, true)),
             // Someone else drives it this instant: look again soon.
-            None => Some(Duration::from_micros(100)),
+            None => Some((Duration::from_micros(100), false)),
         }
     }
 
@@ -290,6 +307,10 @@ impl<P: Provider> Member for ClientCore<P> {
         if let Some(d) = self.driver.try_lock() {
             let _ = d.channel.drain();
         }
+    }
+
+    fn listing(&self) -> &Listing {
+        &self.listing
     }
 
     fn with_channel_fd(&self, f: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>)) {

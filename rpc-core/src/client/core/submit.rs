@@ -123,11 +123,11 @@ impl<P: Provider> ClientCore<P> {
                 // Slots come back with their SEND completions (or when queued requests get
                 // credit): make sure the driver is turning.
                 match self.mode {
-                    ClientPoller::Thread => self.doorbell.ring(),
+                    ClientPoller::Thread => self.ring(),
                     ClientPoller::Caller => {
                         self.progress();
                         // A blocking caller may be asleep holding the driver.
-                        self.doorbell.ring();
+                        self.ring();
                         self.drive.notify_one();
                     }
                 }
@@ -332,7 +332,7 @@ impl<P: Provider> ClientCore<P> {
         // so the requests of a burst go out together at the next turn.
         // (A caller asleep on the connection, contended, is woken: the doorbell is only
         // written when someone sleeps.)
-        self.doorbell.ring();
+        self.ring();
         let cell = (guard.idx, guard.generation);
         std::mem::forget(guard);
         Ok(cell)
@@ -513,10 +513,10 @@ impl<P: Provider> Drop for CellGuard<'_, P> {
                 crate::buf::CancelOutcome::ToDriver => {
                     let _ = self.core.cancelled.push((self.idx, self.generation));
                     match self.core.mode {
-                        ClientPoller::Thread => self.core.doorbell.ring(),
+                        ClientPoller::Thread => self.core.ring(),
                         ClientPoller::Caller => {
                             self.core.progress();
-                            self.core.doorbell.ring();
+                            self.core.ring();
                         }
                     }
                 }
