@@ -78,9 +78,9 @@ pub(crate) trait Member: Send + Sync {
     /// Whether a caller drives it for now: the thread neither turns it nor arms its CQ
     /// (the caller rings the doorbell when it gives it back with work left).
     fn driven(&self) -> bool;
-    /// Whether it has calls in flight or work queued: it is turned at every sweep, the others
-    /// every [`IDLE_EVERY`] sweeps (what reaches an idle connection, such as a credit
-    /// reclaim, waits that long) and before the thread sleeps.
+    /// Whether it has calls in flight or work queued: it stays on the list (turned at every
+    /// sweep) while it is; an idle one leaves it (what reaches it, such as a credit reclaim,
+    /// comes through its completion channel, within [`IDLE_CHECK`] while the thread spins).
     fn busy(&self) -> bool;
     /// Whether the connection's last handle is gone: it leaves the thread.
     fn stopped(&self) -> bool;
@@ -119,8 +119,8 @@ struct Entry {
     m: Arc<dyn Member>,
     /// Its CQ was armed before a sleep and has not fired since (an armed CQ stays armed
     /// until its next completion): an idle member needs no new arming, and no second look,
-    /// before the next sleep. (Its protocol timers wait for a turn: at most [`MAX_SLEEP`]
-    /// plus [`IDLE_EVERY`] sweeps.)
+    /// before the next sleep. (An idle member's protocol timers wait for a turn: at most
+    /// [`FULL_EVERY`].)
     armed: bool,
     /// It is in the thread's `active` list (turned at every sweep).
     active: bool,
