@@ -200,7 +200,7 @@ impl Item {
         let (bytes, at, end) = if slot.try_lend() {
             (Bytes::from_owner(slot), payload.start, payload.end)
         } else {
-            let copy = slot.bytes().get(payload).unwrap_or_default().to_vec();
+            let copy = crate::memcopy::to_vec(slot.bytes().get(payload).unwrap_or_default());
             let n = copy.len();
             (Bytes::from(copy), 0, n)
         };
