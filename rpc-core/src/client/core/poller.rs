@@ -30,18 +30,21 @@ impl<P: Provider> ClientCore<P> {
     /// Work was queued (before this call) for whoever drives the connection: the poller
     /// thread lists it (`ClientPoller::Thread`), and a sleeping driver is woken.
     pub(super) fn ring(&self) {
-        if let Some(p) = self.poller {
-            p.list(&self.listing);
-        }
+        self.list();
         self.doorbell.ring();
     }
 
     /// As [`ClientCore::ring`], waking the driver whether it sleeps or not.
     pub(super) fn ring_always(&self) {
+        self.list();
+        self.doorbell.ring_always();
+    }
+
+    /// Puts the connection on its poller thread's list (`ClientPoller::Thread`).
+    fn list(&self) {
         if let Some(p) = self.poller {
             p.list(&self.listing);
         }
-        self.doorbell.ring_always();
     }
 
     pub(super) fn kick(&self) {
