@@ -17,6 +17,9 @@
 //!   read of an idle phase is only a reference point, so the time between two phases (the
 //!   work done in between) is never taken for a gap; a phase shorter than [`CLOCK_EVERY`]
 //!   turns reads no clock at all.
+//! - **A gap that ends the idle phase.** Past [`CLOCK_EVERY`] idle turns the loop reads the
+//!   clock at the top of every turn ([`Spinner::before_turn`]): a thread preempted while it
+//!   spins usually finds its work waiting when it is back, and that turn's gap counts too.
 //! - **Late wake-ups.** A sleep that returns [`PREEMPTED`] later than it asked for (measured
 //!   by the caller around a call that is a system call anyway). Yields are not timed: beside
 //!   a runnable CPU-bound thread one gives the core away until the next scheduler tick, and
@@ -165,6 +168,27 @@ impl Spinner {
     /// The loop did work: the next idle turn starts a new idle phase.
     pub(crate) fn work(&mut self) {
         self.idle = 0;
+    }
+
+    /// Called at the top of every turn of a loop, before it looks for work. Once the idle
+    /// phase is [`CLOCK_EVERY`] turns long it reads the clock at every turn: a preemption
+    /// that ends the phase (the work came while the thread was off its core, and the turn
+    /// after finds it) then shows as a gap too. [`Spinner::idle`]'s reads alone miss it: the
+    /// phase ends before the next of them. The gap between two turn starts holds one idle
+    /// turn and the time off the core, never the work of the turn that found some.
+    pub(crate) fn before_turn(&mut self, clock: impl FnOnce() -> Instant) {
+        if self.idle < CLOCK_EVERY {
+            return;
+        }
+        let now = clock();
+        match self.last {
+            Some(last) if now.saturating_duration_since(last) > PREEMPTED => {
+                self.preempted(now, now.saturating_duration_since(last));
+            }
+            _ => self.refresh(now),
+        }
+        self.last = Some(now);
+        self.since_clock = 0;
     }
 
     /// Whether the loop counts as contended (as of its last clock read).
@@ -438,6 +462,54 @@ mod tests {
         assert!(!s.is_contended());
         late(&mut s, &mut c, short);
         assert!(s.is_contended());
+    }
+
+    /// A loop's turns as the loops run them: `before_turn`, then (idle) `idle`.
+    fn loop_turns(s: &mut Spinner, b: &Budget, c: &mut Clock, n: u32) -> Wait {
+        let mut w = Wait::Spin;
+        for _ in 0..n {
+            c.advance(TURN);
+            s.before_turn(|| {
+                c.reads += 1;
+                c.now
+            });
+            w = s.idle(b, || {
+                c.reads += 1;
+                c.now
+            });
+        }
+        w
+    }
+
+    #[test]
+    fn a_preemption_that_ends_the_phase_is_seen() {
+        let b = Budget::BUSY;
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        // Spinning for an answer, off the core for a time slice, and back to find it.
+        for _ in 0..3 {
+            loop_turns(&mut s, &b, &mut c, 2 * CLOCK_EVERY);
+            c.advance(SLICE + TURN);
+            s.before_turn(|| c.now);
+            s.work();
+        }
+        assert!(s.is_contended());
+        // Short phases read no clock at the top of their turns, and a long one reads it once
+        // per turn, no more.
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        loop_turns(&mut s, &b, &mut c, CLOCK_EVERY - 1);
+        assert_eq!(c.reads, 0);
+        s.work();
+        loop_turns(&mut s, &b, &mut c, 3 * CLOCK_EVERY);
+        assert_eq!(c.reads, 2 * CLOCK_EVERY + 1);
+        assert!(!s.is_contended());
+        // The work of the turn that found some is never part of a gap.
+        c.advance(Duration::from_micros(1));
+        s.before_turn(|| c.now);
+        s.work();
+        c.advance(SLICE * 2);
+        s.before_turn(|| c.now);
+        loop_turns(&mut s, &b, &mut c, 2 * CLOCK_EVERY);
+        assert!(!s.is_contended());
     }
 
     #[test]

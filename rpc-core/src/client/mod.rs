@@ -289,6 +289,7 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
             while !self.in_flight.is_empty()
                 && !with_any!(AnyCore, &self.conn.core, c => c.has_free_cell())
             {
+                spin.before_turn(std::time::Instant::now);
                 match self.poll_in_flight() {
                     Some(done) => {
                         spin.work();
@@ -341,6 +342,7 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
     pub fn wait(&mut self) -> Option<(u64, Result<Response<Resp>, Status>)> {
         crate::poll_policy::with_thread_spinner(|spin| {
             while !self.in_flight.is_empty() || !self.ready.is_empty() {
+                spin.before_turn(std::time::Instant::now);
                 if let Some(r) = self.poll() {
                     return Some(r);
                 }

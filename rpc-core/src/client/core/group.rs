@@ -389,6 +389,7 @@ fn run(g: &Group, ep: OwnedFd) {
     // again at once instead of spinning a full budget beside the threads that have work.
     let mut woke = false;
     loop {
+        spin.before_turn(Instant::now);
         while let Some(m) = g.joining.pop() {
             let key = members.all.insert(Entry {
                 m,

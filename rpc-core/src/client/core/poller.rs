@@ -229,6 +229,7 @@ impl<P: Provider> ClientCore<P> {
                 let mut idle = 0u32;
                 let done = with_thread_spinner(|spin| {
                     loop {
+                        spin.before_turn(Instant::now);
                         if self.progress() > 0 {
                             spin.work();
                         } else if !matches!(spin.idle(&CALLER_DRIVE, Instant::now), Wait::Spin) {

@@ -63,6 +63,7 @@ impl<P: Provider> ClientCore<P> {
     pub(super) fn acquire_blocking(&self, deadline: Option<Instant>) -> Result<(u32, u32), Status> {
         with_thread_spinner(|spin| {
             loop {
+                spin.before_turn(Instant::now);
                 if self.is_dead() {
                     return Err(self.dead_status().not_executed());
                 }
@@ -145,6 +146,7 @@ impl<P: Provider> ClientCore<P> {
     pub(super) fn send_slot_blocking(&self) -> Result<SlotLoan<'_, P>, Status> {
         with_thread_spinner(|spin| {
             loop {
+                spin.before_turn(Instant::now);
                 if let Some(slot) = self.arena.take_send() {
                     return Ok(SlotLoan { core: self, slot });
                 }
@@ -303,6 +305,7 @@ impl<P: Provider> ClientCore<P> {
         let idx = guard.idx;
         let outcome = with_thread_spinner(|spin| {
             loop {
+                spin.before_turn(Instant::now);
                 if let Some(o) = self.cells[idx as usize].mb.try_done() {
                     break o;
                 }

@@ -63,6 +63,7 @@ impl<P: Provider> Shard<P> {
         let mut spin = Spinner::new();
         let mut stop_at: Option<(Instant, Instant)> = None;
         loop {
+            spin.before_turn(Instant::now);
             let mut work = self.poll_cq();
             work += self.run_ready();
             if work > 0 {
