@@ -276,6 +276,9 @@ pub(crate) struct Counters {
 /// One client connection.
 pub(crate) struct ClientCore<P: Provider> {
     pub(crate) driver: Exclusive<Driver<P>>,
+    /// The descriptor of the driver's completion channel (for the poller thread's epoll set,
+    /// without the driver's lock): the channel lives in `driver`, as long as the core.
+    channel_fd: std::os::fd::RawFd,
     cells: Box<[Cell<P>]>,
     free: ArrayQueue<u32>,
     /// Callers waiting for a free cell (slow path only).
@@ -363,6 +366,8 @@ impl<P: Provider> ClientCore<P> {
         let bulk = Arc::clone(&parts.link.bulk);
         let pd = Arc::clone(&parts.pd);
         let window_target = crate::verbs::Qp::window_target(&parts.link.qp);
+        let channel_fd =
+            std::os::fd::AsRawFd::as_raw_fd(&crate::verbs::CompChannel::fd(&parts.channel));
         let poller = match parts.mode {
             ClientPoller::Thread => Some(group::Poller::get()?),
             ClientPoller::Caller => None,
@@ -395,6 +400,7 @@ impl<P: Provider> ClientCore<P> {
         }
         Ok(Arc::new(ClientCore {
             driver: Exclusive::new(driver),
+            channel_fd,
             cells: (0..n)
                 .map(|_| Cell {
                     mb: Mailbox::default(),
