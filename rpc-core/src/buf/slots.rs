@@ -6,9 +6,9 @@
 //!
 //! Ownership of a slot moves between the runtime and the NIC and is never shared:
 //!
-//! - a **send slot** is taken from the free queue by whoever encodes a frame into it, handed to
-//!   the NIC by `post_send`, and returned to the free queue when the send's completion is
-//!   polled;
+//! - a **send slot** is taken from the free stack by whoever encodes a frame into it, handed
+//!   to the NIC by `post_send`, and returned to the free stack when the send's completion is
+//!   polled (last in, first out: the next frame goes to the warmest slot, see [`super::stack`]);
 //! - a **receive slot** is owned by the NIC while its RECV is posted; its completion hands it to
 //!   a [`RecvSlot`] guard; dropping the guard (on any thread) puts the index on the repost
 //!   queue, and the connection's driver posts the RECV again in its next batch. A slot that
@@ -16,7 +16,8 @@
 //!   ([`RecvSlot::share`]): the slot goes back to the ring when the last of them drops, and it
 //!   counts once in the lending budget however many of its frames are kept.
 //!
-//! Both queues are lock-free (`crossbeam-queue`); nothing here allocates after construction.
+//! Both are lock-free (the repost queue is `crossbeam-queue`'s); nothing here allocates after
+//! construction.
 
 use std::fmt;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use crossbeam_queue::ArrayQueue;
 
+use super::stack::SlotStack;
 use crate::verbs::{Access, Mr, Pd, Provider, Result, Sge};
 
 /// Sizes of a connection's slot rings.
@@ -74,7 +76,7 @@ impl Default for Geometry {
 pub struct SlotArena<P: Provider> {
     mr: P::Mr,
     geometry: Geometry,
-    free_send: ArrayQueue<u32>,
+    free_send: SlotStack,
     repost: ArrayQueue<u32>,
     /// Receive slots lent out of the ring (kept by user `Bytes` or unread stream messages).
     lent: AtomicU32,
@@ -155,10 +157,7 @@ impl<P: Provider> SlotArena<P> {
 
     fn alloc(pd: &P::Pd, geometry: Geometry) -> Result<Arc<SlotArena<P>>> {
         let mr = pd.alloc_mr(geometry.arena_len(), Access::LOCAL_WRITE)?;
-        let free_send = ArrayQueue::new(geometry.send_slots as usize);
-        for i in 0..geometry.send_slots {
-            let _ = free_send.push(i);
-        }
+        let free_send = SlotStack::full(geometry.send_slots);
         let repost = ArrayQueue::new(geometry.recv_slots.max(1) as usize);
         for i in 0..geometry.recv_slots {
             let _ = repost.push(i);
@@ -202,8 +201,7 @@ impl<P: Provider> SlotArena<P> {
     /// Returns a send slot whose send completed.
     pub fn release_send(&self, idx: u32) {
         debug_assert!(idx < self.geometry.send_slots);
-        // Capacity equals the number of send slots and each index is held once: cannot fail.
-        let _ = self.free_send.push(idx);
+        self.free_send.push(idx);
     }
 
     /// Chains send slot `next` after send slot `slot` (`NO_SLOT`: `slot` is the last) in a
@@ -223,7 +221,7 @@ impl<P: Provider> SlotArena<P> {
     }
 
     /// Returns the send slots of a SEND whose first frame is in `slot` (chained with
-    /// [`SlotArena::chain`]) to the free queue: its completion was polled, it was never
+    /// [`SlotArena::chain`]) to the free stack: its completion was polled, it was never
     /// posted, or its QP is destroyed.
     /// Returns how many slots went back.
     pub fn release_chain(&self, slot: u32) -> u32 {

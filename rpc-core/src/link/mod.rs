@@ -36,7 +36,7 @@
 //! A server-streaming handler that yields several messages in one turn, the responses to a
 //! burst of requests, the window updates and credits riding along: each turn's frames leave
 //! in as few SENDs as fit. The send slots of a SEND are chained ([`Link::release_sends`]) and
-//! all return to the free queue with its completion (at the flush for an inline SEND).
+//! all return to the free stack with its completion (at the flush for an inline SEND).
 //!
 //! On the receiving side [`Link::on_recv`] hands over the first frame of a receive slot and
 //! [`Link::next_batched`] the ones after it, each with its own guard of the slot
@@ -696,7 +696,7 @@ impl<P: Provider> Link<P> {
     /// Writes `header` right before the body of send slot `slot` and queues the SEND; it goes
     /// to the QP with the next [`Link::flush_sends`] (or at once when the queue is full). With
     /// `join` (the frame was built joining, see [`Link::can_join`]) the frame is appended to
-    /// the last queued SEND instead. The slot returns to the free queue when the send
+    /// the last queued SEND instead. The slot returns to the free stack when the send
     /// completes (at the flush for inline sends).
     ///
     /// # Errors
@@ -925,7 +925,7 @@ impl<P: Provider> Link<P> {
             && open.len as usize + MAX_HEADER_LEN + body <= self.wire.config().eager_limit as usize
     }
 
-    /// Returns the send slots of a SEND whose first frame is in `slot` to the free queue: it
+    /// Returns the send slots of a SEND whose first frame is in `slot` to the free stack: it
     /// was never posted, or (inline) the NIC has copied it.
     fn release_sends(&self, slot: u32) {
         let n = self.arena.release_chain(slot);
@@ -933,7 +933,7 @@ impl<P: Provider> Link<P> {
     }
 
     /// The completion of the SEND whose first frame is in `slot` was polled: its send slots
-    /// go back to the free queue.
+    /// go back to the free stack.
     pub fn send_completed(&mut self, slot: u32) {
         let n = self.posted.completed(slot);
         self.gave(n);
