@@ -25,9 +25,10 @@
 //! that fired every [`IDLE_CHECK`]. Once a second ([`FULL_EVERY`]) every member is turned,
 //! whatever it said.
 //!
-//! Members share one doorbell (submitters ring it only while the thread sleeps); each keeps
-//! its own completion channel, registered with the thread's epoll set when it joins and
-//! removed when it stops. The thread starts with the first member and lives as long as the
+//! Members share one doorbell (submitters ring it only while the thread sleeps; a joining
+//! connection only when the thread has no member, see [`Poller::join`]); each keeps its own
+//! completion channel, registered with the thread's epoll set when it is taken in and removed
+//! when it stops. The thread starts with the first member and lives as long as the
 //! process (asleep, without a timeout, while it has no member); a child forked after it
 //! started gets its own with its first member.
 
@@ -131,6 +132,9 @@ struct Entry {
 struct Group {
     doorbell: Arc<Doorbell>,
     joining: SegQueue<Arc<dyn Member>>,
+    /// The thread's next sleep has no timeout (it has no member): a joining connection rings
+    /// the doorbell. Otherwise it is taken in at the next wake-up, within [`MAX_SLEEP`].
+    sleeps_unbounded: AtomicBool,
     /// Keys of members that queued work while not listed.
     ready: ArrayQueue<usize>,
     /// `ready` was full: the thread lists every member once.
@@ -173,10 +177,19 @@ impl Poller {
         Arc::clone(&self.0.doorbell)
     }
 
-    /// Hands `m` to the thread, which drives it until it stops.
+    /// Hands `m` to the thread, which drives it until it stops. The thread is rung only when
+    /// it would sleep for ever: a connection that joins a thread with members is taken in
+    /// at its next wake-up (at most [`MAX_SLEEP`] away, sooner when a member has work), which
+    /// spares a connect the thread's wake-up. Until then the new connection is driven by its
+    /// callers (a blocking call, a lone async call) or rings the doorbell itself when it
+    /// hands work over; only what reaches it unasked (a GoAway) waits that long.
     pub(crate) fn join(&self, m: Arc<dyn Member>) {
         self.0.joining.push(m);
-        self.0.doorbell.ring_always();
+        // SeqCst against the thread's store before it looks at `joining` one last time: it
+        // sees this member, or this load sees its flag.
+        if self.0.sleeps_unbounded.load(Ordering::SeqCst) {
+            self.0.doorbell.ring_always();
+        }
     }
 
     /// A member queued work (before this call): lists it if it is not listed. No allocation
@@ -210,6 +223,7 @@ fn start() -> Result<&'static Group, String> {
     let group: &'static Group = Box::leak(Box::new(Group {
         doorbell,
         joining: SegQueue::new(),
+        sleeps_unbounded: AtomicBool::new(true),
         ready: ArrayQueue::new(READY_CAP),
         overflow: AtomicBool::new(false),
     }));
@@ -476,6 +490,8 @@ fn run(g: &Group, ep: OwnedFd) {
                 } else {
                     Some(MAX_SLEEP)
                 };
+                g.sleeps_unbounded
+                    .store(timeout.is_none(), Ordering::SeqCst);
                 let timeout = if g.joining.is_empty()
                     && g.ready.is_empty()
                     && !g.overflow.load(Ordering::SeqCst)

@@ -214,3 +214,33 @@ fn an_overflowing_ready_queue_loses_nothing() {
         p.list(&m.listing);
     }
 }
+
+/// A connection joins without a ring unless the thread has no member: the first one wakes a
+/// thread asleep for ever; the next ones are taken in at the thread's next wake-up (within
+/// `MAX_SLEEP`), and work one of them queues before that is done at once (its ring wakes the
+/// thread, which takes it in first).
+#[test]
+fn joining_wakes_the_thread_only_when_it_has_no_member() {
+    let p = Poller(start().unwrap());
+    let first = joined(p, 1).pop().unwrap();
+    wait_until("the first member taken in", || {
+        first.turns.load(Ordering::Relaxed) >= 1
+    });
+    wait_until("the thread asleep with a timeout", || {
+        !p.0.sleeps_unbounded.load(Ordering::SeqCst)
+    });
+    let later = joined(p, 50);
+    wait_until("the later members taken in without a ring", || {
+        later.iter().all(|m| m.turns.load(Ordering::Relaxed) >= 1)
+    });
+    // Joins, then queues work at once: the work is not left for the next timeout.
+    let eager = joined(p, 1).pop().unwrap();
+    eager.queue(p);
+    wait_until("the new member's work done", || {
+        eager.done.load(Ordering::Acquire) == 1
+    });
+    for m in later.iter().chain([&first, &eager]) {
+        m.stop.store(true, Ordering::Release);
+        p.list(&m.listing);
+    }
+}
