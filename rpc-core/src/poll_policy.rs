@@ -180,6 +180,13 @@ impl Spinner {
         if self.idle < CLOCK_EVERY {
             return;
         }
+        self.read_clock(clock);
+    }
+
+    /// A clock read of an idle phase: a gap over [`PREEMPTED`] since the last one was a
+    /// preemption.
+    fn read_clock(&mut self, clock: impl FnOnce() -> Instant) {
+        self.since_clock = 0;
         let now = clock();
         match self.last {
             Some(last) if now.saturating_duration_since(last) > PREEMPTED => {
@@ -188,7 +195,6 @@ impl Spinner {
             _ => self.refresh(now),
         }
         self.last = Some(now);
-        self.since_clock = 0;
     }
 
     /// Whether the loop counts as contended (as of its last clock read).
@@ -207,15 +213,7 @@ impl Spinner {
         self.idle = self.idle.saturating_add(1);
         self.since_clock += 1;
         if self.since_clock >= CLOCK_EVERY {
-            self.since_clock = 0;
-            let now = clock();
-            match self.last {
-                Some(last) if now.saturating_duration_since(last) > PREEMPTED => {
-                    self.preempted(now, now.saturating_duration_since(last));
-                }
-                _ => self.refresh(now),
-            }
-            self.last = Some(now);
+            self.read_clock(clock);
         }
         if self.contended {
             if self.idle <= budget.contended_spin {
