@@ -342,3 +342,80 @@ fn post_recv_err<Q: Qp, M: Mr>(qp: &mut Q, mr: &M) -> ErrorKind {
         Err(e) => e.error.kind(),
     }
 }
+
+/// Minor page faults this thread has taken so far (`getrusage(RUSAGE_THREAD)`).
+fn thread_faults() -> i64 {
+    // SAFETY: `getrusage` fills the zeroed struct it is given; nothing else is touched.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
+    assert_eq!(rc, 0, "getrusage");
+    u.ru_minflt
+}
+
+/// Soft provider only: a deep SRQ (the size a server shard's default pool asks for) is walked
+/// without page faults. Posting (A) and SENDing into it (B) move along rings of megabytes;
+/// pages first touched there were a fault every few hundred messages on the data path (the
+/// tail of every small call). A's posts and B's SENDs over 4096 messages take at most a few.
+pub fn srq_walk_takes_no_page_faults<P: Provider>(s: &mut Side<P>) {
+    const DEPTH: u32 = 65_536;
+    const N: usize = 4096;
+    const SLOTS: usize = 16;
+    let mut p = pairs(s, DEPTH, &[patient()]);
+    match s.role {
+        Role::A => {
+            let mr = mr_all::<P>(&p.pd, SLOTS * BUF);
+            let srq = p.srq.as_mut().expect("A has the SRQ");
+            // Warm-up: the first receives and messages map what every later one uses too.
+            for slot in 0..SLOTS {
+                post_srq(srq, &mr, slot);
+            }
+            s.send(b"warm");
+            for _ in 0..SLOTS {
+                assert_eq!(poll_n(&mut p.cq, 1)[0].status, WcStatus::Success);
+            }
+            s.barrier();
+            let before = thread_faults();
+            for i in 0..N {
+                post_srq(srq, &mr, i % SLOTS);
+            }
+            let faults = thread_faults() - before;
+            s.send(b"posted");
+            for _ in 0..N {
+                assert_eq!(poll_n(&mut p.cq, 1)[0].status, WcStatus::Success);
+            }
+            s.barrier();
+            assert!(
+                faults <= 4,
+                "posting {N} receives took {faults} page faults"
+            );
+        }
+        Role::B => {
+            let mr = mr_all::<P>(&p.pd, BUF);
+            let qp = &mut p.qps[0];
+            assert_eq!(s.recv(), b"warm");
+            let mut send = |n: usize, cq: &mut P::Cq| {
+                for k in 0..n / 8 {
+                    for j in 0..8 {
+                        let id = (k * 8 + j) as u64;
+                        post_send(qp, id, WrOp::Send, &[mr.sge(0, 8).unwrap()], SIG);
+                    }
+                    for _ in 0..8 {
+                        assert_eq!(poll_n(cq, 1)[0].status, WcStatus::Success);
+                    }
+                }
+            };
+            send(SLOTS, &mut p.cq);
+            s.barrier();
+            assert_eq!(s.recv(), b"posted");
+            let before = thread_faults();
+            send(N, &mut p.cq);
+            let faults = thread_faults() - before;
+            s.barrier();
+            assert!(
+                faults <= 4,
+                "{N} SENDs into the SRQ took {faults} page faults"
+            );
+        }
+    }
+}

@@ -446,6 +446,14 @@ impl Conn {
         if !valid_rq_words {
             return Err(corrupt("receive queue index offsets"));
         }
+        if shared_rq {
+            peer.populate_shared_ring(
+                rq_wqe,
+                depth as usize * stride,
+                rq_cqe,
+                depth as usize * layout::RCQE,
+            );
+        }
         let cq = rd32(qp::RECV_CQ) as usize;
         let bit = rd32(qp::RECV_BIT) as usize;
         if cq >= layout::MAX_CQ || bit >= layout::CQ_BITS {

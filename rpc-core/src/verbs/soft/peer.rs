@@ -92,6 +92,9 @@ pub(crate) struct Peer {
     /// Duplicates of the peer's channel eventfds by descriptor number, the most recently
     /// signalled [`EVENTFD_CACHE`] of them (see [`Peer::signal_eventfd`]).
     efds: Mutex<EventFds>,
+    /// The peer's shared receive rings already mapped in ([`Peer::populate_shared_ring`]), by
+    /// their offsets.
+    populated: Mutex<Vec<(usize, usize)>>,
 }
 
 /// Why mapping a peer's region failed.
@@ -144,6 +147,7 @@ impl Peer {
                 inbox: dev.inbox.clone(),
                 mrs: Mutex::new(HashMap::new()),
                 efds: Mutex::new(EventFds::default()),
+                populated: Mutex::new(Vec::new()),
             });
         }
 
@@ -231,11 +235,38 @@ impl Peer {
             inbox: Arc::new(inbox),
             mrs: Mutex::new(HashMap::new()),
             efds: Mutex::new(EventFds::default()),
+            populated: Mutex::new(Vec::new()),
         })
     }
 
     /// The mapping of the peer's shm region in `slot` with key `key`, whose owner-side
     /// descriptor is `fd` and length `len`. Slow path (first access): maps and caches.
+    /// Maps in, once per ring, the pages of a shared receive queue of the peer that a QP of
+    /// ours connects to: its WQE ring `[wqe, wqe + wqe_len)` in the published segment and its
+    /// completion ring `[cqe, cqe + cqe_len)` in the inbox. An SRQ's rings span megabytes, and
+    /// our SENDs walk all of them before they wrap: unmapped, every few hundred SENDs would
+    /// take a page fault. (An offset reused by a later SRQ is not done again: a hint only.)
+    pub(crate) fn populate_shared_ring(
+        &self,
+        wqe: usize,
+        wqe_len: usize,
+        cqe: usize,
+        cqe_len: usize,
+    ) {
+        {
+            let mut done = self.populated.lock().unwrap_or_else(|e| e.into_inner());
+            if done.contains(&(wqe, cqe)) {
+                return;
+            }
+            if done.len() >= 64 {
+                done.clear();
+            }
+            done.push((wqe, cqe));
+        }
+        self.pub_map.populate(wqe, wqe_len);
+        self.inbox.populate(cqe, cqe_len);
+    }
+
     pub(crate) fn map_mr(
         &self,
         slot: u32,

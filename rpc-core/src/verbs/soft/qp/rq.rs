@@ -96,6 +96,17 @@ impl Rq {
                 Ordering::Relaxed,
             );
         }
+        // The receive ring's pages, touched now: posting walks the whole ring before it wraps
+        // (an SRQ of the default pool, 65,536 receives, spans megabytes), and a page first
+        // touched there is a page fault on the data path every few hundred posts. The words
+        // written are no WQE yet: only those below the producer index are read.
+        let wqe_bytes = cap as usize * layout::wqe_stride(max_sge.max(1) as usize);
+        for off in (0..wqe_bytes)
+            .step_by(PAGE)
+            .chain([wqe_bytes.saturating_sub(4)])
+        {
+            dev.pub32(wqe + off).store(0, Ordering::Relaxed);
+        }
         dev.pub32(prod_off).store(0, Ordering::Relaxed);
         dev.in64(claim_off)
             .store(layout::claim_word(0, 0), Ordering::Relaxed);
@@ -455,6 +466,9 @@ impl SrqState {
         }
     }
 }
+
+/// The page size the soft RNIC's segments are touched by.
+const PAGE: usize = 4096;
 
 /// The ring size of a queue of `max_wr` receives (a power of two).
 fn ring_cap(max_wr: u32) -> u32 {
