@@ -439,6 +439,18 @@ impl Quirks {
 }
 
 impl CtxShared {
+    /// The port's active MTU in bytes as the port says now (one `ibv_query_port`): the context
+    /// is shared by the process's connections and lives as long as any of them, while the
+    /// netdev's MTU may change meanwhile (on RoCE the active MTU follows it). The value read
+    /// at open if the query fails.
+    pub(super) fn active_mtu_now(&self) -> u32 {
+        self.raw
+            .query_port(&self.info.name, self.port.num)
+            .ok()
+            .and_then(|a| select::mtu_bytes(a.active_mtu))
+            .unwrap_or(self.port.active_mtu)
+    }
+
     /// `rxe0:1/RoCE`.
     pub(super) fn label(&self) -> String {
         format!(

@@ -795,7 +795,7 @@ impl Qp for IbQp {
             lid: ctx.port.lid,
             qp_num: self.qp_num,
             psn: self.psn,
-            mtu: ctx.port.active_mtu,
+            mtu: ctx.active_mtu_now(),
             gid: ctx.gid.gid,
             aux: u64::from(ctx.gid.index),
         }
@@ -823,7 +823,7 @@ impl Qp for IbQp {
         attr.validate()?;
         self.check_remote(remote)?;
         let ctx = Arc::clone(&self.pd.ctx);
-        let mtu = select::path_mtu(ctx.port.active_mtu, remote.mtu, attr.path_mtu)?;
+        let mtu = select::path_mtu(ctx.active_mtu_now(), remote.mtu, attr.path_mtu)?;
         let sgid_index = u8::try_from(ctx.gid.index).map_err(|_| {
             VerbsError::new(
                 Verb::ModifyQp,
