@@ -29,8 +29,8 @@ pub const MAGIC: [u8; 4] = *b"RRPC";
 /// pool shared by its connections, starting at `Welcome::initial_credits`; 5: stream windows
 /// start at 16 messages and are opened to at most 256 by the receiver's grants, where a
 /// version-4 peer refused any window above 16; 6: wire format 4, small stream messages packed
-/// several to a frame).
-pub const VERSION: u16 = 6;
+/// several to a frame; 7: wire format 5, request payloads READ while they are written).
+pub const VERSION: u16 = 7;
 /// Largest handshake message.
 pub const MAX_MESSAGE: usize = 1024;
 /// Most data QPs (besides the primary) one connection may have.
@@ -483,7 +483,7 @@ mod tests {
         let e = Message::decode(&m).unwrap_err();
         assert!(
             e.to_string()
-                .contains("version 2 not supported (this side speaks 6)"),
+                .contains("version 2 not supported (this side speaks 7)"),
             "{e}"
         );
         // A peer of the release before credits from a shared pool (handshake 3, wire 2).
@@ -498,6 +498,10 @@ mod tests {
         m[4] = 5;
         let e = Message::decode(&m).unwrap_err();
         assert!(e.to_string().contains("version 5 not supported"), "{e}");
+        // A peer of the release before pending request payloads (handshake 6, wire 4).
+        m[4] = 6;
+        let e = Message::decode(&m).unwrap_err();
+        assert!(e.to_string().contains("version 6 not supported"), "{e}");
         let good = Message::Hello(Hello {
             provider: 1,
             endpoint: ep(),

@@ -1246,18 +1246,45 @@ impl<P: Provider> Link<P> {
             let off = at;
             at += d.len as usize;
             // SAFETY: forwarded contract; the range lies in `local` (checked above).
-            unsafe {
-                self.post_chunked(
-                    WrKind::Read,
-                    aux,
-                    |o, l| local.sge(off + o, l),
-                    remote_mr(*d),
-                    d.len as usize,
-                    Chunked::Read,
-                )
-            }?;
+            unsafe { self.post_read_at(aux, local, off, *d) }?;
         }
         Ok(())
+    }
+
+    /// Posts an RDMA READ of `remote` into `local` from byte `at` on: one completion, with
+    /// `wr_id(key, Read, aux)` (its last chunk is signaled).
+    ///
+    /// # Errors
+    /// When the range does not fit in `local` from `at` or `post_send` fails.
+    ///
+    /// # Safety
+    /// As [`Link::post_read`].
+    pub unsafe fn post_read_at(
+        &mut self,
+        aux: u32,
+        local: &BulkBuf<P>,
+        at: usize,
+        remote: BulkDesc,
+    ) -> Result<(), LinkError> {
+        let fits = (at as u64)
+            .checked_add(remote.len)
+            .is_some_and(|end| end <= local.capacity() as u64);
+        if !fits {
+            return Err(LinkError::Protocol(
+                "bulk READ larger than the local buffer".into(),
+            ));
+        }
+        // SAFETY: forwarded contract; the range lies in `local` (checked above).
+        unsafe {
+            self.post_chunked(
+                WrKind::Read,
+                aux,
+                |o, l| local.sge(at + o, l),
+                remote_mr(remote),
+                remote.len as usize,
+                Chunked::Read,
+            )
+        }
     }
 
     /// Like [`Link::post_write_imm`], but the bytes are a gather list: `pieces[i]` (in order)

@@ -265,6 +265,9 @@ pub enum Event {
         bulk: Option<BulkDesc>,
         /// Further ranges of the payload, READ after `bulk` into the same buffer.
         bulk_more: BulkMore,
+        /// The payload (`bulk`, one range) is still being written: READ only what
+        /// [`Event::BulkReady`] says is ready.
+        pending: bool,
         /// Where the response may be RDMA-WRITTEN.
         landing: Option<BulkDesc>,
         /// A call of ours in the same slot that the client gave up without telling us
@@ -309,6 +312,14 @@ pub enum Event {
     Cancel {
         /// The call.
         call: CallId,
+    },
+    /// Server: the first `ready` bytes of the call's pending payload may be READ (more than
+    /// any BulkReady said before, at most the payload's length).
+    BulkReady {
+        /// The call.
+        call: CallId,
+        /// Bytes ready, from the start of the payload.
+        ready: u64,
     },
     /// The peer granted `grant` more stream messages.
     WindowUpdate {
@@ -383,6 +394,10 @@ struct Call {
     deadline: Option<u64>,
     /// Length of the landing zone the request advertised, 0 if none.
     landing_len: u64,
+    /// Length of a rendezvous payload sent pending ([`FrameFlags::BULK_PENDING`]), 0 if none.
+    pending: u64,
+    /// Bytes of it the BulkReady frames said are ready so far.
+    ready: u64,
     send_seq: u32,
     recv_seq: u32,
     send_window: u32,
@@ -401,6 +416,8 @@ impl Call {
         remote_closed: false,
         deadline: None,
         landing_len: 0,
+        pending: 0,
+        ready: 0,
         send_seq: 0,
         recv_seq: 0,
         send_window: 0,
@@ -716,9 +733,10 @@ impl Conn {
                 self.client_frame(h)
             }
             (Role::Server, K::Request) => self.server_request(h, now),
-            (Role::Server, K::StreamMessage | K::EndOfStream | K::Cancel | K::WindowUpdate) => {
-                self.server_frame(h)
-            }
+            (
+                Role::Server,
+                K::StreamMessage | K::EndOfStream | K::Cancel | K::WindowUpdate | K::BulkReady,
+            ) => self.server_frame(h),
             (role, kind) => Err(ProtocolError::WrongDirection { kind, role }),
         }
     }
@@ -965,6 +983,64 @@ impl Conn {
         c.sent = true;
         c.local_closed = !client_streams;
         c.landing_len = landing.map_or(0, |l| l.len);
+        self.stamp(&mut h);
+        Ok(h)
+    }
+
+    /// Client: like [`Conn::request`] with a rendezvous payload of one range (`bulk`) whose
+    /// bytes are still being written ([`FrameFlags::BULK_PENDING`]): the server READs only
+    /// what [`Conn::bulk_ready`] frames say is ready.
+    ///
+    /// # Errors
+    /// As [`Conn::request`].
+    pub fn request_pending(
+        &mut self,
+        call: CallId,
+        metadata_len: usize,
+        bulk: BulkDesc,
+        landing: Option<BulkDesc>,
+        now: u64,
+    ) -> Result<FrameHeader, SendError> {
+        let mut h = self.request_pieces(call, 0, metadata_len, &[bulk], landing, now)?;
+        h.flags |= FrameFlags::BULK_PENDING;
+        self.calls[call.slot() as usize].pending = bulk.len;
+        Ok(h)
+    }
+
+    /// Client: says that the first `ready` bytes of `call`'s pending payload
+    /// ([`Conn::request_pending`]) are written. A control frame.
+    ///
+    /// # Errors
+    /// [`SendError::NoCredit`]; [`SendError::Gone`] when the call ended (the server answered,
+    /// or it was cancelled or expired: its payload will not be read); [`SendError::BadState`]
+    /// when the call has no pending payload; [`SendError::Invalid`] when `ready` does not grow
+    /// or exceeds the payload.
+    pub fn bulk_ready(&mut self, call: CallId, ready: u64) -> Result<FrameHeader, SendError> {
+        if self.role != Role::Client {
+            return Err(SendError::BadState("only a client sends BulkReady"));
+        }
+        let i = self.own(call)?;
+        let c = self.calls[i];
+        match c.state {
+            State::Open => {}
+            State::Idle => return Err(SendError::BadState("the Request was not sent yet")),
+            _ => return Err(SendError::Gone),
+        }
+        if c.pending == 0 {
+            return Err(SendError::BadState("the call's payload is not pending"));
+        }
+        if ready <= c.ready || ready > c.pending {
+            return Err(SendError::Invalid(
+                "BulkReady must grow and stay within the payload",
+            ));
+        }
+        self.check_credit(Class::Control)?;
+        self.calls[i].ready = ready;
+        let mut h = FrameHeader {
+            aux: ready as u32,
+            seq: (ready >> 32) as u32,
+            ..FrameHeader::new(FrameKind::BulkReady, call.0)
+        };
         self.stamp(&mut h);
         Ok(h)
     }
@@ -1463,6 +1539,13 @@ impl Conn {
                         "more credits given back than the client holds",
                     ));
                 }
+                // An honest client keeps what we asked (at least the reserve plus two), so
+                // the window never falls below that; only a forged answer could.
+                if self.window - n < self.cfg.reserved_credits + 2 {
+                    return Err(ProtocolError::Reclaim(
+                        "credits given back below the reserve the window keeps",
+                    ));
+                }
                 self.peer_credits -= n;
                 self.window -= n;
                 self.reclaiming = false;
@@ -1684,6 +1767,10 @@ impl Conn {
             remote_closed: end_stream,
             deadline,
             landing_len: h.landing.map_or(0, |l| l.len),
+            pending: match h.bulk {
+                Some(b) if h.flags.contains(FrameFlags::BULK_PENDING) => b.len,
+                _ => 0,
+            },
             send_window: self.cfg.stream_window,
             recv_window: self.cfg.stream_window,
             ..Call::EMPTY
@@ -1692,6 +1779,7 @@ impl Conn {
             self.heap.insert(i as u32, d);
         }
         Ok(Event::Request {
+            pending: h.flags.contains(FrameFlags::BULK_PENDING),
             call,
             method_id: h.aux,
             kind,
@@ -1703,7 +1791,7 @@ impl Conn {
         })
     }
 
-    /// Server: StreamMessage, EndOfStream, Cancel, WindowUpdate.
+    /// Server: StreamMessage, EndOfStream, Cancel, WindowUpdate, BulkReady.
     fn server_frame(&mut self, h: &FrameHeader) -> Result<Event, ProtocolError> {
         use FrameKind as K;
         let call = self.peer_id(h.call_id)?;
@@ -1772,6 +1860,20 @@ impl Conn {
                     return unexpected("window update on a call without a server stream");
                 }
                 self.recv_window_update(i, call, h.aux)
+            }
+            K::BulkReady => {
+                let ready = u64::from(h.aux) | u64::from(h.seq) << 32;
+                if c.pending == 0 {
+                    return unexpected("BulkReady for a call whose payload is not pending");
+                }
+                if ready <= c.ready {
+                    return unexpected("BulkReady that does not grow");
+                }
+                if ready > c.pending {
+                    return unexpected("BulkReady beyond the payload's length");
+                }
+                self.calls[i].ready = ready;
+                Ok(Event::BulkReady { call, ready })
             }
             _ => Err(ProtocolError::WrongDirection {
                 kind,

@@ -9,11 +9,13 @@
 //! 4   4   call_id (0 for connection frames: CreditUpdate, GoAway)
 //! 8   4   aux: method id (Request), status code (Status), grant (WindowUpdate), credits to
 //!             keep or surrendered (CreditUpdate with RECLAIM), messages packed in the
-//!             payload (StreamMessage with PACKED), 0 else
+//!             payload (StreamMessage with PACKED), low half of the bytes ready
+//!             (BulkReady), 0 else
 //! 12  2   credits: receive slots the sender re-posted for the receiver since its last report
 //! 14  2   metadata_len
 //! 16  4   payload_len (inline payload bytes after header + extensions + metadata)
-//! 20  4   seq (stream message number: StreamMessage, EndOfStream; 0 else)
+//! 20  4   seq (stream message number: StreamMessage, EndOfStream; high half of the bytes
+//!             ready: BulkReady; 0 else)
 //! -- extensions, in this order, each present when its flag is set --
 //! HAS_DEADLINE  u64 timeout_ns (time left, relative)                      Request only
 //! HAS_BULK      BulkDesc {addr u64, len u64, rkey u32, pad u32 = 0}        Request, Response,
@@ -58,6 +60,14 @@
 //! frame while it is not sent yet, so a receiver handles one header, one window check and one
 //! hand-off per burst rather than per message. [`decode`] checks that the lengths tile the
 //! payload exactly. Version 4 of the wire format.
+//!
+//! # Payloads that become ready while they are read
+//!
+//! A Request with [`FrameFlags::BULK_PENDING`] lends its one bulk range before its bytes are
+//! all written: the client copies a large message into the buffer while the server READs what
+//! is ready, so the copy and the transfer overlap. The server READs nothing of it until
+//! BulkReady frames for the call say how many bytes, from the start, are ready (a count that
+//! only grows, up to the range's length; the last one is the whole length). Version 5.
 
 use std::fmt;
 
@@ -68,8 +78,9 @@ use super::WireError;
 /// 2: batches ([`FrameFlags::MORE`]); a version-1 peer would have read only the first frame
 /// of a SEND. 3: credit reclaims ([`FrameFlags::RECLAIM`]), for receivers that grant credits
 /// from a receive pool shared by many connections. 4: packed stream messages
-/// ([`FrameFlags::PACKED`]).
-pub const WIRE_VERSION: u8 = 4;
+/// ([`FrameFlags::PACKED`]). 5: payloads read while they are written
+/// ([`FrameFlags::BULK_PENDING`], [`FrameKind::BulkReady`]).
+pub const WIRE_VERSION: u8 = 5;
 /// Bytes of the fixed base header.
 pub const BASE_HEADER_LEN: usize = 24;
 /// Bytes of the deadline extension.
@@ -121,6 +132,9 @@ pub enum FrameKind {
     BulkRelease = 9,
     /// Server -> client, connection-wide: the server is draining; no new calls.
     GoAway = 10,
+    /// Client -> server: the first `aux | seq << 32` bytes (nonzero) of the call's pending
+    /// rendezvous payload ([`FrameFlags::BULK_PENDING`]) are written and may be READ.
+    BulkReady = 11,
 }
 
 impl FrameKind {
@@ -140,6 +154,7 @@ impl FrameKind {
             8 => FrameKind::WindowUpdate,
             9 => FrameKind::BulkRelease,
             10 => FrameKind::GoAway,
+            11 => FrameKind::BulkReady,
             _ => return Err(WireError::UnknownKind(v)),
         })
     }
@@ -174,6 +189,7 @@ impl FrameKind {
             FrameKind::WindowUpdate => "WindowUpdate",
             FrameKind::BulkRelease => "BulkRelease",
             FrameKind::GoAway => "GoAway",
+            FrameKind::BulkReady => "BulkReady",
         }
     }
 }
@@ -229,8 +245,12 @@ impl FrameFlags {
     /// stream, each a `u32` length and its bytes (see the
     /// [module docs](self#packed-stream-messages)).
     pub const PACKED: FrameFlags = FrameFlags(1 << 10);
+    /// On a Request with [`FrameFlags::HAS_BULK`] and one range: the range's bytes are still
+    /// being written; READ only what BulkReady frames say is ready (see the
+    /// [module docs](self#payloads-that-become-ready-while-they-are-read)).
+    pub const BULK_PENDING: FrameFlags = FrameFlags(1 << 11);
     /// Every flag this version knows.
-    pub const KNOWN: FrameFlags = FrameFlags(0x7ff);
+    pub const KNOWN: FrameFlags = FrameFlags(0xfff);
     /// The flags that announce an extension.
     pub const EXTENSIONS: FrameFlags = FrameFlags(0x47);
 
@@ -284,7 +304,7 @@ impl std::ops::BitOrAssign for FrameFlags {
 
 impl fmt::Debug for FrameFlags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const NAMES: [(FrameFlags, &str); 11] = [
+        const NAMES: [(FrameFlags, &str); 12] = [
             (FrameFlags::HAS_DEADLINE, "HAS_DEADLINE"),
             (FrameFlags::HAS_BULK, "HAS_BULK"),
             (FrameFlags::HAS_LANDING, "HAS_LANDING"),
@@ -296,6 +316,7 @@ impl fmt::Debug for FrameFlags {
             (FrameFlags::RECLAIM, "RECLAIM"),
             (FrameFlags::STARVED, "STARVED"),
             (FrameFlags::PACKED, "PACKED"),
+            (FrameFlags::BULK_PENDING, "BULK_PENDING"),
         ];
         if self.0 == 0 {
             return f.write_str("(empty)");
@@ -393,7 +414,8 @@ pub struct FrameHeader {
     pub flags: FrameFlags,
     /// The call (0 for CreditUpdate and GoAway).
     pub call_id: u32,
-    /// Method id (Request), status code (Status), grant (WindowUpdate), 0 otherwise.
+    /// Method id (Request), status code (Status), grant (WindowUpdate), low half of the
+    /// bytes ready (BulkReady), 0 otherwise.
     pub aux: u32,
     /// Receive slots the sender re-posted for the receiver since its last report.
     pub credits: u16,
@@ -401,7 +423,8 @@ pub struct FrameHeader {
     pub metadata_len: u16,
     /// Inline payload bytes after the metadata.
     pub payload_len: u32,
-    /// Stream message sequence number (StreamMessage, EndOfStream); 0 otherwise.
+    /// Stream message sequence number (StreamMessage, EndOfStream), high half of the bytes
+    /// ready (BulkReady); 0 otherwise.
     pub seq: u32,
     /// Time left for the call in nanoseconds (Request only).
     pub deadline: Option<u64>,
@@ -606,6 +629,13 @@ impl FrameHeader {
                 ));
             }
         }
+        if f.contains(FrameFlags::BULK_PENDING)
+            && (k != K::Request || self.bulk.is_none() || !self.bulk_more.is_empty())
+        {
+            return Err(WireError::Inconsistent(
+                "BULK_PENDING on a frame other than a Request with one bulk range",
+            ));
+        }
         if self.landing.is_some_and(|l| l.len == 0) {
             return Err(WireError::Inconsistent("landing descriptor of length 0"));
         }
@@ -667,7 +697,10 @@ impl FrameHeader {
             K::WindowUpdate if self.aux == 0 => {
                 return Err(WireError::Inconsistent("WindowUpdate granting nothing"));
             }
-            K::Request | K::Status | K::WindowUpdate => {}
+            K::BulkReady if self.aux == 0 && self.seq == 0 => {
+                return Err(WireError::Inconsistent("BulkReady with no byte ready"));
+            }
+            K::Request | K::Status | K::WindowUpdate | K::BulkReady => {}
             K::CreditUpdate if f.contains(FrameFlags::RECLAIM) => {}
             K::StreamMessage if f.contains(FrameFlags::PACKED) => {}
             _ if self.aux != 0 => {
@@ -677,9 +710,9 @@ impl FrameHeader {
             }
             _ => {}
         }
-        if !matches!(k, K::StreamMessage | K::EndOfStream) && self.seq != 0 {
+        if !matches!(k, K::StreamMessage | K::EndOfStream | K::BulkReady) && self.seq != 0 {
             return Err(WireError::Inconsistent(
-                "nonzero seq on a frame other than StreamMessage/EndOfStream",
+                "nonzero seq on a frame other than StreamMessage/EndOfStream/BulkReady",
             ));
         }
         if matches!(
@@ -690,6 +723,7 @@ impl FrameHeader {
                 | K::WindowUpdate
                 | K::BulkRelease
                 | K::GoAway
+                | K::BulkReady
         ) && (self.metadata_len != 0 || self.payload_len != 0)
         {
             return Err(WireError::Inconsistent(
@@ -1006,7 +1040,7 @@ pub(crate) mod tests {
         assert_eq!(
             &buf[..24],
             &[
-                4, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
+                5, 1, 0x08, 0x00, 0x0a, 0x0b, 0x0c, 0x0d, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
                 0x08, 0, 0, 0, 0, 0, 0, 0, 0
             ]
         );
@@ -1102,13 +1136,19 @@ pub(crate) mod tests {
             Err(WireError::BadVersion(3)),
             "a version-3 peer (no packed stream messages) is refused"
         );
-        b[0] = 5;
-        assert_eq!(decode(&b), Err(WireError::BadVersion(5)));
+        b[0] = 4;
+        assert_eq!(
+            decode(&b),
+            Err(WireError::BadVersion(4)),
+            "a version-4 peer (no pending payloads) is refused"
+        );
+        b[0] = 6;
+        assert_eq!(decode(&b), Err(WireError::BadVersion(6)));
         let mut b = good.clone();
         b[1] = 0;
         assert_eq!(decode(&b), Err(WireError::UnknownKind(0)));
-        b[1] = 11;
-        assert_eq!(decode(&b), Err(WireError::UnknownKind(11)));
+        b[1] = 12;
+        assert_eq!(decode(&b), Err(WireError::UnknownKind(12)));
         let mut b = good.clone();
         b[3] = 0x80;
         assert_eq!(decode(&b), Err(WireError::UnknownFlags(0x8000)));
@@ -1123,6 +1163,87 @@ pub(crate) mod tests {
         // An error message says what is wrong.
         let msg = WireError::Truncated { need: 12, have: 10 }.to_string();
         assert!(msg.contains("12") && msg.contains("10"), "{msg}");
+    }
+
+    #[test]
+    fn pending_payloads_and_bulk_ready() {
+        use FrameKind as K;
+        let encodes = |h: FrameHeader| {
+            let mut buf = [0u8; MAX_HEADER_LEN];
+            h.encode(&mut buf)
+                .map(|n| decode(&buf[..n]).map(|f| f.header))
+        };
+        let bulk = Some(BulkDesc {
+            addr: 64,
+            len: 5 << 30,
+            rkey: 9,
+        });
+        let pending = FrameHeader {
+            aux: 3,
+            flags: FrameFlags::HAS_BULK | FrameFlags::END_STREAM | FrameFlags::BULK_PENDING,
+            bulk,
+            ..FrameHeader::new(K::Request, 7)
+        };
+        assert_eq!(encodes(pending), Ok(Ok(pending)));
+        // Ready counts above 4 GiB use both halves.
+        let ready = FrameHeader {
+            aux: 1 << 20,
+            seq: 1,
+            ..FrameHeader::new(K::BulkReady, 7)
+        };
+        assert_eq!(encodes(ready), Ok(Ok(ready)));
+        let refused = |h: FrameHeader, why: &str| match encodes(h) {
+            Err(WireError::Inconsistent(m)) => assert!(m.contains(why), "{m}"),
+            other => panic!("{h:?} was not refused: {other:?}"),
+        };
+        // Nothing ready, a payload, call id 0.
+        refused(FrameHeader::new(K::BulkReady, 7), "no byte ready");
+        refused(
+            FrameHeader {
+                payload_len: 1,
+                ..ready
+            },
+            "carries none",
+        );
+        refused(
+            FrameHeader {
+                call_id: 0,
+                ..ready
+            },
+            "call id 0",
+        );
+        // BULK_PENDING without bulk, on a Response, with several ranges.
+        refused(
+            FrameHeader {
+                flags: FrameFlags::END_STREAM | FrameFlags::BULK_PENDING,
+                bulk: None,
+                ..pending
+            },
+            "BULK_PENDING",
+        );
+        refused(
+            FrameHeader {
+                aux: 0,
+                flags: FrameFlags::HAS_BULK | FrameFlags::BULK_PENDING,
+                bulk,
+                ..FrameHeader::new(K::Response, 7)
+            },
+            "BULK_PENDING",
+        );
+        let mut more = pending;
+        more.flags |= FrameFlags::BULK_PIECES;
+        more.bulk_more = BulkMore::from_slice(&[BulkDesc {
+            addr: 1,
+            len: 1,
+            rkey: 1,
+        }])
+        .unwrap();
+        refused(more, "BULK_PENDING");
+        // A version-4 peer's frame is refused (the handshake refuses it first).
+        let mut buf = [0u8; MAX_HEADER_LEN];
+        let n = ready.encode(&mut buf).unwrap();
+        buf[0] = 4;
+        assert!(matches!(decode(&buf[..n]), Err(WireError::BadVersion(4))));
     }
 
     #[test]
@@ -1342,7 +1463,8 @@ pub(crate) mod tests {
         let f = FrameFlags::HAS_BULK | FrameFlags::END_STREAM;
         assert_eq!(format!("{f:?}"), "HAS_BULK | END_STREAM");
         assert_eq!(format!("{:?}", FrameFlags::EMPTY), "(empty)");
-        assert_eq!(FrameFlags::from_bits(0x800), None);
+        assert_eq!(FrameFlags::from_bits(0x1000), None);
+        assert_eq!(format!("{:?}", FrameFlags::BULK_PENDING), "BULK_PENDING");
         assert_eq!(format!("{:?}", FrameFlags::PACKED), "PACKED");
         assert_eq!(format!("{:?}", FrameFlags::RECLAIM), "RECLAIM");
         assert_eq!(format!("{:?}", FrameFlags::MORE), "MORE");
@@ -1367,7 +1489,7 @@ pub(crate) mod tests {
     /// Headers that satisfy every rule, of every kind.
     pub(crate) fn arb_valid_header() -> impl Strategy<Value = FrameHeader> {
         (
-            1u8..=10,
+            1u8..=11,
             1u32..,
             any::<u32>(),
             any::<u16>(),
@@ -1432,6 +1554,8 @@ pub(crate) mod tests {
                                             .collect();
                                         h.bulk_more = BulkMore::from_slice(&more).unwrap();
                                         h.flags |= FrameFlags::BULK_PIECES;
+                                    } else if h.bulk.is_some() && c {
+                                        h.flags |= FrameFlags::BULK_PENDING;
                                     }
                                 }
                             }
@@ -1459,6 +1583,10 @@ pub(crate) mod tests {
                         K::EndOfStream => h.seq = seq,
                         K::WindowUpdate => h.aux = aux.max(1),
                         K::CreditUpdate | K::GoAway => h.call_id = 0,
+                        K::BulkReady => {
+                            h.aux = aux;
+                            h.seq = if aux == 0 { seq.max(1) } else { seq };
+                        }
                         K::Cancel | K::BulkRelease => {}
                     }
                     h

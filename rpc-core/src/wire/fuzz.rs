@@ -241,7 +241,7 @@ pub fn conn_events(data: &[u8]) {
             }
             1 => {
                 // A forged header, validated like decode would.
-                let Ok(kind) = FrameKind::from_u8(inp.u8() % 10 + 1) else {
+                let Ok(kind) = FrameKind::from_u8(inp.u8() % 11 + 1) else {
                     continue;
                 };
                 let flags = FrameFlags::from_bits(inp.u16() & FrameFlags::KNOWN.bits())
@@ -458,6 +458,34 @@ pub fn conn_events(data: &[u8]) {
                 let keep = u32::from(inp.u8() % 8);
                 if let Ok(h) = server.reclaim(keep) {
                     to_client.push(h);
+                }
+            }
+            17 => {
+                // A Request whose one-range payload is still being written.
+                let call = pick(&mut inp, &ids);
+                let len = u64::from(inp.u16());
+                let landing = inp.bool().then_some(BulkDesc {
+                    addr: 0,
+                    len: 600,
+                    rkey: 1,
+                });
+                let desc = BulkDesc {
+                    addr: u64::from(inp.u32()),
+                    len,
+                    rkey: 3,
+                };
+                if let Ok(h) =
+                    client.request_pending(call, usize::from(inp.u8() % 8), desc, landing, now)
+                {
+                    to_server.push(h);
+                }
+            }
+            18 => {
+                // What the client says is ready; out of order or too far is refused.
+                let call = pick(&mut inp, &ids);
+                let ready = u64::from(inp.u16()) | u64::from(inp.u8() % 2) << 32;
+                if let Ok(h) = client.bulk_ready(call, ready) {
+                    to_server.push(h);
                 }
             }
             _ => {

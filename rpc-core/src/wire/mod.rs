@@ -68,7 +68,11 @@
 //! its READs before it answers. [`Event::BulkRelease`] is delivered whatever the call's state:
 //! it is about buffers, not calls. A Request's rendezvous payload may be made of up to
 //! [`MAX_BULK_PIECES`] ranges ([`FrameFlags::BULK_PIECES`]; the client's staged encoding and
-//! the user's registered `bytes` it references); one BulkRelease gives back all of them. A landing zone is lent with the Request for one response:
+//! the user's registered `bytes` it references); one BulkRelease gives back all of them. A
+//! Request with [`FrameFlags::BULK_PENDING`] lends a payload of one range that the client is
+//! still writing: the server READs only the prefix that BulkReady frames say is written
+//! (growing counts up to the length; [`Conn::request_pending`], [`Conn::bulk_ready`]), so the
+//! client's copy of a large field and the server's READ of it overlap. A landing zone is lent with the Request for one response:
 //! the server WRITEs a whole Response frame there with WRITE_WITH_IMM (immediate = call id) and
 //! the client decodes it from the landing zone ([`FrameFlags::WRITTEN`]).
 //!

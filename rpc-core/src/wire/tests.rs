@@ -143,6 +143,7 @@ fn unary_round_trip() {
             deadline_at: Some(1_150 + 4_900),
             bulk: None,
             bulk_more: BulkMore::NONE,
+            pending: false,
             landing: None,
             replaced: None,
         }
@@ -1073,6 +1074,7 @@ fn a_reused_slot_replaces_an_abandoned_call() {
             deadline_at: None,
             bulk: None,
             bulk_more: BulkMore::NONE,
+            pending: false,
             landing: None,
             replaced: Some(old),
         }
@@ -1218,6 +1220,94 @@ fn rendezvous_request() {
         l.deliver_to_server().unwrap_err(),
         ProtocolError::TooLarge { len, .. } if len == 2 << 20
     ));
+}
+
+/// A request whose payload is written while the server READs it: BulkReady frames grow to
+/// the payload's length; anything else is refused on both sides.
+#[test]
+fn pending_rendezvous_request() {
+    let mut l = Link::new(cfg());
+    let bulk = BulkDesc {
+        addr: 0x1_0000,
+        len: 100_000,
+        rkey: 77,
+    };
+    let call = l.c.start_call(M, CallKind::Unary, None, l.now).unwrap();
+    // Not before the Request.
+    assert!(matches!(
+        l.c.bulk_ready(call, 10),
+        Err(SendError::BadState(_))
+    ));
+    let h = l.c.request_pending(call, 0, bulk, None, l.now).unwrap();
+    assert!(h.flags.contains(FrameFlags::BULK_PENDING));
+    l.send_c(h, &[], &[]);
+    let Event::Request {
+        bulk: got, pending, ..
+    } = l.deliver_to_server().unwrap().ev
+    else {
+        panic!()
+    };
+    assert_eq!((got, pending), (Some(bulk), true));
+    // The client's own checks: it grows, within the payload.
+    assert!(matches!(
+        l.c.bulk_ready(call, 0),
+        Err(SendError::Invalid(_))
+    ));
+    assert!(matches!(
+        l.c.bulk_ready(call, 100_001),
+        Err(SendError::Invalid(_))
+    ));
+    for ready in [40_000, 100_000] {
+        let h = l.c.bulk_ready(call, ready).unwrap();
+        l.send_c(h, &[], &[]);
+        assert_eq!(
+            l.deliver_to_server().unwrap().ev,
+            Event::BulkReady { call, ready }
+        );
+    }
+    assert!(matches!(
+        l.c.bulk_ready(call, 100_000),
+        Err(SendError::Invalid(_))
+    ));
+    // After the answer it is gone.
+    let h = l.s.status(call, 0, 0, 0).unwrap();
+    l.send_s(h, &[], &[]);
+    l.deliver_to_client().unwrap();
+    assert_eq!(l.c.bulk_ready(call, 100_000), Err(SendError::Gone));
+    l.check();
+
+    // A forged BulkReady: one that shrinks, one past the payload, one for a call whose
+    // payload is not pending: the connection is closed with a reason.
+    let forged = |ready: u64, pending: bool| {
+        let mut l = Link::new(cfg());
+        let call = l.c.start_call(M, CallKind::Unary, None, l.now).unwrap();
+        let h = if pending {
+            l.c.request_pending(call, 0, bulk, None, l.now).unwrap()
+        } else {
+            l.c.request(call, 0, 0, Some(bulk), None, l.now).unwrap()
+        };
+        l.send_c(h, &[], &[]);
+        l.deliver_to_server().unwrap();
+        if pending {
+            let h = l.c.bulk_ready(call, 50_000).unwrap();
+            l.send_c(h, &[], &[]);
+            l.deliver_to_server().unwrap();
+        }
+        l.send_c(
+            FrameHeader {
+                aux: ready as u32,
+                seq: (ready >> 32) as u32,
+                ..FrameHeader::new(FrameKind::BulkReady, call.0)
+            },
+            &[],
+            &[],
+        );
+        l.deliver_to_server().unwrap_err().to_string()
+    };
+    assert!(forged(50_000, true).contains("does not grow"));
+    assert!(forged(100_001, true).contains("beyond"));
+    assert!(forged(1 << 40, true).contains("beyond"));
+    assert!(forged(10, false).contains("not pending"));
 }
 
 /// A rendezvous request made of several remote ranges: the server sees them all, in order;

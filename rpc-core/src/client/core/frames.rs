@@ -279,7 +279,10 @@ impl<P: Provider> Driver<P> {
             }
             // A server never sends Surrendered (the protocol core takes it only on a server).
             Event::CreditOnly | Event::Surrendered { .. } => {}
-            Event::Request { .. } | Event::Cancel { .. } | Event::EndOfStream { .. } => {
+            Event::Request { .. }
+            | Event::Cancel { .. }
+            | Event::EndOfStream { .. }
+            | Event::BulkReady { .. } => {
                 return Err(LinkError::Protocol(
                     "server sent a client-only frame".into(),
                 ));

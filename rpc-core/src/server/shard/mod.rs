@@ -276,7 +276,13 @@ impl<P: Provider> Record<P> for SrvCall<P> {
 impl<P: Provider> SrvCall<P> {
     /// Whether a READ posted for this slot is still in flight (its target is the NIC's).
     fn reads_in_flight(&self) -> bool {
-        self.reading.is_some() || self.stream.reading()
+        self.request_read_in_flight() || self.stream.reading()
+    }
+
+    /// Whether a READ of the request's payload is in flight (a pending payload waiting for
+    /// its next BulkReady has none).
+    fn request_read_in_flight(&self) -> bool {
+        self.reading.as_ref().is_some_and(|p| p.reads_left > 0)
     }
 
     /// Moves the targets of the slot's READs in flight into `link`'s graveyard (freed only
@@ -285,7 +291,9 @@ impl<P: Provider> SrvCall<P> {
     fn park_reads(&mut self, link: &mut Link<P>) {
         if let Some(p) = self.reading.take() {
             self.stale_reads = self.stale_reads.saturating_add(u16::from(p.reads_left));
-            link.park(p.buf);
+            if p.reads_left > 0 {
+                link.park(p.buf);
+            }
         }
         if self.stream.park(link) {
             self.stale_reads = self.stale_reads.saturating_add(1);
@@ -297,6 +305,13 @@ struct PendingDispatch<P: Provider> {
     buf: BulkBuf<P>,
     /// READs (one per remote range of the payload) whose completion is still to come.
     reads_left: u8,
+    /// A payload sent pending ([`wire::FrameFlags::BULK_PENDING`]): its one range, and how
+    /// much of it is READ (posted) and ready (what the client's BulkReady frames said). One
+    /// READ at a time (the send queue holds one per call); the call is dispatched once all
+    /// of it is READ. Without: `posted == ready == range.len`.
+    range: BulkDesc,
+    posted: u64,
+    ready: u64,
     method: u32,
     metadata: Metadata,
     deadline_at: Option<u64>,

@@ -124,6 +124,7 @@ impl<P: Provider> Shard<P> {
                 deadline_at,
                 bulk,
                 bulk_more,
+                pending,
                 landing,
                 replaced,
             } => {
@@ -198,7 +199,7 @@ impl<P: Provider> Shard<P> {
                 if let Some(desc) = bulk {
                     drop(inbound);
                     let head = (method_id, metadata, deadline_at);
-                    self.start_read(idx, call, head, desc, bulk_more);
+                    self.start_read(idx, call, head, desc, bulk_more, pending);
                 } else {
                     let payload = Payload::Slot {
                         start: inbound.payload.start,
@@ -211,6 +212,13 @@ impl<P: Provider> Shard<P> {
             Event::Cancel { call } => {
                 drop(inbound);
                 self.drop_call(idx, call);
+            }
+            Event::BulkReady { call, ready } => {
+                drop(inbound);
+                if let Some(p) = conn.slot(call).and_then(|c| c.reading.as_mut()) {
+                    p.ready = ready;
+                    self.read_more(idx, call);
+                }
             }
             Event::BulkRelease { call } => {
                 // Only for this very call: a late release of an earlier call in the same slot
@@ -275,7 +283,9 @@ impl<P: Provider> Shard<P> {
     }
 
     /// READs a rendezvous request payload (the range `desc`, then those of `more`, one after
-    /// the other) into one bulk buffer and dispatches the call once every READ completed.
+    /// the other) into one bulk buffer and dispatches the call once every READ completed. A
+    /// `pending` payload (one range) is READ as the client's BulkReady frames say its bytes
+    /// are ready ([`Shard::read_more`]).
     pub(super) fn start_read(
         &mut self,
         idx: usize,
@@ -283,6 +293,7 @@ impl<P: Provider> Shard<P> {
         (method, metadata, deadline_at): (u32, Metadata, Option<u64>),
         desc: BulkDesc,
         more: BulkMore,
+        pending: bool,
     ) {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return;
@@ -316,6 +327,22 @@ impl<P: Provider> Shard<P> {
                 return;
             }
         };
+        if pending {
+            // Nothing is READ before a BulkReady; the codec allows one range only.
+            if let Some(c) = conn.calls.get_mut(call.slot() as usize) {
+                c.reading = Some(PendingDispatch {
+                    buf,
+                    reads_left: 0,
+                    range: desc,
+                    posted: 0,
+                    ready: 0,
+                    method,
+                    metadata,
+                    deadline_at,
+                });
+            }
+            return;
+        }
         // `buf` is stored in the call's `reading` until the READs' completions (or the
         // connection's end); nothing reads it meanwhile.
         // One READ per range, into consecutive offsets; each range's completion is counted
@@ -337,10 +364,59 @@ impl<P: Provider> Shard<P> {
             c.reading = Some(PendingDispatch {
                 buf,
                 reads_left: 1 + more.len() as u8,
+                range: desc,
+                posted: total,
+                ready: total,
                 method,
                 metadata,
                 deadline_at,
             });
+        }
+    }
+
+    /// READs what the client said is ready of `call`'s pending payload and is not READ yet,
+    /// unless a READ of it is in flight (its completion comes back here).
+    pub(super) fn read_more(&mut self, idx: usize, call: CallId) {
+        let Some(Some(conn)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        let Some(c) = conn.calls.live(call) else {
+            return;
+        };
+        if c.drop_after_read {
+            return;
+        }
+        let Some(p) = c.reading.as_mut() else {
+            return;
+        };
+        if p.reads_left > 0 || p.ready <= p.posted {
+            return;
+        }
+        let remote = BulkDesc {
+            addr: p.range.addr.wrapping_add(p.posted),
+            len: p.ready - p.posted,
+            rkey: p.range.rkey,
+        };
+        // SAFETY: the buffer stays in the call's `reading` (or is parked) until the READ's
+        // completion; nothing reads the range meanwhile (the call is dispatched only once the
+        // whole payload is READ).
+        let r = unsafe {
+            conn.link
+                .post_read_at(call.slot(), &p.buf, p.posted as usize, remote)
+        };
+        match r {
+            Ok(()) => {
+                p.reads_left = 1;
+                p.posted = p.ready;
+            }
+            Err(e) => {
+                warn!("rendezvous READ failed: {e}");
+                if let Some(p) = c.reading.take() {
+                    conn.link.park(p.buf);
+                }
+                let key = conn.link.key();
+                self.close_failed(key, &e.status());
+            }
         }
     }
 
@@ -363,16 +439,22 @@ impl<P: Provider> Shard<P> {
             let call = c.id;
             return conn.stream_read_done(call);
         }
-        if let Some(p) = c.reading.as_mut()
-            && p.reads_left > 1
-        {
-            p.reads_left -= 1;
+        let call = c.id;
+        let Some(p) = c.reading.as_mut() else {
+            return Ok(());
+        };
+        p.reads_left = p.reads_left.saturating_sub(1);
+        if p.reads_left > 0 {
+            return Ok(());
+        }
+        if p.posted < p.range.len && !c.drop_after_read {
+            // A pending payload: READ what became ready meanwhile, or wait for it.
+            self.read_more(idx, call);
             return Ok(());
         }
         let Some(pending) = c.reading.take() else {
             return Ok(());
         };
-        let call = c.id;
         if c.drop_after_read {
             c.drop_after_read = false;
             retire(&self.live_calls, c);
@@ -383,10 +465,10 @@ impl<P: Provider> Shard<P> {
         // The client's buffer is no longer needed once read; the terminal frame returns it.
         let PendingDispatch {
             buf,
-            reads_left: _,
             method,
             metadata,
             deadline_at,
+            ..
         } = pending;
         // Shared with the call: a response may be sent from it (`respond_landing`).
         let buf = Arc::new(buf);
@@ -497,7 +579,7 @@ impl<P: Provider> Shard<P> {
         };
         let Some(c) = conn.slot(call) else { return };
         let task = c.task.take();
-        if c.reading.is_none() {
+        if !c.request_read_in_flight() {
             // With a READ in flight the call is retired when the READ completes.
             retire(&self.live_calls, c);
         }

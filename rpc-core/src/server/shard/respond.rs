@@ -590,6 +590,8 @@ impl<P: Provider> ServerConn<P> {
                 c.drop_after_read = true;
                 return;
             }
+            // A pending payload with no READ in flight: its buffer is ours again.
+            c.reading = None;
             release = c.lent;
             c.lent = false;
             c.resp_bulk = None;
