@@ -169,6 +169,60 @@ async fn echo_matrix(mode: ClientPoller, api: Api) {
     srv.shutdown().await;
 }
 
+/// Requests sent pending (`ChannelBuilder::pending_request_min`, low here so that the sizes
+/// the VM pair runs reach it): the request goes out before its field is copied, the server
+/// READs it a part at a time. Every byte arrives (the server checks what it READ; the echo
+/// comes back whole), at sizes around the threshold and the part size, with both pollers and
+/// both APIs, and the channel counts each as overlapped.
+async fn pending_requests(mode: ClientPoller, api: Api) {
+    const MIN: usize = 256 << 10;
+    let srv = Target::start(&DEFAULT).await;
+    let ch = remote::connect(srv.builder().poller(mode).pending_request_min(MIN)).await;
+    let mut sizes = vec![MIN - 100, MIN + 1, (1 << 20) + 12345, (5 << 20) + 7];
+    sizes.iter_mut().for_each(|n| *n = scaled(*n));
+    sizes.dedup();
+    for (i, n) in sizes.into_iter().enumerate() {
+        let seq = 700 + i as u64;
+        let blob = Blob {
+            seq,
+            data: pattern(n, seq),
+        };
+        let enc = blob.encoded_len();
+        let what = format!("{mode:?}/{api:?} pending sink {n} B");
+        let before = ch.overlapped_request_bytes();
+        let r: Response<Digest> = call(&ch, api, &lab_server::SINK, Request::new(blob.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+        let d = r.into_inner();
+        assert_eq!((d.seq, d.len), (seq, n as u64), "{what}");
+        assert!(
+            d.pattern_ok,
+            "{what}: the server saw other bytes than were sent"
+        );
+        let overlapped = ch.overlapped_request_bytes() - before;
+        let expect = if enc >= MIN { enc as u64 } else { 0 };
+        assert_eq!(overlapped, expect, "{what}: bytes sent pending");
+        let what = format!("{mode:?}/{api:?} pending echo {n} B");
+        let r: Response<Blob> = call(&ch, api, &lab_server::ECHO, Request::new(blob))
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+        check_blob(r.get_ref(), seq, n, &what);
+    }
+    assert!(ch.is_connected());
+    srv.settle("pending requests: live calls back to 0").await;
+    srv.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_requests_thread_poller_async() {
+    pending_requests(ClientPoller::Thread, Api::Async).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_requests_caller_poller_blocking() {
+    pending_requests(ClientPoller::Caller, Api::Blocking).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_sizes_thread_poller_async() {
     echo_matrix(ClientPoller::Thread, Api::Async).await;

@@ -120,6 +120,16 @@ impl<'a> Gather<'a> {
         }
     }
 
+    /// A gather staging into `stage` that references every slice of at least `min_ref`
+    /// bytes, wherever it lies: [`Piece::Region`]'s offset is then the slice's address (the
+    /// caller copies those pieces itself, for example a chunk at a time).
+    pub fn anywhere(stage: &'a mut [u8], min_ref: usize) -> Gather<'a> {
+        Gather {
+            region: (0, usize::MAX),
+            ..Gather::new(stage, &[], min_ref)
+        }
+    }
+
     /// The pieces, in order.
     pub fn pieces(&self) -> &[Piece] {
         &self.pieces[..self.n]
@@ -384,6 +394,47 @@ mod tests {
         );
         let pieces = g.pieces().to_vec();
         assert_eq!(assemble(&pieces, &stage, &region), m.encode_to_vec());
+    }
+
+    #[test]
+    fn gather_anywhere_references_large_fields_by_address() {
+        let data: bytes::Bytes = vec![3u8; 40_000].into();
+        let m = Blob {
+            seq: 9,
+            data: data.clone(),
+            note: "n".repeat(20),
+        };
+        let mut stage = [0u8; 256];
+        let mut g = Gather::anywhere(&mut stage, 30_000);
+        EncodeMsg::encode_gather(&m, &mut g).unwrap();
+        assert_eq!(g.len(), Message::encoded_len(&m));
+        assert_eq!(g.referenced(), 40_000);
+        let pieces = g.pieces().to_vec();
+        let at = pieces
+            .iter()
+            .position(|p| matches!(p, Piece::Region { .. }))
+            .unwrap();
+        assert_eq!(
+            pieces[at],
+            Piece::Region {
+                offset: data.as_ptr() as usize,
+                len: 40_000
+            }
+        );
+        // Staged before and after it, in order, make the encoding with the field between.
+        let mut out = Vec::new();
+        for p in &pieces {
+            match *p {
+                Piece::Staged { offset, len } => {
+                    out.extend_from_slice(&stage[offset..offset + len])
+                }
+                Piece::Region { len, .. } => out.extend_from_slice(&data[..len]),
+            }
+        }
+        assert_eq!(out, m.encode_to_vec());
+        // A field below `min_ref` is staged; a stage too small says so.
+        let mut g = Gather::anywhere(&mut stage, 50_000);
+        assert!(EncodeMsg::encode_gather(&m, &mut g).is_none());
     }
 
     #[test]

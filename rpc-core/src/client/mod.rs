@@ -78,6 +78,7 @@ pub struct ChannelBuilder {
     qps_per_connection: Option<u32>,
     retry: Option<RetryPolicy>,
     learn_response_sizes: bool,
+    pending_request_min: usize,
 }
 
 impl ChannelBuilder {
@@ -141,6 +142,17 @@ impl ChannelBuilder {
     /// while in flight; off, only hinted calls lend one.
     pub fn learn_response_sizes(mut self, on: bool) -> Self {
         self.learn_response_sizes = on;
+        self
+    }
+
+    /// Requests at least this large (encoded) whose large `bytes` field lies in ordinary
+    /// memory are sent before that field is copied into registered memory: the server READs
+    /// the field a part at a time while the caller copies the next (default 8 MiB; on the
+    /// development VM the overlap paid from there on, and cost at 1 to 4 MiB, see
+    /// `benches/HISTORY.md`). `usize::MAX` turns it off. Fields built with
+    /// [`Channel::alloc_bytes`] are never copied and do not need it.
+    pub fn pending_request_min(mut self, bytes: usize) -> Self {
+        self.pending_request_min = bytes;
         self
     }
 
@@ -657,6 +669,7 @@ impl Channel {
             qps_per_connection: None,
             retry: None,
             learn_response_sizes: true,
+            pending_request_min: crate::client::core::PENDING_MIN,
         }
     }
 
@@ -829,6 +842,15 @@ impl Channel {
     pub fn zero_copy_request_bytes(&self) -> u64 {
         let Some(c) = self.current() else { return 0 };
         with_any!(AnyCore, &c.core, c => c.counters.zero_copy_request_bytes.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Payload bytes of requests whose copy into registered memory overlapped the server's
+    /// RDMA READ of them, since the connection was made: requests whose large `bytes` field
+    /// lay in ordinary memory, sent before the field was copied and READ a part at a time as
+    /// the copy went ([`ChannelBuilder::pending_request_min`]; counted when posted).
+    pub fn overlapped_request_bytes(&self) -> u64 {
+        let Some(c) = self.current() else { return 0 };
+        with_any!(AnyCore, &c.core, c => c.counters.overlapped_request_bytes.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// How the current connection's async unary calls found their outcome, as
@@ -1353,6 +1375,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         eager_limit,
         max_message: b.max_message,
         learn_sizes: b.learn_response_sizes,
+        pending_min: b.pending_request_min,
         describe,
     })?;
     if b.poller == ClientPoller::Caller {

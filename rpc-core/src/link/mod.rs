@@ -58,7 +58,7 @@ use std::time::Instant;
 
 pub use owned::{Graveyard, ParkedStats, completion, parked_stats};
 use stripe::StripeDone;
-pub use stripe::{Lanes, lane_caps};
+pub use stripe::{Lanes, STRIPE_MIN, lane_caps};
 
 use crate::buf::encode::MAX_PIECES;
 use crate::buf::{BulkBuf, BulkPool, EncodeMsg, RecvSlot, SlotArena};
@@ -268,6 +268,8 @@ pub enum Control {
     Cancel(wire::CallId),
     /// More stream window for the call.
     WindowUpdate(wire::CallId, u32),
+    /// This many bytes of the call's pending request payload are written.
+    BulkReady(wire::CallId, u64),
     /// The server drains: no new calls.
     GoAway,
     /// The server asks the client to keep at most this many credits and give the rest back
@@ -1738,6 +1740,9 @@ impl<P: Provider> Link<P> {
             }
             Control::WindowUpdate(call, n) => {
                 self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.window_update(call, n))
+            }
+            Control::BulkReady(call, ready) => {
+                self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.bulk_ready(call, ready))
             }
             Control::GoAway => self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.go_away()),
             Control::Reclaim(keep) => {

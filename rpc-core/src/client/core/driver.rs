@@ -59,6 +59,9 @@ impl<P: Provider> Driver<P> {
                 self.link.control(Control::WindowUpdate(call, n))?;
             }
         }
+        if !self.filling.is_empty() {
+            work += self.announce_ready()?;
+        }
         // What this turn queued goes out before we look for answers (one post for the lot).
         self.link.flush_sends()?;
         let n = self
@@ -161,23 +164,36 @@ impl<P: Provider> Driver<P> {
             },
         };
         let ranges = &ranges[..n];
+        let pending = sub.large.as_ref().is_some_and(|l| l.pending.is_some());
         match self.link.commit(sub.staged, |w, pl, ml| {
-            w.request_pieces(call, pl, ml, ranges, landing, now)
+            if pending {
+                w.request_pending(call, ml, ranges[0], landing, now)
+            } else {
+                w.request_pieces(call, pl, ml, ranges, landing, now)
+            }
         }) {
             Ok(()) => {
                 let slot = call.slot() as usize;
-                let (bulk, gathered, landing) = match sub.large {
+                let (bulk, gathered, pending, landing) = match sub.large {
                     Some(l) => {
                         let l = *l;
-                        (l.bulk, l.gathered, l.landing)
+                        (l.bulk, l.gathered, l.pending, l.landing)
                     }
-                    None => (None, None, None),
+                    None => (None, None, None, None),
                 };
                 let user = gathered.map(|g| {
                     core.counters
                         .zero_copy_request_bytes
                         .fetch_add(g.referenced, Ordering::Relaxed);
-                    (g.user, g.window)
+                    (g.window, g.user)
+                });
+                let user = user.or_else(|| {
+                    let p = pending?;
+                    core.counters
+                        .overlapped_request_bytes
+                        .fetch_add(p.fill.len(), Ordering::Relaxed);
+                    self.filling.push((call, p.fill, 0));
+                    Some((p.window, p.region))
                 });
                 // In place: the slot was reset when its last call retired (a DrvCall is large;
                 // building and moving a whole one per call showed up as memcpy).
@@ -190,8 +206,8 @@ impl<P: Provider> Driver<P> {
                 c.id = call;
                 c.method = sub.method;
                 c.cell = Some((idx, generation));
-                c.lent_bulk = bulk.map(|b| Lent {
-                    _buf: b,
+                c.lent_bulk = (bulk.is_some() || user.is_some()).then(|| Lent {
+                    _buf: bulk,
                     _user: user,
                 });
                 c.landing = landing;
@@ -217,6 +233,28 @@ impl<P: Provider> Driver<P> {
             }
             Err(CommitError::Link(e)) => Err(e),
         }
+    }
+
+    /// Tells the server how much of each pending payload the callers have written since the
+    /// last BulkReady; forgets a payload once all of it was announced or its call ended.
+    fn announce_ready(&mut self) -> Result<usize, LinkError> {
+        let mut n = 0;
+        let mut i = 0;
+        while let Some((call, fill, sent)) = self.filling.get(i) {
+            let (call, ready, len, sent) = (*call, fill.ready(), fill.len(), *sent);
+            let live = self.link.wire.send_window(call).is_some();
+            if live && ready > sent {
+                self.link.control(Control::BulkReady(call, ready))?;
+                self.filling[i].2 = ready;
+                n += 1;
+            }
+            if !live || ready >= len {
+                self.filling.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(n)
     }
 
     pub(super) fn start_pending(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {

@@ -1,9 +1,17 @@
 //! Encoding a request: eager into a send slot, or by rendezvous from a bulk buffer (with a
-//! large `bytes` field referenced where it lies in the user's registered region), and lending
-//! those buffers to the server when the request goes out.
+//! large `bytes` field referenced where it lies in the user's registered region, or copied
+//! into the buffer while the server READs it), and lending those buffers to the server when
+//! the request goes out.
+//!
+//! A large field in ordinary memory has to be copied into registered memory once. Copied
+//! whole before the request goes out, the copy and the server's READ of it take turns; sent
+//! *pending* ([`crate::wire::FrameFlags::BULK_PENDING`]), the request goes out first and the
+//! caller copies the field a part at a time ([`FillJob`]), telling the server after each part
+//! that it may READ it (BulkReady frames, sent by the driver): the server READs part `k`
+//! while the caller copies part `k + 1`.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::buf::{BulkBuf, EncodeMsg, Gather, NoMsg, Piece, encode::MAX_PIECES};
@@ -16,7 +24,7 @@ use crate::wire::{BulkDesc, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Status};
 
 use super::submit::SlotLoan;
-use super::{ClientCore, Driver, Gathered, Large, Staging, Submission};
+use super::{ClientCore, Driver, Gathered, Large, Pending, Staging, Submission};
 
 /// A request's `bytes` field at least this large that lies in the registered region the
 /// request names is sent from there (the server READs it) instead of being copied.
@@ -26,7 +34,93 @@ const ZERO_COPY_REQUEST_MIN: usize = 16 << 10;
 /// buffer); a larger one is taken when the small fields need more.
 const STAGE_FIRST: usize = 4 << 10;
 
+/// A request at least this large whose large `bytes` field lies in ordinary memory is sent
+/// pending (see the module docs), by default ([`crate::ChannelBuilder::pending_request_min`]).
+/// On the development VM (two vCPUs) the overlap paid from 8 MiB on, and cost at 1 to 4 MiB,
+/// where the two copies running at once on both cores are slower than one after the other.
+pub(crate) const PENDING_MIN: usize = 8 << 20;
+
+/// Never smaller than this (the field must be worth a part of its own).
+pub(super) const PENDING_FLOOR: usize = 64 << 10;
+
+/// A pending payload is copied in parts of about a sixteenth of it, at least this large (but
+/// at most a quarter of it): each part costs a BulkReady frame and a READ. Parts of 1 MiB
+/// measured best at 8 and 16 MiB on the development VM (256 KiB parts were slower than one
+/// whole copy at 1 and 4 MiB). On a connection of several QPs, parts are at least
+/// [`crate::link::STRIPE_MIN`], from which a READ is striped over them.
+pub(super) const FILL_PART_MIN: usize = 1 << 20;
+
 const _: () = assert!(MAX_PIECES <= MAX_BULK_PIECES);
+
+/// How much of a pending payload is written, from its start: stored by the caller that
+/// copies it, read by the driver that tells the server.
+#[derive(Debug)]
+pub(crate) struct Fill {
+    ready: AtomicU64,
+    len: u64,
+}
+
+impl Fill {
+    /// Bytes written so far.
+    pub(super) fn ready(&self) -> u64 {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// The payload's length.
+    pub(super) fn len(&self) -> u64 {
+        self.len
+    }
+}
+
+/// The copy of a pending request's large field into its registered region, done by the
+/// caller in [`ClientCore::hand_over`], right after the submission went to the driver and
+/// while the caller still borrows the message the field lies in.
+pub(crate) struct FillJob {
+    fill: Arc<Fill>,
+    /// Keeps the destination alive until the copy is over, whatever became of the call
+    /// meanwhile (an early answer, a dead connection).
+    _region: RegHandle,
+    src: *const u8,
+    dst: *mut u8,
+    /// Where the field starts in the payload (what is before it is written already).
+    at: usize,
+    len: usize,
+}
+
+// SAFETY: a `FillJob` is made by `prepare` inside a submission (its `Large`) and taken out
+// of it by `hand_over` on the same thread before the submission goes to the driver; it is
+// run there, while the caller still borrows the message `src` points into. It never reaches
+// another thread with its pointers in use; the `Send` is for the submission that carries it.
+unsafe impl Send for FillJob {}
+
+impl FillJob {
+    /// Copies the field a part at a time (a sixteenth, at least `part_min` bytes, but at most
+    /// a quarter: a field sent pending is always copied in several parts), publishing after
+    /// each part how much of the payload is written; `after_part` lets the driver tell the
+    /// server.
+    pub(super) fn run(self, part_min: usize, mut after_part: impl FnMut()) {
+        let part = (self.len / 16).max(part_min.min(self.len / 4)).max(1);
+        let mut done = 0;
+        while done < self.len {
+            // A short remainder joins the last part (no BulkReady and READ of a few bytes).
+            let left = self.len - done;
+            let n = if left < part + part / 2 { left } else { part };
+            // SAFETY: `src..src + len` lies in the message the caller borrows (see `Send`
+            // above); `dst..dst + len` lies in the region `_region` keeps alive, which no
+            // one else writes (the server only READs what `fill` says is written).
+            unsafe { crate::memcopy::copy_raw(self.src.add(done), self.dst.add(done), n) };
+            done += n;
+            // What follows the field (a few staged bytes) was written with the head.
+            let ready = if done == self.len {
+                self.fill.len
+            } else {
+                (self.at + done) as u64
+            };
+            self.fill.ready.store(ready, Ordering::Release);
+            after_part();
+        }
+    }
+}
 
 impl<P: Provider> ClientCore<P> {
     /// Encodes the request: eager into a send slot, or by rendezvous from a bulk buffer.
@@ -57,6 +151,8 @@ impl<P: Provider> ClientCore<P> {
         let eager = MAX_HEADER_LEN + md_len + len <= self.eager_limit;
         let mut bulk = None;
         let mut gathered = None;
+        let mut pending = None;
+        let mut fill = None;
         let staged = if eager {
             self.stage(slot, metadata, msg)?
         } else {
@@ -72,6 +168,12 @@ impl<P: Provider> ClientCore<P> {
                 Some((buf, g)) => {
                     bulk = Some(buf);
                     gathered = Some(g);
+                }
+                None if len >= self.pending_min
+                    && let Some((p, job)) = self.encode_pending(msg, len)? =>
+                {
+                    pending = Some(p);
+                    fill = Some(job);
                 }
                 None => {
                     let mut buf = self
@@ -112,13 +214,16 @@ impl<P: Provider> ClientCore<P> {
             kind: method.kind,
             timeout_ns: timeout.map(|t| t.as_nanos().min(u128::from(u64::MAX)) as u64),
             staged,
-            large: (bulk.is_some() || gathered.is_some() || landing.is_some()).then(|| {
-                Box::new(Large {
-                    bulk,
-                    gathered,
-                    landing,
-                })
-            }),
+            large: (bulk.is_some() || gathered.is_some() || pending.is_some() || landing.is_some())
+                .then(|| {
+                    Box::new(Large {
+                        bulk,
+                        gathered,
+                        pending,
+                        fill,
+                        landing,
+                    })
+                }),
             inbox: None,
         })
     }
@@ -162,6 +267,70 @@ impl<P: Provider> ClientCore<P> {
             return Ok(Some((buf, gathered)));
         }
         Ok(None)
+    }
+
+    /// Encodes `msg` (`len` bytes) into a new region to be sent pending: everything but its
+    /// large `bytes` field now, the field by the returned job. `None` when the message has no
+    /// such field (or more small bytes than a page): the caller copies it whole.
+    fn encode_pending(
+        &self,
+        msg: &dyn EncodeMsg,
+        len: usize,
+    ) -> Result<Option<(Pending<P>, FillJob)>, Status> {
+        let mut stage = [0u8; STAGE_FIRST];
+        let mut g = Gather::anywhere(&mut stage, self.pending_min / 2);
+        if msg.encode_gather(&mut g).is_none() || g.len() != len || g.referenced() == 0 {
+            return Ok(None);
+        }
+        let (pieces, n) = {
+            let mut p = [Piece::Staged { offset: 0, len: 0 }; MAX_PIECES];
+            p[..g.pieces().len()].copy_from_slice(g.pieces());
+            (p, g.pieces().len())
+        };
+        let mut region = self
+            .bulk
+            .get(len)
+            .map_err(|e| Status::resource_exhausted(format!("bulk buffer: {e}")))?;
+        let dst = region.as_mut_slice();
+        let mut at = 0;
+        let mut field = None;
+        for p in &pieces[..n] {
+            match *p {
+                Piece::Staged { offset, len } => {
+                    crate::memcopy::copy(&mut dst[at..at + len], &stage[offset..offset + len]);
+                    at += len;
+                }
+                // At most one (see `MAX_PIECES`): its offset is its address.
+                Piece::Region { offset, len } => {
+                    field = Some((offset as *const u8, at, len));
+                    at += len;
+                }
+            }
+        }
+        let Some((src, at, field_len)) = field else {
+            return Ok(None);
+        };
+        let dst = dst[at..].as_mut_ptr();
+        let region = RegHandle(Arc::new(region));
+        // Nothing is announced before the first part (the head alone is not worth a READ).
+        let fill = Arc::new(Fill {
+            ready: AtomicU64::new(0),
+            len: len as u64,
+        });
+        let job = FillJob {
+            fill: Arc::clone(&fill),
+            _region: region.clone(),
+            src,
+            dst,
+            at,
+            len: field_len,
+        };
+        let pending = Pending {
+            window: None,
+            region,
+            fill,
+        };
+        Ok(Some((pending, job)))
     }
 
     pub(super) fn stage(
@@ -210,6 +379,22 @@ impl<P: Provider> Driver<P> {
             None => None,
         };
         let n = match (l.gathered.as_mut(), bulk) {
+            _ if let Some(p) = l.pending.as_mut() => {
+                let b = p.region.0.as_any().downcast_ref::<BulkBuf<P>>();
+                let b =
+                    b.ok_or_else(|| Status::internal("registered bytes of another provider"))?;
+                let len = p.fill.len();
+                let w = b
+                    .window(0, len as usize, Access::REMOTE_READ, qp)
+                    .map_err(refused)?;
+                ranges[0] = BulkDesc {
+                    addr: w.addr(),
+                    len,
+                    rkey: w.rkey(),
+                };
+                p.window = Some(w);
+                1
+            }
             (Some(g), Some(stage)) => {
                 let region = |p: &Piece| match *p {
                     Piece::Region { offset, len } => Some((offset, offset + len)),

@@ -22,6 +22,7 @@
 
 mod driver;
 mod encode;
+pub(crate) use encode::PENDING_MIN;
 mod frames;
 mod group;
 mod poller;
@@ -70,7 +71,23 @@ struct Large<P: Provider> {
     bulk: Option<BulkBuf<P>>,
     /// The payload is `bulk`'s staged pieces around a field in the user's region.
     gathered: Option<Gathered<P>>,
+    /// The payload is written while the server READs it ([`encode::FillJob`]).
+    pending: Option<Pending<P>>,
+    /// Its copy, done by the caller as it hands the submission over.
+    fill: Option<encode::FillJob>,
     landing: Option<BulkBuf<P>>,
+}
+
+/// A request payload sent pending (`wire::FrameFlags::BULK_PENDING`): the caller copies the
+/// message into `region` (shared with its [`encode::FillJob`], so the memory outlives
+/// whichever lets go last) and publishes in `fill` how much is written; the driver lends the
+/// region and tells the server, with BulkReady frames, what it may READ.
+struct Pending<P: Provider> {
+    /// The window the server reads the region through (first: revoked before the region
+    /// can go back to its pool).
+    window: Option<P::Mr>,
+    region: RegHandle,
+    fill: Arc<encode::Fill>,
 }
 
 /// A request payload sent from where it lies: its pieces, in order (staged in the
@@ -78,12 +95,13 @@ struct Large<P: Provider> {
 /// kept alive until the server has read it. The keys are bound when the request is sent
 /// ([`Driver::lend`]).
 struct Gathered<P: Provider> {
+    /// The window the server reads the referenced pieces of the user's region through
+    /// (first: revoked before the region can go back to its pool).
+    window: Option<P::Mr>,
     user: RegHandle,
     pieces: [Piece; MAX_PIECES],
     n: usize,
     referenced: u64,
-    /// The window the server reads the referenced pieces of the user's region through.
-    window: Option<P::Mr>,
 }
 
 /// A staging buffer and the pieces of a request gathered around a field in the user's region.
@@ -92,8 +110,9 @@ type Staging<P> = (BulkBuf<P>, Gathered<P>);
 /// What a call lends the server until it says it is done (BulkRelease, or its final frame):
 /// dropping it revokes the server's keys.
 struct Lent<P: Provider> {
-    _buf: BulkBuf<P>,
-    _user: Option<(RegHandle, Option<P::Mr>)>,
+    _buf: Option<BulkBuf<P>>,
+    /// A window over a region and the region: the window drops (is revoked) first.
+    _user: Option<(Option<P::Mr>, RegHandle)>,
 }
 
 /// One message (or the end) of a client stream, handed to the driver.
@@ -241,6 +260,9 @@ pub(crate) struct Driver<P: Provider> {
     stream_pending: VecDeque<StreamSend<P>>,
     /// Call slots with stream messages waiting in `out`.
     out_calls: Vec<usize>,
+    /// Calls whose payload is still being written: the call, how much of it the caller has
+    /// written, and how much BulkReady frames told the server so far.
+    filling: Vec<(CallId, Arc<encode::Fill>, u64)>,
     pub(crate) cq: P::Cq,
     channel: P::CompChannel,
     /// The rendezvous descriptors the server sent (the rogue-peer tests replay them).
@@ -266,6 +288,8 @@ pub(crate) struct Counters {
     pub(crate) packed_messages: AtomicU64,
     /// Request payload bytes sent from the user's registered memory (not copied).
     pub(crate) zero_copy_request_bytes: AtomicU64,
+    /// Request payload bytes sent pending: copied while the server READ them.
+    pub(crate) overlapped_request_bytes: AtomicU64,
     /// Async unary calls that found their outcome while their own task drove the connection.
     pub(crate) caller_driven: AtomicU64,
     /// Async unary calls that drove the connection for a while, then handed it to the
@@ -303,6 +327,11 @@ pub(crate) struct ClientCore<P: Provider> {
     stream_window_max: u32,
     arena: Arc<SlotArena<P>>,
     pub(crate) bulk: Arc<BulkPool<P>>,
+    /// The smallest part of a pending request ([`encode::FillJob`]): larger when the
+    /// connection stripes one-sided transfers over several QPs, from that size on.
+    fill_part_min: usize,
+    /// Requests from this size on are sent pending.
+    pending_min: usize,
     doorbell: Arc<Doorbell>,
     /// `ClientPoller::Thread`: the process's poller, and this connection's place on its list
     /// of connections with work ([`group`]).
@@ -354,6 +383,8 @@ pub(crate) struct Parts<P: Provider> {
     pub(crate) max_message: u64,
     /// Lend landing zones sized from each method's last large response.
     pub(crate) learn_sizes: bool,
+    /// Requests from this size on are sent pending ([`encode::FillJob`]).
+    pub(crate) pending_min: usize,
     pub(crate) describe: String,
     pub(crate) stream_window: u32,
     pub(crate) stream_window_max: u32,
@@ -372,6 +403,11 @@ impl<P: Provider> ClientCore<P> {
             ClientPoller::Thread => Some(group::Poller::get()?),
             ClientPoller::Caller => None,
         };
+        let fill_part_min = if parts.link.lanes().is_empty() {
+            encode::FILL_PART_MIN
+        } else {
+            encode::FILL_PART_MIN.max(crate::link::STRIPE_MIN)
+        };
         let driver = Driver {
             #[cfg(test)]
             seen_bulk: Vec::new(),
@@ -386,6 +422,7 @@ impl<P: Provider> ClientCore<P> {
 
             stream_pending: VecDeque::new(),
             out_calls: Vec::with_capacity(n),
+            filling: Vec::new(),
             link: parts.link,
             cq: parts.cq,
             channel: parts.channel,
@@ -427,6 +464,8 @@ impl<P: Provider> ClientCore<P> {
             stream_window_max: parts.stream_window_max,
             arena,
             bulk,
+            fill_part_min,
+            pending_min: parts.pending_min.max(encode::PENDING_FLOOR),
             // Connections of the process's poller thread share its doorbell.
             doorbell: match poller {
                 Some(p) => p.doorbell(),

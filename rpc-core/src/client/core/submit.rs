@@ -194,17 +194,32 @@ impl<P: Provider> ClientCore<P> {
     }
 
     /// Puts a prepared request in its cell and queues the cell for the driver.
+    /// A request sent pending is copied here, a part at a time, once the driver has it: the
+    /// caller drives the connection between parts (so the request and each BulkReady go out
+    /// at once), or rings the poller thread when another thread holds the driver.
     pub(super) fn hand_over(
         &self,
         idx: u32,
         generation: u32,
-        sub: Submission<P>,
+        mut sub: Submission<P>,
     ) -> Result<(), Status> {
+        let fill = sub.large.as_mut().and_then(|l| l.fill.take());
         if let Err(sub) = self.cells[idx as usize].mb.submit(sub) {
             self.release_send_slot(sub.staged.slot);
             return Err(Status::internal("call cell not owned by the caller"));
         }
         let _ = self.submitted.push((idx, generation));
+        if let Some(job) = fill {
+            let drive = self.caller_drive();
+            let turn = || {
+                if self.progress() == 0 {
+                    self.kick();
+                }
+            };
+            turn();
+            job.run(self.fill_part_min, turn);
+            drop(drive);
+        }
         Ok(())
     }
 
