@@ -11,6 +11,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::Duration;
 
+/// The page size the soft RNIC's segments are mapped in and touched by.
+pub(crate) const PAGE: usize = 4096;
+
 /// A shared mapping of (a prefix of) a file, unmapped on drop.
 ///
 /// Mappings of peers' segments are where remote writes land: the bytes may change at any time
@@ -74,7 +77,6 @@ impl Mapping {
     /// (`madvise(MADV_POPULATE_*)`), so that the first touch of each is not a page fault on the
     /// data path. A hint: ignored out of bounds and on kernels without it (before 5.14).
     pub(crate) fn populate(&self, off: usize, len: usize) {
-        const PAGE: usize = 4096;
         if len == 0 || !self.contains(off, len) {
             return;
         }

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use super::{QpShared, post_err};
 use crate::verbs::soft::cq::CqShared;
 use crate::verbs::soft::layout::{self, rcqe, srq_in};
-use crate::verbs::soft::{Device, exec, vendor};
+use crate::verbs::soft::{Device, exec, shm, vendor};
 use crate::verbs::{ErrorKind, PostError, QpState, RecvWr, Verb, Wc, WcFlags, WcOpcode, WcStatus};
 
 /// A receive queue (see the module docs).
@@ -100,9 +100,9 @@ impl Rq {
         // (an SRQ of the default pool, 65,536 receives, spans megabytes), and a page first
         // touched there is a page fault on the data path every few hundred posts. The words
         // written are no WQE yet: only those below the producer index are read.
-        let wqe_bytes = cap as usize * layout::wqe_stride(max_sge.max(1) as usize);
+        let (wqe_bytes, _) = Rq::ring_bytes(max_wr, max_sge);
         for off in (0..wqe_bytes)
-            .step_by(PAGE)
+            .step_by(shm::PAGE)
             .chain([wqe_bytes.saturating_sub(4)])
         {
             dev.pub32(wqe + off).store(0, Ordering::Relaxed);
@@ -466,9 +466,6 @@ impl SrqState {
         }
     }
 }
-
-/// The page size the soft RNIC's segments are touched by.
-const PAGE: usize = 4096;
 
 /// The ring size of a queue of `max_wr` receives (a power of two).
 fn ring_cap(max_wr: u32) -> u32 {
