@@ -100,6 +100,21 @@ fn echo_cases() -> Vec<(String, Blob)> {
     v
 }
 
+/// Sends `blob` to the sink, which checks every byte it received against the pattern of its
+/// sequence number and says how many it got.
+async fn sink(ch: &Channel, api: Api, blob: Blob, what: &str) {
+    let (seq, n) = (blob.seq, blob.data.len() as u64);
+    let r: Response<Digest> = call(ch, api, &lab_server::SINK, Request::new(blob))
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    let d = r.into_inner();
+    assert_eq!((d.seq, d.len), (seq, n), "{what}");
+    assert!(
+        d.pattern_ok,
+        "{what}: the server saw other bytes than were sent"
+    );
+}
+
 async fn echo_matrix(mode: ClientPoller, api: Api) {
     let srv = Target::start(&DEFAULT).await;
     // Unhinted calls here take the READ path every time (`learned_landing_zones` covers the
@@ -153,16 +168,7 @@ async fn echo_matrix(mode: ClientPoller, api: Api) {
             check_blob(r.get_ref(), seq, n, &what);
         }
         // Large request, small response: the server checks every byte it READ.
-        let what = format!("{mode:?}/{api:?} sink {label}");
-        let r: Response<Digest> = call(&ch, api, &lab_server::SINK, Request::new(blob))
-            .await
-            .unwrap_or_else(|e| panic!("{what}: {e:?}"));
-        let d = r.into_inner();
-        assert_eq!((d.seq, d.len), (seq, n as u64), "{what}");
-        assert!(
-            d.pattern_ok,
-            "{what}: the server saw other bytes than were sent"
-        );
+        sink(&ch, api, blob, &format!("{mode:?}/{api:?} sink {label}")).await;
     }
     assert!(ch.is_connected());
     srv.settle("echo matrix: live calls back to 0").await;
@@ -190,15 +196,7 @@ async fn pending_requests(mode: ClientPoller, api: Api) {
         let enc = blob.encoded_len();
         let what = format!("{mode:?}/{api:?} pending sink {n} B");
         let before = ch.overlapped_request_bytes();
-        let r: Response<Digest> = call(&ch, api, &lab_server::SINK, Request::new(blob.clone()))
-            .await
-            .unwrap_or_else(|e| panic!("{what}: {e:?}"));
-        let d = r.into_inner();
-        assert_eq!((d.seq, d.len), (seq, n as u64), "{what}");
-        assert!(
-            d.pattern_ok,
-            "{what}: the server saw other bytes than were sent"
-        );
+        sink(&ch, api, blob.clone(), &what).await;
         let overlapped = ch.overlapped_request_bytes() - before;
         let expect = if enc >= MIN { enc as u64 } else { 0 };
         assert_eq!(overlapped, expect, "{what}: bytes sent pending");
