@@ -55,7 +55,8 @@ CONF_SKIPS=(--skip local_protection_pd --skip recv_too_small)
 CALLS=(echo_sizes_thread_poller_async echo_sizes_caller_poller_blocking
        deadline_exceeded_thread_poller_async unknown_method_is_unimplemented
        handler_errors_arrive_with_code_message_and_trailers metadata_round_trips_on_every_path
-       pipeline_thread_poller smallest_rings_under_load many_connections_over_several_shards)
+       pipeline_thread_poller smallest_rings_under_load many_connections_over_several_shards
+       pending_requests_thread_poller_async pending_requests_caller_poller_blocking)
 # rpc_multi_qp: every case, the QP negotiation and the striped transfers (which need the
 # fence of rpc-core/src/link/stripe.rs across hosts: a retransmitted READ request on a data
 # QP could otherwise reach the lender after it revoked the key).
