@@ -149,8 +149,8 @@ impl ChannelBuilder {
     /// memory are sent before that field is copied into registered memory: the server READs
     /// the field a part at a time while the caller copies the next (default 8 MiB; on the
     /// development VM the overlap paid from there on, and cost at 1 to 4 MiB, see
-    /// `benches/HISTORY.md`). `usize::MAX` turns it off. Fields built with
-    /// [`Channel::alloc_bytes`] are never copied and do not need it.
+    /// `benches/HISTORY.md`; never below 64 KiB). `usize::MAX` turns it off. Fields built
+    /// with [`Channel::alloc_bytes`] are never copied and do not need it.
     pub fn pending_request_min(mut self, bytes: usize) -> Self {
         self.pending_request_min = bytes;
         self
