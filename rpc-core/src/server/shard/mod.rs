@@ -308,7 +308,8 @@ struct PendingDispatch<P: Provider> {
     /// A payload sent pending ([`wire::FrameFlags::BULK_PENDING`]): its one range, and how
     /// much of it is READ (posted) and ready (what the client's BulkReady frames said). One
     /// READ at a time (the send queue holds one per call); the call is dispatched once all
-    /// of it is READ. Without: `posted == ready == range.len`.
+    /// of it is READ. Otherwise every range's READ is posted at once: `range` is the first,
+    /// and `posted == ready ==` the whole payload's length (so `posted >= range.len`).
     range: BulkDesc,
     posted: u64,
     ready: u64,
