@@ -78,7 +78,8 @@ pub struct ChannelBuilder {
     qps_per_connection: Option<u32>,
     retry: Option<RetryPolicy>,
     learn_response_sizes: bool,
-    pending_request_min: usize,
+    /// `None`: the default threshold, with the way of mid-sized requests learned.
+    pending_request_min: Option<usize>,
 }
 
 impl ChannelBuilder {
@@ -147,12 +148,17 @@ impl ChannelBuilder {
 
     /// Requests at least this large (encoded) whose large `bytes` field lies in ordinary
     /// memory are sent before that field is copied into registered memory: the server READs
-    /// the field a part at a time while the caller copies the next (default 8 MiB; on the
-    /// development VM the overlap paid from there on, and cost at 1 to 4 MiB, see
-    /// `benches/HISTORY.md`; never below 64 KiB). `usize::MAX` turns it off. Fields built
-    /// with [`Channel::alloc_bytes`] are never copied and do not need it.
+    /// the field a part at a time while the caller copies the next (never below 64 KiB;
+    /// `usize::MAX` turns it off). Fields built with [`Channel::alloc_bytes`] are never
+    /// copied and do not need it.
+    ///
+    /// Unset, requests of 8 MiB and more are sent so, and unary requests from 1 MiB up are
+    /// sent pending or copied first, whichever has been faster on this connection: it times
+    /// both ways (every 16th such call tries the way not chosen). On the development VM the
+    /// overlap paid from 8 MiB on; from 1 to 4 MiB it paid on one host and cost on another
+    /// (`benches/HISTORY.md`). Set, the threshold is fixed and nothing is measured.
     pub fn pending_request_min(mut self, bytes: usize) -> Self {
-        self.pending_request_min = bytes;
+        self.pending_request_min = Some(bytes);
         self
     }
 
@@ -669,7 +675,7 @@ impl Channel {
             qps_per_connection: None,
             retry: None,
             learn_response_sizes: true,
-            pending_request_min: crate::client::core::PENDING_MIN,
+            pending_request_min: None,
         }
     }
 

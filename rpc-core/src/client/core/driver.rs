@@ -174,12 +174,12 @@ impl<P: Provider> Driver<P> {
         }) {
             Ok(()) => {
                 let slot = call.slot() as usize;
-                let (bulk, gathered, pending, landing) = match sub.large {
+                let (bulk, gathered, pending, landing, timed) = match sub.large {
                     Some(l) => {
                         let l = *l;
-                        (l.bulk, l.gathered, l.pending, l.landing)
+                        (l.bulk, l.gathered, l.pending, l.landing, l.timed)
                     }
-                    None => (None, None, None, None),
+                    None => (None, None, None, None, None),
                 };
                 let user = gathered.map(|g| {
                     core.counters
@@ -211,6 +211,7 @@ impl<P: Provider> Driver<P> {
                     _user: user,
                 });
                 c.landing = landing;
+                c.timed = timed;
                 c.inbox = sub.inbox;
                 self.cell_slot[idx as usize] = Some(call.slot());
                 Ok(())
@@ -334,6 +335,12 @@ impl<P: Provider> Driver<P> {
 
     /// Delivers the outcome of the call in wire slot `slot` (if its caller still waits).
     pub(super) fn deliver(&mut self, core: &ClientCore<P>, slot: usize, o: Outcome<P>) {
+        if let Some(t) = self.calls[slot].timed.take()
+            && let Some(overlap) = &core.overlap
+            && !matches!(o, Outcome::Failed(_))
+        {
+            overlap.record(t.pending, t.len, t.started.elapsed());
+        }
         if let Some((idx, generation)) = self.calls[slot].cell.take() {
             self.deliver_cell(core, idx, generation, o);
         }

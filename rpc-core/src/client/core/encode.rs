@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::buf::{BulkBuf, EncodeMsg, Gather, NoMsg, Piece, encode::MAX_PIECES};
 use crate::call::desc;
@@ -24,7 +24,7 @@ use crate::wire::{BulkDesc, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Status};
 
 use super::submit::SlotLoan;
-use super::{ClientCore, Driver, Gathered, Large, Pending, Staging, Submission};
+use super::{ClientCore, Driver, Gathered, Large, Pending, Staging, Submission, Timed};
 
 /// A request's `bytes` field at least this large that lies in the registered region the
 /// request names is sent from there (the server READs it) instead of being copied.
@@ -36,8 +36,9 @@ const STAGE_FIRST: usize = 4 << 10;
 
 /// A request at least this large whose large `bytes` field lies in ordinary memory is sent
 /// pending (see the module docs), by default ([`crate::ChannelBuilder::pending_request_min`]).
-/// On the development VM (two vCPUs) the overlap paid from 8 MiB on, and cost at 1 to 4 MiB,
-/// where the two copies running at once on both cores are slower than one after the other.
+/// On the development VM (two vCPUs) the overlap paid from 8 MiB on on both of its hosts;
+/// from 1 to 4 MiB it paid on one and cost on the other, so between [`super::overlap::AUTO_MIN`]
+/// and this the connection measures both ways ([`super::overlap`]).
 pub(crate) const PENDING_MIN: usize = 8 << 20;
 
 /// Never smaller than this (the field must be worth a part of its own).
@@ -149,6 +150,14 @@ impl<P: Provider> ClientCore<P> {
             ));
         }
         let eager = MAX_HEADER_LEN + md_len + len <= self.eager_limit;
+        // A mid-sized unary request: which way it goes is this connection's choice, timed
+        // until its response (a stream's end would time the stream).
+        let chooser = self.overlap.as_ref().filter(|_| {
+            !eager
+                && method.kind == CallKind::Unary
+                && (super::overlap::AUTO_MIN..self.pending_min).contains(&len)
+        });
+        let started = chooser.map(|_| Instant::now());
         let mut bulk = None;
         let mut gathered = None;
         let mut pending = None;
@@ -169,7 +178,7 @@ impl<P: Provider> ClientCore<P> {
                     bulk = Some(buf);
                     gathered = Some(g);
                 }
-                None if len >= self.pending_min
+                None if (len >= self.pending_min || chooser.is_some_and(|c| c.choose()))
                     && let Some((p, job)) = self.encode_pending(msg, len)? =>
                 {
                     pending = Some(p);
@@ -209,6 +218,12 @@ impl<P: Provider> ClientCore<P> {
             }
             _ => None,
         };
+        // Only what the choice was about: a copy or a pending payload, not a referenced field.
+        let timed = started.filter(|_| gathered.is_none()).map(|started| Timed {
+            started,
+            pending: pending.is_some(),
+            len,
+        });
         Ok(Submission {
             method: method.id,
             kind: method.kind,
@@ -222,6 +237,7 @@ impl<P: Provider> ClientCore<P> {
                         pending,
                         fill,
                         landing,
+                        timed,
                     })
                 }),
             inbox: None,
@@ -278,7 +294,8 @@ impl<P: Provider> ClientCore<P> {
         len: usize,
     ) -> Result<Option<(Pending<P>, FillJob)>, Status> {
         let mut stage = [0u8; STAGE_FIRST];
-        let mut g = Gather::anywhere(&mut stage, self.pending_min / 2);
+        // The field must be most of the request.
+        let mut g = Gather::anywhere(&mut stage, len / 2);
         if msg.encode_gather(&mut g).is_none() || g.len() != len || g.referenced() == 0 {
             return Ok(None);
         }

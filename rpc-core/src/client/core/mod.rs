@@ -16,7 +16,7 @@
 //!
 //! This file holds the connection's types and its setup; the rest is by concern: [`submit`]
 //! (call cells, send slots, unary and pipelined calls), [`encode`] (requests and the buffers
-//! they lend), [`stream`] (streaming calls), [`poller`] (who drives and how it waits; [`group`], the process's poller thread),
+//! they lend; [`overlap`], whether a mid-sized one goes pending), [`stream`] (streaming calls), [`poller`] (who drives and how it waits; [`group`], the process's poller thread),
 //! [`driver`] (the driver's turn, call life cycle, failure) and [`frames`] (what the server
 //! sends). The per-call machinery shared with the server is in [`crate::call`].
 
@@ -25,6 +25,7 @@ mod encode;
 pub(crate) use encode::PENDING_MIN;
 mod frames;
 mod group;
+mod overlap;
 mod poller;
 mod sizes;
 mod stream;
@@ -76,6 +77,16 @@ struct Large<P: Provider> {
     /// Its copy, done by the caller as it hands the submission over.
     fill: Option<encode::FillJob>,
     landing: Option<BulkBuf<P>>,
+    /// A request whose way ([`overlap`]) the connection chose: timed until its response.
+    timed: Option<Timed>,
+}
+
+/// When a request the connection chose the way of began, which way it went and its size.
+#[derive(Clone, Copy, Debug)]
+struct Timed {
+    started: Instant,
+    pending: bool,
+    len: usize,
 }
 
 /// A request payload sent pending (`wire::FrameFlags::BULK_PENDING`): the caller copies the
@@ -173,6 +184,8 @@ struct DrvCall<P: Provider> {
     reading: Option<(BulkBuf<P>, Metadata)>,
     /// The call is over for the caller; waiting for the server to give our buffers back.
     finishing: bool,
+    /// Timed for [`overlap`] until its response arrives.
+    timed: Option<Timed>,
     /// The server's stream (server-streaming and bidi).
     inbox: Option<Arc<Inbox>>,
     /// The server's stream coming in: a large message being READ, later frames held.
@@ -196,6 +209,7 @@ impl<P: Provider> Record<P> for DrvCall<P> {
             landing: None,
             reading: None,
             finishing: false,
+            timed: None,
             inbox: None,
             stream: StreamIn::new(),
             out: VecDeque::new(),
@@ -216,6 +230,7 @@ impl<P: Provider> Record<P> for DrvCall<P> {
         self.landing = None;
         self.reading = None;
         self.finishing = false;
+        self.timed = None;
         self.inbox = None;
         self.stream.clear();
         self.out.clear();
@@ -332,6 +347,9 @@ pub(crate) struct ClientCore<P: Provider> {
     fill_part_min: usize,
     /// Requests from this size on are sent pending.
     pending_min: usize,
+    /// With the default threshold: whether smaller ones from [`overlap::AUTO_MIN`] up go
+    /// pending, as measured on this connection.
+    overlap: Option<overlap::Overlap>,
     doorbell: Arc<Doorbell>,
     /// `ClientPoller::Thread`: the process's poller, and this connection's place on its list
     /// of connections with work ([`group`]).
@@ -383,8 +401,9 @@ pub(crate) struct Parts<P: Provider> {
     pub(crate) max_message: u64,
     /// Lend landing zones sized from each method's last large response.
     pub(crate) learn_sizes: bool,
-    /// Requests from this size on are sent pending ([`encode::FillJob`]).
-    pub(crate) pending_min: usize,
+    /// Requests from this size on are sent pending ([`encode::FillJob`]); `None`: the
+    /// default ([`PENDING_MIN`]), with the way of smaller ones learned ([`overlap`]).
+    pub(crate) pending_min: Option<usize>,
     pub(crate) describe: String,
     pub(crate) stream_window: u32,
     pub(crate) stream_window_max: u32,
@@ -465,7 +484,11 @@ impl<P: Provider> ClientCore<P> {
             arena,
             bulk,
             fill_part_min,
-            pending_min: parts.pending_min.max(encode::PENDING_FLOOR),
+            pending_min: parts
+                .pending_min
+                .unwrap_or(PENDING_MIN)
+                .max(encode::PENDING_FLOOR),
+            overlap: parts.pending_min.is_none().then(overlap::Overlap::default),
             // Connections of the process's poller thread share its doorbell.
             doorbell: match poller {
                 Some(p) => p.doorbell(),
