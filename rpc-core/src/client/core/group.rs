@@ -425,6 +425,14 @@ fn run(g: &Group, ep: OwnedFd) {
                     warn!("client poller: epoll_ctl(ADD) of a completion channel: {e}");
                 }
             });
+            // Room for every member in both lists, so that turns never allocate.
+            let n = members.all.len();
+            members
+                .active
+                .reserve(n.saturating_sub(members.active.len()));
+            members
+                .unarmed
+                .reserve(n.saturating_sub(members.unarmed.len()));
             members.activate(key);
         }
         while let Some(key) = g.ready.pop() {
