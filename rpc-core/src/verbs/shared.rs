@@ -3,6 +3,10 @@
 //! A new connection then costs its PD, CQ and QPs, not a device: no second open, port query,
 //! GID read or inline probe (ib), no second pair of shared segments and service thread (soft).
 //!
+//! The layers above keep what their connections share per context here too
+//! ([`SharedDevice::per_context`]: the client's protection domain and bulk pool), made on first
+//! use and dropped with the context.
+//!
 //! Asynchronous events belong to the device, so they are fanned out: every holder of a
 //! [`SharedDevice`] sees every event raised after it opened (an event log with one cursor per
 //! holder), and decides for itself whether it concerns its objects. A device that reported
@@ -28,6 +32,9 @@ pub(crate) struct SharedDevice<P: Provider> {
 }
 
 struct Entry<P: Provider> {
+    /// What the layers above keep per context ([`SharedDevice::per_context`]), one value per
+    /// type; declared before `ctx`, so dropped before it.
+    above: Mutex<Vec<Arc<dyn Any + Send + Sync>>>,
     ctx: P::Context,
     /// Sequence number one past the newest logged event (read without the lock).
     tail: AtomicU64,
@@ -75,6 +82,7 @@ impl<P: Provider> SharedDevice<P> {
             None => {
                 // Opened under the lock: two first users open the device once.
                 let e = Arc::new(Entry {
+                    above: Mutex::new(Vec::new()),
                     ctx: P::open(name)?,
                     tail: AtomicU64::new(0),
                     log: Mutex::new(Log::default()),
@@ -94,6 +102,28 @@ impl<P: Provider> SharedDevice<P> {
     /// The device context.
     pub(crate) fn ctx(&self) -> &P::Context {
         &self.entry.ctx
+    }
+
+    /// The value of type `T` that every holder of this context shares, made by `init` on the
+    /// first call (under a lock: two first callers make it once) and kept until the context
+    /// closes. A device retired after a fatal event gets fresh values with its fresh context.
+    ///
+    /// # Errors
+    /// What `init` returns.
+    pub(crate) fn per_context<T: Any + Send + Sync>(
+        &self,
+        init: impl FnOnce(&P::Context) -> Result<T>,
+    ) -> Result<Arc<T>> {
+        let mut above = self.entry.above.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = above
+            .iter()
+            .find_map(|a| Arc::clone(a).downcast::<T>().ok())
+        {
+            return Ok(t);
+        }
+        let t = Arc::new(init(&self.entry.ctx)?);
+        above.push(Arc::clone(&t) as Arc<dyn Any + Send + Sync>);
+        Ok(t)
     }
 
     /// The next asynchronous event of the device this holder has not seen, without blocking.
@@ -190,7 +220,24 @@ mod tests {
             "a failed device was handed out again"
         );
 
+        // Values kept per context: one per type, shared by its holders, fresh for a fresh
+        // context.
+        let x = a.per_context(|_| Ok(7u32)).unwrap();
+        let y = b
+            .per_context(|_| -> Result<u32> { panic!("made twice") })
+            .unwrap();
+        assert!(Arc::ptr_eq(&x, &y));
+        assert_eq!(*a.per_context(|_| Ok(9u64)).unwrap(), 9);
+        assert_eq!(
+            *d.per_context(|_| Ok(8u32)).unwrap(),
+            8,
+            "a retired context's value"
+        );
+        let weak = Arc::downgrade(&x);
+        drop((x, y));
+
         drop((a, b, c, d));
+        assert!(weak.upgrade().is_none(), "a value outlived its context");
         let e = SharedDevice::<Soft>::open(Some("soft0:1")).unwrap();
         drop(e);
         let open = OPEN.lock().unwrap();
