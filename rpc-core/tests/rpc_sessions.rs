@@ -61,6 +61,54 @@ async fn thread_polled_channels_share_the_process_poller_thread() {
     channels_add_no_threads(ClientPoller::Thread).await;
 }
 
+/// The channels of a process share one protection domain and one bulk pool per device: a
+/// registered buffer one channel gave back is what the next channel's `alloc_bytes` of that
+/// size gets (no new registration), and a request lent from it reaches the server through the
+/// other channel's connection. Runs on every provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channels_share_one_bulk_pool() {
+    const N: usize = 1 << 20;
+    let srv = TestServer::start().await;
+    let a = srv.channel(ClientPoller::Caller).await;
+    let b = srv.channel(ClientPoller::Caller).await;
+    let first = a.alloc_bytes(N).await.unwrap();
+    let at = first.as_ptr();
+    drop(first);
+    let mut again = b.alloc_bytes(N).await.unwrap();
+    assert_eq!(
+        again.as_ptr(),
+        at,
+        "channel b registered a buffer of its own: the pool is not shared"
+    );
+    assert!(
+        again.iter().all(|&x| x == 0),
+        "a reused buffer kept old bytes"
+    );
+    again.copy_from_slice(&common::pattern(N, 9));
+    // Lent from the shared PD through a window for b's connection, READ by the server.
+    let region = again.freeze();
+    let mut req = rpc_core::Request::new(common::Blob {
+        seq: 9,
+        data: region.bytes(),
+    });
+    req.set_registered(&region);
+    let zc = b.zero_copy_request_bytes();
+    let r = within(
+        Duration::from_secs(60),
+        "echo",
+        b.unary::<_, common::Blob>(&common::lab_server::ECHO, req),
+    )
+    .await
+    .unwrap();
+    common::check_blob(r.get_ref(), 9, N, "echo lent from the shared pool");
+    assert_eq!(
+        b.zero_copy_request_bytes() - zc,
+        N as u64,
+        "not sent in place"
+    );
+    echo_seq(&a, 1).await;
+}
+
 /// A server with default settings holds hundreds of connections on one shard, past the two
 /// old walls (64 connections by default; 140 when raised, where the CQ sized for the sum of
 /// its QPs' worst cases ran out): its CQ grows as they come, up to the device's `max_cqe`.

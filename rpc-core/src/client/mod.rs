@@ -1175,6 +1175,11 @@ fn call_span(method: &MethodDesc) -> tracing::Span {
 }
 
 async fn open(b: &ChannelBuilder) -> Result<Conn, Error> {
+    b.provider.visit(OpenConn { b: b.clone() })?.await
+}
+
+/// The TCP connection to the server, with the channel's options applied.
+async fn connect_tcp(b: &ChannelBuilder) -> Result<TcpStream, Error> {
     let stream = tokio::time::timeout(b.connect_timeout, TcpStream::connect(&b.addr))
         .await
         .map_err(|_| {
@@ -1197,32 +1202,63 @@ async fn open(b: &ChannelBuilder) -> Result<Conn, Error> {
     {
         warn!("{}: no keepalive on the connection: {e}", b.addr);
     }
-    b.provider
-        .visit(OpenConn {
-            b: b.clone(),
-            stream,
-        })?
-        .await
+    Ok(stream)
+}
+
+/// Polls `fut` once, so that it starts (a TCP connect sends its SYN), and gives back what
+/// that poll returned: the caller does other work meanwhile and awaits `fut` after.
+async fn start<F: std::future::Future + Unpin>(fut: &mut F) -> std::task::Poll<F::Output> {
+    std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx))).await
+}
+
+/// What the channels of a process share per device context (issue 14): one protection domain
+/// and one bulk pool, whose buffers of large payloads stay registered and warm from one
+/// channel's calls to another's.
+///
+/// Peers reach this memory only through windows ([`crate::buf::BulkBuf::lend`]) bound for one
+/// loan: on soft to that connection's peer RNIC alone; on ib any QP of the PD may use a key
+/// while its loan lasts, so a server that guessed the fresh key of a loan to another server
+/// of this process could reach those bytes until the loan ends (NCCL and UCX share one PD per
+/// NIC the same way).
+struct DeviceShare<P: Provider> {
+    pd: Arc<P::Pd>,
+    bulk: Arc<BulkPool<P>>,
+}
+
+impl<P: Provider> DeviceShare<P> {
+    /// Idle bulk buffers kept per process and device.
+    const BULK_CACHED: usize = 256 << 20;
+
+    fn new(ctx: &P::Context) -> crate::verbs::Result<DeviceShare<P>> {
+        let pd = Arc::new(ctx.alloc_pd()?);
+        let bulk = BulkPool::new(Arc::clone(&pd), Self::BULK_CACHED);
+        Ok(DeviceShare { pd, bulk })
+    }
 }
 
 struct OpenConn {
     b: ChannelBuilder,
-    stream: TcpStream,
 }
 
 impl ProviderVisitor for OpenConn {
     type Output = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Conn, Error>> + Send>>;
 
     fn visit<P: Provider>(self) -> Self::Output {
-        Box::pin(open_with::<P>(self.b, self.stream))
+        Box::pin(open_with::<P>(self.b))
     }
 }
 
-async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Result<Conn, Error> {
-    // One context per device and process: a new connection costs its PD, CQ and QPs.
+async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
+    // The TCP handshake (and a name lookup) runs while the verbs objects are made: they do
+    // not depend on the server until the Hello.
+    let mut connecting = Box::pin(connect_tcp(&b));
+    let started = start(&mut connecting).await;
+    // One context, PD and bulk pool per device and process: a new connection costs its CQ,
+    // QPs and slot arena.
     let dev = crate::verbs::shared::SharedDevice::<P>::open(b.device.as_deref())?;
     let ctx = dev.ctx();
-    let pd = Arc::new(ctx.alloc_pd()?);
+    let shared = dev.per_context(DeviceShare::<P>::new)?;
+    let pd = Arc::clone(&shared.pd);
     let channel = ctx.create_comp_channel()?;
     let caps = QpCaps {
         // Every send slot in flight, a READ (rendezvous response, stream message) per call,
@@ -1257,6 +1293,10 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         q.modify_to_init(access)?;
         lanes.push(q);
     }
+    let mut stream = match started {
+        std::task::Poll::Ready(r) => r?,
+        std::task::Poll::Pending => connecting.await?,
+    };
     let hello = Hello {
         provider: P::KIND.wire_tag(),
         endpoint: qp.endpoint(),
@@ -1266,8 +1306,9 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
         data_endpoints: lanes.iter().map(Qp::endpoint).collect(),
     };
     connect::send(&mut stream, &Handshake::Hello(hello)).await?;
-    // Registered while the server sets up its side (the Hello does not name it).
+    // Made while the server sets up its side (the Hello names neither).
     let arena = SlotArena::<P>::new(&pd, b.geometry)?;
+    let bulk = Arc::clone(&shared.bulk);
     let welcome = match connect::recv(&mut stream).await? {
         Handshake::Welcome(w) => w,
         Handshake::Refusal(r) => {
@@ -1331,7 +1372,6 @@ async fn open_with<P: Provider>(b: ChannelBuilder, mut stream: TcpStream) -> Res
             format!("protocol configuration: {e}"),
         )
     })?;
-    let bulk = BulkPool::new(Arc::clone(&pd), 256 << 20);
     let mut link = Link::new(
         qp,
         arena,
