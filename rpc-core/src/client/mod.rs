@@ -36,7 +36,7 @@ use crate::verbs::{
 use crate::wire::{self, Role};
 use crate::{Error, Request, Response, Status, TransportErrorKind};
 pub use balance::Balancer;
-use core::{CLIENT_LINK, ClientCore, Parts, epoch};
+use core::{CLIENT_LINK, ClientCore, Parts, Tables, epoch};
 pub use region::{Lease, Region};
 pub(crate) use registered::RegHandle;
 pub use registered::{RegisteredBytes, RegisteredBytesMut};
@@ -1309,6 +1309,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
     // Made while the server sets up its side (the Hello names neither).
     let arena = SlotArena::<P>::new(&pd, b.geometry)?;
     let bulk = Arc::clone(&shared.bulk);
+    let tables = Tables::new(b.max_calls);
     let welcome = match connect::recv(&mut stream).await? {
         Handshake::Welcome(w) => w,
         Handshake::Refusal(r) => {
@@ -1416,7 +1417,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
         cq,
         channel,
         link,
-        max_calls: b.max_calls,
+        tables,
         mode: b.poller,
         eager_limit,
         max_message: b.max_message,

@@ -388,6 +388,55 @@ impl<P: Provider> std::fmt::Debug for ClientCore<P> {
     }
 }
 
+/// A connection's per-call tables, sized by its call limit alone: made while the connect step
+/// waits for the server's Welcome (their memory is new, and zeroing it takes page faults),
+/// not after it.
+pub(crate) struct Tables<P: Provider> {
+    cells: Box<[Cell<P>]>,
+    free: ArrayQueue<u32>,
+    submitted: ArrayQueue<(u32, u32)>,
+    cancelled: ArrayQueue<(u32, u32)>,
+    calls: Calls<DrvCall<P>>,
+    cell_slot: Box<[Option<u32>]>,
+    pending: VecDeque<(u32, u32, CallId, Submission<P>)>,
+    out_calls: Vec<usize>,
+}
+
+impl<P: Provider> Tables<P> {
+    /// Tables for `max_calls` calls in flight.
+    pub(crate) fn new(max_calls: u32) -> Tables<P> {
+        let n = max_calls as usize;
+        let free = ArrayQueue::new(n);
+        for i in 0..max_calls {
+            let _ = free.push(i);
+        }
+        Tables {
+            cells: (0..n)
+                .map(|_| Cell {
+                    mb: Mailbox::default(),
+                    generation: AtomicU32::new(0),
+                    window: AtomicU32::new(0),
+                    loans: AtomicU32::new(0),
+                    send_waker: atomic_waker::AtomicWaker::new(),
+                    is_async: AtomicBool::new(false),
+                })
+                .collect(),
+            free,
+            submitted: ArrayQueue::new(n),
+            cancelled: ArrayQueue::new(n),
+            // Records are made as wire slots are first used (the lowest free slot goes
+            // first): a connection that never has more than a few calls in flight writes a
+            // few records at connect, not `n` of about 700 bytes. Every slot a frame names
+            // was started here first (the wire refuses slots never used), so indexing by
+            // the slots of events stays in the table.
+            calls: Calls::lazy(n),
+            cell_slot: vec![None; n].into_boxed_slice(),
+            pending: VecDeque::with_capacity(n),
+            out_calls: Vec::with_capacity(n),
+        }
+    }
+}
+
 /// Everything `ClientCore::new` needs from the connect step.
 pub(crate) struct Parts<P: Provider> {
     pub(crate) dev: SharedDevice<P>,
@@ -395,7 +444,8 @@ pub(crate) struct Parts<P: Provider> {
     pub(crate) cq: P::Cq,
     pub(crate) channel: P::CompChannel,
     pub(crate) link: Link<P>,
-    pub(crate) max_calls: u32,
+    /// Sized by the connection's call limit.
+    pub(crate) tables: Tables<P>,
     pub(crate) mode: ClientPoller,
     pub(crate) eager_limit: usize,
     pub(crate) max_message: u64,
@@ -411,7 +461,7 @@ pub(crate) struct Parts<P: Provider> {
 
 impl<P: Provider> ClientCore<P> {
     pub(crate) fn new(parts: Parts<P>) -> std::io::Result<Arc<ClientCore<P>>> {
-        let n = parts.max_calls as usize;
+        let t = parts.tables;
         let arena = Arc::clone(&parts.link.arena);
         let bulk = Arc::clone(&parts.link.bulk);
         let pd = Arc::clone(&parts.pd);
@@ -430,17 +480,11 @@ impl<P: Provider> ClientCore<P> {
         let driver = Driver {
             #[cfg(test)]
             seen_bulk: Vec::new(),
-            // Records are made as wire slots are first used (the lowest free slot goes
-            // first): a connection that never has more than a few calls in flight writes a
-            // few records at connect, not `n` of about 700 bytes. Every slot a frame names
-            // was started here first (the wire refuses slots never used), so indexing by
-            // the slots of events stays in the table.
-            calls: Calls::lazy(n),
-            cell_slot: vec![None; n].into_boxed_slice(),
-            pending: VecDeque::with_capacity(n),
-
+            calls: t.calls,
+            cell_slot: t.cell_slot,
+            pending: t.pending,
             stream_pending: VecDeque::new(),
-            out_calls: Vec::with_capacity(n),
+            out_calls: t.out_calls,
             filling: Vec::new(),
             link: parts.link,
             cq: parts.cq,
@@ -450,24 +494,11 @@ impl<P: Provider> ClientCore<P> {
             dev: parts.dev,
             drained_dead: false,
         };
-        let free = ArrayQueue::new(n);
-        for i in 0..n as u32 {
-            let _ = free.push(i);
-        }
         Ok(Arc::new(ClientCore {
             driver: Exclusive::new(driver),
             channel_fd,
-            cells: (0..n)
-                .map(|_| Cell {
-                    mb: Mailbox::default(),
-                    generation: AtomicU32::new(0),
-                    window: AtomicU32::new(0),
-                    loans: AtomicU32::new(0),
-                    send_waker: atomic_waker::AtomicWaker::new(),
-                    is_async: AtomicBool::new(false),
-                })
-                .collect(),
-            free,
+            cells: t.cells,
+            free: t.free,
             waiters: std::sync::atomic::AtomicUsize::new(0),
             cell_freed: tokio::sync::Notify::new(),
             slot_waiters: std::sync::atomic::AtomicUsize::new(0),
@@ -475,8 +506,8 @@ impl<P: Provider> ClientCore<P> {
             drive: Arc::new(tokio::sync::Notify::new()),
             async_calls: std::sync::atomic::AtomicUsize::new(0),
             caller_drives: std::sync::atomic::AtomicU32::new(0),
-            submitted: ArrayQueue::new(n),
-            cancelled: ArrayQueue::new(n),
+            submitted: t.submitted,
+            cancelled: t.cancelled,
             stream_sends: SegQueue::new(),
             grants: SegQueue::new(),
             stream_window: parts.stream_window,
