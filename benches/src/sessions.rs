@@ -82,6 +82,17 @@ pub struct SessionArgs {
     /// Exit after this many seconds whatever happens.
     #[arg(long, default_value_t = 900)]
     pub max_secs: u64,
+    /// Pin the server to the last core and the client processes to the others (as `rpc-bench
+    /// run` pins its two processes): the figures then measure the work, not where the
+    /// scheduler placed the threads of both sides on a small host.
+    #[arg(long)]
+    pub pin: bool,
+}
+
+/// With `--pin`: the server's core and the clients' cores (none on a one-core host).
+fn pinned_cores(args: &SessionArgs) -> Option<(usize, Vec<usize>)> {
+    let n = crate::sys::online_cpus();
+    (args.pin && n >= 2).then(|| (n - 1, (0..n - 1).collect()))
 }
 
 /// What `/proc/PID/status` and `/proc/PID/fd` say of a process.
@@ -270,6 +281,7 @@ pub fn run(args: &SessionArgs, command: String) -> Result<()> {
             "phase_secs": args.phase_secs,
             "give_up": args.give_up,
             "call_size": sessions_client::CALL_SIZE,
+            "pin": pinned_cores(args).is_some(),
         }),
         cells,
         seconds: start.elapsed().as_secs_f64(),
@@ -386,6 +398,9 @@ fn measure(args: &SessionArgs, c: &mut Cell) -> Result<()> {
         server_args.extend(["--max-connections".into(), n.to_string()]);
     }
     server_args.extend(["--max-secs".into(), args.max_secs.to_string()]);
+    if let Some((core, _)) = pinned_cores(args) {
+        server_args.extend(["--core".into(), core.to_string()]);
+    }
     let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
     let (server, port) = ServerProc::start(&server_args, loopback)?;
     let addr = SocketAddr::new(loopback, port);
@@ -536,6 +551,10 @@ impl ClientProc {
             .arg("--die-with-parent")
             .arg("--poller")
             .arg(args.client_poller.name())
+            .args(pinned_cores(args).map(|(_, cores)| {
+                let list: Vec<String> = cores.iter().map(ToString::to_string).collect();
+                format!("--cores={}", list.join(","))
+            }))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

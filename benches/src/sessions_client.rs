@@ -77,6 +77,9 @@ pub struct SessionClientArgs {
     /// rdma-rpc channels' poller (the builder's default: the process's poller thread).
     #[arg(long, value_enum, default_value = "thread")]
     pub poller: SessionPoller,
+    /// Run on these cores only (comma-separated; default: wherever the scheduler puts it).
+    #[arg(long, value_delimiter = ',')]
+    pub cores: Vec<usize>,
 }
 
 /// Who drives an rdma-rpc channel's completions (`ClientPoller`).
@@ -157,6 +160,12 @@ pub fn run(args: &SessionClientArgs) -> Result<()> {
         bail!("parent process already gone");
     }
     crate::control::watchdog(Duration::from_secs(args.max_secs), "sessions-client");
+    if !args.cores.is_empty() && !crate::sys::pin_current_thread(&args.cores) {
+        eprintln!(
+            "rpc-bench sessions-client: could not pin to {:?}",
+            args.cores
+        );
+    }
     let provider: ProviderKind = args.provider.parse()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
