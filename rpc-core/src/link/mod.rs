@@ -408,6 +408,8 @@ impl<P: Provider> Link<P> {
         epoch: Instant,
     ) -> Result<Link<P>, LinkError> {
         let arena_for_posted = Arc::clone(&arena);
+        // Every posted SEND holds a send slot and a send queue entry.
+        let max_posted = qp.caps().max_send_wr.min(arena.geometry().send_slots) as usize;
         let mut link = Link {
             qp,
             lanes: Lanes::default(),
@@ -426,7 +428,7 @@ impl<P: Provider> Link<P> {
             held: std::cell::Cell::new(0),
             slot_cap: u32::MAX,
             batch: None,
-            posted: owned::PostedSends::new(Arc::clone(&arena_for_posted)),
+            posted: owned::PostedSends::new(Arc::clone(&arena_for_posted), max_posted),
             graveyard: Graveyard::default(),
         };
         link.gather = (link.qp.caps().max_send_sge as usize).clamp(1, BATCH_FRAMES);

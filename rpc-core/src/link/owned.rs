@@ -132,17 +132,19 @@ pub(super) fn what(wc: &Wc) -> &'static str {
 /// oldest first). Completions come back in posting order on the QP, so the one polled is
 /// (almost always) the oldest. Dropped after the link's QPs (field order), it returns the
 /// slots of the SENDs that never completed to the arena: the QPs being destroyed, the NIC no
-/// longer touches them. Preallocated by the first SENDs; no allocation in steady state.
+/// longer touches them. Sized at creation for as many SENDs as can be posted at once (the
+/// QP's send queue, or the arena's send slots if fewer): no allocation after it.
 pub(crate) struct PostedSends<P: Provider> {
     arena: std::sync::Arc<crate::buf::SlotArena<P>>,
     slots: std::collections::VecDeque<u32>,
 }
 
 impl<P: Provider> PostedSends<P> {
-    pub(crate) fn new(arena: std::sync::Arc<crate::buf::SlotArena<P>>) -> Self {
+    /// Room for `max` SENDs in flight.
+    pub(crate) fn new(arena: std::sync::Arc<crate::buf::SlotArena<P>>, max: usize) -> Self {
         PostedSends {
             arena,
-            slots: std::collections::VecDeque::new(),
+            slots: std::collections::VecDeque::with_capacity(max),
         }
     }
 
