@@ -60,6 +60,8 @@
 //! - [`server`], [`client`]: shards polling CQs, handler dispatch, futures and blocking calls.
 //! - `memcopy` (internal, below every layer, depends on none): the payload copies of `verbs::soft`,
 //!   `buf`, `link` and streams, steered around a `memcpy` slow case.
+//! - `doorbell` (internal, depends on none): how a sleeping poll loop is woken, for the server's
+//!   shards and the client's poller thread and callers alike.
 //!
 //! # Registered memory: who may touch which bytes, and when
 //!
@@ -99,6 +101,7 @@ mod call;
 pub mod client;
 pub mod codegen;
 mod connect;
+mod doorbell;
 mod error;
 pub mod intercept;
 mod link;

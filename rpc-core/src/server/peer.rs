@@ -15,8 +15,8 @@ use crossbeam_queue::SegQueue;
 
 use crate::Status;
 use crate::buf::BulkBuf;
+use crate::doorbell::Doorbell;
 use crate::link::LinkKey;
-use crate::server::notify::Doorbell;
 use crate::verbs::{Provider, RemoteMr, Sge};
 
 /// Registered memory of the server, usable as the local side of a bulk operation.

@@ -23,8 +23,9 @@ use crate::verbs::{Access, Mr, Provider};
 use crate::wire::{BulkDesc, MAX_BULK_PIECES, MAX_HEADER_LEN};
 use crate::{Metadata, Status};
 
+use super::overlap::Timed;
 use super::submit::SlotLoan;
-use super::{ClientCore, Driver, Gathered, Large, Pending, Staging, Submission, Timed};
+use super::{ClientCore, Driver, Gathered, Large, Pending, Staging, Submission};
 
 /// A request's `bytes` field at least this large that lies in the registered region the
 /// request names is sent from there (the server READs it) instead of being copied.

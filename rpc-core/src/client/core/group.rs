@@ -42,8 +42,8 @@ use crossbeam_queue::{ArrayQueue, SegQueue};
 use rustix::event::epoll;
 use tracing::warn;
 
+use crate::doorbell::Doorbell;
 use crate::poll_policy::{Budget, Spinner, Wait};
-use crate::server::notify::Doorbell;
 
 /// How the thread waits while idle: spins, then sleeps (it has the doorbell and the
 /// channels to sleep on); briefly when the host is contended.

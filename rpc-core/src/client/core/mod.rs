@@ -43,9 +43,9 @@ use crate::buf::{
 };
 use crate::call::{Calls, Ledger, Record, StreamIn};
 use crate::client::{ClientPoller, RegHandle, RegisteredBytesMut};
+use crate::doorbell::Doorbell;
 use crate::link::{Link, LinkKey, Staged};
 use crate::method::CallKind;
-use crate::server::notify::Doorbell;
 use crate::streaming::Inbox;
 use crate::verbs::shared::SharedDevice;
 use crate::verbs::{Provider, Wc};
@@ -78,15 +78,7 @@ struct Large<P: Provider> {
     fill: Option<encode::FillJob>,
     landing: Option<BulkBuf<P>>,
     /// A request whose way ([`overlap`]) the connection chose: timed until its response.
-    timed: Option<Timed>,
-}
-
-/// When a request the connection chose the way of began, which way it went and its size.
-#[derive(Clone, Copy, Debug)]
-struct Timed {
-    started: Instant,
-    pending: bool,
-    len: usize,
+    timed: Option<overlap::Timed>,
 }
 
 /// A request payload sent pending (`wire::FrameFlags::BULK_PENDING`): the caller copies the
@@ -185,7 +177,7 @@ struct DrvCall<P: Provider> {
     /// The call is over for the caller; waiting for the server to give our buffers back.
     finishing: bool,
     /// Timed for [`overlap`] until its response arrives.
-    timed: Option<Timed>,
+    timed: Option<overlap::Timed>,
     /// The server's stream (server-streaming and bidi).
     inbox: Option<Arc<Inbox>>,
     /// The server's stream coming in: a large message being READ, later frames held.

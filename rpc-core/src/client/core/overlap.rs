@@ -20,7 +20,16 @@
 //! choose as they encode. Two callers racing may both explore, or both not: harmless.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// When a request the connection chose the way of began, which way it went and its size
+/// (kept with its call; [`Overlap::record`]ed when the response arrives).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Timed {
+    pub(super) started: Instant,
+    pub(super) pending: bool,
+    pub(super) len: usize,
+}
 
 /// Requests from this size (encoded) up to the pending threshold are sent the way measured
 /// faster. Below it a copy costs less than the BulkReady frames and READs of its parts.

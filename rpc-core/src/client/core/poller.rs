@@ -11,8 +11,8 @@ use tracing::{info, warn};
 
 use crate::Status;
 use crate::client::ClientPoller;
+use crate::doorbell::wait_readable;
 use crate::poll_policy::{Budget, CLOCK_EVERY, Wait, with_thread_spinner};
-use crate::server::notify::wait_readable;
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
 use super::group::{Listing, Member};

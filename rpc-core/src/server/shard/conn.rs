@@ -16,10 +16,11 @@ use crate::buf::encode::MAX_PIECES;
 use crate::buf::{BulkPool, Geometry, RecvPool, SlotArena};
 use crate::call::{Calls, Record};
 use crate::connect::{Hello, Welcome};
+use crate::doorbell::Doorbell;
 use crate::link::{Lanes, Link, LinkKey, WrKind, lane_caps, wr_id};
 use crate::server::ServerConfig;
 use crate::server::call::Tasks;
-use crate::server::notify::{Doorbell, ShardNotify};
+use crate::server::notify::ShardNotify;
 use crate::server::peer::PeerApi;
 use crate::server::router::Router;
 use crate::verbs::{

@@ -10,11 +10,11 @@ use tracing::{debug, info, warn};
 use crate::Status;
 use crate::buf::Polled;
 use crate::call;
+use crate::doorbell::wait_readable;
 use crate::link::{Control, LinkError, WrKind, completion, split_wr_id};
 use crate::poll_policy::{Budget, Spinner, Wait};
 use crate::server::ShardPolling;
 use crate::server::call::{CallCtx, panicked};
-use crate::server::notify::wait_readable;
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider, Wc, WcStatus};
 use crate::wire::CallId;
 
