@@ -1382,6 +1382,64 @@ async fn pipeline_statuses_deadlines_and_drop() {
     check_blob(r.get_ref(), 3, 10, "after the pipeline");
 }
 
+/// A dropped pipeline of many calls: more Cancels than the client has credits for wait
+/// for the server's credits after the calls are gone on the client side, and still reach
+/// the server (a Cancel that waited once was dropped when its call was finished).
+async fn dropped_pipeline_cancels_case(mode: ClientPoller) {
+    const CALLS: u64 = 48;
+    let srv = TestServer::start().await;
+    let ch = srv.channel(mode).await;
+    let state = Arc::clone(&srv.state);
+    let ch2 = ch.clone();
+    blocking(CALL_LIMIT, "dropped pipeline", move || {
+        let mut sleepy = ch2
+            .pipeline::<SleepRequest, Blob>(&lab_server::SLEEP)
+            .unwrap();
+        for seq in 0..CALLS {
+            sleepy
+                .submit(seq, Request::new(sleep_req(seq, 60_000)))
+                .unwrap();
+        }
+        let t = Instant::now();
+        while state.started.load(Ordering::Acquire) < CALLS {
+            assert!(t.elapsed() < CALL_LIMIT, "sleep handlers start");
+            let _ = sleepy.poll();
+            std::thread::yield_now();
+        }
+        drop(sleepy);
+    })
+    .await;
+    wait_until(
+        Duration::from_secs(20),
+        "every dropped call cancelled",
+        || srv.state.dropped.load(Ordering::Acquire) >= CALLS,
+    )
+    .await;
+    srv.settle("live calls back to 0").await;
+    let r: Response<Blob> = call(
+        &ch,
+        Api::Blocking,
+        &lab_server::ECHO,
+        Request::new(Blob {
+            seq: 1,
+            data: pattern(10, 1),
+        }),
+    )
+    .await
+    .unwrap();
+    check_blob(r.get_ref(), 1, 10, "after the dropped pipeline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_pipeline_cancels_caller_poller() {
+    dropped_pipeline_cancels_case(ClientPoller::Caller).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_pipeline_cancels_thread_poller() {
+    dropped_pipeline_cancels_case(ClientPoller::Thread).await;
+}
+
 // ----- 13. handshake -------------------------------------------------------------------------
 
 /// Sends `bytes` to the server's port and returns what it answered before closing.

@@ -242,9 +242,8 @@ impl LinkError {
 pub enum FrameError {
     /// Back-pressure: no send slot or no credit. Try again after completions arrive.
     Busy,
-    /// The protocol refused the frame (the call is gone, or a caller bug); the reason is for
-    /// `Debug` output.
-    Refused(#[allow(dead_code)] SendError),
+    /// The protocol refused the frame (the call is gone, or a caller bug), and why.
+    Refused(SendError),
     /// The message does not fit (caller should have planned a bulk transfer).
     TooLarge,
     /// The link failed.
@@ -1737,9 +1736,13 @@ impl<P: Provider> Link<P> {
             Control::BulkRelease(call) => {
                 self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.bulk_release(call))
             }
-            Control::Cancel(call) => {
-                self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.cancel(call))
-            }
+            Control::Cancel(call) => self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| {
+                match w.cancel(call) {
+                    // The call was finished while its Cancel waited for credit.
+                    Err(SendError::BadCall(_)) => w.cancel_finished(call),
+                    r => r,
+                }
+            }),
             Control::WindowUpdate(call, n) => {
                 self.send_frame(&md, &crate::buf::NoMsg, |w, _, _| w.window_update(call, n))
             }
@@ -1752,7 +1755,12 @@ impl<P: Provider> Link<P> {
             }
         };
         match r {
-            Ok(()) | Err(FrameError::Refused(_)) | Err(FrameError::TooLarge) => Ok(true),
+            Ok(()) | Err(FrameError::TooLarge) => Ok(true),
+            Err(FrameError::Refused(e)) => {
+                // Moot by now (the call ended, or the answer came meanwhile).
+                tracing::debug!(?c, "control frame not sent: {e}");
+                Ok(true)
+            }
             Err(FrameError::Busy) => Ok(false),
             Err(FrameError::Link(e)) => Err(e),
         }

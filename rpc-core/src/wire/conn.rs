@@ -1280,6 +1280,30 @@ impl Conn {
         Ok(h)
     }
 
+    /// Client: the Cancel of `call` after this end already [`Conn::finish`]ed it: a Cancel
+    /// that waited for credit (a control frame queued by the runtime) while the call's
+    /// entry was freed. The server may still run the call: it drops it, or sees a stale
+    /// frame if it already ended it or a newer call of the slot replaced it. The runtime
+    /// builds it at most once per call (it queues a Cancel only when [`Conn::cancel_local`]
+    /// says so); a live call's Cancel is [`Conn::cancel`]. A control frame.
+    ///
+    /// # Errors
+    /// [`SendError::NoCredit`]; [`SendError::BadCall`] for an id no call could have had, or
+    /// that names the slot's live call.
+    pub fn cancel_finished(&mut self, call: CallId) -> Result<FrameHeader, SendError> {
+        if self.role != Role::Client {
+            return Err(SendError::BadState("only a client sends Cancel"));
+        }
+        match self.calls.get(call.slot() as usize) {
+            Some(c) if call.generation() != 0 && (c.state == State::Free || c.id != call.0) => {}
+            _ => return Err(SendError::BadCall(call)),
+        }
+        self.check_credit(Class::Control)?;
+        let mut h = FrameHeader::new(FrameKind::Cancel, call.0);
+        self.stamp(&mut h);
+        Ok(h)
+    }
+
     /// Grants the peer `grant` more stream messages on `call` (after the application consumed
     /// that many). A control frame.
     ///

@@ -37,7 +37,8 @@
 //! in the same slot; so may an Open one (the client gave it up without a Cancel), which
 //! [`Event::Request::replaced`] reports. Hence a client may reuse a slot as soon as it
 //! [`Conn::finish`]es the call, and a server's [`Conn::finish`] is tidy-up, never a
-//! precondition.
+//! precondition. A Cancel that waited for credit goes even after its call was finished
+//! ([`Conn::cancel_finished`]): the server drops the call, or finds the Cancel stale.
 //!
 //! # Credits
 //!

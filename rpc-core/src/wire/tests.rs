@@ -612,6 +612,64 @@ fn stale_frames_after_cancel() {
 }
 
 #[test]
+fn a_cancel_that_waited_for_credit_goes_after_its_call_is_finished() {
+    let mut l = Link::new(cfg());
+    let call = l.unary(b"q", None);
+    l.deliver_to_server().unwrap();
+    // The client gives the call up and forgets it; its Cancel waited for credit meanwhile.
+    assert!(l.c.cancel_local(call));
+    assert!(l.c.finish(call));
+    assert_eq!(l.c.cancel(call), Err(SendError::BadCall(call)));
+    let h = l.c.cancel_finished(call).unwrap();
+    l.send_c(h, &[], &[]);
+    // The server still ran it: the Cancel ends it there.
+    assert_eq!(l.deliver_to_server().unwrap().ev, Event::Cancel { call });
+    assert_eq!(l.s.status(call, 1, 0, 0), Err(SendError::Gone));
+    assert!(l.s.finish(call));
+
+    // A newer call took the slot and replaced the old one at the server: the late Cancel is
+    // stale there and leaves the newer call alone.
+    let old = l.unary(b"q", None);
+    l.deliver_to_server().unwrap();
+    assert!(l.c.cancel_local(old));
+    assert!(l.c.finish(old));
+    let new = l.unary(b"r", None);
+    assert_eq!(new.slot(), old.slot(), "the slot is reused");
+    assert_eq!(
+        l.c.cancel_finished(new),
+        Err(SendError::BadCall(new)),
+        "a live call's Cancel is `cancel`"
+    );
+    let h = l.c.cancel_finished(old).unwrap();
+    l.send_c(h, &[], &[]);
+    assert!(matches!(
+        l.deliver_to_server().unwrap().ev,
+        Event::Request { call, .. } if call == new
+    ));
+    assert_eq!(
+        l.deliver_to_server().unwrap().ev,
+        Event::Stale {
+            call: old,
+            kind: FrameKind::Cancel,
+            bulk: None
+        }
+    );
+    let h = l.s.response(new, 1, 0, None, false).unwrap();
+    l.send_s(h, &[], b"a");
+    assert!(matches!(
+        l.deliver_to_client().unwrap().ev,
+        Event::Response { call, .. } if call == new
+    ));
+    // Ids no call could have had, and servers, are refused.
+    assert!(matches!(
+        l.c.cancel_finished(CallId(0)),
+        Err(SendError::BadCall(_))
+    ));
+    assert!(l.s.cancel_finished(old).is_err());
+    l.check();
+}
+
+#[test]
 fn deadlines_expire_in_order_and_late_frames_are_stale() {
     let mut l = Link::new(cfg());
     let t0 = l.now;

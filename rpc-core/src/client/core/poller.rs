@@ -107,11 +107,15 @@ impl<P: Provider> ClientCore<P> {
             }
             // Calls whose callers are gone (a dropped pipeline's, cancelled) or control frames
             // waiting for the server's credits need the CQ polled although no caller waits:
-            // then it looks again every `PENDING_TICK`.
+            // then it looks again every `PENDING_TICK`. So does a driver held by a caller this
+            // instant: it may leave a backlog (a dropped pipeline's Cancels) and return.
             let mut pending = core.free.len() != core.cells.len();
-            if let Some(mut d) = core.driver.try_lock() {
-                d.device_events(&core);
-                pending |= d.link.has_backlog();
+            match core.driver.try_lock() {
+                Some(mut d) => {
+                    d.device_events(&core);
+                    pending |= d.link.has_backlog();
+                }
+                None => pending = true,
             }
             let notified = drive.notified();
             tokio::pin!(notified);

@@ -535,6 +535,10 @@ impl<P: Provider> Drop for CellGuard<'_, P> {
                         ClientPoller::Caller => {
                             self.core.progress();
                             self.core.ring();
+                            // The Cancel may wait for the server's credits, which come after
+                            // this caller is gone (a dropped pipeline): the driver task polls
+                            // until it is out.
+                            self.core.drive.notify_one();
                         }
                     }
                 }
