@@ -397,6 +397,15 @@ pub(super) struct CtxShared {
     pub(super) rail: usize,
     pub(super) traffic_class: u8,
     pub(super) service_level: u8,
+    /// `RPC_IB_TIMEOUT` / `RPC_IB_RETRY_CNT`, over the connection's own attributes.
+    pub(super) transport: Transport,
+}
+
+/// The transport timer settings the environment imposes on every RC connection.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Transport {
+    pub(super) timeout: Option<u8>,
+    pub(super) retry_cnt: Option<u8>,
 }
 
 /// A device's shared receive queue limits (`max_srq`, `max_srq_wr`, `max_srq_sge`).
@@ -621,6 +630,10 @@ impl Inventory {
         let forced_gid = select::env_number(select::ENV_GID_INDEX, u32::from(u16::MAX))?;
         let tc = select::env_number(select::ENV_TC, 255)?.unwrap_or(0);
         let sl = select::env_number(select::ENV_SL, 15)?.unwrap_or(0);
+        let transport = Transport {
+            timeout: select::env_number(select::ENV_TIMEOUT, 31)?.map(|n| n as u8),
+            retry_cnt: select::env_number(select::ENV_RETRY_CNT, 7)?.map(|n| n as u8),
+        };
         // Drop the candidates that were not chosen first, so that a device used through one
         // port only is not opened twice.
         let mut slots: Vec<Option<Candidate>> = self.active.into_iter().map(Some).collect();
@@ -634,7 +647,9 @@ impl Inventory {
             let Some(c) = slots.get_mut(i).and_then(Option::take) else {
                 continue;
             };
-            out.push(open_candidate(c, rail, forced_gid, tc as u8, sl as u8)?);
+            out.push(open_candidate(
+                c, rail, forced_gid, tc as u8, sl as u8, transport,
+            )?);
         }
         let labels: Vec<String> = out
             .iter()
@@ -698,6 +713,7 @@ fn open_candidate(
     forced_gid: Option<u32>,
     traffic_class: u8,
     service_level: u8,
+    transport: Transport,
 ) -> Result<IbContext, VerbsError> {
     let ethernet = c.port.link_layer == LinkLayer::Ethernet;
     let t0 = std::time::Instant::now();
@@ -736,6 +752,7 @@ fn open_candidate(
         rail,
         traffic_class,
         service_level,
+        transport,
     };
     let why = match gid_choice {
         GidChoice::Forced => "from RPC_IB_GID_INDEX",

@@ -14,6 +14,9 @@
 //!   each entry (`/sys/class/infiniband/<dev>/ports/<p>/gid_attrs/types/<index>`) and prefers
 //!   an IPv4-mapped RoCE v2 GID, as NCCL does. `RPC_IB_GID_INDEX` forces an index. InfiniBand
 //!   uses LID routing and GID index 0.
+//! - `RPC_IB_TIMEOUT` / `RPC_IB_RETRY_CNT` set the local ACK timeout (verbs encoding, default
+//!   14 = 67 ms) and the transport retry count (default 7) of every connection, as
+//!   NCCL_IB_TIMEOUT / NCCL_IB_RETRY_CNT do;
 //! - `RPC_IB_TC` / `RPC_IB_SL` set the traffic class and service level of our packets;
 //!   `RPC_IB_QPS_PER_CONNECTION` asks for several QPs per connection
 //!   ([`Provider::qps_per_connection`], [`QpGroup`](crate::verbs::QpGroup)).
@@ -95,8 +98,9 @@ pub use events::ENV_FORK_INIT;
 pub use mr::{ENV_RELAXED_ORDERING, IbMr, IbPd, MEMLOCK_FIX, Memlock};
 pub use qp::{IbQp, POST_BATCH};
 pub use select::{
-    ENV_GID_INDEX, ENV_HCA, ENV_QPS_PER_CONNECTION, ENV_SL, ENV_TC, GidAddr, GidChoice, GidEntry,
-    GidKind, HcaEntry, HcaSpec, MAX_QPS_PER_CONNECTION, choose_gid, ipv4_mapped, path_mtu, rail_of,
+    ENV_GID_INDEX, ENV_HCA, ENV_QPS_PER_CONNECTION, ENV_RETRY_CNT, ENV_SL, ENV_TC, ENV_TIMEOUT,
+    GidAddr, GidChoice, GidEntry, GidKind, HcaEntry, HcaSpec, MAX_QPS_PER_CONNECTION, choose_gid,
+    ipv4_mapped, path_mtu, rail_of,
 };
 pub use srq::IbSrq;
 

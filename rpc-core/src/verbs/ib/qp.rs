@@ -905,8 +905,8 @@ impl Qp for IbQp {
         // SAFETY: all-zero bytes are a valid `ibv_qp_attr`.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RTS;
-        a.timeout = attr.timeout;
-        a.retry_cnt = attr.retry_cnt;
+        a.timeout = ctx.transport.timeout.unwrap_or(attr.timeout);
+        a.retry_cnt = ctx.transport.retry_cnt.unwrap_or(attr.retry_cnt);
         a.rnr_retry = attr.rnr_retry;
         a.sq_psn = self.psn;
         a.max_rd_atomic = rd as u8;

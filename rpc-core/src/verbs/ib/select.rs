@@ -17,6 +17,13 @@ pub const ENV_QPS_PER_CONNECTION: &str = "RPC_IB_QPS_PER_CONNECTION";
 pub const ENV_TC: &str = "RPC_IB_TC";
 /// The environment variable setting the service level of our packets.
 pub const ENV_SL: &str = "RPC_IB_SL";
+/// The environment variable setting the local ACK timeout of our QPs (verbs encoding:
+/// 4.096 µs * 2^n, NCCL_IB_TIMEOUT-style), for fabrics or hosts slower than the default's
+/// 67 ms allows (an emulated VM, a congested network).
+pub const ENV_TIMEOUT: &str = "RPC_IB_TIMEOUT";
+/// The environment variable setting the transport retry count of our QPs (0..=7,
+/// NCCL_IB_RETRY_CNT-style).
+pub const ENV_RETRY_CNT: &str = "RPC_IB_RETRY_CNT";
 
 /// Most QPs one connection may be striped over.
 pub const MAX_QPS_PER_CONNECTION: u32 = crate::verbs::MAX_QPS_PER_CONNECTION;
