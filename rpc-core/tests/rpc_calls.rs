@@ -698,18 +698,7 @@ async fn cancel_one(mode: ClientPoller) {
     .await;
     assert_eq!(state.dropped.load(Ordering::Acquire), 1);
     srv.settle("live calls back to 0").await;
-    let r: Response<Blob> = call(
-        &ch,
-        Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 2,
-            data: pattern(10, 2),
-        }),
-    )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 2, 10, "after a cancellation");
+    echo_ok(&ch, Api::Async, 2, 10, "after a cancellation").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -849,18 +838,14 @@ async fn cancel_storm(mode: ClientPoller) {
             .await
             .unwrap();
     }
-    let r: Response<Blob> = call(
+    echo_ok(
         &ch,
         Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 5,
-            data: pattern(big, 5),
-        }),
+        5,
+        big,
+        "large echo after the cancellations",
     )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 5, big, "large echo after the cancellations");
+    .await;
     srv.settle("live calls back to 0").await;
 }
 
@@ -918,18 +903,7 @@ async fn unknown_method_is_unimplemented() {
             "no handler ran"
         );
     }
-    let r: Response<Blob> = call(
-        &ch,
-        Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 3,
-            data: pattern(3, 3),
-        }),
-    )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 3, 3, "echo after UNIMPLEMENTED");
+    echo_ok(&ch, Api::Async, 3, 3, "echo after UNIMPLEMENTED").await;
 }
 
 // ----- 6. statuses and metadata --------------------------------------------------------------
@@ -1368,18 +1342,7 @@ async fn pipeline_statuses_deadlines_and_drop() {
     })
     .await;
     srv.settle("live calls back to 0").await;
-    let r: Response<Blob> = call(
-        &ch,
-        Api::Blocking,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 3,
-            data: pattern(10, 3),
-        }),
-    )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 3, 10, "after the pipeline");
+    echo_ok(&ch, Api::Blocking, 3, 10, "after the pipeline").await;
 }
 
 /// A dropped pipeline of many calls: more Cancels than the client has credits for wait
@@ -1416,18 +1379,7 @@ async fn dropped_pipeline_cancels_case(mode: ClientPoller) {
     )
     .await;
     srv.settle("live calls back to 0").await;
-    let r: Response<Blob> = call(
-        &ch,
-        Api::Blocking,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 1,
-            data: pattern(10, 1),
-        }),
-    )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 1, 10, "after the dropped pipeline");
+    echo_ok(&ch, Api::Blocking, 1, 10, "after the dropped pipeline").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1515,18 +1467,7 @@ async fn a_forged_endpoint_is_refused_as_invalid() {
     assert_eq!(r.code, Code::InvalidArgument, "{r:?}");
     assert!(r.reason.contains("connect QP"), "{r:?}");
     let ch = srv.channel(ClientPoller::Thread).await;
-    let r: Response<Blob> = call(
-        &ch,
-        Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 1,
-            data: pattern(10, 1),
-        }),
-    )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 1, 10, "after a forged hello");
+    echo_ok(&ch, Api::Async, 1, 10, "after a forged hello").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1561,18 +1502,7 @@ async fn garbage_handshakes_are_refused_with_reasons() {
     assert!(raw_exchange(&addr, &[]).await.len() < 600);
     // Healthy: a real client connects and calls.
     let ch = srv.channel(ClientPoller::Thread).await;
-    let r: Response<Blob> = call(
-        &ch,
-        Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 1,
-            data: pattern(10, 1),
-        }),
-    )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 1, 10, "after garbage");
+    echo_ok(&ch, Api::Async, 1, 10, "after garbage").await;
     srv.settle("live calls back to 0").await;
 }
 
@@ -1612,18 +1542,7 @@ async fn auth_token_is_required_and_refusals_take_no_slot() {
     )
     .await
     .expect("the right token is accepted");
-    let r: Response<Blob> = call(
-        &good,
-        Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 1,
-            data: pattern(10, 1),
-        }),
-    )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 1, 10, "authenticated call");
+    echo_ok(&good, Api::Async, 1, 10, "authenticated call").await;
     // The one slot is taken: a second client is refused, with a reason.
     let e = within(
         Duration::from_secs(20),
@@ -1681,18 +1600,7 @@ async fn auth_token_is_required_and_refusals_take_no_slot() {
             }
         }
     };
-    let r: Response<Blob> = call(
-        &again,
-        Api::Async,
-        &lab_server::ECHO,
-        Request::new(Blob {
-            seq: 2,
-            data: pattern(10, 2),
-        }),
-    )
-    .await
-    .unwrap();
-    check_blob(r.get_ref(), 2, 10, "second authenticated client");
+    echo_ok(&again, Api::Async, 2, 10, "second authenticated client").await;
 }
 
 /// The deadline covers the whole call, including the wait for a free call cell: a call
@@ -1959,18 +1867,7 @@ async fn connection_churn_returns_server_slots() {
                 }
             }
         };
-        let r: Response<Blob> = call(
-            &ch,
-            Api::Async,
-            &lab_server::ECHO,
-            Request::new(Blob {
-                seq: i,
-                data: pattern(20_000, i),
-            }),
-        )
-        .await
-        .unwrap();
-        check_blob(r.get_ref(), i, 20_000, "churn");
+        echo_ok(&ch, Api::Async, i, 20_000, "churn").await;
         // Half of them leave with a call in flight.
         if i % 2 == 1 {
             let f = ch.unary::<_, Blob>(&lab_server::SLEEP, Request::new(sleep_req(i, 10_000)));

@@ -55,18 +55,7 @@ async fn a_connection_uses_as_many_qps_as_both_sides_allow() {
         assert_eq!(ch.qps_per_connection(), got, "client asked for {asked}");
         // Small and striped calls work on it.
         for n in [10usize, 1 << 20] {
-            let r: Response<Blob> = call(
-                &ch,
-                Api::Async,
-                &lab_server::ECHO,
-                Request::new(Blob {
-                    seq: 7,
-                    data: pattern(n, 7),
-                }),
-            )
-            .await
-            .unwrap();
-            check_blob(r.get_ref(), 7, n, &format!("{asked} QPs asked, {n} B"));
+            echo_ok(&ch, Api::Async, 7, n, &format!("{asked} QPs asked, {n} B")).await;
         }
     }
     // A server left at the provider's default (1 on soft unless configured) gives one QP.

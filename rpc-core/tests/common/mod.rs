@@ -696,6 +696,23 @@ where
     }
 }
 
+/// An echo of `len` pattern bytes tagged `seq` through `api` that must come back intact:
+/// the channel still works (after a cancel, a failure, a forged peer...).
+pub async fn echo_ok(ch: &Channel, api: Api, seq: u64, len: usize, what: &str) {
+    let r: Response<Blob> = call(
+        ch,
+        api,
+        &lab_server::ECHO,
+        Request::new(Blob {
+            seq,
+            data: pattern(len, seq),
+        }),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    check_blob(r.get_ref(), seq, len, what);
+}
+
 /// `n` calls of mixed sizes (small, around the eager limit, rendezvous) with up to `depth` in
 /// flight through one pipeline; every tag comes back once with its own payload.
 pub fn pipeline_run(ch: &rpc_core::Channel, n: u64, depth: usize) {
