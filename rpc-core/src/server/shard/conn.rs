@@ -210,6 +210,7 @@ pub(super) fn qp_caps(caps: &crate::verbs::Caps, peer_ring: u32, peer_calls: u32
 impl<P: Provider> Shard<P> {
     pub(super) fn drain_inbox(&mut self) -> usize {
         let mut n = 0;
+        let mut connected = false;
         while let Some(msg) = self.inbox.pop() {
             n += 1;
             match msg {
@@ -221,11 +222,19 @@ impl<P: Provider> Shard<P> {
                 } => {
                     let r = self.connect(hello, peer, closed);
                     let _ = reply.send(r);
+                    connected = true;
                 }
                 ShardMsg::Disconnect(key) => {
                     self.close(key, &Status::unavailable("client disconnected"));
                 }
             }
+        }
+        if connected {
+            // The acceptor task that sends the Welcome was just woken, and may wait for this
+            // very core (a server on one core; a contended host): a shard that goes on
+            // spinning holds it up for a scheduler slice, milliseconds, while the client
+            // waits. A connect is rare enough for one yield.
+            std::thread::yield_now();
         }
         n
     }
