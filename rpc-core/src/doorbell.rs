@@ -22,6 +22,7 @@ impl Doorbell {
     /// When no eventfd can be created.
     pub fn new() -> std::io::Result<Arc<Doorbell>> {
         let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?;
+        crate::fdtable::opened(&fd);
         Ok(Arc::new(Doorbell {
             fd,
             sleeping: AtomicBool::new(false),

@@ -103,6 +103,7 @@ pub mod codegen;
 mod connect;
 mod doorbell;
 mod error;
+mod fdtable;
 pub mod intercept;
 mod link;
 mod memcopy;

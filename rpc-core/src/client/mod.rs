@@ -1195,6 +1195,7 @@ async fn connect_tcp(b: &ChannelBuilder) -> Result<TcpStream, Error> {
                 e,
             )
         })?;
+    crate::fdtable::opened(&stream);
     let _ = stream.set_nodelay(true);
     let keep_alive = KeepAlive::from_options(b.keep_alive_interval, b.keep_alive_timeout);
     if let Some(k) = keep_alive

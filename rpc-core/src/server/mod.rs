@@ -626,6 +626,7 @@ async fn accept_loop(
                 continue;
             }
         };
+        crate::fdtable::opened(&stream);
         let _ = stream.set_nodelay(true);
         if let Some(k) = KeepAlive::from_options(cfg.keep_alive_interval, cfg.keep_alive_timeout)
             && let Err(e) = k.apply(&stream)

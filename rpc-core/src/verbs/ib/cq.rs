@@ -77,6 +77,8 @@ impl IbCompChannel {
         })?;
         // SAFETY: `ch` was just returned by libibverbs and is valid.
         let fd = unsafe { (*ch.as_ptr()).fd };
+        // SAFETY: the channel owns `fd` and outlives this borrow.
+        crate::fdtable::opened(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) });
         let shared = Arc::new(ChanShared {
             ch,
             fd,

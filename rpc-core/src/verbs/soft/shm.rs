@@ -144,6 +144,7 @@ pub(crate) fn memfd(name: &str, len: u64) -> io::Result<OwnedFd> {
     }
     // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    crate::fdtable::opened(&fd);
     let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
     // SAFETY: plain syscall on a descriptor we own.
     if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } != 0 {
@@ -195,7 +196,9 @@ pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     }
     let fd = RawFd::try_from(r).map_err(|_| io::Error::other("pidfd out of range"))?;
     // SAFETY: the kernel just returned this new descriptor; we own it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    crate::fdtable::opened(&fd);
+    Ok(fd)
 }
 
 /// A duplicate of descriptor `fd` of the process behind `pidfd` (`pidfd_getfd`), falling back to
@@ -208,7 +211,9 @@ pub(crate) fn pidfd_getfd(pidfd: BorrowedFd<'_>, pid: u32, fd: u32) -> io::Resul
     if r >= 0 {
         let raw = RawFd::try_from(r).map_err(|_| io::Error::other("fd out of range"))?;
         // SAFETY: the kernel just returned this new descriptor; we own it.
-        return Ok(unsafe { OwnedFd::from_raw_fd(raw) });
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        crate::fdtable::opened(&fd);
+        return Ok(fd);
     }
     let err = io::Error::last_os_error();
     if err.raw_os_error() != Some(libc::ENOSYS) && err.raw_os_error() != Some(libc::EPERM) {
@@ -220,6 +225,7 @@ pub(crate) fn pidfd_getfd(pidfd: BorrowedFd<'_>, pid: u32, fd: u32) -> io::Resul
         .write(true)
         .open(&path)
         .or_else(|_| std::fs::File::open(&path))?;
+    crate::fdtable::opened(&f);
     Ok(OwnedFd::from(f))
 }
 
@@ -236,7 +242,9 @@ impl EventFd {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: the kernel just returned this new descriptor; we own it.
-        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        crate::fdtable::opened(&fd);
+        Ok(EventFd(fd))
     }
 
     /// Adds one to the counter (wakes a sleeper).
