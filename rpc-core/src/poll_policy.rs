@@ -35,6 +35,17 @@
 //! ([`LOST_SHARE`]) of [`LOST_WINDOW`]. A loop that was contended a moment ago is again at
 //! its next preemption, whatever its length.
 //!
+//! A spinner also keeps a core it shares from a thread that has work. Beside a thread that
+//! sleeps most of the time (a server's acceptor task, the tokio worker a poller woke, a
+//! process's control thread) a spinning loop is not preempted: the woken thread waits for the
+//! spinner's time slice to end, milliseconds, and the spinner sees no gap, since it never lost
+//! its core. The thread it holds up is often the one that brings its next work (an acceptor
+//! that reads a Hello before the shard can set the connection up). So a quiet loop that has
+//! spun for [`GIVE_WAY`] yields once ([`Budget::give_way`]), and again every [`GIVE_WAY`]: a
+//! woken thread beside it waits that long at most. A yield with no other thread runnable is a
+//! short system call; an idle phase shorter than [`GIVE_WAY`] (a loop answering calls back to
+//! back) makes none.
+//!
 //! Once it noticed, the loop is *contended* for a while ([`CONTENDED_FOR`], doubled up to
 //! [`MAX_CONTENDED_FOR`] when contention comes back right after it ended): it spins only
 //! [`Budget::contended_spin`] turns, then sleeps. With no new evidence it returns to full
@@ -71,6 +82,10 @@ pub(crate) const CONTENDED_FOR: Duration = Duration::from_millis(100);
 /// end doubles the next, up to this.
 pub(crate) const MAX_CONTENDED_FOR: Duration = Duration::from_millis(1600);
 
+/// A quiet loop that spins this long without work yields once, and again each time this much
+/// more has passed (see the module docs).
+pub(crate) const GIVE_WAY: Duration = Duration::from_micros(20);
+
 /// Idle turns a contended loop spins before it sleeps: enough for two clock reads, so a
 /// contended phase can renew the evidence.
 pub(crate) const CONTENDED_SPIN: u32 = 2 * CLOCK_EVERY;
@@ -101,6 +116,8 @@ pub(crate) struct Budget {
     /// Idle turns spinning on a contended host, before it sleeps (no yields: a yield on a
     /// contended core gives it away for a time slice).
     pub(crate) contended_spin: u32,
+    /// Whether a quiet loop spinning for [`GIVE_WAY`] yields once (see the module docs).
+    pub(crate) give_way: bool,
 }
 
 impl Budget {
@@ -109,6 +126,7 @@ impl Budget {
         spin: u32::MAX,
         yields: 0,
         contended_spin: CONTENDED_SPIN,
+        give_way: true,
     };
 
     /// Spin, yield a little, then sleep (`ShardPolling::Adaptive`, the poller thread).
@@ -117,6 +135,16 @@ impl Budget {
             spin,
             yields,
             contended_spin: CONTENDED_SPIN,
+            give_way: true,
+        }
+    }
+
+    /// The same budget without the periodic yield: for a loop that gives its thread back on
+    /// its own before [`GIVE_WAY`] is up.
+    pub(crate) const fn without_give_way(self) -> Budget {
+        Budget {
+            give_way: false,
+            ..self
         }
     }
 }
@@ -142,6 +170,10 @@ pub(crate) struct Spinner {
     lost: Duration,
     /// When the current window began (its first preemption).
     window: Option<Instant>,
+    /// When this idle phase last gave way (or its first clock read): see [`GIVE_WAY`].
+    gave_way: Option<Instant>,
+    /// A clock read happened since the last idle turn looked at `gave_way`.
+    fresh: bool,
 }
 
 impl Default for Spinner {
@@ -162,6 +194,8 @@ impl Spinner {
             hold: CONTENDED_FOR,
             lost: Duration::ZERO,
             window: None,
+            gave_way: None,
+            fresh: false,
         }
     }
 
@@ -187,6 +221,7 @@ impl Spinner {
     /// preemption.
     fn read_clock(&mut self, clock: impl FnOnce() -> Instant) {
         self.since_clock = 0;
+        self.fresh = true;
         let now = clock();
         match self.last {
             Some(last) if now.saturating_duration_since(last) > PREEMPTED => {
@@ -209,11 +244,22 @@ impl Spinner {
         if self.idle == 0 {
             self.last = None;
             self.since_clock = 0;
+            self.gave_way = None;
+            self.fresh = false;
         }
         self.idle = self.idle.saturating_add(1);
         self.since_clock += 1;
         if self.since_clock >= CLOCK_EVERY {
             self.read_clock(clock);
+        }
+        // At most once per clock read (here or in `before_turn`).
+        if std::mem::take(&mut self.fresh)
+            && budget.give_way
+            && !self.contended
+            && self.idle <= budget.spin
+            && self.give_way()
+        {
+            return Wait::Yield;
         }
         if self.contended {
             if self.idle <= budget.contended_spin {
@@ -227,6 +273,25 @@ impl Spinner {
             Wait::Yield
         } else {
             Wait::Sleep
+        }
+    }
+
+    /// At a clock read of a quiet spinning phase: whether [`GIVE_WAY`] passed since the phase's
+    /// first read or its last yield.
+    fn give_way(&mut self) -> bool {
+        let Some(now) = self.last else {
+            return false;
+        };
+        match self.gave_way {
+            Some(t) if now.saturating_duration_since(t) >= GIVE_WAY => {
+                self.gave_way = Some(now);
+                true
+            }
+            Some(_) => false,
+            None => {
+                self.gave_way = Some(now);
+                false
+            }
         }
     }
 
@@ -384,6 +449,69 @@ mod tests {
         assert!(!s.is_contended());
     }
 
+    /// The decisions of `n` idle turns, the clock moving `step` per turn.
+    fn decisions(s: &mut Spinner, b: &Budget, c: &mut Clock, n: u32, step: Duration) -> Vec<Wait> {
+        (0..n).map(|_| turns(s, b, c, 1, step)).collect()
+    }
+
+    #[test]
+    fn a_long_quiet_spin_gives_way_once_per_give_way() {
+        let per_give_way = u32::try_from(GIVE_WAY.as_nanos() / TURN.as_nanos()).unwrap();
+        for b in [Budget::BUSY, Budget::adaptive(u32::MAX, 0)] {
+            let (mut s, mut c) = (Spinner::new(), Clock::new());
+            // 10 GIVE_WAYs of spinning: a yield after each (timed from the phase's first
+            // clock read, so 9 or 10), each at a clock read, the rest spins.
+            let d = decisions(&mut s, &b, &mut c, 10 * per_give_way, TURN);
+            let yields: Vec<usize> = (0..d.len()).filter(|&i| d[i] == Wait::Yield).collect();
+            assert!((9..=10).contains(&yields.len()), "{} yields", yields.len());
+            assert!(yields.iter().all(|&i| (i + 1) % CLOCK_EVERY as usize == 0));
+            assert!(d.iter().all(|w| matches!(w, Wait::Spin | Wait::Yield)));
+            assert!(!s.is_contended());
+        }
+    }
+
+    #[test]
+    fn a_loop_that_reads_the_clock_every_turn_gives_way_too() {
+        // Past CLOCK_EVERY idle turns `before_turn` reads the clock at every turn, as the
+        // shard's and the poller's loops call it.
+        let per_give_way = u32::try_from(GIVE_WAY.as_nanos() / TURN.as_nanos()).unwrap();
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        let yields = (0..10 * per_give_way)
+            .filter(|_| loop_turns(&mut s, &Budget::BUSY, &mut c, 1) == Wait::Yield)
+            .count();
+        assert!((9..=10).contains(&yields), "{yields} yields");
+    }
+
+    #[test]
+    fn idle_phases_shorter_than_give_way_never_yield() {
+        let per_give_way = u32::try_from(GIVE_WAY.as_nanos() / TURN.as_nanos()).unwrap();
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        for _ in 0..1000 {
+            // A loop answering calls back to back: idle phases of half a GIVE_WAY.
+            let d = decisions(&mut s, &Budget::BUSY, &mut c, per_give_way / 2, TURN);
+            assert!(d.iter().all(|&w| w == Wait::Spin));
+            s.work();
+        }
+    }
+
+    #[test]
+    fn no_give_way_when_the_budget_says_so_or_when_contended() {
+        let per_give_way = u32::try_from(GIVE_WAY.as_nanos() / TURN.as_nanos()).unwrap();
+        let b = Budget::BUSY.without_give_way();
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        let d = decisions(&mut s, &b, &mut c, 10 * per_give_way, TURN);
+        assert!(d.iter().all(|&w| w == Wait::Spin));
+        // Contended: a brief spin, then sleep; never a yield (it would give the core away
+        // for a time slice).
+        let (mut s, mut c) = (Spinner::new(), Clock::new());
+        turns(&mut s, &Budget::BUSY, &mut c, CLOCK_EVERY, TURN);
+        gap(&mut s, &Budget::BUSY, &mut c, Duration::from_millis(3));
+        assert!(s.is_contended());
+        s.work();
+        let d = decisions(&mut s, &Budget::BUSY, &mut c, 10 * per_give_way, TURN);
+        assert!(d.iter().all(|&w| w != Wait::Yield));
+    }
+
     #[test]
     fn short_phases_read_no_clock() {
         let b = Budget::BUSY;
@@ -439,7 +567,8 @@ mod tests {
         for _ in 0..100 {
             s.work();
             turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
-            assert_eq!(gap(&mut s, &b, &mut c, short), Wait::Spin);
+            // Quiet: it goes on spinning (it may give way once: the gap outlasts GIVE_WAY).
+            assert_ne!(gap(&mut s, &b, &mut c, short), Wait::Sleep);
             c.advance(Duration::from_millis(10));
         }
         assert!(!s.is_contended());
@@ -447,7 +576,7 @@ mod tests {
         let (mut s, mut c) = (Spinner::new(), Clock::new());
         turns(&mut s, &b, &mut c, CLOCK_EVERY, TURN);
         for _ in 1..enough {
-            assert_eq!(gap(&mut s, &b, &mut c, short), Wait::Spin);
+            assert_ne!(gap(&mut s, &b, &mut c, short), Wait::Sleep);
         }
         assert!(!s.is_contended());
         gap(&mut s, &b, &mut c, short);

@@ -117,10 +117,17 @@ pub trait Service: Send + Sync + 'static {
 /// `Busy` backs off too: it asked for a core, and on a host that gives it one (a quiet or
 /// reserved core) it never sees a gap and spins forever; on a host that does not, spinning
 /// cannot buy the latency it was chosen for, only cost the other threads theirs.
+///
+/// Both also yield once every 20 µs of spinning without work. A thread that shares the
+/// shard's core and wakes only now and then (the server's acceptor task, a handler's runtime
+/// worker) does not preempt a spinning thread: without the yield it waited for the shard's
+/// time slice to end, milliseconds, and a new connection with it (the acceptor reads the
+/// Hello the shard needs). With no other thread runnable a yield is a short system call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum ShardPolling {
     /// Spin on the CQ: lowest latency, one core per shard. Forever while the shard has its
-    /// core; briefly, then sleep, while it is preempted (see above).
+    /// core (yielding every 20 µs of it to a thread that waits for the core); briefly, then
+    /// sleep, while it is preempted (see above).
     Busy,
     /// Spin (about 20,000 idle turns), then yield, then sleep on the completion channel
     /// (default); on a contended host spin briefly, then sleep.

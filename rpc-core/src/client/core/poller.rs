@@ -155,8 +155,9 @@ impl<P: Provider> ClientCore<P> {
 const CALLER_DRIVE_FOR: Duration = Duration::from_micros(200);
 
 /// The spinning of that drive: no limit in turns on a quiet host (the time is), the
-/// detector's brief spin on a contended one.
-const CALLER_DRIVE: Budget = Budget::adaptive(u32::MAX, 0);
+/// detector's brief spin on a contended one; no periodic yield (the drive hands its thread
+/// back within `CALLER_DRIVE_FOR`).
+const CALLER_DRIVE: Budget = Budget::adaptive(u32::MAX, 0).without_give_way();
 
 /// Async calls of this process waiting for their outcome: a call drives its connection
 /// from its own task only when it is the only one (a task that busy-waits inside its poll
