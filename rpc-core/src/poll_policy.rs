@@ -138,15 +138,6 @@ impl Budget {
             give_way: true,
         }
     }
-
-    /// The same budget without the periodic yield: for a loop that gives its thread back on
-    /// its own before [`GIVE_WAY`] is up.
-    pub(crate) const fn without_give_way(self) -> Budget {
-        Budget {
-            give_way: false,
-            ..self
-        }
-    }
 }
 
 /// The detector's state for one polling thread (see the module docs). `Copy` and small: a
@@ -497,7 +488,10 @@ mod tests {
     #[test]
     fn no_give_way_when_the_budget_says_so_or_when_contended() {
         let per_give_way = u32::try_from(GIVE_WAY.as_nanos() / TURN.as_nanos()).unwrap();
-        let b = Budget::BUSY.without_give_way();
+        let b = Budget {
+            give_way: false,
+            ..Budget::BUSY
+        };
         let (mut s, mut c) = (Spinner::new(), Clock::new());
         let d = decisions(&mut s, &b, &mut c, 10 * per_give_way, TURN);
         assert!(d.iter().all(|&w| w == Wait::Spin));

@@ -155,9 +155,9 @@ impl<P: Provider> ClientCore<P> {
 const CALLER_DRIVE_FOR: Duration = Duration::from_micros(200);
 
 /// The spinning of that drive: no limit in turns on a quiet host (the time is), the
-/// detector's brief spin on a contended one; no periodic yield (the drive hands its thread
-/// back within `CALLER_DRIVE_FOR`).
-const CALLER_DRIVE: Budget = Budget::adaptive(u32::MAX, 0).without_give_way();
+/// detector's brief spin on a contended one, and a yield every `poll_policy::GIVE_WAY` (the
+/// server's shard or the poller thread may share the core).
+const CALLER_DRIVE: Budget = Budget::adaptive(u32::MAX, 0);
 
 /// Async calls of this process waiting for their outcome: a call drives its connection
 /// from its own task only when it is the only one (a task that busy-waits inside its poll
@@ -237,16 +237,18 @@ impl<P: Provider> ClientCore<P> {
                         spin.before_turn(Instant::now);
                         if self.progress() > 0 {
                             spin.work();
-                        } else if !matches!(spin.idle(&CALLER_DRIVE, Instant::now), Wait::Spin) {
-                            return None;
                         } else {
+                            match spin.idle(&CALLER_DRIVE, Instant::now) {
+                                Wait::Sleep => return None,
+                                Wait::Yield => std::thread::yield_now(),
+                                Wait::Spin => std::hint::spin_loop(),
+                            }
                             idle = idle.wrapping_add(1);
                             if idle.is_multiple_of(CLOCK_EVERY)
                                 && start.elapsed() >= CALLER_DRIVE_FOR
                             {
                                 return None;
                             }
-                            std::hint::spin_loop();
                         }
                         if let Some(o) = mb.try_done() {
                             return Some(o);
