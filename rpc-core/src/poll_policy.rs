@@ -342,6 +342,57 @@ impl Spinner {
     }
 }
 
+/// How a loop whose turns are interleaved with other work waits (a task that yields to its
+/// runtime between turns): clock gaps say nothing there, since the runtime runs the other
+/// tasks in them, so time alone decides. It spins for `spin_for` without work, yielding its
+/// thread once every [`GIVE_WAY`] of it, then sleeps; work starts a new phase.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TimedSpin {
+    spin_for: Duration,
+    /// Idle turns of this phase.
+    idle: u32,
+    /// The phase's first clock read, and its last yield.
+    since: Option<Instant>,
+    gave_way: Option<Instant>,
+}
+
+impl TimedSpin {
+    pub(crate) const fn new(spin_for: Duration) -> TimedSpin {
+        TimedSpin {
+            spin_for,
+            idle: 0,
+            since: None,
+            gave_way: None,
+        }
+    }
+
+    /// The loop did work (or slept): the next idle turn starts a new phase.
+    pub(crate) fn work(&mut self) {
+        self.idle = 0;
+        self.since = None;
+        self.gave_way = None;
+    }
+
+    /// One idle turn: what to do now. `clock` is called every [`CLOCK_EVERY`] idle turns.
+    pub(crate) fn idle(&mut self, clock: impl FnOnce() -> Instant) -> Wait {
+        self.idle = self.idle.saturating_add(1);
+        if !self.idle.is_multiple_of(CLOCK_EVERY) {
+            return Wait::Spin;
+        }
+        let now = clock();
+        let since = *self.since.get_or_insert(now);
+        if now.saturating_duration_since(since) >= self.spin_for {
+            return Wait::Sleep;
+        }
+        let gave_way = *self.gave_way.get_or_insert(since);
+        if now.saturating_duration_since(gave_way) >= GIVE_WAY {
+            self.gave_way = Some(now);
+            return Wait::Yield;
+        }
+        Wait::Spin
+    }
+}
+
 thread_local! {
     /// The detector of a thread that waits by driving a connection itself (blocking calls,
     /// pipelines): kept across its calls, so that contention seen in one call counts for the
@@ -504,6 +555,67 @@ mod tests {
         s.work();
         let d = decisions(&mut s, &Budget::BUSY, &mut c, 10 * per_give_way, TURN);
         assert!(d.iter().all(|&w| w != Wait::Yield));
+    }
+
+    #[test]
+    fn a_timed_spin_yields_every_give_way_and_sleeps_when_its_time_is_up() {
+        let spin_for = Duration::from_micros(200);
+        let (mut t, mut c) = (TimedSpin::new(spin_for), Clock::new());
+        let next = |c: &mut Clock, t: &mut TimedSpin| {
+            c.advance(TURN);
+            t.idle(|| {
+                c.reads += 1;
+                c.now
+            })
+        };
+        let mut yields = 0;
+        let mut turns = 0u32;
+        let slept_after = loop {
+            turns += 1;
+            match next(&mut c, &mut t) {
+                Wait::Spin => {}
+                Wait::Yield => yields += 1,
+                Wait::Sleep => break turns,
+            }
+            assert!(turns < 1_000_000);
+        };
+        // 200 µs of 50 ns turns, give or take a clock read; a yield every 20 µs of it.
+        let per = u32::try_from(spin_for.as_nanos() / TURN.as_nanos()).unwrap();
+        assert!(
+            slept_after.abs_diff(per) <= CLOCK_EVERY,
+            "slept after {slept_after}"
+        );
+        assert!((9..=10).contains(&yields), "{yields} yields");
+        assert_eq!(c.reads, slept_after / CLOCK_EVERY);
+        // Work (or the sleep) starts a new phase with its full time.
+        t.work();
+        for _ in 0..per / 2 {
+            assert_ne!(next(&mut c, &mut t), Wait::Sleep);
+        }
+    }
+
+    #[test]
+    fn a_timed_spin_ignores_the_time_between_its_turns() {
+        // Whatever runs between turns (other tasks) only counts as the phase's time: a long
+        // gap brings the sleep sooner, never "contention".
+        let (mut t, mut c) = (TimedSpin::new(Duration::from_micros(200)), Clock::new());
+        for _ in 0..CLOCK_EVERY {
+            c.advance(TURN);
+            t.idle(|| c.now);
+        }
+        c.advance(Duration::from_millis(5));
+        let mut w = Wait::Spin;
+        for _ in 0..CLOCK_EVERY {
+            c.advance(TURN);
+            w = t.idle(|| c.now);
+        }
+        assert_eq!(w, Wait::Sleep);
+        t.work();
+        for _ in 0..CLOCK_EVERY {
+            c.advance(TURN);
+            w = t.idle(|| c.now);
+        }
+        assert_eq!(w, Wait::Spin, "a new phase spins again at once");
     }
 
     #[test]

@@ -2,20 +2,23 @@
 //! doorbell and the completion channel), the driver task of `ClientPoller::Caller`, and callers
 //! that drive it themselves.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
+use tokio::io::unix::AsyncFd;
 use tracing::{info, warn};
 
 use crate::Status;
 use crate::client::ClientPoller;
 use crate::doorbell::wait_readable;
-use crate::poll_policy::{Budget, CLOCK_EVERY, Wait, with_thread_spinner};
+use crate::poll_policy::{Budget, CLOCK_EVERY, TimedSpin, Wait, with_thread_spinner};
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
 use super::group::{Listing, Member};
+use super::submit::CALLER_MAX_SLEEP;
 use super::{ClientCore, Driver, Outcome};
 
 /// How often an idle `ClientPoller::Caller` driver task polls a connection that still has
@@ -85,12 +88,19 @@ impl<P: Provider> ClientCore<P> {
         };
         let mut turns = 0u32;
         let mut events_at = Instant::now();
+        // While calls are in flight the task turns once per runtime turn for up to
+        // `DRIVE_SPIN_FOR` without work, then sleeps on the completion channel: a task that
+        // only yields to its runtime keeps its thread runnable, and on a host with more
+        // runnable threads than cores (client processes beside the server) the server and
+        // the other processes waited for it, a scheduler tick at a time.
+        let mut spin = TimedSpin::new(DRIVE_SPIN_FOR);
+        let mut channel: Option<AsyncFd<OwnedFd>> = None;
         loop {
             let Some(core) = weak.upgrade() else { return };
             if core.stop.load(Ordering::Acquire) {
                 return;
             }
-            core.progress();
+            let work = core.progress();
             if core.busy() {
                 // Calls are in flight: look at the device's events every few milliseconds
                 // (a clock read every `CLOCK_EVERY` turns).
@@ -99,6 +109,18 @@ impl<P: Provider> ClientCore<P> {
                     events_at = Instant::now();
                     if let Some(mut d) = core.driver.try_lock() {
                         d.device_events(&core);
+                    }
+                }
+                if work > 0 {
+                    spin.work();
+                } else {
+                    match spin.idle(Instant::now) {
+                        Wait::Spin => {}
+                        Wait::Yield => std::thread::yield_now(),
+                        Wait::Sleep => {
+                            core.sleep_async(&drive, &mut channel, &mut spin).await;
+                            continue;
+                        }
                     }
                 }
                 drop(core);
@@ -132,6 +154,53 @@ impl<P: Provider> ClientCore<P> {
         }
     }
 
+    /// The driver task's sleep once it spun long enough, the async twin of [`Driver::sleep`]: arms
+    /// the CQ (unless work came meanwhile) and waits for the completion channel, a
+    /// submission (`drive`, notified by every `kick`), or the timeout (a protocol timer, at
+    /// most [`CALLER_MAX_SLEEP`]). The channel's descriptor is registered with the runtime at
+    /// the first such sleep, as a duplicate the task owns (it outlives the core's own).
+    async fn sleep_async(
+        &self,
+        drive: &tokio::sync::Notify,
+        channel: &mut Option<AsyncFd<OwnedFd>>,
+        spin: &mut TimedSpin,
+    ) {
+        let notified = drive.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let asked = match self.driver.try_lock() {
+            Some(mut d) => d.prepare_sleep(self, CALLER_MAX_SLEEP),
+            None => None,
+        };
+        spin.work();
+        let Some(asked) = asked else {
+            // Work came, or a caller drives the connection this instant.
+            return;
+        };
+        if channel.is_none() {
+            *channel = register_channel(self.channel_fd);
+        }
+        match channel.as_ref() {
+            Some(ch) if !self.is_lost() => {
+                tokio::select! {
+                    () = &mut notified => {}
+                    r = ch.readable() => {
+                        if let Ok(mut ready) = r {
+                            ready.clear_ready();
+                        }
+                    }
+                    () = tokio::time::sleep(asked) => {}
+                }
+                if let Some(d) = self.driver.try_lock() {
+                    let _ = d.channel.drain();
+                }
+            }
+            _ => {
+                let _ = tokio::time::timeout(asked, notified).await;
+            }
+        }
+    }
+
     /// Drives the connection once if no one else is: returns the work done (0 when idle or
     /// when another thread holds the driver token).
     pub(crate) fn progress(&self) -> usize {
@@ -158,6 +227,33 @@ const CALLER_DRIVE_FOR: Duration = Duration::from_micros(200);
 /// detector's brief spin on a contended one, and a yield every `poll_policy::GIVE_WAY` (the
 /// server's shard or the poller thread may share the core).
 const CALLER_DRIVE: Budget = Budget::adaptive(u32::MAX, 0);
+
+/// How long the `ClientPoller::Caller` driver task turns without work, while calls are in
+/// flight, before it sleeps on the completion channel: as long as a lone async caller of a
+/// thread-polled connection drives it (an answer from a shard that slept is in it).
+const DRIVE_SPIN_FOR: Duration = CALLER_DRIVE_FOR;
+
+/// A runtime registration of a duplicate of the completion channel's descriptor `fd`;
+/// `None` (the task then sleeps on its timer and submissions only) when it cannot be made.
+fn register_channel(fd: std::os::fd::RawFd) -> Option<AsyncFd<OwnedFd>> {
+    // SAFETY: `fd` is the core's completion channel, open while the core lives (the caller
+    // holds it).
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let dup = match rustix::io::fcntl_dupfd_cloexec(borrowed, 0) {
+        Ok(d) => d,
+        Err(e) => {
+            warn!(
+                "cannot duplicate a completion channel's descriptor ({e}): the driver task sleeps on timers"
+            );
+            return None;
+        }
+    };
+    crate::fdtable::opened(&dup);
+    // SAFETY: the `AsyncFd` owns `dup`: it stays open, the same file, until it is dropped.
+    unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
+        .map_err(|e| warn!("cannot register a completion channel with the runtime ({e}): the driver task sleeps on timers"))
+        .ok()
+}
 
 /// Async calls of this process waiting for their outcome: a call drives its connection
 /// from its own task only when it is the only one (a task that busy-waits inside its poll

@@ -439,7 +439,7 @@ const SHORT_SLEEP: Duration = Duration::from_micros(50);
 
 /// The longest sleep of a contended caller on the completion channel. Other threads'
 /// submissions ring the doorbell, so it is only a bound for what rings no one.
-const CALLER_MAX_SLEEP: Duration = Duration::from_millis(2);
+pub(super) const CALLER_MAX_SLEEP: Duration = Duration::from_millis(2);
 
 impl<P: Provider> ClientCore<P> {
     /// One idle turn of a thread that waits by driving the connection itself (blocking calls,
