@@ -88,8 +88,26 @@ mod tests {
         line["FDSize:".len()..].trim().parse().unwrap()
     }
 
+    /// Raises the soft descriptor limit towards `want` (the hard limit allowing).
+    fn raise_soft_limit(want: u64) {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let lim = getrlimit(Resource::Nofile);
+        let soft = lim.current.unwrap_or(u64::MAX);
+        let target = want.min(lim.maximum.unwrap_or(u64::MAX));
+        if soft < target {
+            let _ = setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(target),
+                    maximum: lim.maximum,
+                },
+            );
+        }
+    }
+
     #[test]
     fn a_descriptor_past_half_the_table_grows_it_in_the_background() {
+        raise_soft_limit(8 * u64::from(FIRST));
         let limit = soft_limit();
         if limit < 4 * FIRST {
             eprintln!("skipped: RLIMIT_NOFILE {limit} leaves no room to grow past {FIRST}");
