@@ -1427,7 +1427,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
         describe,
     })?;
     if b.poller == ClientPoller::Caller {
-        tokio::spawn(ClientCore::drive_task(Arc::downgrade(&core)));
+        core.spawn_drive_task();
     }
     if b.poller == ClientPoller::Thread {
         core.join_poller().map_err(|e| {

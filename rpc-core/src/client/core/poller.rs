@@ -81,7 +81,13 @@ impl<P: Provider> ClientCore<P> {
     /// connection while calls are in flight, yielding to the runtime between turns, and sleeps
     /// when none is. The futures themselves sleep on their wakers instead of spinning. It ends
     /// when the connection is dropped or stopped.
-    pub(crate) async fn drive_task(weak: std::sync::Weak<Self>) {
+    pub(crate) fn spawn_drive_task(self: &Arc<Self>) {
+        // Registered now, at connect: the registration allocates, which a call must not.
+        let channel = register_channel(self.channel_fd);
+        tokio::spawn(Self::drive_task(Arc::downgrade(self), channel));
+    }
+
+    async fn drive_task(weak: std::sync::Weak<Self>, channel: Option<AsyncFd<OwnedFd>>) {
         let drive = match weak.upgrade() {
             Some(core) => Arc::clone(&core.drive),
             None => return,
@@ -94,7 +100,6 @@ impl<P: Provider> ClientCore<P> {
         // runnable threads than cores (client processes beside the server) the server and
         // the other processes waited for it, a scheduler tick at a time.
         let mut spin = TimedSpin::new(DRIVE_SPIN_FOR);
-        let mut channel: Option<AsyncFd<OwnedFd>> = None;
         loop {
             let Some(core) = weak.upgrade() else { return };
             if core.stop.load(Ordering::Acquire) {
@@ -118,7 +123,7 @@ impl<P: Provider> ClientCore<P> {
                         Wait::Spin => {}
                         Wait::Yield => std::thread::yield_now(),
                         Wait::Sleep => {
-                            core.sleep_async(&drive, &mut channel, &mut spin).await;
+                            core.sleep_async(&drive, channel.as_ref(), &mut spin).await;
                             continue;
                         }
                     }
@@ -157,12 +162,12 @@ impl<P: Provider> ClientCore<P> {
     /// The driver task's sleep once it spun long enough, the async twin of [`Driver::sleep`]: arms
     /// the CQ (unless work came meanwhile) and waits for the completion channel, a
     /// submission (`drive`, notified by every `kick`), or the timeout (a protocol timer, at
-    /// most [`CALLER_MAX_SLEEP`]). The channel's descriptor is registered with the runtime at
-    /// the first such sleep, as a duplicate the task owns (it outlives the core's own).
+    /// most [`CALLER_MAX_SLEEP`]). `channel` is the channel's descriptor registered with the
+    /// runtime, as a duplicate the task owns (it outlives the core's own).
     async fn sleep_async(
         &self,
         drive: &tokio::sync::Notify,
-        channel: &mut Option<AsyncFd<OwnedFd>>,
+        channel: Option<&AsyncFd<OwnedFd>>,
         spin: &mut TimedSpin,
     ) {
         let notified = drive.notified();
@@ -177,10 +182,7 @@ impl<P: Provider> ClientCore<P> {
             // Work came, or a caller drives the connection this instant.
             return;
         };
-        if channel.is_none() {
-            *channel = register_channel(self.channel_fd);
-        }
-        match channel.as_ref() {
+        match channel {
             Some(ch) if !self.is_lost() => {
                 tokio::select! {
                     () = &mut notified => {}
