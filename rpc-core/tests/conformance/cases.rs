@@ -359,7 +359,7 @@ pub fn remote_access_errors<P: Provider>(s: &mut Side<P>) {
                 let wc = poll_n(&mut c.cq, 1)[0];
                 assert_eq!(wc.status, WcStatus::RemAccessErr, "{name}: {wc:?}");
                 assert_eq!(wc.wr_id, 9);
-                assert_eq!(c.qp.state(), QpState::Error, "{name}: requester QP state");
+                assert_state_becomes(&c.qp, QpState::Error, &format!("{name}: requester"));
                 s.barrier();
             }
             Role::B => {
@@ -475,7 +475,7 @@ pub fn rnr_retry_exceeded<P: Provider>(s: &mut Side<P>) {
                 elapsed >= responder * 2,
                 "gave up after {elapsed:?}: fewer than 2 retries of the responder's {responder:?}"
             );
-            assert_eq!(c.qp.state(), QpState::Error);
+            assert_state_becomes(&c.qp, QpState::Error, "requester");
             s.barrier();
         }
         Role::B => s.barrier(),
@@ -675,7 +675,7 @@ pub fn peer_killed<P: Provider>(s: &mut Side<P>) {
             assert_eq!(wcs[0].status, WcStatus::RetryExcErr, "{wcs:?}");
             assert_eq!(wcs[1].status, WcStatus::WrFlushErr, "{wcs:?}");
             assert!(t0.elapsed() < WC_TIMEOUT);
-            assert_eq!(c.qp.state(), QpState::Error);
+            assert_state_becomes(&c.qp, QpState::Error, "requester");
             // Later work fails at once instead of hanging.
             post_send(&mut c.qp, 3, w, &[mr.sge(0, 8).unwrap()], SIG);
             assert_eq!(poll_n(&mut c.cq, 1)[0].status, WcStatus::WrFlushErr);
@@ -1109,7 +1109,7 @@ pub fn window_loans<P: Provider>(s: &mut Side<P>) {
                     assert_eq!(read_mr(&mr, 0, WIN), &pattern(7, LEN)[OFF..OFF + WIN]);
                 } else {
                     assert_eq!(wc.status, WcStatus::RemAccessErr, "{name}: {wc:?}");
-                    assert_eq!(qp.state(), QpState::Error, "{name}: requester QP state");
+                    assert_state_becomes(qp, QpState::Error, &format!("{name}: requester"));
                 }
                 s.barrier();
             }

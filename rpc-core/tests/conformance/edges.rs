@@ -136,7 +136,7 @@ pub fn recv_too_small<P: Provider>(s: &mut Side<P>) {
             let wc = poll_n(&mut c.cq, 1)[0];
             assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RemInvReqErr), "{wc:?}");
             assert_eq!(wc.qp_num, c.qp.qp_num());
-            assert_eq!(c.qp.state(), QpState::Error);
+            assert_state_becomes(&c.qp, QpState::Error, "requester");
             s.barrier();
         }
         Role::B => {
@@ -146,7 +146,7 @@ pub fn recv_too_small<P: Provider>(s: &mut Side<P>) {
             assert_eq!((wc.wr_id, wc.status), (9, WcStatus::LocLenErr), "{wc:?}");
             assert_eq!(wc.opcode, WcOpcode::Recv);
             assert_eq!(wc.qp_num, c.qp.qp_num());
-            assert_eq!(c.qp.state(), QpState::Error);
+            assert_state_becomes(&c.qp, QpState::Error, "after the error completion");
             s.barrier();
         }
     }
@@ -283,7 +283,7 @@ fn local_protection<P: Provider>(s: &mut Side<P>, sge: fn(&P::Mr, &P::Mr) -> Sge
             post_send(&mut c.qp, 1, WrOp::Send, &[sge(&mr, &foreign)], SIG);
             let wc = poll_n(&mut c.cq, 1)[0];
             assert_eq!(wc.status, WcStatus::LocProtErr, "{wc:?}");
-            assert_eq!(c.qp.state(), QpState::Error);
+            assert_state_becomes(&c.qp, QpState::Error, "after the error completion");
             s.barrier();
         }
         Role::B => {

@@ -254,6 +254,26 @@ pub fn poll_for<C: Cq>(cq: &mut C, d: Duration) -> Vec<Wc> {
     out
 }
 
+/// Waits until `qp` reads `want`, for at most [`WC_TIMEOUT`] (then panics with `what`).
+///
+/// An error completion and the QP's move to ERROR are two steps in a real device: Soft-RoCE's
+/// completer posts the error completion, then moves the QP (`rxe_comp.c`: `do_complete`, then
+/// `rxe_qp_error`), so a query right after polling the completion can still read RTS.
+pub fn assert_state_becomes<Q: Qp>(qp: &Q, want: QpState, what: &str) {
+    let start = Instant::now();
+    loop {
+        let state = qp.state();
+        if state == want {
+            return;
+        }
+        assert!(
+            start.elapsed() < WC_TIMEOUT,
+            "{what}: QP state {state:?} after {WC_TIMEOUT:?}, expected {want:?}"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// Asserts a successful completion of `wr_id`.
 pub fn assert_ok(wc: &Wc, wr_id: u64) {
     assert_eq!(wc.status, WcStatus::Success, "completion {wc:?}");

@@ -183,7 +183,7 @@ pub fn srq_empty_rnr<P: Provider>(s: &mut Side<P>) {
             let wc = poll_n(&mut p.cq, 1)[0];
             assert_eq!(wc.wr_id, 11, "{wc:?}");
             assert_eq!(wc.status, WcStatus::RnrRetryExcErr, "{wc:?}");
-            assert_eq!(p.qps[1].state(), QpState::Error);
+            assert_state_becomes(&p.qps[1], QpState::Error, "QP 1 after RNR_RETRY_EXC_ERR");
             s.send(b"failed1");
             assert_eq!(s.recv(), b"go0");
             let t0 = Instant::now();
