@@ -161,8 +161,8 @@ pub(crate) struct Spinner {
     lost: Duration,
     /// When the current window began (its first preemption).
     window: Option<Instant>,
-    /// When this idle phase last gave way (or its first clock read): see [`GIVE_WAY`].
-    gave_way: Option<Instant>,
+    /// When this idle phase last gave way (or its first clock read).
+    gave_way: GiveWay,
     /// A clock read happened since the last idle turn looked at `gave_way`.
     fresh: bool,
 }
@@ -185,7 +185,7 @@ impl Spinner {
             hold: CONTENDED_FOR,
             lost: Duration::ZERO,
             window: None,
-            gave_way: None,
+            gave_way: GiveWay::new(),
             fresh: false,
         }
     }
@@ -235,7 +235,7 @@ impl Spinner {
         if self.idle == 0 {
             self.last = None;
             self.since_clock = 0;
-            self.gave_way = None;
+            self.gave_way = GiveWay::new();
             self.fresh = false;
         }
         self.idle = self.idle.saturating_add(1);
@@ -270,19 +270,9 @@ impl Spinner {
     /// At a clock read of a quiet spinning phase: whether [`GIVE_WAY`] passed since the phase's
     /// first read or its last yield.
     fn give_way(&mut self) -> bool {
-        let Some(now) = self.last else {
-            return false;
-        };
-        match self.gave_way {
-            Some(t) if now.saturating_duration_since(t) >= GIVE_WAY => {
-                self.gave_way = Some(now);
-                true
-            }
-            Some(_) => false,
-            None => {
-                self.gave_way = Some(now);
-                false
-            }
+        match self.last {
+            Some(now) => self.gave_way.due(now, now),
+            None => false,
         }
     }
 
@@ -342,6 +332,29 @@ impl Spinner {
     }
 }
 
+/// When a quiet idle phase last gave way: it yields [`GIVE_WAY`] after its first clock read,
+/// then every [`GIVE_WAY`] (the bookkeeping [`Spinner`] and [`TimedSpin`] share).
+#[derive(Clone, Copy, Debug)]
+struct GiveWay(Option<Instant>);
+
+impl GiveWay {
+    /// A new idle phase: no clock read yet.
+    const fn new() -> GiveWay {
+        GiveWay(None)
+    }
+
+    /// At the clock read `now` of a phase whose first read was `first`: whether to yield now
+    /// (then the next yield is due [`GIVE_WAY`] later).
+    fn due(&mut self, first: Instant, now: Instant) -> bool {
+        let last = *self.0.get_or_insert(first);
+        if now.saturating_duration_since(last) >= GIVE_WAY {
+            self.0 = Some(now);
+            return true;
+        }
+        false
+    }
+}
+
 /// How a loop whose turns are interleaved with other work waits (a task that yields to its
 /// runtime between turns): clock gaps say nothing there, since the runtime runs the other
 /// tasks in them, so time alone decides. It spins for `spin_for` without work, yielding its
@@ -353,7 +366,7 @@ pub(crate) struct TimedSpin {
     idle: u32,
     /// The phase's first clock read, and its last yield.
     since: Option<Instant>,
-    gave_way: Option<Instant>,
+    gave_way: GiveWay,
 }
 
 impl TimedSpin {
@@ -362,7 +375,7 @@ impl TimedSpin {
             spin_for,
             idle: 0,
             since: None,
-            gave_way: None,
+            gave_way: GiveWay::new(),
         }
     }
 
@@ -370,7 +383,7 @@ impl TimedSpin {
     pub(crate) fn work(&mut self) {
         self.idle = 0;
         self.since = None;
-        self.gave_way = None;
+        self.gave_way = GiveWay::new();
     }
 
     /// One idle turn: what to do now. `clock` is called every [`CLOCK_EVERY`] idle turns.
@@ -384,9 +397,7 @@ impl TimedSpin {
         if now.saturating_duration_since(since) >= self.spin_for {
             return Wait::Sleep;
         }
-        let gave_way = *self.gave_way.get_or_insert(since);
-        if now.saturating_duration_since(gave_way) >= GIVE_WAY {
-            self.gave_way = Some(now);
+        if self.gave_way.due(since, now) {
             return Wait::Yield;
         }
         Wait::Spin
