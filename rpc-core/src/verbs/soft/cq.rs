@@ -3,8 +3,10 @@
 //! A soft CQ does not copy completions into one ring: each QP side attached to it (the send
 //! side or the receive side of a QP) keeps its own single-producer ring, and the CQ has a
 //! *ready bitmap* (in the inbox, so producers in other processes can set bits) with one bit per
-//! attached side. Producers publish an entry, then set the side's bit; [`SoftCq::poll`] swaps
-//! non-zero bitmap words to zero and drains the rings they name. No producer ever claims a slot
+//! attached side, and a *summary* with one bit per bitmap word. Producers publish an entry,
+//! then set the side's bit, then its word's summary bit; [`SoftCq::poll`] swaps the summary to
+//! zero, then the bitmap words it names, and drains the rings those name: a poll reads a few
+//! words whatever the number of sides (a shard's CQ serves a send side per connection). No producer ever claims a slot
 //! it might fail to fill, so a producer process that dies mid-way cannot wedge the CQ.
 //!
 //! - Send-side completions are produced by whoever executes the QP's work requests (the
@@ -58,10 +60,13 @@ impl CqShared {
     /// of completion.
     #[inline]
     pub(crate) fn set_ready(&self, bit: u32, solicited: bool) {
-        let w = self.entry + cq_in::BITMAP + (bit as usize / 64) * 8;
         self.dev
-            .in64(w)
+            .in64(self.bitmap_word(bit))
             .fetch_or(1u64 << (bit % 64), Ordering::SeqCst);
+        let (sw, sb) = summary_of(bit as usize / 64);
+        self.dev
+            .in64(self.entry + sw)
+            .fetch_or(sb, Ordering::SeqCst);
         let armed = self.dev.in32(self.entry + cq_in::ARMED);
         let a = armed.load(Ordering::SeqCst);
         if (a == 1 || (a == 2 && solicited))
@@ -84,6 +89,11 @@ impl CqShared {
         for w in 0..layout::CQ_WORDS {
             self.dev
                 .in64(self.entry + cq_in::BITMAP + w * 8)
+                .store(u64::MAX, Ordering::SeqCst);
+        }
+        for i in 0..layout::CQ_SUMMARY_WORDS {
+            self.dev
+                .in64(self.entry + cq_in::SUMMARY + i * 8)
                 .store(u64::MAX, Ordering::SeqCst);
         }
     }
@@ -248,6 +258,10 @@ impl SoftCq {
             dev.in64(entry + cq_in::BITMAP + w * 8)
                 .store(0, Ordering::Relaxed);
         }
+        for i in 0..layout::CQ_SUMMARY_WORDS {
+            dev.in64(entry + cq_in::SUMMARY + i * 8)
+                .store(0, Ordering::Relaxed);
+        }
         let shared = Arc::new(CqShared {
             dev: dev.clone(),
             slot,
@@ -328,50 +342,83 @@ impl Cq for SoftCq {
             self.cursor % (words * 64)
         };
         let (start_word, start_bit) = (start / 64, start % 64);
-        for k in 0..words {
-            let w = (start_word + k) % words;
-            let word = shared.dev.in64(shared.entry + cq_in::BITMAP + w * 8);
-            if word.load(Ordering::Relaxed) == 0 {
-                continue;
+        // Take the summary (the words that may have bits), then those words, from the start
+        // word on and around.
+        let summary_at = |i: usize| shared.dev.in64(shared.entry + cq_in::SUMMARY + i * 8);
+        let mut summary = [0u64; layout::CQ_SUMMARY_WORDS];
+        let mut any = 0;
+        for (i, sum) in summary.iter_mut().enumerate().take(words.div_ceil(64)) {
+            let at = summary_at(i);
+            if at.load(Ordering::Relaxed) != 0 {
+                *sum = at.swap(0, Ordering::AcqRel);
+                any |= *sum;
             }
-            let all = word.swap(0, Ordering::AcqRel);
-            // The first word from the start bit, its lower bits last.
-            let from = if k == 0 { start_bit } else { 0 };
-            let high = all & (u64::MAX << from);
-            let parts = [high, all & !high];
-            for (p, &part) in parts.iter().enumerate() {
-                let mut bits = part;
-                while bits != 0 {
-                    let b = bits.trailing_zeros() as usize;
-                    let mask = 1u64 << b;
-                    bits &= !mask;
-                    let idx = w * 64 + b;
-                    let Some(slot) = sides.get_mut(idx) else {
-                        continue; // a bit nobody owns: garbage from a peer, ignore
-                    };
-                    let Some(side) = slot.as_ref() else {
-                        continue;
-                    };
-                    if side.is_gone() {
-                        *slot = None; // drops our reference; the owner frees its bits and slots
-                        continue;
-                    }
-                    let (got, more) = match side {
-                        Side::Recv(qp) => qp.drain_recv(&mut wcs[n..]),
-                        Side::Send(qp) => qp.drain_send(&mut wcs[n..]),
-                        Side::Srq(rq) => rq.drain(&mut wcs[n..], None),
-                    };
-                    n += got;
-                    if more {
-                        word.fetch_or(mask, Ordering::AcqRel);
-                    }
-                    if n == wcs.len() {
-                        let rest = bits | parts.get(p + 1).copied().unwrap_or(0);
-                        if rest != 0 {
-                            word.fetch_or(rest, Ordering::AcqRel);
+        }
+        if any == 0 {
+            return Ok(0);
+        }
+        let mark = |w: usize| {
+            let (sw, sb) = summary_of(w);
+            shared
+                .dev
+                .in64(shared.entry + sw)
+                .fetch_or(sb, Ordering::AcqRel);
+        };
+        for (lo, hi) in [(start_word, words), (0, start_word)] {
+            let mut from = lo;
+            while let Some(w) = take_lowest(&mut summary, from, hi) {
+                from = w + 1;
+                let word = shared.dev.in64(shared.entry + cq_in::BITMAP + w * 8);
+                if word.load(Ordering::Relaxed) == 0 {
+                    continue;
+                }
+                let all = word.swap(0, Ordering::AcqRel);
+                // The start word from the start bit, its lower bits last.
+                let low = if w == start_word { start_bit } else { 0 };
+                let high = all & (u64::MAX << low);
+                let parts = [high, all & !high];
+                for (p, &part) in parts.iter().enumerate() {
+                    let mut bits = part;
+                    while bits != 0 {
+                        let b = bits.trailing_zeros() as usize;
+                        let mask = 1u64 << b;
+                        bits &= !mask;
+                        let idx = w * 64 + b;
+                        let Some(slot) = sides.get_mut(idx) else {
+                            continue; // a bit nobody owns: garbage from a peer, ignore
+                        };
+                        let Some(side) = slot.as_ref() else {
+                            continue;
+                        };
+                        if side.is_gone() {
+                            *slot = None; // drops our reference; the owner frees its bits and slots
+                            continue;
                         }
-                        self.cursor = idx + 1;
-                        return Ok(n);
+                        let (got, more) = match side {
+                            Side::Recv(qp) => qp.drain_recv(&mut wcs[n..]),
+                            Side::Send(qp) => qp.drain_send(&mut wcs[n..]),
+                            Side::Srq(rq) => rq.drain(&mut wcs[n..], None),
+                        };
+                        n += got;
+                        if more {
+                            word.fetch_or(mask, Ordering::AcqRel);
+                            mark(w);
+                        }
+                        if n == wcs.len() {
+                            // A full batch: what it did not reach stays for the next poll.
+                            let rest = bits | parts.get(p + 1).copied().unwrap_or(0);
+                            if rest != 0 {
+                                word.fetch_or(rest, Ordering::AcqRel);
+                                mark(w);
+                            }
+                            for (i, &sum) in summary.iter().enumerate() {
+                                if sum != 0 {
+                                    summary_at(i).fetch_or(sum, Ordering::AcqRel);
+                                }
+                            }
+                            self.cursor = idx + 1;
+                            return Ok(n);
+                        }
                     }
                 }
             }
@@ -407,5 +454,127 @@ impl Cq for SoftCq {
         crate::verbs::check_resize(self.shared.cap(), cqe, CAPS.max_cqe)?;
         self.shared.cap.store(cqe, Ordering::Release);
         Ok(())
+    }
+}
+
+/// The summary word (offset in a CQ inbox entry) and bit for bitmap word `w`.
+fn summary_of(w: usize) -> (usize, u64) {
+    (cq_in::SUMMARY + (w / 64) * 8, 1u64 << (w % 64))
+}
+
+/// Takes (clears and returns) the lowest bitmap word in `from..to` whose summary bit is set.
+fn take_lowest(summary: &mut [u64], from: usize, to: usize) -> Option<usize> {
+    let mut i = from / 64;
+    while i * 64 < to {
+        let mut bits = *summary.get(i)?;
+        if i == from / 64 {
+            bits &= u64::MAX << (from % 64);
+        }
+        if bits != 0 {
+            let w = i * 64 + bits.trailing_zeros() as usize;
+            if w >= to {
+                return None;
+            }
+            summary[i] &= !(1u64 << (w % 64));
+            return Some(w);
+        }
+        i += 1;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::soft::Soft;
+    use crate::verbs::{
+        Access, ConnectAttr, Context, Mr, Pd, Provider, Qp, QpCaps, RecvWr, SendFlags, SendWr,
+        WcStatus, WrOp,
+    };
+
+    #[test]
+    fn take_lowest_walks_the_summary_in_order_within_bounds() {
+        let mut s = [0u64; 3];
+        for w in [3, 64, 70, 129] {
+            let (off, bit) = summary_of(w);
+            s[(off - cq_in::SUMMARY) / 8] |= bit;
+        }
+        assert_eq!(take_lowest(&mut s, 65, 130), Some(70));
+        assert_eq!(take_lowest(&mut s, 71, 129), None, "129 is past the end");
+        assert_eq!(take_lowest(&mut s, 71, 130), Some(129));
+        assert_eq!(take_lowest(&mut s, 0, 65), Some(3));
+        assert_eq!(take_lowest(&mut s, 4, 65), Some(64));
+        assert_eq!(s, [0, 0, 0], "each word taken once");
+        assert_eq!(take_lowest(&mut s, 0, 192), None);
+    }
+
+    /// More sides than one summary word covers (64 bitmap words: 4096 sides), polled in
+    /// small batches: every completion arrives once, wherever its side's bit is.
+    #[test]
+    fn thousands_of_sides_on_one_cq_each_completion_once() {
+        const PAIRS: usize = 1100; // 2200 QPs, a send and a receive side each: 4400 bits
+        let ctx = Soft::open(None).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut cq = ctx.create_cq((PAIRS * 4) as u32, None).unwrap();
+        let caps = QpCaps {
+            max_send_wr: 1,
+            max_recv_wr: 1,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        let attr = ConnectAttr::default();
+        let mut qps: Vec<_> = (0..2 * PAIRS)
+            .map(|_| {
+                let mut q = pd.create_qp(&cq, &cq, caps).unwrap();
+                q.modify_to_init(attr.access).unwrap();
+                q
+            })
+            .collect();
+        for i in 0..PAIRS {
+            let (a, b) = (qps[2 * i].endpoint(), qps[2 * i + 1].endpoint());
+            qps[2 * i].connect(&b, &attr).unwrap();
+            qps[2 * i + 1].connect(&a, &attr).unwrap();
+        }
+        let mr = pd.alloc_mr(PAIRS * 16, Access::ALL).unwrap();
+        for i in 0..PAIRS {
+            let sge = [mr.sge(i * 16 + 8, 8).unwrap()];
+            let wr = RecvWr {
+                wr_id: (2 * i + 1) as u64,
+                sg_list: &sge,
+            };
+            // SAFETY: `mr` outlives every work request (all are polled below).
+            unsafe { qps[2 * i + 1].post_recv(std::slice::from_ref(&wr)) }.unwrap();
+        }
+        for i in (0..PAIRS).rev() {
+            let sge = [mr.sge(i * 16, 8).unwrap()];
+            let wr = SendWr {
+                wr_id: (2 * i) as u64,
+                op: WrOp::Send,
+                sg_list: &sge,
+                flags: SendFlags::SIGNALED,
+            };
+            // SAFETY: as above.
+            unsafe { qps[2 * i].post_send(std::slice::from_ref(&wr)) }.unwrap();
+        }
+        let mut seen = vec![false; 2 * PAIRS];
+        let mut got = 0;
+        let mut wcs = [Wc::default(); 7];
+        let start = std::time::Instant::now();
+        while got < 2 * PAIRS {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(30),
+                "{got} completions"
+            );
+            let n = cq.poll(&mut wcs).unwrap();
+            for wc in &wcs[..n] {
+                assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+                let i = wc.wr_id as usize;
+                assert!(!seen[i], "completion of {i} twice");
+                seen[i] = true;
+            }
+            got += n;
+        }
+        assert_eq!(cq.poll(&mut wcs).unwrap(), 0, "nothing more");
     }
 }

@@ -264,6 +264,9 @@ pub(crate) struct Conn {
     shared_rq: bool,
     bm_word: usize,
     bm_bit: u64,
+    /// The summary word and bit of `bm_word` (set after it: see `layout::cq_in::SUMMARY`).
+    sum_word: usize,
+    sum_bit: u64,
     armed: usize,
     /// The number and id of the peer's completion-channel eventfd (signalled through the
     /// peer's bounded cache of duplicates, [`Peer::signal_eventfd`]), if its receive CQ has
@@ -490,6 +493,8 @@ impl Conn {
             shared_rq,
             bm_word: cq_entry + layout::cq_in::BITMAP + (bit / 64) * 8,
             bm_bit: 1u64 << (bit % 64),
+            sum_word: cq_entry + layout::cq_in::SUMMARY + (bit / 64 / 64) * 8,
+            sum_bit: 1u64 << ((bit / 64) % 64),
             armed: cq_entry + layout::cq_in::ARMED,
             efd,
             cache: std::array::from_fn(|_| (0, None)),
@@ -633,6 +638,8 @@ impl Conn {
         self.counters.add_ring();
         self.i64(self.bm_word)
             .fetch_or(self.bm_bit, Ordering::SeqCst);
+        self.i64(self.sum_word)
+            .fetch_or(self.sum_bit, Ordering::SeqCst);
         let armed = self.i32(self.armed);
         let a = armed.load(Ordering::SeqCst);
         if (a == 1 || (a == 2 && solicited))

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 /// `"SOFTRNIC"` as a little-endian word: first word of both segments.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
 /// Layout version; a peer with another version is refused at connect time.
-pub(crate) const VERSION: u32 = 4;
+pub(crate) const VERSION: u32 = 5;
 
 /// Size of the published segment (sparse).
 pub(crate) const PUB_LEN: usize = 512 << 20;
@@ -214,8 +214,11 @@ pub(crate) const MAX_CQ: usize = 1 << 14;
 pub(crate) const CQ_BITS: usize = 32768;
 /// Words of a CQ's ready bitmap.
 pub(crate) const CQ_WORDS: usize = CQ_BITS / 64;
-/// Bytes per CQ inbox entry: armed word, then the ready bitmap on its own lines.
-pub(crate) const CQ_IN_ENTRY: usize = 64 + CQ_WORDS * 8;
+/// Words of a CQ's summary of its ready bitmap: a bit per bitmap word.
+pub(crate) const CQ_SUMMARY_WORDS: usize = CQ_WORDS / 64;
+/// Bytes per CQ inbox entry: armed word, the summary, then the ready bitmap, each on lines
+/// of its own.
+pub(crate) const CQ_IN_ENTRY: usize = 128 + CQ_WORDS * 8;
 /// Offset of the CQ inbox table.
 pub(crate) const CQ_IN_TABLE: usize = PIN_TABLE + MAX_MR * 4;
 
@@ -223,8 +226,13 @@ pub(crate) const CQ_IN_TABLE: usize = PIN_TABLE + MAX_MR * 4;
 pub(crate) mod cq_in {
     /// u32 armed: 0 no, 1 any completion, 2 solicited or error completions only.
     pub(crate) const ARMED: usize = 0;
+    /// Start of the summary (u64 words, [`super::CQ_SUMMARY_WORDS`] of them): bit `w` set
+    /// when word `w` of the ready bitmap may have bits set. A producer sets the bitmap's bit
+    /// first, then the summary's; the CQ's poll takes (swaps) the summary first, then the
+    /// words it names: it reads a few words, not the whole bitmap, with thousands of sides.
+    pub(crate) const SUMMARY: usize = 64;
     /// Start of the ready bitmap (u64 words).
-    pub(crate) const BITMAP: usize = 64;
+    pub(crate) const BITMAP: usize = 128;
 }
 
 /// Start of the inbox heap (receive-completion rings).
@@ -294,6 +302,8 @@ const _: () = assert!(IN_HEAP < INBOX_LEN / 2);
 const _: () = assert!(QP_ENTRY >= qp::RQ_CLAIM_AT + 8 && qp::RNR_TIMER >= qp::RQ_PROD + 4);
 const _: () = assert!(MAX_MR <= 1 << MR_SLOT_BITS && MAX_QP <= 1 << QP_SLOT_BITS);
 const _: () = assert!(CQ_IN_ENTRY.is_multiple_of(64) && MR_TABLE.is_multiple_of(4096));
+const _: () =
+    assert!(cq_in::SUMMARY + CQ_SUMMARY_WORDS * 8 <= cq_in::BITMAP && CQ_WORDS.is_multiple_of(64));
 // 64-bit claim words and names: 8-aligned (completion rings start 16-aligned, the SRQ
 // control block and the QP inbox table 64-aligned), and inside their blocks.
 const _: () = assert!(rcqe::NAME.is_multiple_of(8) && rcqe::NAME + 8 <= RCQE);
