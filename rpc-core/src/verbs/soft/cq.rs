@@ -6,8 +6,9 @@
 //! attached side, and a *summary* with one bit per bitmap word. Producers publish an entry,
 //! then set the side's bit, then its word's summary bit; [`SoftCq::poll`] swaps the summary to
 //! zero, then the bitmap words it names, and drains the rings those name: a poll reads a few
-//! words whatever the number of sides (a shard's CQ serves a send side per connection). No producer ever claims a slot
-//! it might fail to fill, so a producer process that dies mid-way cannot wedge the CQ.
+//! words whatever the number of sides (a shard's CQ serves a send side per connection). No
+//! producer ever claims a slot it might fail to fill, so a producer process that dies mid-way
+//! cannot wedge the CQ.
 //!
 //! - Send-side completions are produced by whoever executes the QP's work requests (the
 //!   thread in `post_send`, or a poller retrying queued work) into a ring in private memory.
