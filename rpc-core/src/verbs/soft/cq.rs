@@ -64,10 +64,11 @@ impl CqShared {
         self.dev
             .in64(self.bitmap_word(bit))
             .fetch_or(1u64 << (bit % 64), Ordering::SeqCst);
-        let (sw, sb) = summary_of(bit as usize / 64);
-        self.dev
-            .in64(self.entry + sw)
-            .fetch_or(sb, Ordering::SeqCst);
+        if let Some((sw, sb)) = summary_of(bit as usize / 64) {
+            self.dev
+                .in64(self.entry + sw)
+                .fetch_or(sb, Ordering::SeqCst);
+        }
         let armed = self.dev.in32(self.entry + cq_in::ARMED);
         let a = armed.load(Ordering::SeqCst);
         if (a == 1 || (a == 2 && solicited))
@@ -355,15 +356,26 @@ impl Cq for SoftCq {
                 any |= *sum;
             }
         }
+        // Word 0 has no summary bit (see `summary_of`): it is looked at every time.
+        if shared
+            .dev
+            .in64(shared.entry + cq_in::BITMAP)
+            .load(Ordering::Relaxed)
+            != 0
+        {
+            summary[0] |= 1;
+            any |= 1;
+        }
         if any == 0 {
             return Ok(0);
         }
         let mark = |w: usize| {
-            let (sw, sb) = summary_of(w);
-            shared
-                .dev
-                .in64(shared.entry + sw)
-                .fetch_or(sb, Ordering::AcqRel);
+            if let Some((sw, sb)) = summary_of(w) {
+                shared
+                    .dev
+                    .in64(shared.entry + sw)
+                    .fetch_or(sb, Ordering::AcqRel);
+            }
         };
         for (lo, hi) in [(start_word, words), (0, start_word)] {
             let mut from = lo;
@@ -412,6 +424,7 @@ impl Cq for SoftCq {
                                 word.fetch_or(rest, Ordering::AcqRel);
                                 mark(w);
                             }
+                            summary[0] &= !1;
                             for (i, &sum) in summary.iter().enumerate() {
                                 if sum != 0 {
                                     summary_at(i).fetch_or(sum, Ordering::AcqRel);
@@ -458,9 +471,11 @@ impl Cq for SoftCq {
     }
 }
 
-/// The summary word (offset in a CQ inbox entry) and bit for bitmap word `w`.
-fn summary_of(w: usize) -> (usize, u64) {
-    (cq_in::SUMMARY + (w / 64) * 8, 1u64 << (w % 64))
+/// The summary word (offset in a CQ inbox entry) and bit for bitmap word `w`; none for word
+/// 0, which the poll reads every time: a CQ with at most 64 sides (a client connection's)
+/// has its producers touch one line of the entry, as before the summary, not two.
+pub(crate) fn summary_of(w: usize) -> Option<(usize, u64)> {
+    (w > 0).then(|| (cq_in::SUMMARY + (w / 64) * 8, 1u64 << (w % 64)))
 }
 
 /// Takes (clears and returns) the lowest bitmap word in `from..to` whose summary bit is set.
@@ -496,8 +511,9 @@ mod tests {
     #[test]
     fn take_lowest_walks_the_summary_in_order_within_bounds() {
         let mut s = [0u64; 3];
+        assert_eq!(summary_of(0), None, "word 0 is read every time");
         for w in [3, 64, 70, 129] {
-            let (off, bit) = summary_of(w);
+            let (off, bit) = summary_of(w).unwrap();
             s[(off - cq_in::SUMMARY) / 8] |= bit;
         }
         assert_eq!(take_lowest(&mut s, 65, 130), Some(70));

@@ -264,7 +264,8 @@ pub(crate) struct Conn {
     shared_rq: bool,
     bm_word: usize,
     bm_bit: u64,
-    /// The summary word and bit of `bm_word` (set after it: see `layout::cq_in::SUMMARY`).
+    /// The summary word and bit of `bm_word` (set after it: see `layout::cq_in::SUMMARY`);
+    /// `sum_bit` 0 for word 0, which has none.
     sum_word: usize,
     sum_bit: u64,
     armed: usize,
@@ -463,6 +464,7 @@ impl Conn {
             return Err(corrupt("receive CQ"));
         }
         let cq_entry = layout::cq_in_entry(cq);
+        let summary = super::cq::summary_of(bit / 64);
         let chan = rd32(qp::CHAN_FD);
         let chan_id = rd32(qp::CHAN_ID);
         let efd = if chan == u32::MAX {
@@ -493,8 +495,8 @@ impl Conn {
             shared_rq,
             bm_word: cq_entry + layout::cq_in::BITMAP + (bit / 64) * 8,
             bm_bit: 1u64 << (bit % 64),
-            sum_word: cq_entry + layout::cq_in::SUMMARY + (bit / 64 / 64) * 8,
-            sum_bit: 1u64 << ((bit / 64) % 64),
+            sum_word: cq_entry + summary.map_or(0, |(w, _)| w),
+            sum_bit: summary.map_or(0, |(_, b)| b),
             armed: cq_entry + layout::cq_in::ARMED,
             efd,
             cache: std::array::from_fn(|_| (0, None)),
@@ -638,8 +640,10 @@ impl Conn {
         self.counters.add_ring();
         self.i64(self.bm_word)
             .fetch_or(self.bm_bit, Ordering::SeqCst);
-        self.i64(self.sum_word)
-            .fetch_or(self.sum_bit, Ordering::SeqCst);
+        if self.sum_bit != 0 {
+            self.i64(self.sum_word)
+                .fetch_or(self.sum_bit, Ordering::SeqCst);
+        }
         let armed = self.i32(self.armed);
         let a = armed.load(Ordering::SeqCst);
         if (a == 1 || (a == 2 && solicited))

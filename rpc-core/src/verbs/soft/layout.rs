@@ -227,9 +227,10 @@ pub(crate) mod cq_in {
     /// u32 armed: 0 no, 1 any completion, 2 solicited or error completions only.
     pub(crate) const ARMED: usize = 0;
     /// Start of the summary (u64 words, [`super::CQ_SUMMARY_WORDS`] of them): bit `w` set
-    /// when word `w` of the ready bitmap may have bits set. A producer sets the bitmap's bit
-    /// first, then the summary's; the CQ's poll takes (swaps) the summary first, then the
-    /// words it names: it reads a few words, not the whole bitmap, with thousands of sides.
+    /// when word `w` of the ready bitmap may have bits set (bit 0 unused: word 0 is read at
+    /// every poll). A producer sets the bitmap's bit first, then the summary's; the CQ's poll
+    /// takes (swaps) the summary first, then the words it names: it reads a few words, not the
+    /// whole bitmap, with thousands of sides.
     pub(crate) const SUMMARY: usize = 64;
     /// Start of the ready bitmap (u64 words).
     pub(crate) const BITMAP: usize = 128;
