@@ -258,7 +258,8 @@ fn register_channel(fd: std::os::fd::RawFd) -> Option<AsyncFd<OwnedFd>> {
         Ok(d) => d,
         Err(e) => {
             warn!(
-                "cannot duplicate a completion channel's descriptor ({e}): the driver task sleeps on timers"
+                "cannot duplicate a completion channel's descriptor ({e}): the driver task \
+                 sleeps on timers"
             );
             return None;
         }
@@ -266,7 +267,12 @@ fn register_channel(fd: std::os::fd::RawFd) -> Option<AsyncFd<OwnedFd>> {
     crate::fdtable::opened(&dup);
     // SAFETY: the `AsyncFd` owns `dup`: it stays open, the same file, until it is dropped.
     unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
-        .map_err(|e| warn!("cannot register a completion channel with the runtime ({e}): the driver task sleeps on timers"))
+        .map_err(|e| {
+            warn!(
+                "cannot register a completion channel with the runtime ({e}): the driver task \
+                 sleeps on timers"
+            );
+        })
         .ok()
 }
 

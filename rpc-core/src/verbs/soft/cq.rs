@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::channel::{ChannelInner, SoftCompChannel};
-use super::layout::{self, cq_in};
+use super::layout::{self, cq_in, summary_of};
 use super::qp::{QpShared, Rq};
 use super::{CAPS, Device};
 use crate::verbs::{Cq, ErrorKind, Result, Verb, VerbsError, Wc};
@@ -61,20 +61,8 @@ impl CqShared {
     /// of completion.
     #[inline]
     pub(crate) fn set_ready(&self, bit: u32, solicited: bool) {
-        self.dev
-            .in64(self.bitmap_word(bit))
-            .fetch_or(1u64 << (bit % 64), Ordering::SeqCst);
-        if let Some((sw, sb)) = summary_of(bit as usize / 64) {
-            self.dev
-                .in64(self.entry + sw)
-                .fetch_or(sb, Ordering::SeqCst);
-        }
-        let armed = self.dev.in32(self.entry + cq_in::ARMED);
-        let a = armed.load(Ordering::SeqCst);
-        if (a == 1 || (a == 2 && solicited))
-            && armed
-                .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
-                .is_ok()
+        let ready = layout::ReadyBit::new(self.entry, bit as usize);
+        if ready.raise(|o| self.dev.in64(o), |o| self.dev.in32(o), solicited)
             && let Some(ch) = &self.channel
         {
             ch.wake();
@@ -469,13 +457,6 @@ impl Cq for SoftCq {
         self.shared.cap.store(cqe, Ordering::Release);
         Ok(())
     }
-}
-
-/// The summary word (offset in a CQ inbox entry) and bit for bitmap word `w`; none for word
-/// 0, which the poll reads every time: a CQ with at most 64 sides (a client connection's)
-/// has its producers touch one line of the entry, as before the summary, not two.
-pub(crate) fn summary_of(w: usize) -> Option<(usize, u64)> {
-    (w > 0).then(|| (cq_in::SUMMARY + (w / 64) * 8, 1u64 << (w % 64)))
 }
 
 /// Takes (clears and returns) the lowest bitmap word in `from..to` whose summary bit is set.

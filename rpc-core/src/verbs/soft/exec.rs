@@ -262,13 +262,8 @@ pub(crate) struct Conn {
     /// The peer QP receives through a shared receive queue: claims go one at a time, name
     /// the QP, and may raise the queue's limit event.
     shared_rq: bool,
-    bm_word: usize,
-    bm_bit: u64,
-    /// The summary word and bit of `bm_word` (set after it: see `layout::cq_in::SUMMARY`);
-    /// `sum_bit` 0 for word 0, which has none.
-    sum_word: usize,
-    sum_bit: u64,
-    armed: usize,
+    /// Our side's bit in the peer's receive CQ.
+    ready: layout::ReadyBit,
     /// The number and id of the peer's completion-channel eventfd (signalled through the
     /// peer's bounded cache of duplicates, [`Peer::signal_eventfd`]), if its receive CQ has
     /// one.
@@ -464,7 +459,6 @@ impl Conn {
             return Err(corrupt("receive CQ"));
         }
         let cq_entry = layout::cq_in_entry(cq);
-        let summary = super::cq::summary_of(bit / 64);
         let chan = rd32(qp::CHAN_FD);
         let chan_id = rd32(qp::CHAN_ID);
         let efd = if chan == u32::MAX {
@@ -493,11 +487,7 @@ impl Conn {
             rq_prod,
             rq_claim,
             shared_rq,
-            bm_word: cq_entry + layout::cq_in::BITMAP + (bit / 64) * 8,
-            bm_bit: 1u64 << (bit % 64),
-            sum_word: cq_entry + summary.map_or(0, |(w, _)| w),
-            sum_bit: summary.map_or(0, |(_, b)| b),
-            armed: cq_entry + layout::cq_in::ARMED,
+            ready: layout::ReadyBit::new(cq_entry, bit),
             efd,
             cache: std::array::from_fn(|_| (0, None)),
             my_qp_num,
@@ -638,18 +628,9 @@ impl Conn {
             return;
         }
         self.counters.add_ring();
-        self.i64(self.bm_word)
-            .fetch_or(self.bm_bit, Ordering::SeqCst);
-        if self.sum_bit != 0 {
-            self.i64(self.sum_word)
-                .fetch_or(self.sum_bit, Ordering::SeqCst);
-        }
-        let armed = self.i32(self.armed);
-        let a = armed.load(Ordering::SeqCst);
-        if (a == 1 || (a == 2 && solicited))
-            && armed
-                .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
-                .is_ok()
+        if self
+            .ready
+            .raise(|o| self.i64(o), |o| self.i32(o), solicited)
             && let Some((fd, id)) = self.efd
         {
             self.peer.signal_eventfd(fd, id);

@@ -17,6 +17,7 @@
 //! (pages are only allocated when touched).
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// `"SOFTRNIC"` as a little-endian word: first word of both segments.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
@@ -236,6 +237,59 @@ pub(crate) mod cq_in {
     pub(crate) const BITMAP: usize = 128;
 }
 
+/// The summary word (offset in a CQ inbox entry) and bit for bitmap word `w`; none for word
+/// 0, which the poll reads every time: a CQ with at most 64 sides (a client connection's)
+/// has its producers touch one line of the entry, as before the summary, not two.
+pub(crate) fn summary_of(w: usize) -> Option<(usize, u64)> {
+    (w > 0).then(|| (cq_in::SUMMARY + (w / 64) * 8, 1u64 << (w % 64)))
+}
+
+/// Where one side of a QP announces its completions in its CQ's inbox entry: its bit of the
+/// ready bitmap, that word's summary bit, and the entry's armed word. Producers in the CQ's
+/// own process (`CqShared::set_ready`) and in a peer's (`exec::Conn::ring`) both raise it
+/// with [`ReadyBit::raise`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReadyBit {
+    word: usize,
+    bit: u64,
+    summary: Option<(usize, u64)>,
+    armed: usize,
+}
+
+impl ReadyBit {
+    /// Side `side` of the CQ whose inbox entry starts at offset `entry`.
+    pub(crate) fn new(entry: usize, side: usize) -> ReadyBit {
+        ReadyBit {
+            word: entry + cq_in::BITMAP + (side / 64) * 8,
+            bit: 1u64 << (side % 64),
+            summary: summary_of(side / 64).map(|(w, b)| (entry + w, b)),
+            armed: entry + cq_in::ARMED,
+        }
+    }
+
+    /// Sets the ready bit, then its summary bit, and disarms the CQ when it is armed for
+    /// this completion (any, or `solicited` ones): `true` when the caller must then signal
+    /// the CQ's completion channel. `u64_at` and `u32_at` give the inbox's words by offset.
+    #[inline]
+    pub(crate) fn raise<'a>(
+        &self,
+        u64_at: impl Fn(usize) -> &'a AtomicU64,
+        u32_at: impl Fn(usize) -> &'a AtomicU32,
+        solicited: bool,
+    ) -> bool {
+        u64_at(self.word).fetch_or(self.bit, Ordering::SeqCst);
+        if let Some((w, b)) = self.summary {
+            u64_at(w).fetch_or(b, Ordering::SeqCst);
+        }
+        let armed = u32_at(self.armed);
+        let a = armed.load(Ordering::SeqCst);
+        (a == 1 || (a == 2 && solicited))
+            && armed
+                .compare_exchange(a, 0, Ordering::SeqCst, Ordering::Relaxed)
+                .is_ok()
+    }
+}
+
 /// Start of the inbox heap (receive-completion rings).
 pub(crate) const IN_HEAP: usize = CQ_IN_TABLE + MAX_CQ * CQ_IN_ENTRY;
 
@@ -408,6 +462,53 @@ impl SlotAlloc {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A side's bit, its word's summary bit (none for word 0) and the armed word, in a
+    /// private copy of one CQ inbox entry; the channel is owed a signal only when armed for
+    /// the completion, once.
+    #[test]
+    fn a_ready_bit_sets_its_bits_and_disarms_once() {
+        let entry: Vec<AtomicU64> = (0..CQ_IN_ENTRY / 8).map(|_| AtomicU64::new(0)).collect();
+        let at64 = |o: usize| &entry[o / 8];
+        let armed = AtomicU32::new(0);
+        let at32 = |o: usize| {
+            assert_eq!(o, cq_in::ARMED);
+            &armed
+        };
+        let word = |o: usize| entry[o / 8].load(Ordering::Relaxed);
+
+        assert!(!ReadyBit::new(0, 5).raise(at64, at32, true), "not armed");
+        assert_eq!(word(cq_in::BITMAP), 1 << 5);
+        assert!(
+            (0..CQ_SUMMARY_WORDS).all(|i| word(cq_in::SUMMARY + i * 8) == 0),
+            "word 0 has no summary bit"
+        );
+
+        let side = 64 * 70 + 3; // bitmap word 70: summary word 1, bit 6
+        armed.store(2, Ordering::Relaxed);
+        assert!(
+            !ReadyBit::new(0, side).raise(at64, at32, false),
+            "armed for solicited only"
+        );
+        assert_eq!(armed.load(Ordering::Relaxed), 2);
+        assert_eq!(word(cq_in::BITMAP + 70 * 8), 1 << 3);
+        assert_eq!(word(cq_in::SUMMARY + 8), 1 << 6);
+        assert!(
+            ReadyBit::new(0, side).raise(at64, at32, true),
+            "solicited: signal"
+        );
+        assert_eq!(armed.load(Ordering::Relaxed), 0, "disarmed");
+
+        armed.store(1, Ordering::Relaxed);
+        assert!(
+            ReadyBit::new(0, 1).raise(at64, at32, false),
+            "armed for any"
+        );
+        assert!(
+            !ReadyBit::new(0, 1).raise(at64, at32, false),
+            "signalled once"
+        );
+    }
 
     #[test]
     fn region_alloc_merges() {
