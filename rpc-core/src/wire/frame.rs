@@ -898,11 +898,11 @@ impl<'a> Iterator for Batch<'a> {
 /// As [`decode`] for bytes that are not a frame header this version sends, and
 /// [`WireError::Inconsistent`] on a [`FrameFlags::WRITTEN`] Response.
 pub fn mark_more(header: &mut [u8]) -> Result<(), WireError> {
-    let h = decode_header(header)?;
-    let flags = h.flags | FrameFlags::MORE;
-    FrameHeader { flags, ..h }.check()?;
+    let mut h = decode_header(header)?;
+    h.flags |= FrameFlags::MORE;
+    h.check()?;
     if let Some(b) = header.get_mut(2..4) {
-        b.copy_from_slice(&flags.bits().to_le_bytes());
+        b.copy_from_slice(&h.flags.bits().to_le_bytes());
     }
     Ok(())
 }
