@@ -82,6 +82,11 @@ impl Error {
     pub fn kind(&self) -> TransportErrorKind {
         self.kind
     }
+
+    /// The cause this error was made with (shown in its `Display`, so not its `source()`).
+    pub(crate) fn cause(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.source.as_deref()
+    }
 }
 
 impl fmt::Display for Error {
@@ -95,10 +100,12 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {
+    /// The cause's own cause, if any. The cause itself is part of this error's `Display`
+    /// ("context: cause", what `{e}` and a call's `Status` show), so it is not returned here
+    /// as well: reporters that print the chain (anyhow's `{:#}`, `tracing`'s error fields)
+    /// printed it twice.
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source
-            .as_deref()
-            .map(|e| e as &(dyn std::error::Error + 'static))
+        self.source.as_deref().and_then(|e| e.source())
     }
 }
 
@@ -117,5 +124,61 @@ impl From<std::io::Error> for Error {
 impl From<Error> for crate::Status {
     fn from(e: Error) -> crate::Status {
         crate::Status::new(e.code(), e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::Verb;
+
+    /// The whole chain, as reporters print it: each error's `Display`, then its source's.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut out = e.to_string();
+        let mut next = e.source();
+        while let Some(s) = next {
+            out.push_str(": ");
+            out.push_str(&s.to_string());
+            next = s.source();
+        }
+        out
+    }
+
+    #[test]
+    fn a_cause_is_shown_once_whether_printed_alone_or_as_a_chain() {
+        let verbs = VerbsError::from_errno(Verb::AllocMr, libc::EMFILE, "cannot create a memfd");
+        let e = Error::from(verbs);
+        let shown = e.to_string();
+        assert!(shown.starts_with("RDMA verbs error: alloc_mr"), "{shown}");
+        assert_eq!(shown.matches("cannot create a memfd").count(), 1, "{shown}");
+        assert_eq!(chain(&e), shown, "nothing printed twice down the chain");
+
+        let io = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "peer went away");
+        let e = Error::with_source(TransportErrorKind::Connect, "sending handshake", io);
+        assert_eq!(e.to_string(), "sending handshake: peer went away");
+        assert_eq!(chain(&e), e.to_string());
+    }
+
+    /// A cause's own cause still reaches chain reporters (it is in no `Display` above it).
+    #[test]
+    fn a_deeper_cause_stays_in_the_chain() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl fmt::Display for Outer {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("outer")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = Error::with_source(
+            TransportErrorKind::Io,
+            "reading",
+            Outer(std::io::Error::other("inner")),
+        );
+        assert_eq!(chain(&e), "reading: outer: inner");
     }
 }

@@ -145,7 +145,7 @@ pub(crate) fn why_ended(
 
 /// The I/O error under a bootstrap error (`connect::recv_closing`'s), if any.
 pub(crate) fn io_source(e: &crate::Error) -> Option<&io::Error> {
-    std::error::Error::source(e).and_then(|s| s.downcast_ref::<io::Error>())
+    e.cause().and_then(|s| s.downcast_ref::<io::Error>())
 }
 
 #[cfg(test)]

@@ -304,8 +304,10 @@ impl fmt::Display for PostError {
 }
 
 impl std::error::Error for PostError {
+    /// None: the refusal's [`VerbsError`] is part of `Display` already (and is the `error`
+    /// field); returned here too, reporters that print the chain printed it twice.
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
+        None
     }
 }
 
