@@ -205,6 +205,14 @@ pub struct Cell {
     pub clients_rss_kib: u64,
     /// All client processes together, after opening: threads.
     pub clients_threads: u64,
+    /// All client processes together, after opening: descriptors.
+    pub clients_fds: u64,
+    /// (client processes' VmRSS after opening - before their first connection) / opened,
+    /// KiB: what a connection costs its client (per-process state included, so the figure
+    /// at one connection is the first connection's).
+    pub client_kib_per_conn: Option<f64>,
+    /// The same for descriptors.
+    pub client_fds_per_conn: Option<f64>,
     /// With every connection open, 1% of them making calls.
     pub load: Option<LoadFig>,
     /// Wall time of the cell, seconds.
@@ -373,6 +381,9 @@ fn cell(args: &SessionArgs, system: SessionSystem, count: u64) -> Cell {
         server_fds_per_conn: None,
         clients_rss_kib: 0,
         clients_threads: 0,
+        clients_fds: 0,
+        client_kib_per_conn: None,
+        client_fds_per_conn: None,
         load: None,
         seconds: 0.0,
     };
@@ -446,6 +457,7 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
     }
     let deadline = Instant::now() + limit + ANSWER_GRACE;
     let mut parts = Vec::new();
+    let (mut grown_kib, mut grown_fds) = (0u64, 0u64);
     for (i, cl) in clients.iter_mut().enumerate() {
         match cl.answer::<OpenReply>(deadline) {
             Ok(r) => {
@@ -454,6 +466,9 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
                 c.not_attempted += r.skipped;
                 c.clients_rss_kib += r.rss_kib;
                 c.clients_threads += r.threads;
+                c.clients_fds += r.fds;
+                grown_kib += r.rss_kib.saturating_sub(r.base_rss_kib);
+                grown_fds += r.fds.saturating_sub(r.base_fds);
                 if c.first_error.is_none() {
                     c.first_error.clone_from(&r.first_error);
                 }
@@ -468,6 +483,10 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
         }
     }
     c.connect_first_call = Quantiles::of(&sessions_client::merge(&parts));
+    if c.opened > 0 {
+        c.client_kib_per_conn = Some(grown_kib as f64 / c.opened as f64);
+        c.client_fds_per_conn = Some(grown_fds as f64 / c.opened as f64);
+    }
     Ok(())
 }
 
@@ -633,7 +652,7 @@ fn row(c: &Cell) -> String {
         .map_or((None, None), |q| (Some(q.p50_us), Some(q.p99_us)));
     let load = c.load.as_ref();
     format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>8}{:>10}{:>9}",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>9}{:>9}{:>8}{:>10}{:>9}",
         c.system.name(),
         c.count,
         c.opened,
@@ -646,6 +665,8 @@ fn row(c: &Cell) -> String {
         opt(c.server_fds_per_conn, 2),
         opt(c.server_idle.map(|s| s.vm_rss_kib as f64 / 1024.0), 1),
         c.clients_threads,
+        opt(c.client_kib_per_conn, 1),
+        opt(c.client_fds_per_conn, 2),
         load.map_or("-".into(), |l| l.active.to_string()),
         opt(load.map(|l| l.calls_per_s), 0),
         opt(load.and_then(|l| l.latency).map(|q| q.p50_us), 1),
@@ -667,7 +688,7 @@ pub fn table(r: &Report) -> String {
         r.config["client_poller"].as_str().unwrap_or("thread"),
     );
     s.push_str(&format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>20}{:>26}{:>9}{:>9}{:>27}\n",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>20}{:>26}{:>9}{:>27}{:>27}\n",
         "",
         "",
         "",
@@ -676,7 +697,7 @@ pub fn table(r: &Report) -> String {
         "connect+1st call",
         "server per connection",
         "server",
-        "clients",
+        "clients (per connection)",
         if r.config.get("active").is_some_and(|a| !a.is_null()) {
             "active: 32 B calls"
         } else {
@@ -684,7 +705,7 @@ pub fn table(r: &Report) -> String {
         }
     ));
     s.push_str(&format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>8}{:>10}{:>9}\n",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>9}{:>9}{:>8}{:>10}{:>9}\n",
         "system",
         "conns",
         "opened",
@@ -697,6 +718,8 @@ pub fn table(r: &Report) -> String {
         "fds",
         "idle MiB",
         "threads",
+        "KiB",
+        "fds",
         "active",
         "calls/s",
         "p50 µs"
@@ -709,7 +732,9 @@ pub fn table(r: &Report) -> String {
         "\nKiB: server VmRSS (it includes RssShmem, the soft RNIC's shared memory) with all \
          connections open and idle, minus the server with none, over the connections opened; \
          shm KiB: the RssShmem part; fds: the same for /proc/PID/fd. idle MiB: the server's \
-         VmRSS with no connection. clients threads: all client processes together.\n",
+         VmRSS with no connection. clients: threads of all client processes together; KiB and \
+         fds: their VmRSS and descriptors after opening minus before their first connection, \
+         over the connections opened.\n",
     );
     let errors: Vec<&Cell> = r.cells.iter().filter(|c| c.first_error.is_some()).collect();
     if !errors.is_empty() {

@@ -125,6 +125,13 @@ pub struct OpenReply {
     pub rss_kib: u64,
     /// Threads of this process after opening.
     pub threads: u64,
+    /// Descriptors this process holds after opening.
+    pub fds: u64,
+    /// This process's resident memory and descriptors before its first connection (its
+    /// runtime built): what its connections cost is the difference.
+    pub base_rss_kib: u64,
+    /// See `base_rss_kib`.
+    pub base_fds: u64,
 }
 
 /// The answer to `LOAD`.
@@ -171,6 +178,7 @@ pub fn run(args: &SessionClientArgs) -> Result<()> {
         .enable_all()
         .build()?;
     let mut conns: Vec<Conn> = Vec::new();
+    let base = crate::sessions::ProcStatus::read(std::process::id());
     let mut out = std::io::stdout().lock();
     for line in std::io::stdin().lock().lines() {
         let line = line?;
@@ -184,7 +192,7 @@ pub fn run(args: &SessionClientArgs) -> Result<()> {
         let reply = match words.first().copied() {
             Some("OPEN") => {
                 let (n, limit, give_up) = (num(1)?, num(2)?, num(3)?);
-                let r = rt.block_on(open(
+                let mut r = rt.block_on(open(
                     args,
                     provider,
                     &mut conns,
@@ -192,6 +200,9 @@ pub fn run(args: &SessionClientArgs) -> Result<()> {
                     Duration::from_millis(limit),
                     give_up,
                 ));
+                if let Some(b) = base {
+                    (r.base_rss_kib, r.base_fds) = (b.vm_rss_kib, b.fds);
+                }
                 serde_json::to_string(&r)?
             }
             Some("LOAD") => {
@@ -258,6 +269,7 @@ async fn open(
     r.held = conns.len() as u64;
     if let Some(s) = crate::sessions::ProcStatus::read(std::process::id()) {
         r.rss_kib = s.vm_rss_kib;
+        r.fds = s.fds;
         r.threads = s.threads;
     }
     r
