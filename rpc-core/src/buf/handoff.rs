@@ -154,9 +154,9 @@ impl<Q, R> Mailbox<Q, R> {
         self.complete_waking(resp, true)
     }
 
-    /// Driver: [`Mailbox::complete`], waking the caller only when `wake` (a caller that waits
+    /// Driver: delivers the response, waking the caller only when `wake` (a caller that waits
     /// by polling [`Mailbox::try_done`] never registers a waker; waking none still costs a
-    /// locked instruction).
+    /// locked instruction). Returns it back when the caller cancelled meanwhile.
     ///
     /// # Errors
     /// The response, when the call was cancelled.

@@ -1289,9 +1289,9 @@ impl<P: Provider> Link<P> {
         }
     }
 
-    /// Like [`Link::post_write_imm`], but the bytes are a gather list: `pieces[i]` (in order)
-    /// are `(sge_of_piece, len)` where each piece's SGE covers its whole length; chunks that
-    /// span pieces carry several SGEs (at most [`MAX_PIECES`], within the QP's
+    /// A WRITE with immediate whose bytes are a gather list: `pieces[i]` (in order) are
+    /// `(sge_of_piece, len)` where each piece's SGE covers its whole length; chunks that span
+    /// pieces carry several SGEs (at most [`MAX_PIECES`], within the QP's
     /// `max_send_sge`, which the caller checked).
     ///
     /// # Errors

@@ -3,6 +3,9 @@
 //! (names, aliases, wire tags, [`ProviderKind::visit`]), the provider-neutral handles
 //! ([`any_provider!`], [`with_any!`]) and their construction from a monomorphised object.
 //!
+//! [`ProviderKind`]: crate::verbs::ProviderKind
+//! [`ProviderKind::visit`]: crate::verbs::ProviderKind::visit
+//!
 //! An entry gives the variant, the type implementing [`Provider`](super::Provider), its
 //! `RPC_PROVIDER` name and aliases, the tag it prints in logs, its wire tag (the byte that
 //! names it in [`Endpoint`](super::Endpoint)s and handshakes: never reuse one) and the `cfg`

@@ -305,7 +305,7 @@ struct PendingDispatch<P: Provider> {
     buf: BulkBuf<P>,
     /// READs (one per remote range of the payload) whose completion is still to come.
     reads_left: u8,
-    /// A payload sent pending ([`wire::FrameFlags::BULK_PENDING`]): its one range, and how
+    /// A payload sent pending ([`crate::wire::FrameFlags::BULK_PENDING`]): its one range, and how
     /// much of it is READ (posted) and ready (what the client's BulkReady frames said). One
     /// READ at a time (the send queue holds one per call); the call is dispatched once all
     /// of it is READ. Otherwise every range's READ is posted at once: `range` is the first,

@@ -230,7 +230,7 @@ impl<P: Provider> Shard<P> {
     }
 
     /// Posts the frames the connections touched since the last sweep queued
-    /// ([`Link::flush_sends`]).
+    /// ([`crate::link::Link::flush_sends`]).
     pub(super) fn flush_sends(&mut self) {
         let mut failed = None;
         for &i in &self.touched {

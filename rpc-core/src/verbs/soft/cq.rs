@@ -21,7 +21,7 @@
 //! # Overrun is prevented by sizing
 //!
 //! [`Pd::create_qp`](crate::verbs::Pd::create_qp) fails with
-//! [`ErrorKind::ExceedsCaps`](crate::verbs::ErrorKind::ExceedsCaps) when a CQ's capacity is
+//! [`ErrorKind::ExceedsCaps`] when a CQ's capacity is
 //! smaller than the sum of the queue depths of the QP sides attached to it (`max_send_wr` for
 //! each QP using it as send CQ, `max_recv_wr` for each using it as receive CQ). A work
 //! request's queue slot is released only when its completion is *polled* (for unsignaled
