@@ -342,7 +342,12 @@ pub(crate) struct ClientCore<P: Provider> {
     /// With the default threshold: whether smaller ones from [`overlap::AUTO_MIN`] up go
     /// pending, as measured on this connection.
     overlap: Option<overlap::Overlap>,
-    doorbell: Arc<Doorbell>,
+    /// What a sleeping driver waits on besides the completion channel: the poller thread's
+    /// (`ClientPoller::Thread`, set at creation), or this connection's own, made when a
+    /// blocking caller first sleeps on it (`ClientPoller::Caller`: most never do, and an
+    /// eventfd per connection they never use costs a client a descriptor per connection).
+    /// Nobody sleeps on it before it exists, so ringers skip it until then.
+    doorbell: OnceLock<Arc<Doorbell>>,
     /// `ClientPoller::Thread`: the process's poller, and this connection's place on its list
     /// of connections with work ([`group`]).
     poller: Option<group::Poller>,
@@ -514,8 +519,8 @@ impl<P: Provider> ClientCore<P> {
             overlap: parts.pending_min.is_none().then(overlap::Overlap::default),
             // Connections of the process's poller thread share its doorbell.
             doorbell: match poller {
-                Some(p) => p.doorbell(),
-                None => Doorbell::new()?,
+                Some(p) => OnceLock::from(p.doorbell()),
+                None => OnceLock::new(),
             },
             poller,
             listing: group::Listing::new(),

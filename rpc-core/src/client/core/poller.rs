@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use crate::Status;
 use crate::client::ClientPoller;
-use crate::doorbell::wait_readable;
+use crate::doorbell::{Doorbell, wait_readable};
 use crate::poll_policy::{Budget, CLOCK_EVERY, TimedSpin, Wait, with_thread_spinner};
 use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
@@ -34,13 +34,17 @@ impl<P: Provider> ClientCore<P> {
     /// thread lists it (`ClientPoller::Thread`), and a sleeping driver is woken.
     pub(super) fn ring(&self) {
         self.list();
-        self.doorbell.ring();
+        if let Some(d) = self.doorbell.get() {
+            d.ring();
+        }
     }
 
     /// As [`ClientCore::ring`], waking the driver whether it sleeps or not.
     pub(super) fn ring_always(&self) {
         self.list();
-        self.doorbell.ring_always();
+        if let Some(d) = self.doorbell.get() {
+            d.ring_always();
+        }
     }
 
     /// Puts the connection on its poller thread's list (`ClientPoller::Thread`).
@@ -63,7 +67,9 @@ impl<P: Provider> ClientCore<P> {
                 }
                 // A blocking caller of this connection may be asleep holding the driver (it
                 // sleeps only on a contended host; the doorbell is written only then).
-                self.doorbell.ring();
+                if let Some(d) = self.doorbell.get() {
+                    d.ring();
+                }
                 self.drive.notify_one();
             }
         }
@@ -482,18 +488,37 @@ impl<P: Provider> Driver<P> {
     /// ([`Driver::prepare_sleep`]) and sleep only if nothing came. Returns the timeout it
     /// slept with, `None` when it did not sleep.
     pub(super) fn sleep(&mut self, core: &ClientCore<P>, max: Duration) -> Option<Duration> {
-        core.doorbell.prepare_sleep();
+        // The first sleep makes the doorbell; a ringer acts on its flag, raised below before
+        // the last look for work. Without one (no descriptor left) the sleep waits on the
+        // channel and its timeout alone.
+        let bell = match core.doorbell.get() {
+            Some(d) => Some(&**d),
+            None => Doorbell::new()
+                .ok()
+                .map(|d| &**core.doorbell.get_or_init(|| d)),
+        };
+        let Some(bell) = bell else {
+            let timeout = self.prepare_sleep(core, max)?;
+            if core.is_lost() {
+                std::thread::sleep(timeout);
+            } else {
+                wait_readable(&[self.channel.fd()], timeout);
+                let _ = self.channel.drain();
+            }
+            return Some(timeout);
+        };
+        bell.prepare_sleep();
         let Some(timeout) = self.prepare_sleep(core, max) else {
-            core.doorbell.awake();
+            bell.awake();
             return None;
         };
         if core.is_lost() {
-            wait_readable(&[core.doorbell.fd()], timeout);
+            wait_readable(&[bell.fd()], timeout);
         } else {
-            wait_readable(&[core.doorbell.fd(), self.channel.fd()], timeout);
+            wait_readable(&[bell.fd(), self.channel.fd()], timeout);
             let _ = self.channel.drain();
         }
-        core.doorbell.awake();
+        bell.awake();
         Some(timeout)
     }
 
