@@ -457,7 +457,7 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
     }
     let deadline = Instant::now() + limit + ANSWER_GRACE;
     let mut parts = Vec::new();
-    let (mut grown_kib, mut grown_fds) = (0u64, 0u64);
+    let (mut grown_kib, mut grown_fds, mut measured) = (0u64, 0u64, true);
     for (i, cl) in clients.iter_mut().enumerate() {
         match cl.answer::<OpenReply>(deadline) {
             Ok(r) => {
@@ -467,6 +467,7 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
                 c.clients_rss_kib += r.rss_kib;
                 c.clients_threads += r.threads;
                 c.clients_fds += r.fds;
+                measured &= r.measured;
                 grown_kib += r.rss_kib.saturating_sub(r.base_rss_kib);
                 grown_fds += r.fds.saturating_sub(r.base_fds);
                 if c.first_error.is_none() {
@@ -483,7 +484,7 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
         }
     }
     c.connect_first_call = Quantiles::of(&sessions_client::merge(&parts));
-    if c.opened > 0 {
+    if c.opened > 0 && measured {
         c.client_kib_per_conn = Some(grown_kib as f64 / c.opened as f64);
         c.client_fds_per_conn = Some(grown_fds as f64 / c.opened as f64);
     }

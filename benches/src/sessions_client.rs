@@ -132,6 +132,9 @@ pub struct OpenReply {
     pub base_rss_kib: u64,
     /// See `base_rss_kib`.
     pub base_fds: u64,
+    /// Whether the figures above were read (a process out of descriptors cannot open
+    /// `/proc` to read them).
+    pub measured: bool,
 }
 
 /// The answer to `LOAD`.
@@ -200,8 +203,9 @@ pub fn run(args: &SessionClientArgs) -> Result<()> {
                     Duration::from_millis(limit),
                     give_up,
                 ));
-                if let Some(b) = base {
-                    (r.base_rss_kib, r.base_fds) = (b.vm_rss_kib, b.fds);
+                match base {
+                    Some(b) => (r.base_rss_kib, r.base_fds) = (b.vm_rss_kib, b.fds),
+                    None => r.measured = false,
                 }
                 serde_json::to_string(&r)?
             }
@@ -270,6 +274,7 @@ async fn open(
     if let Some(s) = crate::sessions::ProcStatus::read(std::process::id()) {
         r.rss_kib = s.vm_rss_kib;
         r.fds = s.fds;
+        r.measured = true;
         r.threads = s.threads;
     }
     r
