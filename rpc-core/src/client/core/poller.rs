@@ -497,28 +497,28 @@ impl<P: Provider> Driver<P> {
                 .ok()
                 .map(|d| &**core.doorbell.get_or_init(|| d)),
         };
-        let Some(bell) = bell else {
-            let timeout = self.prepare_sleep(core, max)?;
-            if core.is_lost() {
-                std::thread::sleep(timeout);
-            } else {
-                wait_readable(&[self.channel.fd()], timeout);
-                let _ = self.channel.drain();
-            }
-            return Some(timeout);
-        };
-        bell.prepare_sleep();
+        if let Some(b) = bell {
+            b.prepare_sleep();
+        }
         let Some(timeout) = self.prepare_sleep(core, max) else {
-            bell.awake();
+            if let Some(b) = bell {
+                b.awake();
+            }
             return None;
         };
-        if core.is_lost() {
-            wait_readable(&[bell.fd()], timeout);
-        } else {
-            wait_readable(&[bell.fd(), self.channel.fd()], timeout);
+        let lost = core.is_lost();
+        match (bell, lost) {
+            (Some(b), true) => wait_readable(&[b.fd()], timeout),
+            (Some(b), false) => wait_readable(&[b.fd(), self.channel.fd()], timeout),
+            (None, true) => std::thread::sleep(timeout),
+            (None, false) => wait_readable(&[self.channel.fd()], timeout),
+        }
+        if !lost {
             let _ = self.channel.drain();
         }
-        bell.awake();
+        if let Some(b) = bell {
+            b.awake();
+        }
         Some(timeout)
     }
 

@@ -78,19 +78,19 @@ impl CqShared {
     pub(crate) fn corrupt_bitmap_for_fault(&self) {
         for w in 0..layout::CQ_WORDS {
             self.dev
-                .in64(self.entry + cq_in::BITMAP + w * 8)
+                .in64(layout::cq_bitmap_word(self.entry, w))
                 .store(u64::MAX, Ordering::SeqCst);
         }
         for i in 0..layout::CQ_SUMMARY_WORDS {
             self.dev
-                .in64(self.entry + cq_in::SUMMARY + i * 8)
+                .in64(layout::cq_summary_word(self.entry, i))
                 .store(u64::MAX, Ordering::SeqCst);
         }
     }
 
     /// Offset of the ready-bitmap word holding `bit` (what a peer needs to set it).
     pub(crate) fn bitmap_word(&self, bit: u32) -> usize {
-        self.entry + cq_in::BITMAP + (bit as usize / 64) * 8
+        layout::cq_bitmap_word(self.entry, bit as usize / 64)
     }
 
     /// Offset of the armed word.
@@ -245,11 +245,11 @@ impl SoftCq {
         let entry = layout::cq_in_entry(slot as usize);
         dev.in32(entry + cq_in::ARMED).store(0, Ordering::Relaxed);
         for w in 0..layout::CQ_WORDS {
-            dev.in64(entry + cq_in::BITMAP + w * 8)
+            dev.in64(layout::cq_bitmap_word(entry, w))
                 .store(0, Ordering::Relaxed);
         }
         for i in 0..layout::CQ_SUMMARY_WORDS {
-            dev.in64(entry + cq_in::SUMMARY + i * 8)
+            dev.in64(layout::cq_summary_word(entry, i))
                 .store(0, Ordering::Relaxed);
         }
         let shared = Arc::new(CqShared {
@@ -334,7 +334,7 @@ impl Cq for SoftCq {
         let (start_word, start_bit) = (start / 64, start % 64);
         // Take the summary (the words that may have bits), then those words, from the start
         // word on and around.
-        let summary_at = |i: usize| shared.dev.in64(shared.entry + cq_in::SUMMARY + i * 8);
+        let summary_at = |i: usize| shared.dev.in64(layout::cq_summary_word(shared.entry, i));
         let mut summary = [0u64; layout::CQ_SUMMARY_WORDS];
         let mut any = 0;
         for (i, sum) in summary.iter_mut().enumerate().take(words.div_ceil(64)) {
@@ -347,7 +347,7 @@ impl Cq for SoftCq {
         // Word 0 has no summary bit (see `summary_of`): it is looked at every time.
         if shared
             .dev
-            .in64(shared.entry + cq_in::BITMAP)
+            .in64(layout::cq_bitmap_word(shared.entry, 0))
             .load(Ordering::Relaxed)
             != 0
         {
@@ -369,7 +369,7 @@ impl Cq for SoftCq {
             let mut from = lo;
             while let Some(w) = take_lowest(&mut summary, from, hi) {
                 from = w + 1;
-                let word = shared.dev.in64(shared.entry + cq_in::BITMAP + w * 8);
+                let word = shared.dev.in64(layout::cq_bitmap_word(shared.entry, w));
                 if word.load(Ordering::Relaxed) == 0 {
                     continue;
                 }

@@ -237,11 +237,21 @@ pub(crate) mod cq_in {
     pub(crate) const BITMAP: usize = 128;
 }
 
+/// Offset of word `w` of the ready bitmap of the CQ inbox entry at `entry`.
+pub(crate) const fn cq_bitmap_word(entry: usize, w: usize) -> usize {
+    entry + cq_in::BITMAP + w * 8
+}
+
+/// Offset of word `i` of the summary of the CQ inbox entry at `entry`.
+pub(crate) const fn cq_summary_word(entry: usize, i: usize) -> usize {
+    entry + cq_in::SUMMARY + i * 8
+}
+
 /// The summary word (offset in a CQ inbox entry) and bit for bitmap word `w`; none for word
 /// 0, which the poll reads every time: a CQ with at most 64 sides (a client connection's)
 /// has its producers touch one line of the entry, as before the summary, not two.
 pub(crate) fn summary_of(w: usize) -> Option<(usize, u64)> {
-    (w > 0).then(|| (cq_in::SUMMARY + (w / 64) * 8, 1u64 << (w % 64)))
+    (w > 0).then(|| (cq_summary_word(0, w / 64), 1u64 << (w % 64)))
 }
 
 /// Where one side of a QP announces its completions in its CQ's inbox entry: its bit of the
@@ -260,7 +270,7 @@ impl ReadyBit {
     /// Side `side` of the CQ whose inbox entry starts at offset `entry`.
     pub(crate) fn new(entry: usize, side: usize) -> ReadyBit {
         ReadyBit {
-            word: entry + cq_in::BITMAP + (side / 64) * 8,
+            word: cq_bitmap_word(entry, side / 64),
             bit: 1u64 << (side % 64),
             summary: summary_of(side / 64).map(|(w, b)| (entry + w, b)),
             armed: entry + cq_in::ARMED,
