@@ -100,10 +100,10 @@ pub(crate) struct Grants {
     lent: u32,
     /// Slots of the pool.
     total: u32,
-    /// Windows of closed connections, not free yet (see the module docs), and when the last
-    /// was added.
+    /// Slots of closed connections' windows, not free yet (see the module docs), and per
+    /// close, oldest first, when its slots are free and how many of them are left.
     limbo: u32,
-    limbo_since: Option<std::time::Instant>,
+    closes: std::collections::VecDeque<(std::time::Instant, u32)>,
     /// Per slot: the connection whose frame is in it (packed key), [`LENT`] or [`NONE`].
     owner: Vec<u32>,
 }
@@ -126,7 +126,7 @@ impl Grants {
             lent: 0,
             total: 0,
             limbo: 0,
-            limbo_since: None,
+            closes: std::collections::VecDeque::new(),
             owner: Vec::new(),
         }
     }
@@ -184,19 +184,25 @@ impl Grants {
     }
 
     /// A connection closed (its QPs destroyed): its window but the slots its frames hold
-    /// (they come back free, their owner being gone) waits in limbo.
+    /// (they come back free, their owner being gone) waits in limbo for [`LIMBO`].
     pub(crate) fn closed(&mut self, w: &wire::Conn, now: std::time::Instant) {
-        self.limbo += w.peer_credits() + w.owed_credits();
-        self.limbo_since = Some(now);
+        let n = w.peer_credits() + w.owed_credits();
+        if n > 0 {
+            self.limbo += n;
+            self.closes.push_back((now + LIMBO, n));
+        }
     }
 
-    /// Frees the limbo once [`LIMBO`] passed since the last close.
+    /// Frees the slots of the closes at least [`LIMBO`] old. Each close has its own deadline:
+    /// connections that keep closing less than [`LIMBO`] apart (a client that reconnects in
+    /// a loop) must not keep each other's slots out of the pool, or it grows for nothing.
     pub(crate) fn release_limbo(&mut self, now: std::time::Instant) {
-        if let Some(t) = self.limbo_since
-            && now.duration_since(t) >= LIMBO
+        while let Some(&(due, n)) = self.closes.front()
+            && due <= now
         {
-            self.free += std::mem::take(&mut self.limbo);
-            self.limbo_since = None;
+            self.closes.pop_front();
+            self.limbo -= n;
+            self.free += n;
         }
     }
 
@@ -206,7 +212,13 @@ impl Grants {
         if let Some(o) = self.owner.get_mut(idx as usize) {
             *o = ORPHAN;
         }
-        if self.limbo > 0 {
+        if let Some(c) = self.closes.front_mut() {
+            // The oldest close's (which frame's connection it was does not matter: all the
+            // limbo's slots are alike).
+            c.1 -= 1;
+            if c.1 == 0 {
+                self.closes.pop_front();
+            }
             self.limbo -= 1;
         } else {
             // Its limbo was released already (a completion polled very late): the slot was
@@ -437,5 +449,34 @@ mod tests {
         );
         assert_eq!(g.allowance(), 0, "nothing lent from a pool this low");
         assert!(g.wants_growth());
+    }
+
+    #[test]
+    fn connections_that_keep_closing_free_their_slots_on_time() {
+        // A client that reconnects every millisecond: each close's slots are free LIMBO
+        // after it, though another close follows sooner (once, the whole limbo waited for
+        // a pause in the closes, and the pool grew a chunk every 128 reconnections).
+        let mut g = Grants::new();
+        let total = FLOOR + LOW + 4 * FLOOR;
+        g.grown(total, total);
+        let t0 = std::time::Instant::now();
+        for i in 0..1000u32 {
+            let now = t0 + Duration::from_millis(u64::from(i));
+            assert!(!g.wants_growth(), "connection {i}: {g:?}");
+            assert!(g.admit(now), "connection {i} refused: {g:?}");
+            let w = conn(64);
+            g.check(w.window()).unwrap_or_else(|e| panic!("{e}"));
+            g.closed(&w, now);
+            assert!(g.limbo <= 3 * FLOOR, "connection {i}: {g:?}");
+        }
+        // A frame of a closed connection polled late takes its slot from the oldest close.
+        g.orphan_received(0);
+        g.release_limbo(t0 + Duration::from_secs(2));
+        assert_eq!((g.limbo, g.closes.len()), (0, 0));
+        assert_eq!(
+            g.free(),
+            total - 1,
+            "the orphan's slot is free when it comes back"
+        );
     }
 }
