@@ -266,8 +266,9 @@ pub(crate) struct Conn {
     ready: layout::ReadyBit,
     /// The number and id of the peer's completion-channel eventfd (signalled through the
     /// peer's bounded cache of duplicates, [`Peer::signal_eventfd`]), if its receive CQ has
-    /// one.
+    /// one, and whether we hold its duplicate ([`Peer::hold_eventfd`]; released on drop).
     efd: Option<(u32, u32)>,
+    efd_held: bool,
     cache: [(u32, Option<Arc<Mapping>>); MR_CACHE],
     my_qp_num: u32,
     my_nonce: u64,
@@ -286,6 +287,14 @@ pub(crate) struct Conn {
 
 fn bad_ep(detail: String) -> VerbsError {
     VerbsError::new(Verb::Connect, ErrorKind::InvalidEndpoint, detail)
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let (Some((fd, id)), true) = (self.efd, self.efd_held) {
+            self.peer.release_eventfd(fd, id);
+        }
+    }
 }
 
 /// Whether the CPU has PREFETCHW (every x86-64 CPU of the last decade; checked once).
@@ -461,19 +470,16 @@ impl Conn {
         let cq_entry = layout::cq_in_entry(cq);
         let chan = rd32(qp::CHAN_FD);
         let chan_id = rd32(qp::CHAN_ID);
-        let efd = if chan == u32::MAX {
-            None
-        } else {
-            if !peer.check_eventfd(chan, chan_id) {
-                tracing::warn!(
-                    pid,
-                    fd = chan,
-                    "soft RNIC: cannot reach the peer's completion channel; its sleepers will \
+        let efd = (chan != u32::MAX).then_some((chan, chan_id));
+        let efd_held = efd.is_some() && peer.hold_eventfd(chan, chan_id);
+        if efd.is_some() && !efd_held {
+            tracing::warn!(
+                pid,
+                fd = chan,
+                "soft RNIC: cannot reach the peer's completion channel; its sleepers will \
                      not be woken by our completions"
-                );
-            }
-            Some((chan, chan_id))
-        };
+            );
+        }
         Ok(Conn {
             peer_qp_num: ep.qp_num,
             pe,
@@ -489,6 +495,7 @@ impl Conn {
             shared_rq,
             ready: layout::ReadyBit::new(cq_entry, bit),
             efd,
+            efd_held,
             cache: std::array::from_fn(|_| (0, None)),
             my_qp_num,
             my_nonce: dev.nonce,

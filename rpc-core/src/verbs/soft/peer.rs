@@ -304,11 +304,19 @@ impl Peer {
         Ok(m)
     }
 
-    /// Whether the peer's descriptor `fd` is an eventfd we can reach (a completion channel);
-    /// keeps the duplicate in the cache. Setup path.
-    pub(crate) fn check_eventfd(&self, fd: u32, id: u32) -> bool {
+    /// Whether the peer's descriptor `fd` is an eventfd we can reach (a completion channel).
+    /// A connection of ours that will signal it holds the duplicate until
+    /// [`Peer::release_eventfd`]. Setup path.
+    pub(crate) fn hold_eventfd(&self, fd: u32, id: u32) -> bool {
         let mut efds = self.efds.lock().unwrap_or_else(|e| e.into_inner());
-        efds.get(self, fd, id).is_some()
+        efds.hold(fd, id, || self.dup_eventfd(fd))
+    }
+
+    /// A connection of ours that held the peer's channel `fd` ended: the duplicate is closed
+    /// with its last holder, so a client that reconnects again and again leaves none behind.
+    pub(crate) fn release_eventfd(&self, fd: u32, id: u32) {
+        let mut efds = self.efds.lock().unwrap_or_else(|e| e.into_inner());
+        efds.release(fd, id);
     }
 
     /// Wakes the peer's completion channel `fd` (its armed CQ got a completion). The
@@ -318,7 +326,7 @@ impl Peer {
     /// wake a sleeper).
     pub(crate) fn signal_eventfd(&self, fd: u32, id: u32) {
         let mut efds = self.efds.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(dup) = efds.get(self, fd, id) {
+        if let Some(dup) = efds.get(fd, id, || self.dup_eventfd(fd)) {
             shm::signal_fd(dup.as_fd());
         }
     }
@@ -339,33 +347,86 @@ impl Peer {
 pub(crate) const EVENTFD_CACHE: usize = 64;
 
 /// A peer's eventfd duplicates by descriptor number and channel id, least recently used
-/// first out.
+/// first out; each closed when the last connection of ours that holds it ends.
 #[derive(Debug, Default)]
 pub(crate) struct EventFds {
-    /// (descriptor number in the peer, channel id, our duplicate, last use).
-    entries: Vec<(u32, u32, OwnedFd, u64)>,
+    entries: Vec<EventFdEntry>,
     clock: u64,
 }
 
+#[derive(Debug)]
+struct EventFdEntry {
+    /// The descriptor number in the peer and its channel id.
+    fd: u32,
+    id: u32,
+    dup: OwnedFd,
+    last_use: u64,
+    /// Connections of ours that signal this channel.
+    holders: u32,
+}
+
 impl EventFds {
-    fn get(&mut self, peer: &Peer, fd: u32, id: u32) -> Option<&OwnedFd> {
+    /// The duplicate of channel (`fd`, `id`), made with `dup` on a miss.
+    fn get(&mut self, fd: u32, id: u32, dup: impl FnOnce() -> Option<OwnedFd>) -> Option<&OwnedFd> {
+        self.lookup(fd, id, dup).map(|i| &self.entries[i].dup)
+    }
+
+    /// [`EventFds::get`], counting one more holder.
+    fn hold(&mut self, fd: u32, id: u32, dup: impl FnOnce() -> Option<OwnedFd>) -> bool {
+        let Some(i) = self.lookup(fd, id, dup) else {
+            return false;
+        };
+        self.entries[i].holders += 1;
+        true
+    }
+
+    /// One holder of channel (`fd`, `id`) fewer; the last closes the duplicate. (An entry
+    /// evicted meanwhile and made again by a signal has no holders: the release closes it.)
+    fn release(&mut self, fd: u32, id: u32) {
+        if let Some(i) = self.entries.iter().position(|e| (e.fd, e.id) == (fd, id)) {
+            let e = &mut self.entries[i];
+            e.holders = e.holders.saturating_sub(1);
+            if e.holders == 0 {
+                self.entries.swap_remove(i);
+            }
+        }
+    }
+
+    fn lookup(&mut self, fd: u32, id: u32, dup: impl FnOnce() -> Option<OwnedFd>) -> Option<usize> {
         self.clock += 1;
         let now = self.clock;
-        if let Some(i) = self.entries.iter().position(|e| (e.0, e.1) == (fd, id)) {
-            self.entries[i].3 = now;
-            return Some(&self.entries[i].2);
+        if let Some(i) = self.entries.iter().position(|e| (e.fd, e.id) == (fd, id)) {
+            self.entries[i].last_use = now;
+            return Some(i);
         }
         // The number now names another channel: a duplicate of the closed one would wake
         // nobody (and keep its file open).
-        self.entries.retain(|e| e.0 != fd);
-        let dup = peer.dup_eventfd(fd)?;
+        self.entries.retain(|e| e.fd != fd);
+        let dup = dup()?;
         if self.entries.len() >= EVENTFD_CACHE
-            && let Some(i) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].3)
+            && let Some(i) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].last_use)
         {
             self.entries.swap_remove(i);
         }
-        self.entries.push((fd, id, dup, now));
-        self.entries.last().map(|e| &e.2)
+        self.entries.push(EventFdEntry {
+            fd,
+            id,
+            dup,
+            last_use: now,
+            holders: 0,
+        });
+        Some(self.entries.len() - 1)
+    }
+
+    #[cfg(test)]
+    fn open(&self) -> Vec<(u32, u32, u32)> {
+        let mut v: Vec<_> = self
+            .entries
+            .iter()
+            .map(|e| (e.fd, e.id, e.holders))
+            .collect();
+        v.sort_unstable();
+        v
     }
 }
 
@@ -556,5 +617,63 @@ fn run(shared: &WatchShared) {
                 declare_dead(shared, l);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eventfd() -> Option<OwnedFd> {
+        // SAFETY: plain syscall; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        // SAFETY: a new descriptor that nothing else owns.
+        (fd >= 0).then(|| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    }
+
+    #[test]
+    fn an_eventfd_duplicate_closes_with_its_last_holder() {
+        let mut efds = EventFds::default();
+        assert!(efds.hold(7, 1, eventfd));
+        assert!(efds.hold(7, 1, || panic!("a hit makes no duplicate")));
+        assert!(
+            efds.get(7, 1, || panic!("a hit makes no duplicate"))
+                .is_some()
+        );
+        assert_eq!(efds.open(), vec![(7, 1, 2)]);
+        efds.release(7, 1);
+        assert_eq!(efds.open(), vec![(7, 1, 1)], "one holder is left");
+        efds.release(7, 1);
+        assert_eq!(efds.open(), vec![], "closed with the last holder");
+        efds.release(7, 1);
+        assert!(
+            !efds.hold(8, 1, || None),
+            "an unreachable channel is not held"
+        );
+        assert_eq!(efds.open(), vec![]);
+    }
+
+    #[test]
+    fn a_reused_number_or_a_full_cache_drops_the_old_duplicate() {
+        let mut efds = EventFds::default();
+        assert!(efds.hold(7, 1, eventfd));
+        // The peer closed channel 1 and number 7 now names channel 2.
+        assert!(efds.hold(7, 2, eventfd));
+        assert_eq!(efds.open(), vec![(7, 2, 1)]);
+        // Signals alone keep at most EVENTFD_CACHE duplicates, the least recently used out.
+        for fd in 100..100 + EVENTFD_CACHE as u32 {
+            assert!(efds.get(fd, 9, eventfd).is_some());
+        }
+        let open = efds.open();
+        assert_eq!(open.len(), EVENTFD_CACHE);
+        assert!(
+            !open.contains(&(7, 2, 1)),
+            "the least recently used went first"
+        );
+        // Its holder's release finds nothing to close; a signal makes it again, unheld.
+        efds.release(7, 2);
+        assert!(efds.get(7, 2, eventfd).is_some());
+        efds.release(7, 2);
+        assert!(efds.open().iter().all(|e| e.0 != 7));
     }
 }
