@@ -3,7 +3,8 @@
 //! serves 1200 connections in a row (more than it may hold descriptors), and holds about as
 //! many descriptors at the end as at the start, and as large a receive pool. (The soft
 //! provider once kept a pidfd per connection of a live client process; the shard's receive
-//! pool once grew a 4 MiB chunk every 128 reconnections.)
+//! pool once grew a 4 MiB chunk every 128 reconnections.) And what a connection costs in
+//! descriptors comes back when it closes.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -13,11 +14,14 @@ use std::time::Duration;
 
 use common::proc::{ChildProc, child_role, report};
 use common::{TestServer, echo_seq, open_fds, within};
-use rpc_core::Channel;
+use rpc_core::{Channel, ClientPoller};
 
 const ENTRY: &str = "child_process_entry";
 const CONNECTIONS: u64 = 1200;
 const FD_LIMIT: u64 = 1024;
+
+/// The tests of this binary count descriptors of their processes: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Not a test: the body of the child server (run with `--ignored --exact`): lowers its
 /// descriptor limit, serves `lab.Lab`, reports its address, then its open descriptors
@@ -82,6 +86,7 @@ fn child_process_entry() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_reconnects_leaks_no_server_descriptor() {
+    let _serial = SERIAL.lock().await;
     use rpc_core::verbs::ProviderKind;
     if ProviderKind::from_env().ok() != Some(ProviderKind::Soft) {
         // The descriptors at stake are the soft RNIC's (a pidfd per peer process); on ib,
@@ -141,4 +146,42 @@ async fn a_client_that_reconnects_leaks_no_server_descriptor() {
     );
     echo_seq(&keep, CONNECTIONS).await;
     child.kill();
+}
+
+/// A caller-polled channel costs its process a few descriptors (with the server in the same
+/// process, both ends' count here), and they all close when the channel is dropped, though
+/// its driver task may end after it. (Its runtime registration once held a duplicate of the
+/// completion channel's descriptor: one more per connection.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_polled_channels_cost_few_descriptors_and_give_them_back() {
+    const CHANNELS: usize = 32;
+    let _serial = SERIAL.lock().await;
+    common::init_logs();
+    let srv = TestServer::start().await;
+    let first = srv.channel(ClientPoller::Caller).await;
+    echo_seq(&first, 0).await;
+    let before = open_fds();
+    let mut chans = Vec::new();
+    for i in 0..CHANNELS {
+        let ch = srv.channel(ClientPoller::Caller).await;
+        // An async call: the channel's driver task is running.
+        echo_seq(&ch, i as u64 + 1).await;
+        chans.push(ch);
+    }
+    let during = open_fds();
+    let per = (during.saturating_sub(before)) as f64 / CHANNELS as f64;
+    eprintln!("{per:.2} descriptors per connection (client and server ends)");
+    // Soft: the client's TCP socket, channel eventfd and slot arena memfd; the server's TCP
+    // socket and duplicate of the client's eventfd. ib: fewer (no memfd, no duplicate).
+    assert!(
+        per <= 5.0,
+        "{CHANNELS} caller-polled channels opened {} descriptors ({per:.2} per connection)",
+        during.saturating_sub(before)
+    );
+    drop(chans);
+    common::wait_until(Duration::from_secs(20), "descriptors closed", || {
+        open_fds() <= before + 2
+    })
+    .await;
+    echo_seq(&first, 1000).await;
 }

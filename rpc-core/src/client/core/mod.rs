@@ -271,7 +271,9 @@ pub(crate) struct Driver<P: Provider> {
     /// written, and how much BulkReady frames told the server so far.
     filling: Vec<(CallId, Arc<encode::Fill>, u64)>,
     pub(crate) cq: P::Cq,
-    channel: P::CompChannel,
+    /// Shared with the core (and the driver task's runtime registration), so that it is
+    /// destroyed after the CQ and after the registration is gone.
+    channel: Arc<P::CompChannel>,
     /// The rendezvous descriptors the server sent (the rogue-peer tests replay them).
     #[cfg(test)]
     pub(crate) seen_bulk: Vec<crate::wire::BulkDesc>,
@@ -307,9 +309,10 @@ pub(crate) struct Counters {
 /// One client connection.
 pub(crate) struct ClientCore<P: Provider> {
     pub(crate) driver: Exclusive<Driver<P>>,
-    /// The descriptor of the driver's completion channel (for the poller thread's epoll set,
-    /// without the driver's lock): the channel lives in `driver`, as long as the core.
-    channel_fd: std::os::fd::RawFd,
+    /// The driver's completion channel, reachable without the driver's lock (the poller
+    /// thread's epoll set, the driver task's runtime registration). Declared after `driver`:
+    /// the CQ is destroyed before the channel.
+    channel: Arc<P::CompChannel>,
     cells: Box<[Cell<P>]>,
     free: ArrayQueue<u32>,
     /// Callers waiting for a free cell (slow path only).
@@ -463,8 +466,7 @@ impl<P: Provider> ClientCore<P> {
         let bulk = Arc::clone(&parts.link.bulk);
         let pd = Arc::clone(&parts.pd);
         let window_target = crate::verbs::Qp::window_target(&parts.link.qp);
-        let channel_fd =
-            std::os::fd::AsRawFd::as_raw_fd(&crate::verbs::CompChannel::fd(&parts.channel));
+        let channel = Arc::new(parts.channel);
         let poller = match parts.mode {
             ClientPoller::Thread => Some(group::Poller::get()?),
             ClientPoller::Caller => None,
@@ -485,7 +487,7 @@ impl<P: Provider> ClientCore<P> {
             filling: Vec::new(),
             link: parts.link,
             cq: parts.cq,
-            channel: parts.channel,
+            channel: Arc::clone(&channel),
             wcs: [Wc::default(); POLL_BATCH],
             _pd: parts.pd,
             dev: parts.dev,
@@ -493,7 +495,7 @@ impl<P: Provider> ClientCore<P> {
         };
         Ok(Arc::new(ClientCore {
             driver: Exclusive::new(driver),
-            channel_fd,
+            channel,
             cells: t.cells,
             free: t.free,
             waiters: std::sync::atomic::AtomicUsize::new(0),

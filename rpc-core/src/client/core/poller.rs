@@ -2,7 +2,6 @@
 //! doorbell and the completion channel), the driver task of `ClientPoller::Caller`, and callers
 //! that drive it themselves.
 
-use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
@@ -89,11 +88,11 @@ impl<P: Provider> ClientCore<P> {
     /// when the connection is dropped or stopped.
     pub(crate) fn spawn_drive_task(self: &Arc<Self>) {
         // Registered now, at connect: the registration allocates, which a call must not.
-        let channel = register_channel(self.channel_fd);
+        let channel = register_channel(Arc::clone(&self.channel));
         tokio::spawn(Self::drive_task(Arc::downgrade(self), channel));
     }
 
-    async fn drive_task(weak: std::sync::Weak<Self>, channel: Option<AsyncFd<OwnedFd>>) {
+    async fn drive_task(weak: std::sync::Weak<Self>, channel: Option<AsyncFd<ChannelFd<P>>>) {
         let drive = match weak.upgrade() {
             Some(core) => Arc::clone(&core.drive),
             None => return,
@@ -181,12 +180,11 @@ impl<P: Provider> ClientCore<P> {
     /// The driver task's sleep once it spun long enough, the async twin of [`Driver::sleep`]: arms
     /// the CQ (unless work came meanwhile) and waits for the completion channel, a
     /// submission (`drive`, notified by every `kick`), or the timeout (a protocol timer, at
-    /// most [`CALLER_MAX_SLEEP`]). `channel` is the channel's descriptor registered with the
-    /// runtime, as a duplicate the task owns (it outlives the core's own).
+    /// most [`CALLER_MAX_SLEEP`]). `channel` is the channel registered with the runtime.
     async fn sleep_async(
         &self,
         drive: &tokio::sync::Notify,
-        channel: Option<&AsyncFd<OwnedFd>>,
+        channel: Option<&AsyncFd<ChannelFd<P>>>,
         spin: &mut TimedSpin,
     ) {
         let notified = drive.notified();
@@ -254,32 +252,33 @@ const CALLER_DRIVE: Budget = Budget::adaptive(u32::MAX, 0);
 /// thread-polled connection drives it (an answer from a shard that slept is in it).
 const DRIVE_SPIN_FOR: Duration = CALLER_DRIVE_FOR;
 
-/// A runtime registration of a duplicate of the completion channel's descriptor `fd`;
-/// `None` (the task then sleeps on its timer and submissions only) when it cannot be made.
-fn register_channel(fd: std::os::fd::RawFd) -> Option<AsyncFd<OwnedFd>> {
-    // SAFETY: `fd` is the core's completion channel, open while the core lives (the caller
-    // holds it).
-    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    let dup = match rustix::io::fcntl_dupfd_cloexec(borrowed, 0) {
-        Ok(d) => d,
-        Err(e) => {
-            warn!(
-                "cannot duplicate a completion channel's descriptor ({e}): the driver task \
+/// A completion channel as the runtime's registration holds it: the channel stays open until
+/// the registration is dropped (the driver task may end after its connection), so the runtime
+/// never deregisters a descriptor number that meanwhile names another file.
+pub(super) struct ChannelFd<P: Provider>(Arc<P::CompChannel>);
+
+impl<P: Provider> std::os::fd::AsRawFd for ChannelFd<P> {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// A runtime registration of the completion channel; `None` (the task then sleeps on its
+/// timer and submissions only) when it cannot be made.
+fn register_channel<P: Provider>(channel: Arc<P::CompChannel>) -> Option<AsyncFd<ChannelFd<P>>> {
+    // SAFETY: the `AsyncFd` owns a reference to the channel, which closes its descriptor
+    // only when dropped (the last reference), and never replaces it: the descriptor stays
+    // open, the same file, for the registration's whole life.
+    unsafe {
+        AsyncFd::register_with_interest(ChannelFd::<P>(channel), tokio::io::Interest::READABLE)
+    }
+    .map_err(|e| {
+        warn!(
+            "cannot register a completion channel with the runtime ({e}): the driver task \
                  sleeps on timers"
-            );
-            return None;
-        }
-    };
-    crate::fdtable::opened(&dup);
-    // SAFETY: the `AsyncFd` owns `dup`: it stays open, the same file, until it is dropped.
-    unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
-        .map_err(|e| {
-            warn!(
-                "cannot register a completion channel with the runtime ({e}): the driver task \
-                 sleeps on timers"
-            );
-        })
-        .ok()
+        );
+    })
+    .ok()
 }
 
 /// Async calls of this process waiting for their outcome: a call drives its connection
@@ -448,9 +447,7 @@ impl<P: Provider> Member for ClientCore<P> {
     }
 
     fn with_channel_fd(&self, f: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>)) {
-        // SAFETY: the descriptor is the driver's completion channel's, which the core owns
-        // (in `driver`, never replaced) for as long as `self` lives.
-        f(unsafe { std::os::fd::BorrowedFd::borrow_raw(self.channel_fd) });
+        f(self.channel.fd());
     }
 }
 
