@@ -540,6 +540,43 @@ mod tests {
         assert_eq!(d[0].link_layer, LinkLayer::SharedMemory);
     }
 
+    /// The shared receive queue counts its members in ERROR (a drain looks for a dead
+    /// claimer's receive only while one is): in and out with each move, and out when a member
+    /// in ERROR is destroyed.
+    #[test]
+    fn an_srq_counts_its_members_in_error() {
+        use crate::verbs::{Context as _, Pd as _, Qp as _, QpCaps, SrqCaps};
+        let ctx = Soft::open(None).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(4096, None).unwrap();
+        let srq = pd
+            .create_srq(SrqCaps {
+                max_wr: 64,
+                max_sge: 1,
+            })
+            .unwrap();
+        let errored = || srq.rq.srq.as_ref().unwrap().errored.load(Ordering::Acquire);
+        let caps = QpCaps {
+            max_recv_wr: 0,
+            ..QpCaps::default()
+        };
+        let mut a = pd.create_qp_on_srq(&cq, &cq, caps, &srq).unwrap();
+        let mut b = pd.create_qp_on_srq(&cq, &cq, caps, &srq).unwrap();
+        assert_eq!(errored(), 0);
+        a.modify_to_error().unwrap();
+        a.modify_to_error().unwrap();
+        assert_eq!(errored(), 1, "counted once");
+        b.modify_to_error().unwrap();
+        assert_eq!(errored(), 2);
+        a.modify_to_reset().unwrap();
+        assert_eq!(errored(), 1, "out of ERROR");
+        drop(b);
+        drop(cq);
+        assert_eq!(errored(), 0, "a destroyed member in ERROR leaves the count");
+        drop(a);
+        assert_eq!(errored(), 0);
+    }
+
     #[test]
     fn open_by_name() {
         assert!(Soft::open(Some("soft0")).is_ok());

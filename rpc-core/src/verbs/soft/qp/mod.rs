@@ -192,7 +192,20 @@ impl QpShared {
     }
 
     fn set_state(&self, s: QpState) {
-        self.state_word().store(s as u32, Ordering::SeqCst);
+        let old = self.state_word().swap(s as u32, Ordering::SeqCst);
+        self.count_errored(old, s as u32);
+    }
+
+    /// Keeps the shared receive queue's count of members in ERROR ([`SrqState::errored`])
+    /// as the state moves from `old` to `new`.
+    fn count_errored(&self, old: u32, new: u32) {
+        let Some(st) = &self.rq.srq else { return };
+        let error = QpState::Error as u32;
+        if old != error && new == error {
+            st.errored.fetch_add(1, Ordering::AcqRel);
+        } else if old == error && new != error {
+            st.errored.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 
     /// Moves to ERROR (from any state when `force`, else not from RESET) and flushes.
@@ -214,6 +227,7 @@ impl QpShared {
                 Err(c) => cur = c,
             }
         }
+        self.count_errored(cur, QpState::Error as u32);
         self.flush_rq();
         match self.try_progress() {
             Some(mut p) => self.flush_pending(&mut p),
@@ -576,6 +590,10 @@ impl QpShared {
 
 impl Drop for QpShared {
     fn drop(&mut self) {
+        // A member in ERROR leaves the shared queue's count (it can flush nothing now). Read
+        // before the slot, and with it the state word, is freed.
+        let state = self.state_word().load(Ordering::Acquire);
+        self.count_errored(state, QpState::Reset as u32);
         self.dev.counters.retire(&self.counters);
         self.dev
             .pub32(self.entry + qp::QP_NUM)

@@ -68,6 +68,12 @@ pub(crate) struct SrqState {
     pub(crate) members: Mutex<Vec<Weak<QpShared>>>,
     /// Members left after the last sweep of destroyed ones (written under `members`' lock).
     pub(crate) members_kept: std::sync::atomic::AtomicUsize,
+    /// Members in ERROR ([`QpShared`] counts its own moves in and out). Only a member in
+    /// ERROR can hold a claim to flush, so while this is 0 a drain that finds the next
+    /// receive not completed looks no further: the claim word and the claimers' names are
+    /// lines the peers write on every SEND, and a drain spinning on them made each claim a
+    /// cache miss.
+    pub(crate) errored: std::sync::atomic::AtomicU32,
 }
 
 impl Rq {
@@ -291,6 +297,9 @@ impl Rq {
     /// may still write the buffer.
     fn srq_stuck(&self, p: u32) -> Option<u32> {
         let st = self.srq.as_ref()?;
+        if st.errored.load(Ordering::Acquire) == 0 {
+            return None;
+        }
         let holder = self.claim_name(p)?;
         let members = st.members.lock().unwrap_or_else(|e| e.into_inner());
         members.iter().filter_map(Weak::upgrade).find(|qp| {
@@ -463,6 +472,7 @@ impl SrqState {
             handle_dropped: AtomicBool::new(false),
             members: Mutex::new(Vec::new()),
             members_kept: std::sync::atomic::AtomicUsize::new(0),
+            errored: std::sync::atomic::AtomicU32::new(0),
         }
     }
 }
