@@ -39,6 +39,18 @@ fn child_process_entry() {
     }
 }
 
+/// Connects to `addr`, makes call `seq` and disconnects; panics when refused.
+async fn connect_call_close(addr: &str, seq: u64) {
+    let ch = within(
+        Duration::from_secs(20),
+        "connect",
+        Channel::builder(addr).connect(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("connection {seq} refused: {e}"));
+    echo_seq(&ch, seq).await;
+}
+
 /// A client that connects to `CHURN_ADDR`, makes one call and disconnects,
 /// `CHURN_CONNECTIONS` times in a row as fast as it can, then reports `done`.
 fn child_churn() {
@@ -51,14 +63,7 @@ fn child_churn() {
         .unwrap();
     rt.block_on(async {
         for seq in 0..n {
-            let ch = within(
-                Duration::from_secs(20),
-                "connect",
-                Channel::builder(&addr).connect(),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("connection {seq} refused: {e}"));
-            echo_seq(&ch, seq).await;
+            connect_call_close(&addr, seq).await;
         }
         report("done", n);
     });
@@ -158,15 +163,7 @@ async fn a_client_that_reconnects_leaks_no_server_descriptor() {
             spacers.clear();
         }
         spacers.push(std::fs::File::open("/dev/null").unwrap());
-        let ch = within(
-            Duration::from_secs(20),
-            "connect",
-            Channel::builder(&addr).connect(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("connection {seq} refused: {e}"));
-        echo_seq(&ch, seq).await;
-        drop(ch);
+        connect_call_close(&addr, seq).await;
         if seq == 9 {
             child.tell("count");
             before = Some((
