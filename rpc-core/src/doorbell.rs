@@ -21,12 +21,21 @@ impl Doorbell {
     /// # Errors
     /// When no eventfd can be created.
     pub fn new() -> std::io::Result<Arc<Doorbell>> {
+        Doorbell::unshared().map(Arc::new)
+    }
+
+    /// A new doorbell for one owner, to keep inline: made without a heap allocation (a
+    /// connection makes its own on a call's path, see [`crate::client`]'s core).
+    ///
+    /// # Errors
+    /// When no eventfd can be created.
+    pub(crate) fn unshared() -> std::io::Result<Doorbell> {
         let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?;
         crate::fdtable::opened(&fd);
-        Ok(Arc::new(Doorbell {
+        Ok(Doorbell {
             fd,
             sleeping: AtomicBool::new(false),
-        }))
+        })
     }
 
     /// Rings if the loop is asleep (or about to sleep).

@@ -28,9 +28,14 @@ static LARGEST: AtomicUsize = AtomicUsize::new(0);
 static TRACE: AtomicBool = AtomicBool::new(false);
 static TRACED: AtomicU32 = AtomicU32::new(0);
 
+/// Count only the threads that set `HERE` ([`counted_here`]).
+static ONLY_HERE: AtomicBool = AtomicBool::new(false);
+
 thread_local! {
     /// Set while this thread prints a backtrace (whose own allocations are not counted).
     static IN_TRACE: Cell<bool> = const { Cell::new(false) };
+    /// This thread's allocations count under [`counted_here`].
+    static HERE: Cell<bool> = const { Cell::new(false) };
 }
 
 fn note(size: usize) {
@@ -39,6 +44,9 @@ fn note(size: usize) {
     }
     // `try_with`: the thread-local may be gone while a thread exits.
     if IN_TRACE.try_with(Cell::get).unwrap_or(true) {
+        return;
+    }
+    if ONLY_HERE.load(Ordering::Relaxed) && !HERE.try_with(Cell::get).unwrap_or(false) {
         return;
     }
     // The test harness's own thread (it prints "has been running for over 60 seconds" on slow
@@ -112,6 +120,17 @@ fn counted<T>(f: impl FnOnce() -> T) -> (T, u64, usize) {
     )
 }
 
+/// As [`counted`], counting this thread's allocations only (a call's own path, while the
+/// server in the same process does what it likes).
+fn counted_here<T>(f: impl FnOnce() -> T) -> (T, u64, usize) {
+    HERE.with(|h| h.set(true));
+    ONLY_HERE.store(true, Ordering::SeqCst);
+    let r = counted(f);
+    ONLY_HERE.store(false, Ordering::SeqCst);
+    HERE.with(|h| h.set(false));
+    r
+}
+
 /// Aborts the process (failing the test run) if a test outlives its budget: some calls here
 /// carry no deadline on purpose, and a bug must not hang CI.
 struct Watchdog(Option<std::sync::mpsc::Sender<()>>);
@@ -183,6 +202,25 @@ fn ping_request(i: u64, deadline: bool) -> Request<Scalars> {
     req
 }
 
+/// A server and a caller-polled channel to it.
+fn server_and_caller_channel(rt: &tokio::runtime::Runtime) -> (TestServer, Channel) {
+    rt.block_on(async {
+        let srv = TestServer::start().await;
+        let ch = srv.channel(ClientPoller::Caller).await;
+        (srv, ch)
+    })
+}
+
+/// Blocking pings `from..from + n` through `ch`, checking each response.
+fn ping_blocking(ch: &Channel, from: u64, n: u64, deadline: bool) {
+    for i in from..from + n {
+        let r = ch
+            .unary_blocking(&lab_server::PING, ping_request(i, deadline))
+            .unwrap();
+        check_ping(i, &r);
+    }
+}
+
 /// `unary_blocking` (the caller polls) against a handler that is ready at once, with and
 /// without a deadline, and through a client interceptor that reads the metadata: after
 /// warm-up, no allocation anywhere in the process.
@@ -194,11 +232,7 @@ fn zero_allocations_per_blocking_call() {
         Duration::from_secs(600),
     );
     let rt = runtime();
-    let (srv, ch) = rt.block_on(async {
-        let srv = TestServer::start().await;
-        let ch = srv.channel(ClientPoller::Caller).await;
-        (srv, ch)
-    });
+    let (srv, ch) = server_and_caller_channel(&rt);
     let n = calls();
     let intercepted = ch.with_interceptor(|req: Request<()>| {
         if req.metadata().get("x-deny").is_some() {
@@ -207,14 +241,7 @@ fn zero_allocations_per_blocking_call() {
         Ok(req)
     });
     for (deadline, ch) in [(false, &ch), (true, &ch), (false, &intercepted)] {
-        let run = |from: u64, n: u64| {
-            for i in from..from + n {
-                let r = ch
-                    .unary_blocking(&lab_server::PING, ping_request(i, deadline))
-                    .unwrap();
-                check_ping(i, &r);
-            }
-        };
+        let run = |from: u64, n: u64| ping_blocking(ch, from, n, deadline);
         let how = if std::ptr::eq(ch, &intercepted) {
             "intercepted"
         } else {
@@ -234,6 +261,60 @@ fn zero_allocations_per_blocking_call() {
             n
         );
     }
+    rt.block_on(srv.settle("live calls back to 0"));
+}
+
+/// A blocking caller whose answer takes a while sleeps (it spins a little, then waits on its
+/// connection's descriptors): its thread allocates nothing for that either. (A caller-polled
+/// connection makes its doorbell when a caller first sleeps; it once did in an `Arc`, one
+/// allocation in the first call that slept, which the Soft-RoCE VM's runs caught now and then.)
+#[test]
+fn zero_allocations_in_a_blocking_call_that_sleeps() {
+    let _g = serial();
+    let _w = Watchdog::arm(
+        "zero_allocations_in_a_blocking_call_that_sleeps",
+        Duration::from_secs(600),
+    );
+    let rt = runtime();
+    let (srv, ch) = server_and_caller_channel(&rt);
+    let slow = |seq: u64| {
+        let req = Request::new(SleepRequest {
+            seq,
+            ms: 20,
+            ..SleepRequest::default()
+        });
+        let r = ch
+            .unary_blocking::<_, Blob>(&lab_server::SLEEP, req)
+            .unwrap();
+        assert_eq!(r.get_ref().seq, seq);
+    };
+    // Warm up the call path with quick calls (which do not sleep on a quiet host), then
+    // count slow ones on this thread with more busy threads than cores beside it: a caller
+    // sleeps only once it sees it has no core to itself, and the first slow call that does
+    // is the connection's first sleep.
+    ping_blocking(&ch, 0, WARMUP, false);
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let busy: Vec<_> = (0..=cores)
+        .map(|_| {
+            let stop = std::sync::Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let ((), allocs, largest) = counted_here(|| (0..10).for_each(slow));
+    stop.store(true, Ordering::Relaxed);
+    for t in busy {
+        t.join().unwrap();
+    }
+    assert_eq!(
+        allocs, 0,
+        "10 blocking calls that slept: {allocs} heap allocations on the caller's thread \
+         (largest {largest} B; RPC_ALLOC_TRACE=1 shows where)"
+    );
     rt.block_on(srv.settle("live calls back to 0"));
 }
 

@@ -306,6 +306,26 @@ pub(crate) struct Counters {
     pub(crate) handed_over: AtomicU64,
 }
 
+/// A connection's doorbell: the poller thread's, or its own, kept inline (made on a
+/// blocking call's path, when its caller first sleeps: an `Arc` there was a heap allocation
+/// in a call, which `rpc_accounting` caught).
+#[derive(Debug)]
+pub(crate) enum Bell {
+    Shared(Arc<Doorbell>),
+    Own(Doorbell),
+}
+
+impl std::ops::Deref for Bell {
+    type Target = Doorbell;
+
+    fn deref(&self) -> &Doorbell {
+        match self {
+            Bell::Shared(d) => d,
+            Bell::Own(d) => d,
+        }
+    }
+}
+
 /// One client connection.
 pub(crate) struct ClientCore<P: Provider> {
     pub(crate) driver: Exclusive<Driver<P>>,
@@ -350,7 +370,7 @@ pub(crate) struct ClientCore<P: Provider> {
     /// blocking caller first sleeps on it (`ClientPoller::Caller`: most never do, and an
     /// eventfd per connection they never use costs a client a descriptor per connection).
     /// Nobody sleeps on it before it exists, so ringers skip it until then.
-    doorbell: OnceLock<Arc<Doorbell>>,
+    doorbell: OnceLock<Bell>,
     /// `ClientPoller::Thread`: the process's poller, and this connection's place on its list
     /// of connections with work ([`group`]).
     poller: Option<group::Poller>,
@@ -521,7 +541,7 @@ impl<P: Provider> ClientCore<P> {
             overlap: parts.pending_min.is_none().then(overlap::Overlap::default),
             // Connections of the process's poller thread share its doorbell.
             doorbell: match poller {
-                Some(p) => OnceLock::from(p.doorbell()),
+                Some(p) => OnceLock::from(Bell::Shared(p.doorbell())),
                 None => OnceLock::new(),
             },
             poller,

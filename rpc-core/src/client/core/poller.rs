@@ -18,7 +18,7 @@ use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
 
 use super::group::{Listing, Member};
 use super::submit::CALLER_MAX_SLEEP;
-use super::{ClientCore, Driver, Outcome};
+use super::{Bell, ClientCore, Driver, Outcome};
 
 /// How often an idle `ClientPoller::Caller` driver task polls a connection that still has
 /// calls no caller waits for, or control frames waiting for credit.
@@ -490,9 +490,9 @@ impl<P: Provider> Driver<P> {
         // channel and its timeout alone.
         let bell = match core.doorbell.get() {
             Some(d) => Some(&**d),
-            None => Doorbell::new()
+            None => Doorbell::unshared()
                 .ok()
-                .map(|d| &**core.doorbell.get_or_init(|| d)),
+                .map(|d| &**core.doorbell.get_or_init(|| Bell::Own(d))),
         };
         if let Some(b) = bell {
             b.prepare_sleep();
