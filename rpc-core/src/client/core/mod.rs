@@ -271,9 +271,6 @@ pub(crate) struct Driver<P: Provider> {
     /// written, and how much BulkReady frames told the server so far.
     filling: Vec<(CallId, Arc<encode::Fill>, u64)>,
     pub(crate) cq: P::Cq,
-    /// Shared with the core (and the driver task's runtime registration), so that it is
-    /// destroyed after the CQ and after the registration is gone.
-    channel: Arc<P::CompChannel>,
     /// The rendezvous descriptors the server sent (the rogue-peer tests replay them).
     #[cfg(test)]
     pub(crate) seen_bulk: Vec<crate::wire::BulkDesc>,
@@ -329,9 +326,9 @@ impl std::ops::Deref for Bell {
 /// One client connection.
 pub(crate) struct ClientCore<P: Provider> {
     pub(crate) driver: Exclusive<Driver<P>>,
-    /// The driver's completion channel, reachable without the driver's lock (the poller
-    /// thread's epoll set, the driver task's runtime registration). Declared after `driver`:
-    /// the CQ is destroyed before the channel.
+    /// The completion channel of the driver's CQ, reachable without the driver's lock (the
+    /// poller thread's epoll set, the driver task's runtime registration, which shares it).
+    /// Declared after `driver`: the CQ is destroyed before the channel.
     channel: Arc<P::CompChannel>,
     cells: Box<[Cell<P>]>,
     free: ArrayQueue<u32>,
@@ -507,7 +504,6 @@ impl<P: Provider> ClientCore<P> {
             filling: Vec::new(),
             link: parts.link,
             cq: parts.cq,
-            channel: Arc::clone(&channel),
             wcs: [Wc::default(); POLL_BATCH],
             _pd: parts.pd,
             dev: parts.dev,

@@ -33,9 +33,7 @@ impl<P: Provider> ClientCore<P> {
     /// thread lists it (`ClientPoller::Thread`), and a sleeping driver is woken.
     pub(super) fn ring(&self) {
         self.list();
-        if let Some(d) = self.doorbell.get() {
-            d.ring();
-        }
+        self.ring_doorbell();
     }
 
     /// As [`ClientCore::ring`], waking the driver whether it sleeps or not.
@@ -43,6 +41,13 @@ impl<P: Provider> ClientCore<P> {
         self.list();
         if let Some(d) = self.doorbell.get() {
             d.ring_always();
+        }
+    }
+
+    /// Rings the doorbell if a driver sleeps on it (none can before it exists).
+    fn ring_doorbell(&self) {
+        if let Some(d) = self.doorbell.get() {
+            d.ring();
         }
     }
 
@@ -66,9 +71,7 @@ impl<P: Provider> ClientCore<P> {
                 }
                 // A blocking caller of this connection may be asleep holding the driver (it
                 // sleeps only on a contended host; the doorbell is written only then).
-                if let Some(d) = self.doorbell.get() {
-                    d.ring();
-                }
+                self.ring_doorbell();
                 self.drive.notify_one();
             }
         }
@@ -210,8 +213,8 @@ impl<P: Provider> ClientCore<P> {
                     }
                     () = tokio::time::sleep(asked) => {}
                 }
-                if let Some(d) = self.driver.try_lock() {
-                    let _ = d.channel.drain();
+                if let Some(_d) = self.driver.try_lock() {
+                    let _ = self.channel.drain();
                 }
             }
             _ => {
@@ -275,7 +278,7 @@ fn register_channel<P: Provider>(channel: Arc<P::CompChannel>) -> Option<AsyncFd
     .map_err(|e| {
         warn!(
             "cannot register a completion channel with the runtime ({e}): the driver task \
-                 sleeps on timers"
+             sleeps on timers"
         );
     })
     .ok()
@@ -437,8 +440,8 @@ impl<P: Provider> Member for ClientCore<P> {
     }
 
     fn woke(&self) {
-        if let Some(d) = self.driver.try_lock() {
-            let _ = d.channel.drain();
+        if let Some(_d) = self.driver.try_lock() {
+            let _ = self.channel.drain();
         }
     }
 
@@ -506,12 +509,12 @@ impl<P: Provider> Driver<P> {
         let lost = core.is_lost();
         match (bell, lost) {
             (Some(b), true) => wait_readable(&[b.fd()], timeout),
-            (Some(b), false) => wait_readable(&[b.fd(), self.channel.fd()], timeout),
+            (Some(b), false) => wait_readable(&[b.fd(), core.channel.fd()], timeout),
             (None, true) => std::thread::sleep(timeout),
-            (None, false) => wait_readable(&[self.channel.fd()], timeout),
+            (None, false) => wait_readable(&[core.channel.fd()], timeout),
         }
         if !lost {
-            let _ = self.channel.drain();
+            let _ = core.channel.drain();
         }
         if let Some(b) = bell {
             b.awake();
