@@ -100,9 +100,8 @@ pub(crate) struct Grants {
     lent: u32,
     /// Slots of the pool.
     total: u32,
-    /// Slots of closed connections' windows, not free yet (see the module docs), and per
-    /// close, oldest first, when its slots are free and how many of them are left.
-    limbo: u32,
+    /// The limbo: per close of a connection, oldest first, when the slots of its window are
+    /// free and how many of them are left (see the module docs).
     closes: std::collections::VecDeque<(std::time::Instant, u32)>,
     /// Per slot: the connection whose frame is in it (packed key), [`LENT`] or [`NONE`].
     owner: Vec<u32>,
@@ -114,7 +113,7 @@ impl std::fmt::Debug for Grants {
             .field("total", &self.total)
             .field("free", &self.free)
             .field("lent", &self.lent)
-            .field("limbo", &self.limbo)
+            .field("limbo", &self.limbo())
             .finish()
     }
 }
@@ -125,7 +124,6 @@ impl Grants {
             free: 0,
             lent: 0,
             total: 0,
-            limbo: 0,
             closes: std::collections::VecDeque::new(),
             owner: Vec::new(),
         }
@@ -141,6 +139,11 @@ impl Grants {
     /// Free slots.
     pub(crate) fn free(&self) -> u32 {
         self.free
+    }
+
+    /// Slots in the limbo (closed connections' windows, free within [`LIMBO`]).
+    fn limbo(&self) -> u32 {
+        self.closes.iter().map(|c| c.1).sum()
     }
 
     /// Slots lent to user code.
@@ -164,7 +167,7 @@ impl Grants {
     /// Whether the pool should grow before admitting a connection (counting the limbo,
     /// which is free within [`LIMBO`]).
     pub(crate) fn wants_growth(&self) -> bool {
-        self.free + self.limbo < FLOOR + LOW
+        self.free + self.limbo() < FLOOR + LOW
     }
 
     /// Takes [`FLOOR`] slots for a new connection (at `now`, freeing the limbo if it is old
@@ -188,7 +191,6 @@ impl Grants {
     pub(crate) fn closed(&mut self, w: &wire::Conn, now: std::time::Instant) {
         let n = w.peer_credits() + w.owed_credits();
         if n > 0 {
-            self.limbo += n;
             self.closes.push_back((now + LIMBO, n));
         }
     }
@@ -201,7 +203,6 @@ impl Grants {
             && due <= now
         {
             self.closes.pop_front();
-            self.limbo -= n;
             self.free += n;
         }
     }
@@ -219,7 +220,6 @@ impl Grants {
             if c.1 == 0 {
                 self.closes.pop_front();
             }
-            self.limbo -= 1;
         } else {
             // Its limbo was released already (a completion polled very late): the slot was
             // counted free though it held the frame; it is counted again when it comes back.
@@ -323,11 +323,14 @@ impl Grants {
     /// and the slots their frames hold (tests and debug builds).
     #[cfg(test)]
     pub(crate) fn check(&self, windows: u32) -> Result<(), String> {
-        if self.free + windows + self.lent + self.limbo != self.total {
+        if self.free + windows + self.lent + self.limbo() != self.total {
             return Err(format!(
                 "pool slots not conserved: {} free + {windows} in windows + {} lent + {} in \
                  limbo != {}",
-                self.free, self.lent, self.limbo, self.total
+                self.free,
+                self.lent,
+                self.limbo(),
+                self.total
             ));
         }
         Ok(())
@@ -467,12 +470,12 @@ mod tests {
             let w = conn(64);
             g.check(w.window()).unwrap_or_else(|e| panic!("{e}"));
             g.closed(&w, now);
-            assert!(g.limbo <= 3 * FLOOR, "connection {i}: {g:?}");
+            assert!(g.limbo() <= 3 * FLOOR, "connection {i}: {g:?}");
         }
         // A frame of a closed connection polled late takes its slot from the oldest close.
         g.orphan_received(0);
         g.release_limbo(t0 + Duration::from_secs(2));
-        assert_eq!((g.limbo, g.closes.len()), (0, 0));
+        assert_eq!((g.limbo(), g.closes.len()), (0, 0));
         assert_eq!(
             g.free(),
             total - 1,
