@@ -106,6 +106,9 @@ pub struct ProcStatus {
     pub rss_file_kib: u64,
     /// Its shared-memory part (memfd, shmem).
     pub rss_shmem_kib: u64,
+    /// Memory pinned for the device (VmPin: registered memory regions on the `ib` provider)
+    /// plus locked memory (VmLck), KiB. The soft provider pins nothing.
+    pub pinned_kib: u64,
     /// Threads.
     pub threads: u64,
     /// Open descriptors.
@@ -128,6 +131,7 @@ impl ProcStatus {
             rss_anon_kib: field("RssAnon"),
             rss_file_kib: field("RssFile"),
             rss_shmem_kib: field("RssShmem"),
+            pinned_kib: field("VmPin") + field("VmLck"),
             threads: field("Threads"),
             fds,
         })
@@ -199,6 +203,8 @@ pub struct Cell {
     pub server_kib_per_conn: Option<f64>,
     /// Its shared-memory part, KiB.
     pub server_shmem_kib_per_conn: Option<f64>,
+    /// (server pinned memory open - idle) / opened, KiB (see [`ProcStatus::pinned_kib`]).
+    pub server_pinned_kib_per_conn: Option<f64>,
     /// (server descriptors open - idle) / opened.
     pub server_fds_per_conn: Option<f64>,
     /// All client processes together, after opening: resident memory, KiB.
@@ -211,6 +217,8 @@ pub struct Cell {
     /// KiB: what a connection costs its client (per-process state included, so the figure
     /// at one connection is the first connection's).
     pub client_kib_per_conn: Option<f64>,
+    /// The same for pinned memory, KiB.
+    pub client_pinned_kib_per_conn: Option<f64>,
     /// The same for descriptors.
     pub client_fds_per_conn: Option<f64>,
     /// With every connection open, 1% of them making calls.
@@ -378,11 +386,13 @@ fn cell(args: &SessionArgs, system: SessionSystem, count: u64) -> Cell {
         server_open: None,
         server_kib_per_conn: None,
         server_shmem_kib_per_conn: None,
+        server_pinned_kib_per_conn: None,
         server_fds_per_conn: None,
         clients_rss_kib: 0,
         clients_threads: 0,
         clients_fds: 0,
         client_kib_per_conn: None,
+        client_pinned_kib_per_conn: None,
         client_fds_per_conn: None,
         load: None,
         seconds: 0.0,
@@ -431,6 +441,7 @@ fn measure(args: &SessionArgs, c: &mut Cell) -> Result<()> {
             let per = |a: u64, b: u64| (a as f64 - b as f64) / c.opened as f64;
             c.server_kib_per_conn = Some(per(open.vm_rss_kib, idle.vm_rss_kib));
             c.server_shmem_kib_per_conn = Some(per(open.rss_shmem_kib, idle.rss_shmem_kib));
+            c.server_pinned_kib_per_conn = Some(per(open.pinned_kib, idle.pinned_kib));
             c.server_fds_per_conn = Some(per(open.fds, idle.fds));
         }
         if c.opened > 0 {
@@ -457,7 +468,7 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
     }
     let deadline = Instant::now() + limit + ANSWER_GRACE;
     let mut parts = Vec::new();
-    let (mut grown_kib, mut grown_fds, mut measured) = (0u64, 0u64, true);
+    let (mut grown_kib, mut grown_pinned, mut grown_fds, mut measured) = (0u64, 0u64, 0u64, true);
     for (i, cl) in clients.iter_mut().enumerate() {
         match cl.answer::<OpenReply>(deadline) {
             Ok(r) => {
@@ -469,6 +480,7 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
                 c.clients_fds += r.fds;
                 measured &= r.measured;
                 grown_kib += r.rss_kib.saturating_sub(r.base_rss_kib);
+                grown_pinned += r.pinned_kib.saturating_sub(r.base_pinned_kib);
                 grown_fds += r.fds.saturating_sub(r.base_fds);
                 if c.first_error.is_none() {
                     c.first_error.clone_from(&r.first_error);
@@ -486,6 +498,7 @@ fn open_all(args: &SessionArgs, c: &mut Cell, clients: &mut [ClientProc]) -> Res
     c.connect_first_call = Quantiles::of(&sessions_client::merge(&parts));
     if c.opened > 0 && measured {
         c.client_kib_per_conn = Some(grown_kib as f64 / c.opened as f64);
+        c.client_pinned_kib_per_conn = Some(grown_pinned as f64 / c.opened as f64);
         c.client_fds_per_conn = Some(grown_fds as f64 / c.opened as f64);
     }
     Ok(())
@@ -653,7 +666,7 @@ fn row(c: &Cell) -> String {
         .map_or((None, None), |q| (Some(q.p50_us), Some(q.p99_us)));
     let load = c.load.as_ref();
     format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>9}{:>9}{:>8}{:>10}{:>9}",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>8}{:>9}{:>9}{:>9}{:>8}{:>9}{:>8}{:>10}{:>9}",
         c.system.name(),
         c.count,
         c.opened,
@@ -663,10 +676,12 @@ fn row(c: &Cell) -> String {
         opt(p99, 0),
         opt(c.server_kib_per_conn, 1),
         opt(c.server_shmem_kib_per_conn, 1),
+        opt(c.server_pinned_kib_per_conn, 1),
         opt(c.server_fds_per_conn, 2),
         opt(c.server_idle.map(|s| s.vm_rss_kib as f64 / 1024.0), 1),
         c.clients_threads,
         opt(c.client_kib_per_conn, 1),
+        opt(c.client_pinned_kib_per_conn, 1),
         opt(c.client_fds_per_conn, 2),
         load.map_or("-".into(), |l| l.active.to_string()),
         opt(load.map(|l| l.calls_per_s), 0),
@@ -689,7 +704,7 @@ pub fn table(r: &Report) -> String {
         r.config["client_poller"].as_str().unwrap_or("thread"),
     );
     s.push_str(&format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>20}{:>26}{:>9}{:>27}{:>27}\n",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>20}{:>34}{:>9}{:>35}{:>27}\n",
         "",
         "",
         "",
@@ -706,7 +721,7 @@ pub fn table(r: &Report) -> String {
         }
     ));
     s.push_str(&format!(
-        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}{:>9}{:>9}{:>9}{:>8}{:>10}{:>9}\n",
+        "{:<9}{:>7}{:>8}{:>8}{:>9}{:>10}{:>10}{:>10}{:>8}{:>8}{:>8}{:>9}{:>9}{:>9}{:>8}{:>9}{:>8}{:>10}{:>9}\n",
         "system",
         "conns",
         "opened",
@@ -716,10 +731,12 @@ pub fn table(r: &Report) -> String {
         "p99 µs",
         "KiB",
         "shm KiB",
+        "pin KiB",
         "fds",
         "idle MiB",
         "threads",
         "KiB",
+        "pin KiB",
         "fds",
         "active",
         "calls/s",
@@ -732,10 +749,12 @@ pub fn table(r: &Report) -> String {
     s.push_str(
         "\nKiB: server VmRSS (it includes RssShmem, the soft RNIC's shared memory) with all \
          connections open and idle, minus the server with none, over the connections opened; \
-         shm KiB: the RssShmem part; fds: the same for /proc/PID/fd. idle MiB: the server's \
-         VmRSS with no connection. clients: threads of all client processes together; KiB and \
-         fds: their VmRSS and descriptors after opening minus before their first connection, \
-         over the connections opened.\n",
+         shm KiB: the RssShmem part; pin KiB: the same for memory pinned for the device \
+         (VmPin + VmLck: the ib provider's registered memory; the soft provider pins none); \
+         fds: the same for /proc/PID/fd. idle MiB: the server's VmRSS with no connection. \
+         clients: threads of all client processes together; KiB, pin KiB and fds: their \
+         VmRSS, pinned memory and descriptors after opening minus before their first \
+         connection, over the connections opened.\n",
     );
     let errors: Vec<&Cell> = r.cells.iter().filter(|c| c.first_error.is_some()).collect();
     if !errors.is_empty() {

@@ -127,11 +127,15 @@ pub struct OpenReply {
     pub threads: u64,
     /// Descriptors this process holds after opening.
     pub fds: u64,
+    /// Memory this process has pinned after opening, KiB (see `ProcStatus::pinned_kib`).
+    pub pinned_kib: u64,
     /// This process's resident memory and descriptors before its first connection (its
     /// runtime built): what its connections cost is the difference.
     pub base_rss_kib: u64,
     /// See `base_rss_kib`.
     pub base_fds: u64,
+    /// See `base_rss_kib`.
+    pub base_pinned_kib: u64,
     /// Whether the figures above were read (a process out of descriptors cannot open
     /// `/proc` to read them).
     pub measured: bool,
@@ -204,7 +208,10 @@ pub fn run(args: &SessionClientArgs) -> Result<()> {
                     give_up,
                 ));
                 match base {
-                    Some(b) => (r.base_rss_kib, r.base_fds) = (b.vm_rss_kib, b.fds),
+                    Some(b) => {
+                        (r.base_rss_kib, r.base_fds, r.base_pinned_kib) =
+                            (b.vm_rss_kib, b.fds, b.pinned_kib);
+                    }
                     None => r.measured = false,
                 }
                 serde_json::to_string(&r)?
@@ -274,6 +281,7 @@ async fn open(
     if let Some(s) = crate::sessions::ProcStatus::read(std::process::id()) {
         r.rss_kib = s.vm_rss_kib;
         r.fds = s.fds;
+        r.pinned_kib = s.pinned_kib;
         r.measured = true;
         r.threads = s.threads;
     }

@@ -154,6 +154,10 @@ pub(crate) const DEFAULT_SHARD_SEND_SLOTS: u32 = 2048;
 /// Receive slots a shard's pool may grow to by default.
 pub(crate) const DEFAULT_POOL_SLOTS: u32 = 1 << 16;
 
+/// The least [`ServerBuilder::max_cq_entries`] takes: room for the receive pool's quarter and
+/// a few connections' send queues.
+pub(crate) const MIN_CQ_ENTRIES: u32 = 4096;
+
 #[derive(Debug, Clone)]
 pub(crate) struct ServerConfig {
     pub(crate) shards: u16,
@@ -166,6 +170,8 @@ pub(crate) struct ServerConfig {
     pub(crate) max_conns_per_shard: u32,
     /// Receive slots a shard's pool may grow to ([`ServerBuilder::receive_pool_slots`]).
     pub(crate) pool_slots: u32,
+    /// The most entries one CQ of a shard may have ([`ServerBuilder::max_cq_entries`]).
+    pub(crate) max_cq_entries: u32,
     /// Connections one peer address may hold at once (None: no limit of its own).
     pub(crate) max_conns_per_peer: Option<u32>,
     pub(crate) tasks_per_shard: u32,
@@ -222,6 +228,7 @@ impl Server {
                 },
                 max_conns_per_shard: 16384,
                 pool_slots: DEFAULT_POOL_SLOTS,
+                max_cq_entries: u32::MAX,
                 max_conns_per_peer: None,
                 tasks_per_shard: 4096,
                 max_message: 256 << 20,
@@ -382,6 +389,20 @@ impl ServerBuilder {
     /// `RESOURCE_EXHAUSTED`.
     pub fn receive_pool_slots(mut self, n: u32) -> Self {
         self.cfg.pool_slots = n.max(1);
+        self
+    }
+
+    /// The most entries one completion queue of a shard may have (default: the device's
+    /// `max_cqe`; at least 4096). A shard's CQ must hold every completion its connections can
+    /// have outstanding (an overrun would break every QP on it), so it grows, doubling, as
+    /// connections come; at this size the shard gives the send completions of further
+    /// connections a CQ of their own, polled beside the first (their receives, from the
+    /// shared receive queue, stay on the first). Devices with small CQs need no setting: on
+    /// Soft-RoCE (`max_cqe` 32,767) a CQ holds about 90 connections, and the shard adds CQs
+    /// as it needs them. Lower it to bound the memory one CQ pins (an RNIC's CQ entry is 64
+    /// bytes: 4M entries pin 256 MiB). The receive pool stays within a quarter of it.
+    pub fn max_cq_entries(mut self, n: u32) -> Self {
+        self.cfg.max_cq_entries = n.max(MIN_CQ_ENTRIES);
         self
     }
 

@@ -406,6 +406,13 @@ pub trait Cq: Send + Sync + fmt::Debug {
     /// Capacity in completions.
     fn capacity(&self) -> u32;
 
+    /// Completions QPs may still reserve on this CQ: its capacity minus the queue depths of
+    /// the QPs attached (and, once, of each SRQ whose QPs receive here). A QP whose queues
+    /// need more is refused with [`ErrorKind::ExceedsCaps`], so the CQ cannot overrun. A
+    /// destroyed QP's room is back once the CQ was polled after it (the soft RNIC's CQ lets
+    /// go of the QP there).
+    fn room(&self) -> u32;
+
     /// Grows the CQ to hold at least `cqe` completions (`ibv_resize_cq`), keeping those it
     /// holds: QPs created afterwards may reserve the new room. A server grows its CQ as
     /// connections come instead of sizing it for the most it may ever hold.

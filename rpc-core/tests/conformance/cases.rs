@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use rpc_core::verbs::{
     Access, CompChannel, ConnectAttr, Context, Cq, Endpoint, ErrorKind, Mr, Pd, Provider, Qp,
-    QpCaps, QpState, RecvWr, RemoteMr, SendFlags, SendWr, Sge, WcOpcode, WcStatus, WrOp,
+    QpCaps, QpState, RecvWr, RemoteMr, SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOp,
 };
 
 pub use super::edges::*;
@@ -693,7 +693,7 @@ pub fn peer_killed<P: Provider>(s: &mut Side<P>) {
 /// CQ overrun is prevented by sizing: a QP whose queues could overflow its CQ is refused.
 pub fn cq_overrun_prevented<P: Provider>(s: &mut Side<P>) {
     let pd = s.ctx.alloc_pd().unwrap();
-    let cq = s.ctx.create_cq(8, None).unwrap();
+    let mut cq = s.ctx.create_cq(8, None).unwrap();
     let caps = |send, recv| QpCaps {
         max_send_wr: send,
         max_recv_wr: recv,
@@ -703,13 +703,20 @@ pub fn cq_overrun_prevented<P: Provider>(s: &mut Side<P>) {
     };
     let e = pd.create_qp(&cq, &cq, caps(8, 8)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ExceedsCaps, "{e}");
+    assert_eq!(cq.room(), 8, "a refused QP reserves nothing");
     let q1 = pd.create_qp(&cq, &cq, caps(4, 4)).unwrap();
+    assert_eq!(cq.room(), 0, "a QP reserves its queue depths");
     let e = pd.create_qp(&cq, &cq, caps(1, 1)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ExceedsCaps, "{e}");
     let scq = s.ctx.create_cq(8, None).unwrap();
     let rcq = s.ctx.create_cq(8, None).unwrap();
-    let _q2 = pd.create_qp(&scq, &rcq, caps(8, 8)).unwrap();
+    let _q2 = pd.create_qp(&scq, &rcq, caps(8, 3)).unwrap();
+    assert_eq!((scq.room(), rcq.room()), (0, 5), "each queue on its own CQ");
     drop(q1);
+    // The soft RNIC's CQ lets go of a destroyed QP when it is next polled.
+    let mut wcs = [Wc::default(); 4];
+    assert_eq!(cq.poll(&mut wcs).unwrap(), 0);
+    assert_eq!(cq.room(), 8, "a destroyed QP gives its room back");
     assert!(s.ctx.create_cq(0, None).is_err());
     assert!(s.ctx.create_cq(s.ctx.caps().max_cqe + 1, None).is_err());
     s.barrier();

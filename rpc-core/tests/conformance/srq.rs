@@ -57,6 +57,18 @@ fn pairs<P: Provider>(s: &mut Side<P>, srq_wr: u32, attrs: &[ConnectAttr]) -> Pa
             q
         })
         .collect();
+    // What the QPs reserve on the CQ: their send queues, and the SRQ's receives once (on B,
+    // each QP's own receive queue).
+    let reserved = match s.role {
+        Role::A => n as u32 * 16 + srq_wr,
+        Role::B => n as u32 * 32,
+    };
+    assert_eq!(
+        cq.room(),
+        cq.capacity() - reserved,
+        "room left on a CQ of {} entries with {n} QPs",
+        cq.capacity()
+    );
     let mine: Vec<u8> = qps.iter().flat_map(|q| q.endpoint().to_bytes()).collect();
     s.send(&mine);
     let theirs = s.recv();

@@ -57,17 +57,14 @@ pub(crate) fn open<P: Provider>(
     let pd = Arc::new(ctx.alloc_pd()?);
     let channel = ctx.create_comp_channel()?;
     let caps = ctx.caps();
-    // The receive pool: as deep as asked, within the device's SRQ and a quarter of its largest
-    // CQ (the QPs' send queues need the rest of a CQ on devices with small ones, such as rxe).
-    let pool_max = cfg
-        .pool_slots
-        .min(caps.max_srq_wr)
-        .min(caps.max_cqe / 4)
-        .min(
-            cfg.max_conns_per_shard
-                .saturating_mul(cfg.geometry.recv_slots)
-                .max(FLOOR),
-        );
+    let cq_limit = caps.max_cqe.min(cfg.max_cq_entries);
+    // The receive pool: as deep as asked, within the device's SRQ and a quarter of the largest
+    // CQ (its receives all complete on the first CQ, whose QPs' send queues need the rest).
+    let pool_max = cfg.pool_slots.min(caps.max_srq_wr).min(cq_limit / 4).min(
+        cfg.max_conns_per_shard
+            .saturating_mul(cfg.geometry.recv_slots)
+            .max(FLOOR),
+    );
     let pool = RecvPool::<P>::new(cfg.geometry.slot_size, pool_max)?;
     let srq = pd.create_srq(SrqCaps {
         max_wr: pool.max_slots(),
@@ -76,8 +73,9 @@ pub(crate) fn open<P: Provider>(
     let sends = SlotArena::send_only(&*pd, cfg.geometry.slot_size, cfg.geometry.send_slots)?;
     // CQ room for the SRQ and the send queues of the first connections of default size (at
     // most `max_conns_per_shard`); the CQ grows as more come (`create_qp`), so an idle shard
-    // does not hold a CQ sized for the most it may ever serve. The soft and ib providers both
-    // refuse a QP whose CQ could overrun.
+    // does not hold a CQ sized for the most it may ever serve, and past `cq_limit` the shard
+    // adds CQs for the send completions of further connections. The soft and ib providers
+    // both refuse a QP whose CQ could overrun.
     let per_conn = qp_caps(caps, Geometry::default().recv_slots, 64);
     let max_qps = match cfg.qps_per_connection {
         Some(n) => n,
@@ -89,7 +87,7 @@ pub(crate) fn open<P: Provider>(
         .saturating_add((max_qps - 1).saturating_mul(lanes.max_send_wr + lanes.max_recv_wr))
         .saturating_mul(cfg.max_conns_per_shard.min(FIRST_CQ_CONNS))
         .saturating_add(pool.max_slots())
-        .min(caps.max_cqe);
+        .min(cq_limit);
     let cq = ctx.create_cq(cqe, Some(&channel))?;
     let doorbell = Doorbell::new()?;
     let tasks = Tasks::new(cfg.tasks_per_shard, ShardNotify(Arc::clone(&doorbell)));
@@ -151,6 +149,8 @@ pub(crate) fn open<P: Provider>(
         task_owner: vec![(0, CallId(0)); cfg.tasks_per_shard as usize],
         tasks,
         cq,
+        more_cqs: Vec::new(),
+        cq_limit,
         channel,
         bulk,
         pd,
@@ -334,8 +334,7 @@ impl<P: Provider> Shard<P> {
         Ok(())
     }
 
-    /// Creates a QP on the shard's CQ and SRQ, growing the CQ (doubling, up to the device's
-    /// `max_cqe`) when the QP's completions do not fit any more.
+    /// Creates a QP on the shard's SRQ; see [`Shard::create_qp_with`].
     fn create_qp(&mut self, caps: QpCaps) -> crate::verbs::Result<P::Qp> {
         self.create_qp_with(caps, true)
     }
@@ -345,36 +344,93 @@ impl<P: Provider> Shard<P> {
         self.create_qp_with(caps, false)
     }
 
-    fn new_qp(&self, caps: QpCaps, on_srq: bool) -> crate::verbs::Result<P::Qp> {
+    /// A QP whose send completions go to the first CQ (`cq` None) or to `more_cqs[i]`. The
+    /// receives of a QP on the SRQ complete on the first CQ, which holds the SRQ's once.
+    fn new_qp(&self, cq: Option<usize>, caps: QpCaps, on_srq: bool) -> crate::verbs::Result<P::Qp> {
+        let send_cq = cq.map_or(&self.cq, |i| &self.more_cqs[i]);
         if on_srq {
-            self.pd
-                .create_qp_on_srq(&self.cq, &self.cq, caps, &self.srq)
+            self.pd.create_qp_on_srq(send_cq, &self.cq, caps, &self.srq)
         } else {
-            self.pd.create_qp(&self.cq, &self.cq, caps)
+            self.pd.create_qp(send_cq, send_cq, caps)
         }
     }
 
+    /// Creates a QP on the first of the shard's CQs with room for its queues (the providers
+    /// refuse a QP whose CQ could overrun, and say how much room a CQ has left). When none has
+    /// room the newest grows, doubling, up to `cq_limit`; once it is at the limit the shard
+    /// adds a CQ, on the same completion channel, which the poll loop polls too (see
+    /// `poll_cq`). CQs are kept while the shard runs: room that closed connections gave back
+    /// is taken first, so reconnecting clients add none.
     fn create_qp_with(&mut self, caps: QpCaps, on_srq: bool) -> crate::verbs::Result<P::Qp> {
-        match self.new_qp(caps, on_srq) {
-            Err(e) if e.kind() == crate::verbs::ErrorKind::ExceedsCaps => {
-                let cap = self.cq.capacity();
-                let max = self.ctx.caps().max_cqe;
-                let need = caps.max_send_wr.saturating_add(caps.max_recv_wr);
-                let grown = cap.saturating_mul(2).max(cap.saturating_add(need)).min(max);
-                if grown <= cap {
-                    return Err(e);
-                }
-                self.cq.resize(grown)?;
-                info!(
-                    shard = self.id,
-                    "shard {}: CQ grown from {cap} to {grown} entries ({} connections)",
-                    self.id,
-                    self.live.len()
-                );
-                self.new_qp(caps, on_srq)
-            }
-            r => r,
+        // An SRQ's receives are reserved on the first CQ once, with its first QP.
+        let need = if on_srq {
+            caps.max_send_wr
+        } else {
+            caps.max_send_wr.saturating_add(caps.max_recv_wr)
+        };
+        let cq = match self.cq_with_room(need) {
+            Some(cq) => cq,
+            None => self.make_cq_room(need)?,
+        };
+        self.new_qp(cq, caps, on_srq)
+    }
+
+    /// The first CQ (`Some(None)`: the first one; `Some(Some(i))`: `more_cqs[i]`) with room
+    /// for `need` completions.
+    fn cq_with_room(&self, need: u32) -> Option<Option<usize>> {
+        if self.cq.room() >= need {
+            return Some(None);
         }
+        self.more_cqs
+            .iter()
+            .position(|cq| cq.room() >= need)
+            .map(Some)
+    }
+
+    /// Room for `need` completions: the newest CQ grown, or a new one.
+    fn make_cq_room(&mut self, need: u32) -> crate::verbs::Result<Option<usize>> {
+        let newest = self.more_cqs.len().checked_sub(1);
+        let limit = self.cq_limit;
+        let cq = newest.map_or(&mut self.cq, |i| &mut self.more_cqs[i]);
+        let (cap, room) = (cq.capacity(), cq.room());
+        let grown = cap
+            .saturating_mul(2)
+            .max(cap.saturating_add(need - room))
+            .min(limit);
+        if grown > cap && room + (grown - cap) >= need {
+            cq.resize(grown)?;
+            info!(
+                shard = self.id,
+                "shard {}: CQ {} grown from {cap} to {grown} entries ({} connections)",
+                self.id,
+                newest.map_or(0, |i| i + 1),
+                self.live.len()
+            );
+            return Ok(newest);
+        }
+        let size = need.saturating_mul(FIRST_CQ_CONNS).min(limit);
+        if size < need {
+            return Err(crate::verbs::VerbsError::new(
+                crate::verbs::Verb::CreateQp,
+                crate::verbs::ErrorKind::ExceedsCaps,
+                format!(
+                    "a QP of this connection needs {need} completions, more than a CQ of the \
+                     shard may hold ({limit}; ServerBuilder::max_cq_entries raises it up to \
+                     the device's max_cqe)"
+                ),
+            ));
+        }
+        let cq = self.ctx.create_cq(size, Some(&self.channel))?;
+        self.more_cqs.push(cq);
+        info!(
+            shard = self.id,
+            "shard {}: CQ {} of {size} entries added ({} connections; each CQ holds at most \
+             {limit} entries)",
+            self.id,
+            self.more_cqs.len(),
+            self.live.len()
+        );
+        Ok(Some(self.more_cqs.len() - 1))
     }
 
     pub(super) fn connect(

@@ -421,7 +421,14 @@ pub(crate) struct Shard<P: Provider> {
     generations: Vec<u8>,
     tasks: Tasks,
     task_owner: Vec<(u16, CallId)>,
+    /// The first CQ: the SRQ's receives and the send completions of the first connections.
     cq: P::Cq,
+    /// CQs for the send completions of further connections, once `cq` reached `cq_limit`
+    /// (see `create_qp_with`); all on `channel`.
+    more_cqs: Vec<P::Cq>,
+    /// The most entries one CQ may have: the device's `max_cqe`, or
+    /// [`crate::ServerBuilder::max_cq_entries`].
+    cq_limit: u32,
     channel: P::CompChannel,
     bulk: Arc<BulkPool<P>>,
     pd: Arc<P::Pd>,

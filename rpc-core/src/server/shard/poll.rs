@@ -180,6 +180,9 @@ impl<P: Provider> Shard<P> {
         }
         self.doorbell.prepare_sleep();
         let _ = self.cq.req_notify(false);
+        for cq in &self.more_cqs {
+            let _ = cq.req_notify(false);
+        }
         // Anything that arrived before the doorbell flag was visible is seen by this re-check.
         if !self.inbox.is_empty()
             || !self.peer_api.ops.is_empty()
@@ -249,13 +252,29 @@ impl<P: Provider> Shard<P> {
     }
 
     pub(super) fn poll_cq(&mut self) -> usize {
-        let n = match self.cq.poll(&mut self.wcs) {
+        // With more CQs, the first takes half a batch at most, so a busy first CQ cannot keep
+        // the send completions of the others (and the send slots they free) waiting.
+        let first = if self.more_cqs.is_empty() {
+            super::POLL_BATCH
+        } else {
+            super::POLL_BATCH / 2
+        };
+        let mut n = match self.cq.poll(&mut self.wcs[..first]) {
             Ok(n) => n,
             Err(e) => {
                 warn!("poll_cq failed: {e}");
                 return 0;
             }
         };
+        for cq in &mut self.more_cqs {
+            if n == super::POLL_BATCH {
+                break;
+            }
+            match cq.poll(&mut self.wcs[n..]) {
+                Ok(k) => n += k,
+                Err(e) => warn!("poll_cq failed: {e}"),
+            }
+        }
         // One clock read per batch and connection (at its first frame that needs the time),
         // not one per frame; and with more than one completion, start loading every received
         // frame before handling the first.

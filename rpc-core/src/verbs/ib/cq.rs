@@ -472,6 +472,11 @@ impl Cq for IbCq {
         self.shared.capacity.load(Ordering::Acquire)
     }
 
+    fn room(&self) -> u32 {
+        let committed = self.shared.committed.load(Ordering::Acquire);
+        u64::from(self.capacity()).saturating_sub(committed) as u32
+    }
+
     fn resize(&mut self, cqe: u32) -> Result<()> {
         let current = self.capacity();
         crate::verbs::check_resize(current, cqe, self.shared.ctx.caps.max_cqe)?;

@@ -118,6 +118,12 @@ impl CqShared {
         Ok(())
     }
 
+    /// Capacity not reserved yet.
+    pub(crate) fn room(&self) -> u32 {
+        let r = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        u64::from(self.cap()).saturating_sub(*r) as u32
+    }
+
     /// Releases a reservation.
     pub(crate) fn unreserve(&self, n: u64) {
         let mut r = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
@@ -443,6 +449,10 @@ impl Cq for SoftCq {
 
     fn capacity(&self) -> u32 {
         self.shared.cap()
+    }
+
+    fn room(&self) -> u32 {
+        self.shared.room()
     }
 
     fn resize(&mut self, cqe: u32) -> Result<()> {
