@@ -162,15 +162,18 @@ fn sorted(mut v: Vec<String>) -> Vec<String> {
 /// Callers that keep calling until stopped; the number of calls made and of failures.
 struct Callers {
     stop: Arc<AtomicBool>,
+    /// Calls each caller finished so far.
+    done: Arc<Vec<AtomicU64>>,
     tasks: Vec<tokio::task::JoinHandle<(u64, Vec<Status>)>>,
 }
 
 impl Callers {
     fn start(ch: &Channel, n: u64) -> Callers {
         let stop = Arc::new(AtomicBool::new(false));
+        let done: Arc<Vec<AtomicU64>> = Arc::new((0..n).map(|_| AtomicU64::new(0)).collect());
         let tasks = (0..n)
             .map(|k| {
-                let (ch, stop) = (ch.clone(), Arc::clone(&stop));
+                let (ch, stop, done) = (ch.clone(), Arc::clone(&stop), Arc::clone(&done));
                 tokio::spawn(async move {
                     let (mut made, mut failed) = (0u64, Vec::new());
                     while !stop.load(Ordering::Acquire) && made < 100_000 {
@@ -178,12 +181,33 @@ impl Callers {
                             failed.push(st);
                         }
                         made += 1;
+                        done[k as usize].store(made, Ordering::Release);
                     }
                     (made, failed)
                 })
             })
             .collect();
-        Callers { stop, tasks }
+        Callers { stop, done, tasks }
+    }
+
+    /// Calls each caller finished so far.
+    fn progress(&self) -> Vec<u64> {
+        self.done
+            .iter()
+            .map(|d| d.load(Ordering::Acquire))
+            .collect()
+    }
+
+    /// Waits until every caller finished two more calls than at `since`: the call each had
+    /// in flight at `since` (picked from the replicas as they were then) is over.
+    async fn all_moved_on(&self, since: &[u64]) {
+        wait_until("every caller finished two more calls", || {
+            self.progress()
+                .iter()
+                .zip(since)
+                .all(|(now, then)| *now >= then + 2)
+        })
+        .await;
     }
 
     async fn stop(self) -> u64 {
@@ -245,10 +269,11 @@ async fn a_re_resolution_that_drops_an_address_removes_it_while_calls_run() {
     fake.set(Ok(vec![s[0].addr(), s[1].addr()]));
     wait_until("the replica is removed", || balancer.keys().len() == 2).await;
     assert!(!balancer.keys().contains(&key(s[2].addr())));
-    // Calls in flight there have finished (their response counted) once more ran elsewhere.
+    // Calls in flight there (picked before the removal, by callers a loaded host may hold
+    // back for long) are over once every caller finished two more calls.
+    let since = callers.progress();
+    callers.all_moved_on(&since).await;
     let others = || s[0].calls() + s[1].calls();
-    let before = others();
-    wait_until("calls go on elsewhere", || others() >= before + 100).await;
     let gone = s[2].calls();
     let before = others();
     wait_until("more calls go on elsewhere", || others() >= before + 200).await;
