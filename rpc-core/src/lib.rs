@@ -109,6 +109,7 @@ mod link;
 mod memcopy;
 pub mod method;
 mod poll_policy;
+mod queue;
 mod request;
 pub mod server;
 pub mod stats;

@@ -18,6 +18,7 @@
 //! per stream, whatever the window). A window that is larger than the target shrinks as the
 //! consumer takes messages without granting.
 
+use crate::queue::PopIfAny;
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::pin::Pin;
@@ -358,12 +359,12 @@ impl Inbox {
     /// The next item (the consumer counts each message it takes with [`Inbox::took_one`]).
     fn poll_item(&self, cx: &mut Context<'_>) -> Poll<Option<Result<Item, Status>>> {
         for attempt in 0..2 {
-            if let Some(item) = self.items.pop() {
+            if let Some(item) = self.items.pop_if_any() {
                 return Poll::Ready(Some(Ok(item)));
             }
             if self.ended.load(Ordering::Acquire) {
                 // Items pushed before `finish` are visible (push happens-before the flag).
-                if let Some(item) = self.items.pop() {
+                if let Some(item) = self.items.pop_if_any() {
                     return Poll::Ready(Some(Ok(item)));
                 }
                 return Poll::Ready(match self.end.get() {

@@ -24,6 +24,7 @@
 //! had been reposted) and out of the pool's spare grants, so what a user keeps never blocks a
 //! connection. Asked at any other time, the pool refuses and the data is copied.
 
+use crate::queue::PopIfAny;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -185,7 +186,7 @@ impl<P: Provider> RecvPool<P> {
 
     /// Pops a slot to post again; `None` when none is waiting.
     pub fn take_repost(&self) -> Option<u32> {
-        self.repost.pop()
+        self.repost.pop_if_any()
     }
 
     /// Returns a slot to the repost queue without a guard (a flushed or refused receive).

@@ -19,6 +19,7 @@
 //! Both are lock-free (the repost queue is `crossbeam-queue`'s); nothing here allocates after
 //! construction.
 
+use crate::queue::PopIfAny;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -306,7 +307,7 @@ impl<P: Provider> SlotArena<P> {
 
     /// Pops a receive slot to post again; `None` when none is waiting.
     pub fn take_repost(&self) -> Option<u32> {
-        self.repost.pop()
+        self.repost.pop_if_any()
     }
 
     /// Hands a completed receive slot to a guard.

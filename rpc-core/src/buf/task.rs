@@ -10,6 +10,7 @@
 //! reference count on the shared wake state; waking pushes the slot index on a lock-free ready
 //! queue (once, until it is taken) and calls the shard's notifier.
 
+use crate::queue::PopIfAny;
 use std::cell::UnsafeCell;
 use std::future::Future;
 use std::mem::{MaybeUninit, align_of, size_of};
@@ -403,7 +404,7 @@ impl<C: CtxFamily, N: Notify> TaskSlab<C, N> {
     /// Takes the next woken task, if any: `(slot index, its current id)`.
     pub fn next_ready(&mut self) -> Option<TaskId> {
         loop {
-            let idx = self.wake.ready.pop()?;
+            let idx = self.wake.ready.pop_if_any()?;
             self.queued_reset(idx);
             let slot = &self.slots[idx as usize];
             if slot.poll.is_some() {

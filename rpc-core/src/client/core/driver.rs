@@ -2,6 +2,7 @@
 //! are polled, deadlines expire; calls are started, delivered to their cells and retired once
 //! the server has our buffers back; a dead connection fails them all.
 
+use crate::queue::PopIfAny;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -21,14 +22,14 @@ impl<P: Provider> Driver<P> {
     pub(super) fn step(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
         self.link.tick();
         let mut work = self.link.repost_batched(false)? as usize;
-        while let Some((idx, generation)) = core.cancelled.pop() {
+        while let Some((idx, generation)) = core.cancelled.pop_if_any() {
             work += 1;
             self.cancel_cell(core, idx, generation)?;
         }
         self.link.flush_control()?;
         work += self.start_pending(core)?;
         while self.pending.is_empty()
-            && let Some((idx, generation)) = core.submitted.pop()
+            && let Some((idx, generation)) = core.submitted.pop_if_any()
         {
             work += 1;
             match core.cells[idx as usize].mb.take() {
@@ -46,11 +47,11 @@ impl<P: Provider> Driver<P> {
                 self.route_stream_send(core, ss)?;
             }
         }
-        while let Some(ss) = core.stream_sends.pop() {
+        while let Some(ss) = core.stream_sends.pop_if_any() {
             work += 1;
             self.route_stream_send(core, ss)?;
         }
-        while let Some((idx, generation, n)) = core.grants.pop() {
+        while let Some((idx, generation, n)) = core.grants.pop_if_any() {
             work += 1;
             if core.cells[idx as usize].generation.load(Ordering::Acquire) == generation
                 && let Some(slot) = self.cell_slot[idx as usize]
@@ -483,7 +484,7 @@ impl<P: Provider> Driver<P> {
         for ss in std::mem::take(&mut self.stream_pending) {
             self.discard(ss);
         }
-        while let Some(ss) = core.stream_sends.pop() {
+        while let Some(ss) = core.stream_sends.pop_if_any() {
             self.discard(ss);
         }
         // Requests that were never posted (queued for a credit or a call slot, or not taken
@@ -495,7 +496,7 @@ impl<P: Provider> Driver<P> {
             self.fail_unsent(core, idx, generation, sub.inbox, unsent.clone());
             n += 1;
         }
-        while let Some((idx, generation)) = core.submitted.pop() {
+        while let Some((idx, generation)) = core.submitted.pop_if_any() {
             n += 1;
             match core.cells[idx as usize].mb.take() {
                 Taken::Run(sub) => {
@@ -509,7 +510,7 @@ impl<P: Provider> Driver<P> {
                 Taken::Empty => {}
             }
         }
-        while let Some((idx, generation)) = core.cancelled.pop() {
+        while let Some((idx, generation)) = core.cancelled.pop_if_any() {
             n += 1;
             let _ = self.cancel_cell(core, idx, generation);
         }

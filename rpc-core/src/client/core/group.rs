@@ -32,6 +32,7 @@
 //! process (asleep, without a timeout, while it has no member); a child forked after it
 //! started gets its own with its first member.
 
+use crate::queue::PopIfAny;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
@@ -404,7 +405,7 @@ fn run(g: &Group, ep: OwnedFd) {
     let mut woke = false;
     loop {
         spin.before_turn(Instant::now);
-        while let Some(m) = g.joining.pop() {
+        while let Some(m) = g.joining.pop_if_any() {
             let key = members.all.insert(Entry {
                 m,
                 armed: false,
@@ -435,7 +436,7 @@ fn run(g: &Group, ep: OwnedFd) {
                 .reserve(n.saturating_sub(members.unarmed.len()));
             members.activate(key);
         }
-        while let Some(key) = g.ready.pop() {
+        while let Some(key) = g.ready.pop_if_any() {
             members.activate(key);
         }
         sweeps = sweeps.wrapping_add(1);

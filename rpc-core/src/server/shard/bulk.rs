@@ -3,6 +3,7 @@
 
 use crate::Status;
 use crate::link::{LinkError, LinkKey, WrKind, completion};
+use crate::queue::PopIfAny;
 use crate::server::peer::{BulkMem, BulkOp, OpKind};
 use crate::verbs::{Provider, Wc, WcStatus};
 
@@ -61,7 +62,7 @@ impl<P: Provider> Shard<P> {
     /// Posts the bulk operations handlers queued.
     pub(super) fn start_bulk_ops(&mut self) -> usize {
         let mut n = 0;
-        while let Some(op) = self.peer_api.ops.pop() {
+        while let Some(op) = self.peer_api.ops.pop_if_any() {
             n += 1;
             let BulkOp {
                 key,

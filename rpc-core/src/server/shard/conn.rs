@@ -3,6 +3,7 @@
 //! call table) and closing a connection without releasing anything the NIC may still touch
 //! before its QPs are destroyed.
 
+use crate::queue::PopIfAny;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -211,7 +212,7 @@ impl<P: Provider> Shard<P> {
     pub(super) fn drain_inbox(&mut self) -> usize {
         let mut n = 0;
         let mut connected = false;
-        while let Some(msg) = self.inbox.pop() {
+        while let Some(msg) = self.inbox.pop_if_any() {
             n += 1;
             match msg {
                 ShardMsg::Connect {

@@ -2,6 +2,7 @@
 //! upkeep of every connection (reposts, credits, deferred frames, deadlines), and the idle
 //! spin, yield and sleep.
 
+use crate::queue::PopIfAny;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -518,7 +519,7 @@ impl<P: Provider> Shard<P> {
             self.grants.release_limbo(Instant::now());
             self.grants.publish(&self.gauge);
         }
-        while let Some((key, call, n)) = self.peer_api.grants.pop() {
+        while let Some((key, call, n)) = self.peer_api.grants.pop_if_any() {
             mark(&mut self.touched, &mut self.is_touched, key.idx as usize);
             if let Some(Some(conn)) = self.conns.get_mut(key.idx as usize)
                 && conn.link.key() == key
