@@ -87,6 +87,7 @@ pub(crate) struct Packed {
 
 impl Packed {
     /// The next message, decoded, and its length; `None` when none is left.
+    #[inline(always)]
     fn take<T: Message + Default>(&mut self) -> Option<(usize, Result<T, Status>)> {
         if self.left == 0 {
             return None;
@@ -566,19 +567,23 @@ impl<T: Message + Default> Stream for Streaming<T> {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
-        // The rest of a packed frame first.
-        let next = match (&mut this.packed, &this.source) {
-            (Some(p), Source::Inbox(inbox)) => p.take::<T>().map(|(len, r)| {
-                inbox.took_one(len);
-                r
-            }),
-            _ => None,
-        };
-        if next.is_none() {
-            this.packed = None;
+        // The rest of a packed frame first: a decoded message goes straight out (the fast
+        // path of a stream of small messages, one frame carrying many).
+        if let (Some(p), Source::Inbox(inbox)) = (&mut this.packed, &this.source) {
+            match p.take::<T>() {
+                Some((len, Ok(m))) => {
+                    inbox.took_one(len);
+                    return Poll::Ready(Some(Ok(m)));
+                }
+                Some((len, Err(e))) => {
+                    inbox.took_one(len);
+                    return this.over_if_done(Poll::Ready(Some(Err(e))));
+                }
+                None => {}
+            }
         }
+        this.packed = None;
         let r = match &mut this.source {
-            Source::Inbox(_) if next.is_some() => Poll::Ready(next),
             Source::Inbox(inbox) => match inbox.poll_item(cx) {
                 Poll::Ready(Some(Ok(Item::Packed(mut p)))) => match p.take::<T>() {
                     Some((len, r)) => {
@@ -604,13 +609,23 @@ impl<T: Message + Default> Stream for Streaming<T> {
             Source::Local(s) => s.as_mut().poll_next(cx),
             Source::Done(_) => Poll::Ready(None),
         };
+        this.over_if_done(r)
+    }
+}
+
+impl<T> Streaming<T> {
+    /// `r`, after letting the host free the call when `r` ends the stream for the consumer
+    /// (its end, or an error).
+    fn over_if_done(
+        &mut self,
+        r: Poll<Option<Result<T, Status>>>,
+    ) -> Poll<Option<Result<T, Status>>> {
         if let Poll::Ready(None) | Poll::Ready(Some(Err(_))) = r
-            && let Source::Inbox(inbox) = &this.source
+            && let Source::Inbox(inbox) = &self.source
         {
-            // The stream is over for the consumer: let the host free the call.
             inbox.dropped();
             let inbox = Arc::clone(inbox);
-            this.source = Source::Done(Some(inbox));
+            self.source = Source::Done(Some(inbox));
         }
         r
     }
