@@ -154,8 +154,8 @@ pub(crate) const DEFAULT_SHARD_SEND_SLOTS: u32 = 2048;
 /// Receive slots a shard's pool may grow to by default.
 pub(crate) const DEFAULT_POOL_SLOTS: u32 = 1 << 16;
 
-/// The least [`ServerBuilder::max_cq_entries`] takes: room for the receive pool's quarter and
-/// a few connections' send queues.
+/// The least [`ServerBuilder::max_cq_entries`] takes: room for a receive pool of some depth
+/// and a few connections' send queues.
 pub(crate) const MIN_CQ_ENTRIES: u32 = 4096;
 
 #[derive(Debug, Clone)]
@@ -400,7 +400,7 @@ impl ServerBuilder {
     /// shared receive queue, stay on the first). Devices with small CQs need no setting: on
     /// Soft-RoCE (`max_cqe` 32,767) a CQ holds about 90 connections, and the shard adds CQs
     /// as it needs them. Lower it to bound the memory one CQ pins (an RNIC's CQ entry is 64
-    /// bytes: 4M entries pin 256 MiB). The receive pool stays within a quarter of it.
+    /// bytes: 4M entries pin 256 MiB). The receive pool stays within seven eighths of it.
     pub fn max_cq_entries(mut self, n: u32) -> Self {
         self.cfg.max_cq_entries = n.max(MIN_CQ_ENTRIES);
         self

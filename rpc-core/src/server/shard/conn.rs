@@ -59,13 +59,18 @@ pub(crate) fn open<P: Provider>(
     let channel = ctx.create_comp_channel()?;
     let caps = ctx.caps();
     let cq_limit = caps.max_cqe.min(cfg.max_cq_entries);
-    // The receive pool: as deep as asked, within the device's SRQ and a quarter of the largest
-    // CQ (its receives all complete on the first CQ, whose QPs' send queues need the rest).
-    let pool_max = cfg.pool_slots.min(caps.max_srq_wr).min(cq_limit / 4).min(
-        cfg.max_conns_per_shard
-            .saturating_mul(cfg.geometry.recv_slots)
-            .max(FLOOR),
-    );
+    // The receive pool: as deep as asked, within the device's SRQ and seven eighths of the
+    // largest CQ (its receives all complete on the first CQ; the rest of that CQ takes the
+    // send queues of the first connections, and further ones get CQs of their own).
+    let pool_max = cfg
+        .pool_slots
+        .min(caps.max_srq_wr)
+        .min(cq_limit - cq_limit / 8)
+        .min(
+            cfg.max_conns_per_shard
+                .saturating_mul(cfg.geometry.recv_slots)
+                .max(FLOOR),
+        );
     let pool = RecvPool::<P>::new(cfg.geometry.slot_size, pool_max)?;
     let srq = pd.create_srq(SrqCaps {
         max_wr: pool.max_slots(),
