@@ -163,3 +163,32 @@ async fn a_shard_at_its_cq_limit_adds_cqs_and_serves_every_connection() {
     let again = open_and_serve(&srv, 40).await;
     drop(again);
 }
+
+/// A client with a large receive ring asks the server for a deep send queue (its share of
+/// responses in flight). On a shard whose first CQ is nearly all receive pool, the first
+/// connection's send queue does not fit beside the pool's receives: its sends go to a CQ of
+/// their own, and it and the connections after it are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deep_send_queue_that_does_not_fit_beside_the_pool_gets_a_cq_of_its_own() {
+    let srv = TestServer::start_with(|b| b.shards(1).max_cq_entries(4096)).await;
+    let deep = rpc_core::Geometry {
+        recv_slots: 1024,
+        ..rpc_core::Geometry::default()
+    };
+    let mut chans = Vec::new();
+    for i in 0..6 {
+        let connect = srv
+            .builder()
+            .poller(ClientPoller::Caller)
+            .geometry(deep)
+            .connect();
+        let ch = within(Duration::from_secs(20), "connect", connect)
+            .await
+            .unwrap_or_else(|e| panic!("connection {i} refused: {e}"));
+        echo_seq(&ch, i).await;
+        chans.push(ch);
+    }
+    for (i, ch) in chans.iter().enumerate() {
+        echo_seq(ch, 100 + i as u64).await;
+    }
+}

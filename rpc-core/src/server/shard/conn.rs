@@ -378,7 +378,20 @@ impl<P: Provider> Shard<P> {
             Some(cq) => cq,
             None => self.make_cq_room(need)?,
         };
-        self.new_qp(cq, caps, on_srq)
+        match self.new_qp(cq, caps, on_srq) {
+            // The first QP on the SRQ also reserves the SRQ's receives on the first CQ: when
+            // its send queue does not fit beside them, its sends go to another CQ.
+            Err(e)
+                if on_srq && cq.is_none() && e.kind() == crate::verbs::ErrorKind::ExceedsCaps =>
+            {
+                let other = match self.more_cqs.iter().position(|c| c.room() >= need) {
+                    Some(i) => i,
+                    None => self.add_cq(need)?,
+                };
+                self.new_qp(Some(other), caps, on_srq)
+            }
+            r => r,
+        }
     }
 
     /// The first CQ (`Some(None)`: the first one; `Some(Some(i))`: `more_cqs[i]`) with room
@@ -414,6 +427,13 @@ impl<P: Provider> Shard<P> {
             );
             return Ok(newest);
         }
+        self.add_cq(need).map(Some)
+    }
+
+    /// A new CQ for the send completions of QPs that need `need` each; returns its index in
+    /// `more_cqs`.
+    fn add_cq(&mut self, need: u32) -> crate::verbs::Result<usize> {
+        let limit = self.cq_limit;
         let size = need.saturating_mul(FIRST_CQ_CONNS).min(limit);
         if size < need {
             return Err(crate::verbs::VerbsError::new(
@@ -436,7 +456,7 @@ impl<P: Provider> Shard<P> {
             self.more_cqs.len(),
             self.live.len()
         );
-        Ok(Some(self.more_cqs.len() - 1))
+        Ok(self.more_cqs.len() - 1)
     }
 
     pub(super) fn connect(
