@@ -384,7 +384,7 @@ impl<P: Provider> Shard<P> {
             Err(e)
                 if on_srq && cq.is_none() && e.kind() == crate::verbs::ErrorKind::ExceedsCaps =>
             {
-                let other = match self.more_cqs.iter().position(|c| c.room() >= need) {
+                let other = match self.more_cq_with_room(need) {
                     Some(i) => i,
                     None => self.add_cq(need)?,
                 };
@@ -400,10 +400,12 @@ impl<P: Provider> Shard<P> {
         if self.cq.room() >= need {
             return Some(None);
         }
-        self.more_cqs
-            .iter()
-            .position(|cq| cq.room() >= need)
-            .map(Some)
+        self.more_cq_with_room(need).map(Some)
+    }
+
+    /// The first of `more_cqs` with room for `need` completions.
+    fn more_cq_with_room(&self, need: u32) -> Option<usize> {
+        self.more_cqs.iter().position(|cq| cq.room() >= need)
     }
 
     /// Room for `need` completions: the newest CQ grown, or a new one.
