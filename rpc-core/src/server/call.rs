@@ -242,20 +242,42 @@ fn call_handler<R>(ctx: &mut dyn CallCtx, path: &str, f: impl FnOnce() -> R) -> 
     }
 }
 
-/// The request of a client-streaming or bidi call: its metadata and the client's stream.
-fn stream_request<Req>(
-    ctx: &mut dyn CallCtx,
+/// What an [`IncomingCall`] carries for its handler's request.
+struct CallParts {
+    payload: Payload,
     metadata: Metadata,
     timeout: Option<Duration>,
     inbox: Option<Arc<Inbox>>,
-) -> Option<Request<Streaming<Req>>> {
-    let Some(inbox) = inbox else {
+}
+
+/// The request of a unary or server-streaming call: its metadata and the message decoded from
+/// its payload (a message that does not decode fails the call).
+fn message_request<Req: Message + Default>(
+    ctx: &mut dyn CallCtx,
+    parts: CallParts,
+) -> Option<Request<Req>> {
+    let message = match parts.payload.decode::<Req>() {
+        Ok(m) => m,
+        Err(status) => {
+            ctx.fail(&status);
+            return None;
+        }
+    };
+    let mut request = Request::from_parts(parts.metadata, message, parts.timeout);
+    request.set_peer(ctx.peer());
+    Some(request)
+}
+
+/// The request of a client-streaming or bidi call: its metadata and the client's stream.
+fn stream_request<Req>(ctx: &mut dyn CallCtx, parts: CallParts) -> Option<Request<Streaming<Req>>> {
+    let Some(inbox) = parts.inbox else {
         ctx.fail(&Status::internal(
             "streaming call without the client's stream",
         ));
         return None;
     };
-    let mut request = Request::from_parts(metadata, Streaming::from_inbox(inbox), timeout);
+    let mut request =
+        Request::from_parts(parts.metadata, Streaming::from_inbox(inbox), parts.timeout);
     request.set_peer(ctx.peer());
     Some(request)
 }
@@ -316,31 +338,9 @@ impl IncomingCall<'_> {
         F: FnOnce(Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>> + Send + 'static,
     {
-        let IncomingCall {
-            tasks,
-            ctx,
-            payload,
-            metadata,
-            timeout,
-            spawned,
-            path,
-            ..
-        } = self;
-        let message = match payload.decode::<Req>() {
-            Ok(m) => m,
-            Err(status) => {
-                ctx.fail(&status);
-                return Dispatched(());
-            }
-        };
-        let mut request = Request::from_parts(metadata, message, timeout);
-        request.set_peer(ctx.peer());
-        let Some(fut) = call_handler(&mut *ctx, path, || handler(request)) else {
-            return Dispatched(());
-        };
-        let task = FutureTask::new(fut, reply_unary::<Resp>);
-        spawn(tasks, ctx, spawned, path, task);
-        Dispatched(())
+        self.run(message_request::<Req>, handler, |fut| {
+            FutureTask::new(fut, reply_unary::<Resp>)
+        })
     }
 
     /// Runs a server-streaming handler: decodes the request, awaits the handler, then sends
@@ -354,33 +354,9 @@ impl IncomingCall<'_> {
         F: FnOnce(Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<S>, Status>> + Send + 'static,
     {
-        let IncomingCall {
-            tasks,
-            ctx,
-            payload,
-            metadata,
-            timeout,
-            spawned,
-            path,
-            ..
-        } = self;
-        let message = match payload.decode::<Req>() {
-            Ok(m) => m,
-            Err(status) => {
-                ctx.fail(&status);
-                return Dispatched(());
-            }
-        };
-        let mut request = Request::from_parts(metadata, message, timeout);
-        request.set_peer(ctx.peer());
-        let Some(fut) = call_handler(&mut *ctx, path, || handler(request)) else {
-            return Dispatched(());
-        };
-        let task = ServerStream {
+        self.run(message_request::<Req>, handler, |fut| ServerStream {
             state: StreamState::Handler(Box::pin(fut)),
-        };
-        spawn(tasks, ctx, spawned, path, task);
-        Dispatched(())
+        })
     }
 
     /// Runs a client-streaming handler: it gets the client's messages as a [`Streaming`] and
@@ -392,25 +368,9 @@ impl IncomingCall<'_> {
         F: FnOnce(Request<Streaming<Req>>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>> + Send + 'static,
     {
-        let IncomingCall {
-            tasks,
-            ctx,
-            metadata,
-            timeout,
-            spawned,
-            inbox,
-            path,
-            ..
-        } = self;
-        let Some(request) = stream_request(&mut *ctx, metadata, timeout, inbox) else {
-            return Dispatched(());
-        };
-        let Some(fut) = call_handler(&mut *ctx, path, || handler(request)) else {
-            return Dispatched(());
-        };
-        let task = FutureTask::new(fut, reply_unary::<Resp>);
-        spawn(tasks, ctx, spawned, path, task);
-        Dispatched(())
+        self.run(stream_request::<Req>, handler, |fut| {
+            FutureTask::new(fut, reply_unary::<Resp>)
+        })
     }
 
     /// Runs a bidirectional-streaming handler: the client's messages as a [`Streaming`], the
@@ -423,26 +383,43 @@ impl IncomingCall<'_> {
         F: FnOnce(Request<Streaming<Req>>) -> Fut,
         Fut: Future<Output = Result<Response<S>, Status>> + Send + 'static,
     {
+        self.run(stream_request::<Req>, handler, |fut| ServerStream {
+            state: StreamState::Handler(Box::pin(fut)),
+        })
+    }
+
+    /// What every kind of call does: `request` makes the handler's request of the call's
+    /// parts (`None`: it failed the call already), `handler` makes its future (a panic fails
+    /// the call), and `task` the shard task that drives that future and answers.
+    fn run<R, Fut, T: SlabTask<CallFamily> + 'static>(
+        self,
+        request: impl FnOnce(&mut dyn CallCtx, CallParts) -> Option<R>,
+        handler: impl FnOnce(R) -> Fut,
+        task: impl FnOnce(Fut) -> T,
+    ) -> Dispatched {
         let IncomingCall {
             tasks,
             ctx,
+            payload,
             metadata,
             timeout,
             spawned,
-            inbox,
             path,
-            ..
+            inbox,
         } = self;
-        let Some(request) = stream_request(&mut *ctx, metadata, timeout, inbox) else {
+        let parts = CallParts {
+            payload,
+            metadata,
+            timeout,
+            inbox,
+        };
+        let Some(request) = request(&mut *ctx, parts) else {
             return Dispatched(());
         };
         let Some(fut) = call_handler(&mut *ctx, path, || handler(request)) else {
             return Dispatched(());
         };
-        let task = ServerStream {
-            state: StreamState::Handler(Box::pin(fut)),
-        };
-        spawn(tasks, ctx, spawned, path, task);
+        spawn(tasks, ctx, spawned, path, task(fut));
         Dispatched(())
     }
 
