@@ -61,6 +61,44 @@ pub(super) fn taken<W>(first: *const W, bad: *const W, n: usize) -> usize {
     }
 }
 
+/// The device refused a chain from its request `taken` on (the requests before it were
+/// posted); `rc` is what the verb returned.
+pub(super) struct Refused<W> {
+    pub(super) first: *mut W,
+    pub(super) taken: usize,
+    pub(super) rc: i32,
+}
+
+/// Links the first `n` requests of `batch` (none: nothing to do) and posts them with `post`,
+/// the verb called on the chain's head and its `bad_wr` (`ibv_post_send`, `ibv_post_recv`,
+/// `ibv_post_srq_recv` on a live queue); adds the number the device took to `posted`.
+///
+/// # Safety
+/// `batch[..n]` must be initialised from work requests that satisfy the verb's contract, and
+/// `n <= N`.
+#[inline]
+pub(super) unsafe fn post_chain<W: ChainedWr, const N: usize>(
+    batch: &mut [MaybeUninit<W>; N],
+    n: usize,
+    posted: &mut u64,
+    post: impl FnOnce(*mut W, &mut *mut W) -> i32,
+) -> Result<(), Refused<W>> {
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: `batch[..n]` is initialised and n <= N (caller's contract).
+    let first = unsafe { link_chain(batch, n) };
+    let mut bad: *mut W = std::ptr::null_mut();
+    let rc = post(first, &mut bad);
+    if rc == 0 {
+        *posted += n as u64;
+        return Ok(());
+    }
+    let taken = taken(first, bad, n);
+    *posted += taken as u64;
+    Err(Refused { first, taken, rc })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,7 +16,7 @@ use rdma_sys::{
     ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode,
 };
 
-use super::chain::{link_chain, taken};
+use super::chain::post_chain;
 use super::cq::{CqShared, IbCq};
 use super::device::{RawContext, last_errno, ret_errno};
 use super::ledger::{Ledger, RECV_TAG};
@@ -694,25 +694,18 @@ impl IbQp {
         n: usize,
         base: usize,
     ) -> Result<(), PostError> {
-        if n == 0 {
-            return Ok(());
+        let qp = self.qp.as_ptr();
+        // SAFETY: `batch[..n]` as the caller promises; the QP is alive and posted to only
+        // through `&mut self`; the chain is valid, NULL-terminated work requests on our stack
+        // that outlive the call, and the memory their SGEs name is the caller's contract.
+        unsafe {
+            post_chain(batch, n, &mut self.send_posted, |first, bad| {
+                ibv_post_send(qp, first, bad)
+            })
         }
-        // SAFETY: `batch[..n]` is initialised (caller's contract) and n <= POST_BATCH.
-        let first = unsafe { link_chain(batch, n) };
-        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive and posted to only through `&mut self`; the chain is `n`
-        // valid, NULL-terminated work requests on our stack that outlive the call; the memory
-        // their SGEs name is the caller's contract.
-        let rc = unsafe { ibv_post_send(self.qp.as_ptr(), first, &mut bad) };
-        if rc == 0 {
-            self.send_posted += n as u64;
-            return Ok(());
-        }
-        let idx = taken(first, bad, n);
-        self.send_posted += idx as u64;
-        Err(PostError {
-            posted: base + idx,
-            error: post_errno(Verb::PostSend, ret_errno(rc)),
+        .map_err(|r| PostError {
+            posted: base + r.taken,
+            error: post_errno(Verb::PostSend, ret_errno(r.rc)),
         })
     }
 
@@ -727,23 +720,16 @@ impl IbQp {
         n: usize,
         base: usize,
     ) -> Result<(), PostError> {
-        if n == 0 {
-            return Ok(());
-        }
-        // SAFETY: `batch[..n]` is initialised (caller's contract) and n <= POST_BATCH.
-        let first = unsafe { link_chain(batch, n) };
-        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        let qp = self.qp.as_ptr();
         // SAFETY: as in `flush_send`, for the receive queue.
-        let rc = unsafe { ibv_post_recv(self.qp.as_ptr(), first, &mut bad) };
-        if rc == 0 {
-            self.recv_posted += n as u64;
-            return Ok(());
+        unsafe {
+            post_chain(batch, n, &mut self.recv_posted, |first, bad| {
+                ibv_post_recv(qp, first, bad)
+            })
         }
-        let idx = taken(first, bad, n);
-        self.recv_posted += idx as u64;
-        Err(PostError {
-            posted: base + idx,
-            error: post_errno(Verb::PostRecv, ret_errno(rc)),
+        .map_err(|r| PostError {
+            posted: base + r.taken,
+            error: post_errno(Verb::PostRecv, ret_errno(r.rc)),
         })
     }
 }

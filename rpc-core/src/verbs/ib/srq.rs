@@ -40,7 +40,7 @@ use rdma_sys::{
     ibv_srq, ibv_srq_attr, ibv_srq_attr_mask, ibv_srq_init_attr,
 };
 
-use super::chain::{link_chain, taken};
+use super::chain::{Refused, post_chain};
 use super::cq::CqShared;
 use super::device::{last_errno, ret_errno};
 use super::ledger::RECV_TAG;
@@ -306,22 +306,23 @@ impl IbSrq {
         n: usize,
         base: usize,
     ) -> Result<(), PostError> {
-        if n == 0 {
+        let srq = self.shared.srq.as_ptr();
+        // SAFETY: `batch[..n]` as the caller promises; the SRQ is alive and posted to only
+        // through `&mut self`; the chain is valid, NULL-terminated work requests on our stack
+        // that outlive the call, and the memory their SGEs name is the caller's contract.
+        let refused = unsafe {
+            post_chain(batch, n, &mut self.posted, |first, bad| {
+                ibv_post_srq_recv(srq, first, bad)
+            })
+        };
+        let Err(Refused {
+            first,
+            taken: idx,
+            rc,
+        }) = refused
+        else {
             return Ok(());
-        }
-        // SAFETY: `batch[..n]` is initialised (caller's contract) and n <= POST_BATCH.
-        let first = unsafe { link_chain(batch, n) };
-        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: the SRQ is alive and posted to only through `&mut self`; the chain is `n`
-        // valid, NULL-terminated work requests on our stack that outlive the call; the memory
-        // their SGEs name is the caller's contract.
-        let rc = unsafe { ibv_post_srq_recv(self.shared.srq.as_ptr(), first, &mut bad) };
-        if rc == 0 {
-            self.posted += n as u64;
-            return Ok(());
-        }
-        let idx = taken(first, bad, n);
-        self.posted += idx as u64;
+        };
         for k in idx..n {
             // SAFETY: k < n: an initialised element; its slot was taken for it and the device
             // refused it, so no completion will free it.
