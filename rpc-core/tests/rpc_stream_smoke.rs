@@ -186,3 +186,150 @@ async fn the_three_streaming_kinds() {
     }
     server.shutdown().await;
 }
+
+static BOOM_UNARY: MethodDesc = MethodDesc::new("/t.B/Unary", CallKind::Unary);
+static BOOM_SERVER: MethodDesc = MethodDesc::new("/t.B/ServerStream", CallKind::ServerStreaming);
+static BOOM_CLIENT: MethodDesc = MethodDesc::new("/t.B/ClientStream", CallKind::ClientStreaming);
+static BOOM_BIDI: MethodDesc = MethodDesc::new("/t.B/Bidi", CallKind::Streaming);
+static BOOM_METHODS: [MethodDesc; 4] = [BOOM_UNARY, BOOM_SERVER, BOOM_CLIENT, BOOM_BIDI];
+
+/// A handler's future that panics when first polled.
+async fn explode(what: &'static str) -> Result<Response<Msg>, Status> {
+    panic!("{what} on purpose (test)")
+}
+
+/// Handlers that panic: the server-streaming and bidi ones while making their future, the
+/// unary and client-streaming ones inside it.
+struct Boom;
+
+impl Service for Boom {
+    fn name(&self) -> &'static str {
+        "t.B"
+    }
+    fn methods(&self) -> &'static [MethodDesc] {
+        &BOOM_METHODS
+    }
+    fn call(&self, method: u32, call: IncomingCall<'_>) -> Dispatched {
+        let none = || futures_util::stream::empty::<Result<Msg, Status>>();
+        if method == BOOM_UNARY.id {
+            call.unary(|_: Request<Msg>| explode("unary"))
+        } else if method == BOOM_SERVER.id {
+            call.server_streaming(move |_: Request<Msg>| {
+                if method == BOOM_SERVER.id {
+                    panic!("server streaming on purpose (test)");
+                }
+                async move { Ok(Response::new(none())) }
+            })
+        } else if method == BOOM_CLIENT.id {
+            call.client_streaming(|_: Request<Streaming<Msg>>| explode("client streaming"))
+        } else if method == BOOM_BIDI.id {
+            call.streaming(move |_: Request<Streaming<Msg>>| {
+                if method == BOOM_BIDI.id {
+                    panic!("bidi on purpose (test)");
+                }
+                async move { Ok(Response::new(none())) }
+            })
+        } else {
+            call.unimplemented()
+        }
+    }
+}
+
+/// Whatever its kind, a call whose handler panics (making its future or in it) ends INTERNAL
+/// "handler panicked", the panic's text stays on the server, and the server goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_panics_fails_its_call_whatever_its_kind() {
+    let server = Server::builder()
+        .add_service(Svc)
+        .add_service(Boom)
+        .bind("127.0.0.1:0")
+        .await
+        .unwrap();
+    let ch = Channel::connect(server.local_addr().to_string())
+        .await
+        .unwrap();
+    let t = Duration::from_secs(20);
+    let msg = || Msg {
+        n: 3,
+        data: Bytes::from_static(b"abc"),
+    };
+    let items = || {
+        futures_util::stream::iter((0..4).map(|_| Msg {
+            n: 3,
+            data: Bytes::from_static(b"abc"),
+        }))
+    };
+    let check = |what: &str, st: Status| {
+        assert_eq!(st.code(), rpc_core::Code::Internal, "{what}: {st:?}");
+        assert_eq!(st.message(), "handler panicked", "{what}: {st:?}");
+    };
+    for round in 0..2 {
+        let st = tokio::time::timeout(t, ch.unary::<Msg, Msg>(&BOOM_UNARY, Request::new(msg())))
+            .await
+            .unwrap()
+            .unwrap_err();
+        check("unary", st);
+        let st = match tokio::time::timeout(
+            t,
+            ch.server_streaming::<Msg, Msg>(&BOOM_SERVER, Request::new(msg())),
+        )
+        .await
+        .unwrap()
+        {
+            Err(st) => st,
+            Ok(r) => tokio::time::timeout(t, r.into_inner().message())
+                .await
+                .unwrap()
+                .unwrap_err(),
+        };
+        check("server streaming", st);
+        let st = tokio::time::timeout(
+            t,
+            ch.client_streaming::<_, Msg>(&BOOM_CLIENT, Request::new(items())),
+        )
+        .await
+        .unwrap()
+        .unwrap_err();
+        check("client streaming", st);
+        let st = match tokio::time::timeout(
+            t,
+            ch.streaming::<_, Msg>(&BOOM_BIDI, Request::new(items())),
+        )
+        .await
+        .unwrap()
+        {
+            Err(st) => st,
+            Ok(r) => tokio::time::timeout(t, r.into_inner().message())
+                .await
+                .unwrap()
+                .unwrap_err(),
+        };
+        check("bidi", st);
+        // The server still serves, this connection included.
+        let resp: Response<Streaming<Msg>> = tokio::time::timeout(
+            t,
+            ch.server_streaming(
+                &COUNT,
+                Request::new(Msg {
+                    n: 5,
+                    data: Bytes::new(),
+                }),
+            ),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let mut s = resp.into_inner();
+        let mut got = 0;
+        while tokio::time::timeout(t, s.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .is_some()
+        {
+            got += 1;
+        }
+        assert_eq!(got, 5, "round {round}");
+    }
+    server.shutdown().await;
+}
