@@ -235,6 +235,24 @@ impl Service for Boom {
     }
 }
 
+/// The status a call that returns a stream ends with: the opening's, or the stream's first
+/// item's (each within `t`).
+async fn stream_error(
+    t: Duration,
+    opened: impl std::future::Future<Output = Result<Response<Streaming<Msg>>, Status>>,
+) -> Status {
+    match tokio::time::timeout(t, opened)
+        .await
+        .expect("the call opens in time")
+    {
+        Err(st) => st,
+        Ok(r) => tokio::time::timeout(t, r.into_inner().message())
+            .await
+            .expect("the stream's first item comes in time")
+            .expect_err("the stream of a panicking handler fails"),
+    }
+}
+
 /// Whatever its kind, a call whose handler panics (making its future or in it) ends INTERNAL
 /// "handler panicked", the panic's text stays on the server, and the server goes on serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -269,20 +287,8 @@ async fn a_handler_that_panics_fails_its_call_whatever_its_kind() {
             .unwrap()
             .unwrap_err();
         check("unary", st);
-        let st = match tokio::time::timeout(
-            t,
-            ch.server_streaming::<Msg, Msg>(&BOOM_SERVER, Request::new(msg())),
-        )
-        .await
-        .unwrap()
-        {
-            Err(st) => st,
-            Ok(r) => tokio::time::timeout(t, r.into_inner().message())
-                .await
-                .unwrap()
-                .unwrap_err(),
-        };
-        check("server streaming", st);
+        let opened = ch.server_streaming::<Msg, Msg>(&BOOM_SERVER, Request::new(msg()));
+        check("server streaming", stream_error(t, opened).await);
         let st = tokio::time::timeout(
             t,
             ch.client_streaming::<_, Msg>(&BOOM_CLIENT, Request::new(items())),
@@ -291,20 +297,8 @@ async fn a_handler_that_panics_fails_its_call_whatever_its_kind() {
         .unwrap()
         .unwrap_err();
         check("client streaming", st);
-        let st = match tokio::time::timeout(
-            t,
-            ch.streaming::<_, Msg>(&BOOM_BIDI, Request::new(items())),
-        )
-        .await
-        .unwrap()
-        {
-            Err(st) => st,
-            Ok(r) => tokio::time::timeout(t, r.into_inner().message())
-                .await
-                .unwrap()
-                .unwrap_err(),
-        };
-        check("bidi", st);
+        let opened = ch.streaming::<_, Msg>(&BOOM_BIDI, Request::new(items()));
+        check("bidi", stream_error(t, opened).await);
         // The server still serves, this connection included.
         let resp: Response<Streaming<Msg>> = tokio::time::timeout(
             t,

@@ -777,7 +777,7 @@ fn decode_header(buf: &[u8]) -> Result<FrameHeader, WireError> {
     read_header(&mut Reader { buf, pos: 0 })
 }
 
-// Inlined: a header is about 140 bytes, and returned through a `Result` it was copied with
+// Inlined: a header is 160 bytes in memory, and returned through a `Result` it was copied with
 // `memcpy` at every frame (the largest `memcpy` caller of a pipelining client and shard).
 #[inline(always)]
 fn read_header(r: &mut Reader<'_>) -> Result<FrameHeader, WireError> {
