@@ -15,7 +15,10 @@ use super::{Device, ErrorKind, Result, Verb, VerbsError};
 /// Whether a peer process is alive, as the watchdog last saw it.
 #[derive(Debug)]
 pub(crate) struct Liveness {
-    pidfd: OwnedFd,
+    /// `None` for this very process, which is alive for as long as anyone here can ask (and
+    /// whose descriptors are duplicated directly: no `pidfd_open`, which some kernels and
+    /// valgrind lack, and no descriptor held for it).
+    pidfd: Option<OwnedFd>,
     /// Set once, when the process exited (or a test hook pretends it did).
     pub(crate) dead: AtomicBool,
 }
@@ -33,6 +36,14 @@ impl Liveness {
             return Ok((l, false));
         }
         lives.retain(|_, w| w.upgrade().is_some_and(|l| !l.is_dead()));
+        if pid == dev.pid {
+            let live = Arc::new(Liveness {
+                pidfd: None,
+                dead: AtomicBool::new(false),
+            });
+            lives.insert(pid, Arc::downgrade(&live));
+            return Ok((live, false));
+        }
         let pidfd = shm::pidfd_open(pid).map_err(|e| {
             if e.raw_os_error() == Some(libc::ESRCH) {
                 bad_ep(format!(
@@ -48,7 +59,7 @@ impl Liveness {
             }
         })?;
         let live = Arc::new(Liveness {
-            pidfd,
+            pidfd: Some(pidfd),
             dead: AtomicBool::new(false),
         });
         lives.insert(pid, Arc::downgrade(&live));
@@ -58,8 +69,11 @@ impl Liveness {
     /// Whether the process exited, asked now (its pidfd is readable), for a handle about to be
     /// shared: a process that exited and whose pid was reused must not lend its handle.
     fn exited(&self) -> bool {
+        let Some(pidfd) = &self.pidfd else {
+            return false;
+        };
         let mut pfd = libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&self.pidfd),
+            fd: std::os::fd::AsRawFd::as_raw_fd(pidfd),
             events: libc::POLLIN,
             revents: 0,
         };
@@ -72,6 +86,14 @@ impl Liveness {
     #[inline]
     pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
+    }
+
+    /// A duplicate of descriptor `fd` of process `pid` (the process this names).
+    fn dup_fd(&self, pid: u32, fd: u32) -> std::io::Result<OwnedFd> {
+        match &self.pidfd {
+            Some(pidfd) => shm::pidfd_getfd(pidfd.as_fd(), pid, fd),
+            None => shm::dup_own(fd),
+        }
     }
 }
 
@@ -151,7 +173,7 @@ impl Peer {
             });
         }
 
-        let pub_fd = shm::pidfd_getfd(live.pidfd.as_fd(), pid, fd).map_err(|e| {
+        let pub_fd = live.dup_fd(pid, fd).map_err(|e| {
             out_of_fds(&e).unwrap_or_else(|| {
                 bad_ep(format!(
                     "process {pid} has no soft RNIC control segment at descriptor {fd} ({e}): \
@@ -197,7 +219,7 @@ impl Peer {
             )));
         }
         let in_fd_num = rd32(&pub_map, hdr::INBOX_FD);
-        let in_fd = shm::pidfd_getfd(live.pidfd.as_fd(), pid, in_fd_num).map_err(|e| {
+        let in_fd = live.dup_fd(pid, in_fd_num).map_err(|e| {
             out_of_fds(&e).unwrap_or_else(|| {
                 bad_ep(format!(
                     "cannot reach the inbox of the soft RNIC in process {pid} ({e})"
@@ -281,7 +303,9 @@ impl Peer {
             return Ok(m.clone());
         }
         let len = usize::try_from(len).map_err(|_| MapError::Failed)?;
-        let dup = shm::pidfd_getfd(self.live.pidfd.as_fd(), self.pid, fd)
+        let dup = self
+            .live
+            .dup_fd(self.pid, fd)
             .map_err(|_| MapError::Failed)?;
         // The key still being current after we got the descriptor proves the descriptor was
         // still the region's: the owner clears the key before it closes the memfd.
@@ -333,7 +357,7 @@ impl Peer {
 
     /// A duplicate of the peer's descriptor `fd`, checked to be an eventfd.
     fn dup_eventfd(&self, fd: u32) -> Option<OwnedFd> {
-        let dup = shm::pidfd_getfd(self.live.pidfd.as_fd(), self.pid, fd).ok()?;
+        let dup = self.live.dup_fd(self.pid, fd).ok()?;
         let link = std::fs::read_link(format!(
             "/proc/self/fd/{}",
             std::os::fd::AsRawFd::as_raw_fd(&dup)
@@ -578,8 +602,10 @@ fn run(shared: &WatchShared) {
             revents: 0,
         });
         for l in &lives {
+            // Only other processes are watched (see `Peer::attach`); poll skips a negative
+            // descriptor, and each entry stays at its peer's index.
             fds.push(libc::pollfd {
-                fd: std::os::fd::AsRawFd::as_raw_fd(&l.pidfd),
+                fd: l.pidfd.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd),
                 events: libc::POLLIN,
                 revents: 0,
             });
@@ -629,6 +655,29 @@ mod tests {
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         // SAFETY: a new descriptor that nothing else owns.
         (fd >= 0).then(|| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    }
+
+    #[test]
+    fn this_process_needs_no_pidfd_and_its_descriptors_duplicate_directly() {
+        let dev = Device::open().unwrap();
+        let (live, fresh) = Liveness::of(&dev, dev.pid).unwrap();
+        assert!(live.pidfd.is_none(), "no pidfd_open for ourselves");
+        assert!(!fresh, "the watchdog never watches this process");
+        assert!(!live.exited() && !live.is_dead());
+        // The same handle for the next connection.
+        let (again, _) = Liveness::of(&dev, dev.pid).unwrap();
+        assert!(Arc::ptr_eq(&live, &again));
+        // A duplicate of our own control segment is the same file.
+        let fd = dev.pub_fd_num();
+        let dup = live.dup_fd(dev.pid, fd).unwrap();
+        let ino = |fd: i32| {
+            // SAFETY: fstat writes only into the struct passed, which lives on this frame.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+            (st.st_dev, st.st_ino)
+        };
+        assert_eq!(ino(fd as i32), ino(std::os::fd::AsRawFd::as_raw_fd(&dup)));
+        assert!(live.dup_fd(dev.pid, u32::MAX).is_err());
     }
 
     #[test]

@@ -201,6 +201,20 @@ pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// A duplicate of this process's descriptor `fd` (close-on-exec).
+pub(crate) fn dup_own(fd: u32) -> io::Result<OwnedFd> {
+    let fd = libc::c_int::try_from(fd).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: fcntl with an integer descriptor and command; the result is checked.
+    let r = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this new descriptor; we own it.
+    let fd = unsafe { OwnedFd::from_raw_fd(r) };
+    crate::fdtable::opened(&fd);
+    Ok(fd)
+}
+
 /// A duplicate of descriptor `fd` of the process behind `pidfd` (`pidfd_getfd`), falling back to
 /// opening `/proc/PID/fd/N` when the syscall is unavailable.
 pub(crate) fn pidfd_getfd(pidfd: BorrowedFd<'_>, pid: u32, fd: u32) -> io::Result<OwnedFd> {
