@@ -113,10 +113,51 @@ impl<O: Lend> Buf for SlotReader<O> {
         }
         let b = match &self.shared {
             Some(s) if len >= ZERO_COPY_MIN => s.slice(self.pos..self.pos + len),
-            _ => Bytes::from(crate::memcopy::to_vec(&self.chunk()[..len])),
+            _ => copied(&self.chunk()[..len]),
         };
         self.pos += len;
         b
+    }
+}
+
+/// Fields up to this long are copied into the one allocation of their `Bytes` (see
+/// [`copied`]).
+const INLINE_MAX: usize = 256;
+
+/// A copy of a field that does not borrow the buffer. prost's encoder clones every `Bytes`
+/// field it writes (`buf.put(field.clone())`), and a `Bytes` made from a `Vec` allocates a
+/// shared header at its first clone: a handler that sends on a field it received (an echo, a
+/// proxy) paid two allocations per field. Up to [`INLINE_MAX`] bytes are held inline in the one
+/// allocation of `Bytes::from_owner`, whose clones only count references.
+fn copied(src: &[u8]) -> Bytes {
+    match src.len() {
+        0 => Bytes::new(),
+        n if n <= 64 => Inline::<64>::bytes(src),
+        n if n <= INLINE_MAX => Inline::<INLINE_MAX>::bytes(src),
+        _ => Bytes::from(crate::memcopy::to_vec(src)),
+    }
+}
+
+/// A short field's bytes, inline (see [`copied`]).
+struct Inline<const N: usize> {
+    len: usize,
+    buf: [u8; N],
+}
+
+impl<const N: usize> Inline<N> {
+    fn bytes(src: &[u8]) -> Bytes {
+        let mut b = Inline {
+            len: src.len(),
+            buf: [0; N],
+        };
+        b.buf[..src.len()].copy_from_slice(src);
+        Bytes::from_owner(b)
+    }
+}
+
+impl<const N: usize> AsRef<[u8]> for Inline<N> {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
     }
 }
 
@@ -198,6 +239,29 @@ mod tests {
             !range.contains(&back.data.as_ptr()),
             "the field must be a copy"
         );
+    }
+
+    #[test]
+    fn short_fields_are_exact_copies_whatever_their_size_class() {
+        for n in [0usize, 1, 63, 64, 65, 255, 256, 257, ZERO_COPY_MIN - 1] {
+            let msg = Blob {
+                id: n as u64,
+                data: Bytes::from((0..n).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>()),
+            };
+            let enc = msg.encode_to_vec();
+            let len = enc.len();
+            let range = enc.as_ptr_range();
+            let mut r = SlotReader::new(enc, 0, len);
+            let back = Blob::decode(&mut r).unwrap();
+            assert_eq!(back, msg, "{n} bytes");
+            assert_eq!(back.data.len(), n);
+            assert!(!r.is_shared());
+            assert!(n == 0 || !range.contains(&back.data.as_ptr()), "a copy");
+            // A clone (what prost's encoder makes of every field it writes) is the same bytes.
+            let again = back.data.clone();
+            assert_eq!(again, back.data);
+            assert_eq!(Blob::decode(msg.encode_to_vec().as_slice()).unwrap(), back);
+        }
     }
 
     #[test]
