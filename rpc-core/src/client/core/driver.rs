@@ -16,7 +16,8 @@ use crate::streaming::Inbox;
 use crate::verbs::{Cq, Provider};
 use crate::wire::{self, BulkDesc, CallId};
 
-use super::{ClientCore, Driver, DrvCall, Lent, Outcome, Submission};
+use super::{ClientCore, Driver, DrvCall, Large, Lent, Outcome, Submission, overlap};
+use crate::buf::BulkBuf;
 
 impl<P: Provider> Driver<P> {
     pub(super) fn step(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
@@ -175,44 +176,27 @@ impl<P: Provider> Driver<P> {
         }) {
             Ok(()) => {
                 let slot = call.slot() as usize;
-                let (bulk, gathered, pending, landing, timed) = match sub.large {
-                    Some(l) => {
-                        let l = *l;
-                        (l.bulk, l.gathered, l.pending, l.landing, l.timed)
-                    }
-                    None => (None, None, None, None, None),
-                };
-                let user = gathered.map(|g| {
-                    core.counters
-                        .zero_copy_request_bytes
-                        .fetch_add(g.referenced, Ordering::Relaxed);
-                    (g.window, g.user)
-                });
-                let user = user.or_else(|| {
-                    let p = pending?;
-                    core.counters
-                        .overlapped_request_bytes
-                        .fetch_add(p.fill.len(), Ordering::Relaxed);
-                    self.filling.push((call, p.fill, 0));
-                    Some((p.window, p.region))
-                });
-                // In place: the slot was reset when its last call retired (a DrvCall is large;
-                // building and moving a whole one per call showed up as memcpy).
+                // What a large request lends (a small one lends nothing: no moves of empty
+                // options for it).
+                let large = sub.large.map(|l| self.lent_parts(core, call, *l));
+                // In place: a DrvCall is large, and building and moving a whole one per call
+                // showed up as memcpy. `retire` left it reset; it is reset here only if not.
                 let Some(c) = self.calls.get_mut(slot) else {
                     return Err(LinkError::Protocol(format!(
                         "the wire started a call in slot {slot}, beyond the call table"
                     )));
                 };
-                c.reset();
+                if c.id != CallId(0) {
+                    c.reset();
+                }
                 c.id = call;
                 c.method = sub.method;
                 c.cell = Some((idx, generation));
-                c.lent_bulk = (bulk.is_some() || user.is_some()).then(|| Lent {
-                    _buf: bulk,
-                    _user: user,
-                });
-                c.landing = landing;
-                c.timed = timed;
+                if let Some((lent, landing, timed)) = large {
+                    c.lent_bulk = lent;
+                    c.landing = landing;
+                    c.timed = timed;
+                }
                 c.inbox = sub.inbox;
                 self.cell_slot[idx as usize] = Some(call.slot());
                 Ok(())
@@ -235,6 +219,37 @@ impl<P: Provider> Driver<P> {
             }
             Err(CommitError::Link(e)) => Err(e),
         }
+    }
+
+    /// What a large request's call keeps until the server is done: the buffers and windows
+    /// it lends (counted as sent from the user's memory or pending), its landing zone and
+    /// its timing for [`overlap`].
+    fn lent_parts(
+        &mut self,
+        core: &ClientCore<P>,
+        call: CallId,
+        l: Large<P>,
+    ) -> (Option<Lent<P>>, Option<BulkBuf<P>>, Option<overlap::Timed>) {
+        let user = l.gathered.map(|g| {
+            core.counters
+                .zero_copy_request_bytes
+                .fetch_add(g.referenced, Ordering::Relaxed);
+            (g.window, g.user)
+        });
+        let user = user.or_else(|| {
+            let p = l.pending?;
+            core.counters
+                .overlapped_request_bytes
+                .fetch_add(p.fill.len(), Ordering::Relaxed);
+            self.filling.push((call, p.fill, 0));
+            Some((p.window, p.region))
+        });
+        let bulk = l.bulk;
+        let lent = (bulk.is_some() || user.is_some()).then(|| Lent {
+            _buf: bulk,
+            _user: user,
+        });
+        (lent, l.landing, l.timed)
     }
 
     /// Tells the server how much of each pending payload the callers have written since the
