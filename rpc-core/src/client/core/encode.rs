@@ -225,22 +225,27 @@ impl<P: Provider> ClientCore<P> {
             pending: pending.is_some(),
             len,
         });
+        // An `if`, not `bool::then`: the closure would take every option by value (a
+        // memcpy per call) before knowing it is needed.
+        let large =
+            if bulk.is_some() || gathered.is_some() || pending.is_some() || landing.is_some() {
+                Some(Box::new(Large {
+                    bulk,
+                    gathered,
+                    pending,
+                    fill,
+                    landing,
+                    timed,
+                }))
+            } else {
+                None
+            };
         Ok(Submission {
             method: method.id,
             kind: method.kind,
             timeout_ns: timeout.map(|t| t.as_nanos().min(u128::from(u64::MAX)) as u64),
             staged,
-            large: (bulk.is_some() || gathered.is_some() || pending.is_some() || landing.is_some())
-                .then(|| {
-                    Box::new(Large {
-                        bulk,
-                        gathered,
-                        pending,
-                        fill,
-                        landing,
-                        timed,
-                    })
-                }),
+            large,
             inbox: None,
         })
     }
