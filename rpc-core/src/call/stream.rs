@@ -46,7 +46,10 @@ impl<P: Provider> StreamIn<P> {
     /// record whose READ completed or was parked.
     pub(crate) fn clear(&mut self) {
         self.read = None;
-        self.held.clear();
+        // As `Ledger::clear`: most calls hold nothing.
+        if !self.held.is_empty() {
+            self.held.clear();
+        }
     }
 
     /// Whether a stream message is being READ.

@@ -225,7 +225,9 @@ impl<P: Provider> Record<P> for DrvCall<P> {
         self.timed = None;
         self.inbox = None;
         self.stream.clear();
-        self.out.clear();
+        if !self.out.is_empty() {
+            self.out.clear();
+        }
         self.stream_lent.clear();
         self.end = None;
     }
