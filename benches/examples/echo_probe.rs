@@ -7,7 +7,8 @@
 //! cargo build --release -p rpc-bench --example echo_probe
 //! valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file=cg \
 //!     target/release/examples/echo_probe 20000 32
-//! callgrind_annotate cg-05 | head    # the shard's thread (cg-01 is the client's)
+//! callgrind_annotate cg-01 | head    # the client's thread; the shard's is the file whose
+//!                                    # listing has `Shard<P>>::run` (cg-03 or cg-05)
 //! ```
 //!
 //! It makes `calls` echoes (plus 2000 first, not counted by the caller but by callgrind)
