@@ -671,8 +671,9 @@ mod tests {
         let fd = dev.pub_fd_num();
         let dup = live.dup_fd(dev.pid, fd).unwrap();
         let ino = |fd: i32| {
-            // SAFETY: fstat writes only into the struct passed, which lives on this frame.
+            // SAFETY: `stat` is plain data for which all-zero is valid.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: fstat writes only into the struct passed, which lives on this frame.
             assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
             (st.st_dev, st.st_ino)
         };
