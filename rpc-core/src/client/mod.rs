@@ -302,21 +302,22 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
         }
         let method = self.method;
         // Our own finished calls may hold every cell: set them aside (their responses stay
-        // ours) until a cell is free; others' calls free theirs as they finish.
-        crate::poll_policy::with_thread_spinner(|spin| {
-            while !self.in_flight.is_empty()
-                && !with_any!(AnyCore, &self.conn.core, c => c.has_free_cell())
-            {
-                spin.before_turn(std::time::Instant::now);
-                match self.poll_in_flight() {
-                    Some(done) => {
-                        spin.work();
-                        self.ready.push_back(done);
+        // ours) until a cell is free; others' calls free theirs as they finish. The thread's
+        // spinner (a copy in and out of a thread-local) only when there is none.
+        if self.no_free_cell() {
+            crate::poll_policy::with_thread_spinner(|spin| {
+                while self.no_free_cell() {
+                    spin.before_turn(std::time::Instant::now);
+                    match self.poll_in_flight() {
+                        Some(done) => {
+                            spin.work();
+                            self.ready.push_back(done);
+                        }
+                        None => with_any!(AnyCore, &self.conn.core, c => c.wait_turn(spin)),
                     }
-                    None => with_any!(AnyCore, &self.conn.core, c => c.wait_turn(spin)),
                 }
-            }
-        });
+            });
+        }
         let (idx, generation) =
             with_any!(AnyCore, &self.conn.core, c => c.start_unary(method, request))?;
         self.in_flight.push_back((tag, idx, generation));
@@ -358,13 +359,18 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
     /// host where this thread has no core to itself it spins only briefly, then sleeps until
     /// a completion arrives (see [`ShardPolling`](crate::ShardPolling) for the detection).
     pub fn wait(&mut self) -> Option<(u64, Result<Response<Resp>, Status>)> {
+        // The first turn needs no spinner (it would read no clock): a call already finished,
+        // or found by that turn, is returned without copying the thread's spinner in and out.
+        if let Some(r) = self.poll() {
+            return Some(r);
+        }
         crate::poll_policy::with_thread_spinner(|spin| {
             while !self.in_flight.is_empty() || !self.ready.is_empty() {
+                with_any!(AnyCore, &self.conn.core, c => c.wait_turn(spin));
                 spin.before_turn(std::time::Instant::now);
                 if let Some(r) = self.poll() {
                     return Some(r);
                 }
-                with_any!(AnyCore, &self.conn.core, c => c.wait_turn(spin));
             }
             None
         })
@@ -373,6 +379,11 @@ impl<Req: Message, Resp: Message + Default> Pipeline<Req, Resp> {
     /// Calls submitted whose responses were not collected yet.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len() + self.ready.len()
+    }
+
+    /// Whether every call cell is taken while calls of ours are in flight.
+    fn no_free_cell(&self) -> bool {
+        !self.in_flight.is_empty() && !with_any!(AnyCore, &self.conn.core, c => c.has_free_cell())
     }
 
     fn take_finished(&mut self) -> Option<(u64, Result<Response<Resp>, Status>)> {
