@@ -900,6 +900,7 @@ impl Conn {
     /// # Errors
     /// As [`Conn::request`]; [`SendError::Invalid`] for too many ranges, one of length 0, or a
     /// total above `max_message`.
+    #[inline]
     pub fn request_pieces(
         &mut self,
         call: CallId,
@@ -1053,6 +1054,7 @@ impl Conn {
     /// [`SendError::NoCredit`] (back-pressure); [`SendError::Gone`] when the call ended
     /// (cancelled, expired, replaced); [`SendError::BadState`] for a server-streaming call or
     /// a landing zone the request did not advertise; [`SendError::Invalid`] for lengths.
+    #[inline]
     pub fn response(
         &mut self,
         call: CallId,
