@@ -10,7 +10,29 @@
 //! wake-up protocol (a flag or a waker set before the check, the producer's push before its
 //! wake), which `is_empty`'s `SeqCst` loads keep as `pop`'s fence did.
 
+//!
+//! The same for the `VecDeque`s of call records, reset at every call: `clear` is an
+//! out-of-line call (`truncate`) even on an empty deque, and most calls hold and lend nothing
+//! ([`ClearIfAny::clear_if_any`]).
+
+use std::collections::VecDeque;
+
 use crossbeam_queue::{ArrayQueue, SegQueue};
+
+/// A `clear` that costs a comparison on an empty deque (see the module docs).
+pub(crate) trait ClearIfAny {
+    /// Empties the deque (keeping its capacity).
+    fn clear_if_any(&mut self);
+}
+
+impl<T> ClearIfAny for VecDeque<T> {
+    #[inline]
+    fn clear_if_any(&mut self) {
+        if !self.is_empty() {
+            self.clear();
+        }
+    }
+}
 
 /// A `pop` without the fence of an empty pop (see the module docs).
 pub(crate) trait PopIfAny<T> {
@@ -35,6 +57,18 @@ impl<T> PopIfAny<T> for SegQueue<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clear_if_any_empties_and_keeps_the_capacity() {
+        let mut d: VecDeque<u32> = VecDeque::new();
+        d.clear_if_any();
+        assert!(d.is_empty());
+        d.extend([1, 2, 3]);
+        let cap = d.capacity();
+        d.clear_if_any();
+        assert!(d.is_empty());
+        assert_eq!(d.capacity(), cap);
+    }
 
     #[test]
     fn pops_in_order_and_none_when_empty() {

@@ -3,6 +3,7 @@
 //! BulkRelease. A peer returns the large stream messages of a call in the order they were
 //! lent, so the ledger releases them in that order.
 
+use crate::queue::ClearIfAny;
 use std::collections::VecDeque;
 
 use crate::buf::BulkBuf;
@@ -68,11 +69,7 @@ impl<P: Provider> Ledger<P> {
 
     /// Ends every loan (the call's slot is reused; keeps the queue's capacity).
     pub(crate) fn clear(&mut self) {
-        // Most calls lend nothing: `VecDeque::clear` is an out-of-line call even when empty,
-        // and records are reset at every call.
-        if !self.lent.is_empty() {
-            self.lent.clear();
-        }
+        self.lent.clear_if_any();
     }
 
     /// Moves the open loans into `link`'s graveyard (the peer may still read them until the

@@ -3,6 +3,7 @@
 //! stream that arrives meanwhile is held and delivered after it, in order. Once read, the
 //! peer's buffer goes back to it with a BulkRelease.
 
+use crate::queue::ClearIfAny;
 use std::collections::VecDeque;
 
 use crate::buf::BulkBuf;
@@ -46,10 +47,7 @@ impl<P: Provider> StreamIn<P> {
     /// record whose READ completed or was parked.
     pub(crate) fn clear(&mut self) {
         self.read = None;
-        // As `Ledger::clear`: most calls hold nothing.
-        if !self.held.is_empty() {
-            self.held.clear();
-        }
+        self.held.clear_if_any();
     }
 
     /// Whether a stream message is being READ.

@@ -447,6 +447,15 @@ pub struct Frame<'a> {
     pub payload: &'a [u8],
 }
 
+/// The flags a plain call frame may carry (see [`FrameHeader::check`]'s shortcut).
+const PLAIN_FLAGS: FrameFlags = FrameFlags(
+    FrameFlags::MORE.0
+        | FrameFlags::STARVED.0
+        | FrameFlags::HAS_DEADLINE.0
+        | FrameFlags::END_STREAM.0
+        | FrameFlags::SERVER_STREAM.0,
+);
+
 impl FrameHeader {
     /// A header of `kind` for `call_id` with every other field zero and no extension.
     pub const fn new(kind: FrameKind, call_id: u32) -> FrameHeader {
@@ -567,11 +576,7 @@ impl FrameHeader {
     /// per call on each side). `false` only means "not shown here": `check_all` decides.
     #[inline]
     fn is_plain_and_sound(&self) -> bool {
-        const PLAIN: u16 = FrameFlags::MORE.bits()
-            | FrameFlags::STARVED.bits()
-            | FrameFlags::HAS_DEADLINE.bits()
-            | FrameFlags::END_STREAM.bits()
-            | FrameFlags::SERVER_STREAM.bits();
+        const PLAIN: u16 = PLAIN_FLAGS.bits();
         const REQUEST_ONLY: u16 = FrameFlags::HAS_DEADLINE.bits()
             | FrameFlags::END_STREAM.bits()
             | FrameFlags::SERVER_STREAM.bits();
@@ -952,23 +957,19 @@ impl<'a> Iterator for Batch<'a> {
 /// header this version sends, and [`WireError::Inconsistent`] on a [`FrameFlags::WRITTEN`]
 /// Response (a landing zone holds one frame). Nothing is written then.
 pub fn mark_more(header: &mut [u8]) -> Result<(), WireError> {
-    let have = header.len();
-    let Some([version, kind, lo, hi]) = header.first_chunk::<4>().copied() else {
+    let Some(&[version, kind, lo, hi]) = header
+        .get(..BASE_HEADER_LEN)
+        .and_then(|h| h.first_chunk::<4>())
+    else {
         return Err(WireError::Truncated {
             need: BASE_HEADER_LEN,
-            have,
+            have: header.len(),
         });
     };
     if version != WIRE_VERSION {
         return Err(WireError::BadVersion(version));
     }
     FrameKind::from_u8(kind)?;
-    if have < BASE_HEADER_LEN {
-        return Err(WireError::Truncated {
-            need: BASE_HEADER_LEN,
-            have,
-        });
-    }
     let bits = u16::from_le_bytes([lo, hi]);
     let flags = FrameFlags::from_bits(bits)
         .ok_or(WireError::UnknownFlags(bits & !FrameFlags::KNOWN.bits()))?;
@@ -1574,12 +1575,7 @@ pub(crate) mod tests {
             landing in proptest::option::of(arb_bulk()),
         ) {
             // Half the cases only carry the flags a plain frame may have.
-            let plain_flags = FrameFlags::MORE
-                | FrameFlags::STARVED
-                | FrameFlags::HAS_DEADLINE
-                | FrameFlags::END_STREAM
-                | FrameFlags::SERVER_STREAM;
-            let bits = if plain { bits & plain_flags.bits() } else { bits };
+            let bits = if plain { bits & PLAIN_FLAGS.bits() } else { bits };
             let h = FrameHeader {
                 kind: FrameKind::from_u8(k).unwrap(),
                 flags: FrameFlags::from_bits(bits).unwrap(),

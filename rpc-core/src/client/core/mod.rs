@@ -31,6 +31,7 @@ mod sizes;
 mod stream;
 mod submit;
 
+use crate::queue::ClearIfAny;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -225,9 +226,7 @@ impl<P: Provider> Record<P> for DrvCall<P> {
         self.timed = None;
         self.inbox = None;
         self.stream.clear();
-        if !self.out.is_empty() {
-            self.out.clear();
-        }
+        self.out.clear_if_any();
         self.stream_lent.clear();
         self.end = None;
     }
