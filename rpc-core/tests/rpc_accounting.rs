@@ -133,24 +133,49 @@ fn counted_here<T>(f: impl FnOnce() -> T) -> (T, u64, usize) {
 
 /// Aborts the process (failing the test run) if a test outlives its budget: some calls here
 /// carry no deadline on purpose, and a bug must not hang CI.
-struct Watchdog(Option<std::sync::mpsc::Sender<()>>);
+///
+/// Its thread has started and waits before `arm` returns, and waits without allocating: a
+/// thread the scheduler starts late on a loaded host makes its first allocations (its start,
+/// and the context of a first blocking `mpsc` receive: 48 B) whenever it first runs, which
+/// was once inside a counting window (3 allocations, the largest 64 B).
+struct Watchdog {
+    disarmed: std::sync::Arc<AtomicBool>,
+    thread: std::thread::Thread,
+}
 
 impl Watchdog {
     fn arm(what: &'static str, limit: Duration) -> Watchdog {
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
-                eprintln!("{what}: no result within {limit:?} (hang): aborting");
-                std::process::abort();
+        let disarmed = std::sync::Arc::new(AtomicBool::new(false));
+        let started = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let (d, s) = (
+            std::sync::Arc::clone(&disarmed),
+            std::sync::Arc::clone(&started),
+        );
+        let handle = std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + limit;
+            std::thread::park_timeout(Duration::ZERO);
+            s.wait();
+            while !d.load(Ordering::Acquire) {
+                let now = std::time::Instant::now();
+                if now >= deadline {
+                    eprintln!("{what}: no result within {limit:?} (hang): aborting");
+                    std::process::abort();
+                }
+                std::thread::park_timeout(deadline - now);
             }
         });
-        Watchdog(Some(tx))
+        started.wait();
+        Watchdog {
+            disarmed,
+            thread: handle.thread().clone(),
+        }
     }
 }
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        self.0.take();
+        self.disarmed.store(true, Ordering::Release);
+        self.thread.unpark();
     }
 }
 
@@ -161,12 +186,33 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A two-worker runtime whose workers have both run a task before it is returned: a worker
+/// the scheduler starts late on a loaded host would make its first allocations whenever it
+/// first runs, perhaps inside a counting window (see [`Watchdog`]).
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    const WORKERS: usize = 2;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(WORKERS)
         .enable_all()
         .build()
-        .unwrap()
+        .unwrap();
+    // Each task blocks its worker until the other task runs too, so they run on different
+    // workers (the tests' watchdogs end a hang).
+    let both = std::sync::Arc::new(std::sync::Barrier::new(WORKERS));
+    rt.block_on(async {
+        let tasks: Vec<_> = (0..WORKERS)
+            .map(|_| {
+                let b = std::sync::Arc::clone(&both);
+                tokio::spawn(async move {
+                    b.wait();
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    rt
 }
 
 // ----- 11. zero allocations per small call ---------------------------------------------------
