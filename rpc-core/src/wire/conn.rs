@@ -35,9 +35,9 @@
 
 use std::fmt;
 
+use super::deadlines::Deadlines;
 use super::error::{ProtocolError, SendError, StartError, WireError};
 use super::frame::{BulkDesc, BulkMore, FrameFlags, FrameHeader, FrameKind, MAX_HEADER_LEN};
-use super::heap::DeadlineHeap;
 use crate::method::CallKind;
 
 /// Which end of the connection this is.
@@ -447,7 +447,7 @@ pub struct Conn {
     /// Client: free slots (a stack); unused on a server.
     free: Box<[u32]>,
     free_len: usize,
-    heap: DeadlineHeap,
+    deadlines: Deadlines,
     /// Frames we may still send (receive slots the peer has for us).
     send_credits: u32,
     /// Receive slots re-posted but not yet reported to the peer.
@@ -503,7 +503,7 @@ impl Conn {
             calls: vec![Call::EMPTY; table].into_boxed_slice(),
             free_len: free.len(),
             free,
-            heap: DeadlineHeap::new(table),
+            deadlines: Deadlines::new(table),
             send_credits: cfg.initial_send_credits,
             owed: 0,
             unreposted: 0,
@@ -596,7 +596,7 @@ impl Conn {
 
     /// The earliest deadline of a pending call: call [`Conn::expire`] once `now` reaches it.
     pub fn poll_timeout(&self) -> Option<u64> {
-        self.heap.peek().map(|(d, _)| d)
+        self.deadlines.peek().map(|(d, _)| d)
     }
 
     /// How to move a message of `payload_len` bytes with `metadata_len` bytes of metadata;
@@ -746,7 +746,7 @@ impl Conn {
     /// it with DEADLINE_EXCEEDED; a client may send [`Conn::cancel`] for it, then
     /// [`Conn::finish`]es it; a server drops its handler and [`Conn::finish`]es it.
     pub fn expire(&mut self, now: u64) -> Option<CallId> {
-        let (_, slot) = self.heap.pop_due(now)?;
+        let (_, slot) = self.deadlines.pop_due(now)?;
         let c = self.calls.get_mut(slot as usize)?;
         debug_assert!(matches!(c.state, State::Idle | State::Open));
         c.state = State::Expired;
@@ -810,7 +810,7 @@ impl Conn {
         };
         let id = CallId(c.id);
         if let Some(d) = deadline {
-            self.heap.insert(slot, d);
+            self.deadlines.insert(slot, d);
         }
         self.live += 1;
         Ok(id)
@@ -831,7 +831,7 @@ impl Conn {
         match c.state {
             State::Idle | State::Open => {
                 c.state = State::Cancelled;
-                self.heap.remove(call.slot());
+                self.deadlines.remove(call.slot());
                 c.sent
             }
             State::Cancelled | State::Expired => c.sent && !c.cancel_sent,
@@ -851,7 +851,7 @@ impl Conn {
             return false;
         }
         c.state = State::Free;
-        self.heap.remove(call.slot());
+        self.deadlines.remove(call.slot());
         self.live -= 1;
         if self.role == Role::Client
             && let Some(f) = self.free.get_mut(self.free_len)
@@ -1274,7 +1274,7 @@ impl Conn {
         let c = &mut self.calls[i];
         if c.state == State::Open {
             c.state = State::Cancelled;
-            self.heap.remove(call.slot());
+            self.deadlines.remove(call.slot());
         }
         c.cancel_sent = true;
         let mut h = FrameHeader::new(FrameKind::Cancel, call.0);
@@ -1584,7 +1584,7 @@ impl Conn {
         let c = &mut self.calls[i];
         c.state = State::Closed;
         c.local_closed = true;
-        self.heap.remove(i as u32);
+        self.deadlines.remove(i as u32);
     }
 
     /// A call id a peer named: inside the table, generation not 0.
@@ -1740,7 +1740,7 @@ impl Conn {
         let c = &mut self.calls[i];
         c.state = State::Done;
         c.remote_closed = true;
-        self.heap.remove(i as u32);
+        self.deadlines.remove(i as u32);
     }
 
     /// Server: a Request.
@@ -1780,7 +1780,7 @@ impl Conn {
         }
         let deadline = h.deadline.map(|t| now.saturating_add(t));
         if old.state != State::Free {
-            self.heap.remove(i as u32);
+            self.deadlines.remove(i as u32);
         } else {
             self.live += 1;
         }
@@ -1802,7 +1802,7 @@ impl Conn {
             ..Call::EMPTY
         };
         if let Some(d) = deadline {
-            self.heap.insert(i as u32, d);
+            self.deadlines.insert(i as u32, d);
         }
         Ok(Event::Request {
             pending: h.flags.contains(FrameFlags::BULK_PENDING),
@@ -1852,7 +1852,7 @@ impl Conn {
         match kind {
             K::Cancel => {
                 self.calls[i].state = State::Cancelled;
-                self.heap.remove(i as u32);
+                self.deadlines.remove(i as u32);
                 Ok(Event::Cancel { call })
             }
             K::StreamMessage => {
@@ -1909,7 +1909,7 @@ impl Conn {
     }
 
     /// Checks every internal invariant (tests and fuzzing): credits within bounds and
-    /// conserved, the deadline heap consistent with the call states, the free list and the
+    /// conserved, the deadlines consistent with the call states, the free list and the
     /// live count exact, windows within bounds.
     pub(crate) fn check_invariants(&self) -> Result<(), &'static str> {
         if self.send_credits > self.cfg.max_send_credits {
@@ -1928,7 +1928,7 @@ impl Conn {
         {
             return Err("reclaim state on the wrong role");
         }
-        self.heap.check()?;
+        self.deadlines.check()?;
         let mut live = 0;
         let mut timed = 0;
         for c in self.calls.iter() {
@@ -1948,8 +1948,8 @@ impl Conn {
                 return Err("stream window above the configured maximum");
             }
         }
-        if timed != self.heap.len() {
-            return Err("deadline heap does not hold exactly the pending calls with deadlines");
+        if timed != self.deadlines.len() {
+            return Err("the deadlines do not hold exactly the pending calls with deadlines");
         }
         if live != self.live {
             return Err("live call count out of sync");

@@ -85,11 +85,11 @@
 //! heap keyed by slot: insert, remove and pop in O(log n), nothing allocated).
 
 mod conn;
+mod deadlines;
 mod error;
 pub mod frame;
 #[doc(hidden)]
 pub mod fuzz;
-mod heap;
 pub mod packed;
 
 pub use conn::{

@@ -8,7 +8,7 @@
 //! ring fills (it has room for twice the slots, so a compaction then drops at least half of
 //! it: amortized O(1)). A deadline earlier than the run's last one goes to an indexed binary
 //! min-heap instead. The earliest deadline is the run's first or the heap's top. Equal
-//! deadlines leave in any order. Every array is allocated once, in [`DeadlineHeap::new`];
+//! deadlines leave in any order. Every array is allocated once, in [`Deadlines::new`];
 //! nothing grows afterwards.
 //!
 //! A pipelining client removed the earliest of 32 entries of a binary heap at every call's
@@ -23,7 +23,7 @@ const IN_RUN: u32 = 1 << 31;
 const DEAD: u32 = u32::MAX;
 
 #[derive(Debug)]
-pub(crate) struct DeadlineHeap {
+pub(crate) struct Deadlines {
     /// `(deadline, slot)`, heap-ordered (ties by slot): the deadlines that came out of order.
     heap: Box<[(u64, u32)]>,
     len: usize,
@@ -38,11 +38,11 @@ pub(crate) struct DeadlineHeap {
     pos: Box<[u32]>,
 }
 
-impl DeadlineHeap {
+impl Deadlines {
     /// Deadlines for slots `0..capacity`. `capacity` is at most 65,536 (a call table's size).
-    pub(crate) fn new(capacity: usize) -> DeadlineHeap {
+    pub(crate) fn new(capacity: usize) -> Deadlines {
         let ring = (2 * capacity).next_power_of_two().max(2);
-        DeadlineHeap {
+        Deadlines {
             heap: vec![(0, 0); capacity].into_boxed_slice(),
             len: 0,
             run: vec![(0, DEAD); ring].into_boxed_slice(),
@@ -290,7 +290,7 @@ mod tests {
         /// leaves first (equal deadlines in any order).
         #[test]
         fn matches_a_reference_model(ops in proptest::collection::vec(op(), 0..300)) {
-            let mut h = DeadlineHeap::new(16);
+            let mut h = Deadlines::new(16);
             let mut model: BTreeMap<u32, u64> = BTreeMap::new();
             let mut latest = 0;
             for op in ops {
@@ -333,7 +333,7 @@ mod tests {
     /// early call that stays while thousands after it come and go) is compacted in place.
     #[test]
     fn in_order_deadlines_stay_in_the_run_and_dead_ones_are_dropped() {
-        let mut h = DeadlineHeap::new(8);
+        let mut h = Deadlines::new(8);
         h.insert(0, 1);
         for i in 0..10_000u64 {
             let slot = 1 + (i % 7) as u32;
