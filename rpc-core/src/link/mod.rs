@@ -311,14 +311,27 @@ pub enum CommitError {
 /// not kept: this is moved on every receive, and small is cheap).
 #[derive(Debug)]
 pub struct Inbound {
-    /// The receive slot (dropping it reposts the RECV).
-    pub slot: RecvSlot,
+    /// The receive slot (dropping it reposts the RECV); taken by whoever keeps the bytes, so
+    /// that the rest is handled where it lies ([`Link::on_recv`]).
+    pub slot: Option<RecvSlot>,
     /// Metadata bytes within the slot.
     pub metadata: std::ops::Range<usize>,
     /// Payload bytes within the slot.
     pub payload: std::ops::Range<usize>,
     /// The protocol's reading of the frame.
     pub event: wire::Event,
+}
+
+impl Inbound {
+    /// Takes the receive slot to keep the frame's bytes.
+    ///
+    /// # Errors
+    /// When it was taken already (a bug of the caller's).
+    pub fn take_slot(&mut self) -> Result<RecvSlot, LinkError> {
+        self.slot
+            .take()
+            .ok_or_else(|| LinkError::Protocol("a received frame's slot taken twice".into()))
+    }
 }
 
 /// What a receive completion carried.
@@ -386,6 +399,21 @@ impl<P: Provider> std::fmt::Debug for Link<P> {
             .field("credits", &self.wire.send_credits())
             .finish()
     }
+}
+
+/// Where a decoded frame's metadata and payload lie in `bytes`, the buffer it was decoded from.
+#[inline(always)]
+fn spans(
+    bytes: &[u8],
+    frame: &wire::Frame<'_>,
+) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+    let base = bytes.as_ptr() as usize;
+    let md_start = frame.metadata.as_ptr() as usize - base;
+    let pl_start = frame.payload.as_ptr() as usize - base;
+    (
+        md_start..md_start + frame.metadata.len(),
+        pl_start..pl_start + frame.payload.len(),
+    )
 }
 
 fn post_err(verb: &str, e: &PostError) -> LinkError {
@@ -1585,11 +1613,7 @@ impl<P: Provider> Link<P> {
         ),
         LinkError,
     > {
-        let base = bytes.as_ptr() as usize;
-        let md_start = frame.metadata.as_ptr() as usize - base;
-        let pl_start = frame.payload.as_ptr() as usize - base;
-        let md = md_start..md_start + frame.metadata.len();
-        let pl = pl_start..pl_start + frame.payload.len();
+        let (md, pl) = spans(bytes, frame);
         let header = frame.header;
         let now = self.now();
         let event = self
@@ -1611,19 +1635,25 @@ impl<P: Provider> Link<P> {
         }
     }
 
-    /// Handles a receive completion of this link.
+    /// Handles a receive completion of this link: `out` gets its first frame, or `None` (a
+    /// flushed receive). `out` is written in place (a [`Received`] is large, and returning one
+    /// through `Result`s cost a `memcpy` of it per frame); it must hold nothing.
     ///
     /// # Errors
-    /// When the completion failed (other than a flush, which is `Ok(None)`), or the frame is
-    /// invalid.
+    /// When the completion failed (other than a flush), or the frame is invalid.
     #[inline(always)]
-    pub fn on_recv(&mut self, wc: &Wc, slot_idx: u32) -> Result<Option<Received>, LinkError> {
+    pub fn on_recv(
+        &mut self,
+        wc: &Wc,
+        slot_idx: u32,
+        out: &mut Option<Received>,
+    ) -> Result<(), LinkError> {
         if wc.status != WcStatus::Success {
             // The NIC gave the slot back (its completion is polled), unfilled, because the QP
             // is in ERROR: it stays unposted (a receive posted now would only be flushed
             // again, and reporting it as a credit would count a frame that never came).
             completion(wc)?;
-            return Ok(None);
+            return Ok(());
         }
         if slot_idx >= self.arena.geometry().recv_slots {
             return Err(LinkError::Protocol(
@@ -1633,64 +1663,87 @@ impl<P: Provider> Link<P> {
         // SAFETY: this is the completion of the RECV posted for `slot_idx` (its wr_id says so
         // and it was polled); the slot is not posted again until the guard drops.
         let slot = unsafe { self.arena.recv_slot(slot_idx, wc.byte_len) };
-        self.on_slot(wc, slot)
+        self.on_slot(wc, slot, out)
     }
 
     /// Handles the successful receive completion `wc` whose bytes are in `slot` (a slot of
     /// this link's ring, or of a receive pool the link's QP shares: see
-    /// [`crate::buf::RecvPool`]): the first frame in it, or what a WRITE_WITH_IMM wrote.
+    /// [`crate::buf::RecvPool`]): `out` gets the first frame in it, or what a WRITE_WITH_IMM
+    /// wrote (in place, as [`Link::on_recv`]).
     ///
     /// # Errors
     /// When the frame is invalid or breaks the protocol.
     #[inline(always)]
-    pub fn on_slot(&mut self, wc: &Wc, slot: RecvSlot) -> Result<Option<Received>, LinkError> {
+    pub fn on_slot(
+        &mut self,
+        wc: &Wc,
+        slot: RecvSlot,
+        out: &mut Option<Received>,
+    ) -> Result<(), LinkError> {
         // A receive slot's frames are all handed over before the next completion.
         debug_assert!(self.batch.is_none(), "next_batched not drained");
         self.batch = None;
         if wc.opcode == WcOpcode::RecvRdmaWithImm {
             drop(slot);
-            return Ok(Some(Received::Written {
+            *out = Some(Received::Written {
                 imm: wc.imm_data,
                 len: wc.byte_len,
-            }));
+            });
+            return Ok(());
         }
-        self.frame_at(slot, 0).map(Some)
+        self.frame_at(slot, 0, out)
     }
 
     /// The next frame of the receive slot [`Link::on_recv`] handed the first frame of, when
-    /// it holds several (a batch): call it after handling each frame until `None`, before
-    /// the next completion. Each frame comes with its own guard of the slot.
+    /// it holds several (a batch), into `out` (`None`: no more; in place, as
+    /// [`Link::on_recv`]): call it after handling each frame until `None`, before the next
+    /// completion. Each frame comes with its own guard of the slot.
     ///
     /// # Errors
     /// When the bytes are not a valid frame or the frame breaks the protocol.
     #[inline(always)]
-    pub fn next_batched(&mut self) -> Result<Option<Received>, LinkError> {
+    pub fn next_batched(&mut self, out: &mut Option<Received>) -> Result<(), LinkError> {
         match self.batch.take() {
-            None => Ok(None),
-            Some((slot, at)) => self.frame_at(slot, at).map(Some),
+            None => {
+                *out = None;
+                Ok(())
+            }
+            Some((slot, at)) => self.frame_at(slot, at, out),
         }
     }
 
-    /// Parses the frame at offset `at` of a receive slot and runs it through the protocol;
-    /// when another frame follows it, keeps a guard of the slot for [`Link::next_batched`].
+    /// Parses the frame at offset `at` of a receive slot and runs it through the protocol,
+    /// into `out`; when another frame follows it, keeps a guard of the slot for
+    /// [`Link::next_batched`].
     #[inline(always)]
-    fn frame_at(&mut self, mut slot: RecvSlot, at: usize) -> Result<Received, LinkError> {
+    fn frame_at(
+        &mut self,
+        mut slot: RecvSlot,
+        at: usize,
+        out: &mut Option<Received>,
+    ) -> Result<(), LinkError> {
         let bytes = slot.bytes();
         let rest = bytes.get(at..).unwrap_or_default();
         let frame = wire::decode(rest).map_err(|e| LinkError::Protocol(format!("{e}")))?;
         let next = wire::next_in_batch(bytes, at, &frame)
             .map_err(|e| LinkError::Protocol(format!("{e}")))?;
-        let (_, metadata, payload, event) = self.handle_decoded(bytes, &frame)?;
+        let (metadata, payload) = spans(bytes, &frame);
+        let now = self.now();
+        let event = self
+            .wire
+            .handle_frame(&frame.header, now)
+            .map_err(|e| LinkError::Protocol(format!("{e}")))?;
         if let Some(next) = next {
             let rest = slot.share();
             self.batch = Some((rest, next));
         }
-        Ok(Received::Frame(Inbound {
-            slot,
+        *out = Some(Received::Frame(Inbound {
+            slot: Some(slot),
             metadata,
             payload,
             event,
-        }))
+        }));
+        Ok(())
     }
 
     /// Sends a control frame now, or queues it behind earlier ones until credit allows.

@@ -31,15 +31,21 @@ impl<P: Provider> Driver<P> {
             Some(WrKind::Nop) => completion(wc),
             Some(WrKind::Recv) => {
                 // Every frame of the slot (a batch), in order, before the next completion.
-                let mut next = self.link.on_recv(wc, aux)?;
-                while let Some(r) = next {
+                let mut cur = None;
+                self.link.on_recv(wc, aux, &mut cur)?;
+                while let Some(r) = &mut cur {
                     match r {
                         Received::Frame(f) => {
-                            self.on_frame(core, f.event, Some(f.slot), f.metadata, f.payload)?
+                            let (md, pl) = (f.metadata.clone(), f.payload.clone());
+                            self.on_frame(core, &f.event, f.slot.take(), md, pl)?
                         }
-                        Received::Written { imm, .. } => self.on_written(core, CallId(imm))?,
+                        Received::Written { imm, .. } => {
+                            let imm = *imm;
+                            self.on_written(core, CallId(imm))?
+                        }
                     }
-                    next = self.link.next_batched()?;
+                    cur = None;
+                    self.link.next_batched(&mut cur)?;
                 }
                 Ok(())
             }
@@ -63,12 +69,12 @@ impl<P: Provider> Driver<P> {
     pub(super) fn on_frame(
         &mut self,
         core: &ClientCore<P>,
-        event: Event,
+        event: &Event,
         slot: Option<RecvSlot>,
         md: std::ops::Range<usize>,
         payload: std::ops::Range<usize>,
     ) -> Result<(), LinkError> {
-        match event {
+        match *event {
             Event::Response {
                 call,
                 bulk: Some(desc),
@@ -336,7 +342,7 @@ impl<P: Provider> Driver<P> {
             }
             other => {
                 drop(buf);
-                self.on_frame(core, other, None, md, payload)?;
+                self.on_frame(core, &other, None, md, payload)?;
                 if self.calls[s].finishing && !self.calls[s].lends() {
                     self.retire(s);
                 }

@@ -67,8 +67,9 @@ impl<P: Provider> Shard<P> {
         self.grants.received(slot, key);
         conn.idle_since = None;
         self.pool.open(slot, self.grants.allowance());
-        let r = match conn.link.on_slot(wc, guard) {
-            Ok(first) => self.on_frames(idx, first),
+        let mut cur = None;
+        let r = match conn.link.on_slot(wc, guard, &mut cur) {
+            Ok(()) => self.on_frames(idx, &mut cur),
             Err(e) => Err(e),
         };
         let lent = self.pool.close();
@@ -90,10 +91,10 @@ impl<P: Provider> Shard<P> {
         self.post_excess();
     }
 
-    /// Handles `first` and the frames after it in the same receive slot.
-    fn on_frames(&mut self, idx: usize, first: Option<Received>) -> Result<(), LinkError> {
-        let mut next = first;
-        while let Some(received) = next {
+    /// Handles `cur` and the frames after it in the same receive slot (each read into `cur`
+    /// in place: see [`crate::link::Link::on_recv`]).
+    fn on_frames(&mut self, idx: usize, cur: &mut Option<Received>) -> Result<(), LinkError> {
+        while let Some(received) = cur {
             let inbound = match received {
                 Received::Written { .. } => {
                     return Err(LinkError::Protocol(
@@ -103,15 +104,17 @@ impl<P: Provider> Shard<P> {
                 Received::Frame(f) => f,
             };
             self.on_frame(idx, inbound)?;
-            next = match self.conns.get_mut(idx) {
-                Some(Some(conn)) => conn.link.next_batched()?,
-                _ => None,
-            };
+            *cur = None;
+            if let Some(Some(conn)) = self.conns.get_mut(idx) {
+                conn.link.next_batched(cur)?;
+            }
         }
         Ok(())
     }
 
-    fn on_frame(&mut self, idx: usize, inbound: Inbound) -> Result<(), LinkError> {
+    /// Handles one frame, in place: what keeps its bytes takes `inbound.slot`, whatever is
+    /// left of it drops after.
+    fn on_frame(&mut self, idx: usize, inbound: &mut Inbound) -> Result<(), LinkError> {
         let Some(Some(conn)) = self.conns.get_mut(idx) else {
             return Ok(());
         };
@@ -140,7 +143,9 @@ impl<P: Provider> Shard<P> {
                     // may safely send it elsewhere.
                     Err(None)
                 } else {
-                    decode_metadata(&inbound.slot.bytes()[inbound.metadata.clone()]).map_err(Some)
+                    let bytes = inbound.slot.as_ref().map_or(&[][..], |s| s.bytes());
+                    decode_metadata(bytes.get(inbound.metadata.clone()).unwrap_or_default())
+                        .map_err(Some)
                 };
                 let metadata = match metadata {
                     Ok(m) => m,
@@ -197,24 +202,24 @@ impl<P: Provider> Shard<P> {
                     Ordering::Release,
                 );
                 if let Some(desc) = bulk {
-                    drop(inbound);
+                    drop(inbound.slot.take());
                     let head = (method_id, metadata, deadline_at);
                     self.start_read(idx, call, head, desc, bulk_more, pending);
                 } else {
                     let payload = Payload::Slot {
                         start: inbound.payload.start,
                         end: inbound.payload.end,
-                        slot: inbound.slot,
+                        slot: inbound.take_slot()?,
                     };
                     self.dispatch(idx, call, method_id, payload, metadata, deadline_at);
                 }
             }
             Event::Cancel { call } => {
-                drop(inbound);
+                drop(inbound.slot.take());
                 self.drop_call(idx, call);
             }
             Event::BulkReady { call, ready } => {
-                drop(inbound);
+                drop(inbound.slot.take());
                 if let Some(p) = conn.slot(call).and_then(|c| c.reading.as_mut()) {
                     p.ready = ready;
                     self.read_more(idx, call);
@@ -252,15 +257,19 @@ impl<P: Provider> Shard<P> {
             } => {
                 let held = match bulk {
                     Some(desc) => {
-                        drop(inbound);
+                        drop(inbound.slot.take());
                         Held::Bulk(desc)
                     }
-                    None => Held::Item(Item::from_frame(inbound.slot, inbound.payload, packed)),
+                    None => Held::Item(Item::from_frame(
+                        inbound.take_slot()?,
+                        inbound.payload.clone(),
+                        packed,
+                    )),
                 };
                 conn.stream_in(call, held)?;
             }
             Event::EndOfStream { call } => {
-                drop(inbound);
+                drop(inbound.slot.take());
                 conn.stream_in(call, Held::End)?;
             }
             Event::WindowUpdate { call, .. } => {
