@@ -1175,6 +1175,42 @@ pub(crate) mod tests {
         ));
     }
 
+    /// A frame shorter than the base header is read field by field, in wire order: a bad
+    /// version or kind shows before the truncation, and the truncation names the end of the
+    /// field it cut.
+    #[test]
+    fn a_short_header_names_its_first_fault() {
+        let good = encode_frame(&request(), b"abc", b"hello");
+        // Ends of the base header's fields: version and kind, flags, call id, aux, credits,
+        // metadata length, payload length, seq.
+        let ends = [2, 4, 8, 12, 14, 16, 20, 24];
+        for cut in 0..BASE_HEADER_LEN {
+            let need = *ends.iter().find(|&&e| e > cut).unwrap();
+            assert_eq!(
+                decode(&good[..cut]),
+                Err(WireError::Truncated { need, have: cut }),
+                "cut at {cut}"
+            );
+            if cut >= 2 {
+                let mut bad = good.clone();
+                bad[0] = WIRE_VERSION.wrapping_add(1);
+                assert_eq!(
+                    decode(&bad[..cut]),
+                    Err(WireError::BadVersion(bad[0])),
+                    "cut at {cut}"
+                );
+            }
+            if cut >= 4 {
+                let mut bad = good.clone();
+                bad[2..4].copy_from_slice(&0x8000u16.to_le_bytes());
+                assert!(
+                    matches!(decode(&bad[..cut]), Err(WireError::UnknownFlags(_))),
+                    "cut at {cut}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn decode_names_what_is_wrong() {
         let good = encode_frame(&request(), b"abc", b"hello");
