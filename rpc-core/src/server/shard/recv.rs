@@ -72,6 +72,8 @@ impl<P: Provider> Shard<P> {
             Ok(()) => self.on_frames(idx, &mut cur),
             Err(e) => Err(e),
         };
+        // What a frame that failed left of itself goes before the slot closes.
+        drop(cur);
         let lent = self.pool.close();
         if let Err(e) = r {
             warn!("connection failed: {e}");
