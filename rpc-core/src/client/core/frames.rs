@@ -35,14 +35,14 @@ impl<P: Provider> Driver<P> {
                 self.link.on_recv(wc, aux, &mut cur)?;
                 while let Some(r) = &mut cur {
                     match r {
-                        Received::Frame(f) => {
-                            let (md, pl) = (f.metadata.clone(), f.payload.clone());
-                            self.on_frame(core, &f.event, f.slot.take(), md, pl)?
-                        }
-                        Received::Written { imm, .. } => {
-                            let imm = *imm;
-                            self.on_written(core, CallId(imm))?
-                        }
+                        Received::Frame(f) => self.on_frame(
+                            core,
+                            &f.event,
+                            f.slot.take(),
+                            f.metadata.clone(),
+                            f.payload.clone(),
+                        )?,
+                        Received::Written { imm, .. } => self.on_written(core, CallId(*imm))?,
                     }
                     cur = None;
                     self.link.next_batched(&mut cur)?;
