@@ -436,14 +436,19 @@ enum Class {
     CreditUpdate,
 }
 
-/// The protocol state of one connection, for one [`Role`]. Allocates its tables in
-/// [`Conn::new`] and never again.
+/// The protocol state of one connection, for one [`Role`]. Its call table holds entries up
+/// to the highest slot used so far (a client takes its lowest free slot first), so an idle
+/// connection that made a few calls costs a few entries, not the whole table: it grows once
+/// per new slot, never per call.
 #[derive(Debug)]
 pub struct Conn {
     role: Role,
     cfg: Config,
-    /// Client: indexed by our slot; server: by the client's slot.
-    calls: Box<[Call]>,
+    /// Client: indexed by our slot; server: by the client's slot. Entries up to the highest
+    /// slot used so far ([`Conn::entry`]); those beyond are free.
+    calls: Vec<Call>,
+    /// Slots of the table: `calls` grows up to this many entries.
+    table: usize,
     /// Client: free slots (a stack); unused on a server.
     free: Box<[u32]>,
     free_len: usize,
@@ -482,7 +487,7 @@ pub struct Conn {
 }
 
 impl Conn {
-    /// A connection in `role`, with every table allocated.
+    /// A connection in `role`: its tables grow as slots are first used.
     ///
     /// # Errors
     /// [`WireError::InvalidConfig`] when `cfg` does not [validate](Config::validate).
@@ -500,7 +505,8 @@ impl Conn {
         Ok(Conn {
             role,
             cfg,
-            calls: vec![Call::EMPTY; table].into_boxed_slice(),
+            calls: Vec::new(),
+            table,
             free_len: free.len(),
             free,
             deadlines: Deadlines::new(table),
@@ -789,10 +795,11 @@ impl Conn {
             return Err(StartError::TooManyCalls);
         }
         let slot = self.free[self.free_len - 1];
-        let Some(c) = self.calls.get_mut(slot as usize) else {
+        if self.entry(slot as usize).is_none() {
             return Err(StartError::TooManyCalls);
-        };
+        }
         self.free_len -= 1;
+        let c = &mut self.calls[slot as usize];
         let generation = match CallId(c.id).generation() {
             u16::MAX => 1,
             g => g + 1,
@@ -1349,7 +1356,7 @@ impl Conn {
     /// # Errors
     /// [`SendError::NoCredit`]; [`SendError::BadCall`] for an id outside the call table.
     pub fn bulk_release(&mut self, call: CallId) -> Result<FrameHeader, SendError> {
-        if call.generation() == 0 || call.slot() as usize >= self.calls.len() {
+        if call.generation() == 0 || call.slot() as usize >= self.table {
             return Err(SendError::BadCall(call));
         }
         self.check_credit(Class::Control)?;
@@ -1587,13 +1594,38 @@ impl Conn {
         self.deadlines.remove(i as u32);
     }
 
-    /// A call id a peer named: inside the table, generation not 0.
-    fn peer_id(&self, raw: u32) -> Result<CallId, ProtocolError> {
+    /// A call id a peer named: inside the table, generation not 0. Its entry exists after
+    /// this (a free one for a slot not used before).
+    fn peer_id(&mut self, raw: u32) -> Result<CallId, ProtocolError> {
         let call = CallId(raw);
-        if call.generation() == 0 || call.slot() as usize >= self.calls.len() {
+        if call.generation() == 0 || self.entry(call.slot() as usize).is_none() {
             return Err(ProtocolError::BadCallId(raw));
         }
         Ok(call)
+    }
+
+    /// The entry of `slot`, made (free, with those below it) the first time the slot is
+    /// used; `None` beyond the table.
+    #[inline]
+    fn entry(&mut self, slot: usize) -> Option<&mut Call> {
+        if slot >= self.calls.len() && slot < self.table {
+            self.grow(slot);
+        }
+        self.calls.get_mut(slot)
+    }
+
+    /// Entries of the call table made so far (tests).
+    #[cfg(test)]
+    pub(crate) fn table_entries(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Adds free entries up to `slot` (at least doubling, so a table grows a few times).
+    #[cold]
+    fn grow(&mut self, slot: usize) {
+        let want = (slot + 1).max(self.calls.len() * 2).min(self.table);
+        self.calls.reserve_exact(want - self.calls.len());
+        self.calls.resize(want, Call::EMPTY);
     }
 
     fn check_bulk(&self, call: CallId, h: &FrameHeader) -> Result<(), ProtocolError> {
@@ -1955,11 +1987,19 @@ impl Conn {
             return Err("live call count out of sync");
         }
         if self.role == Role::Client {
-            if self.free_len + live as usize != self.calls.len() {
+            if self.free_len + live as usize != self.table {
                 return Err("free list and live calls do not cover the table");
             }
             for &s in self.free.get(..self.free_len).unwrap_or(&[]) {
-                if self.calls.get(s as usize).map(|c| c.state) != Some(State::Free) {
+                if s as usize >= self.table {
+                    return Err("free list holds a slot beyond the table");
+                }
+                // Entries not made yet are free.
+                if self
+                    .calls
+                    .get(s as usize)
+                    .is_some_and(|c| c.state != State::Free)
+                {
                     return Err("free list holds a used slot");
                 }
             }

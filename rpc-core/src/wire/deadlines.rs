@@ -8,8 +8,10 @@
 //! ring fills (it has room for twice the slots, so a compaction then drops at least half of
 //! it: amortized O(1)). A deadline earlier than the run's last one goes to an indexed binary
 //! min-heap instead. The earliest deadline is the run's first or the heap's top. Equal
-//! deadlines leave in any order. Every array is allocated once, in [`Deadlines::new`];
-//! nothing grows afterwards.
+//! deadlines leave in any order. The arrays cover the slots up to the highest one given a
+//! deadline so far (they grow, at least doubling, the first time a higher slot comes, up to
+//! the capacity; never per call): a connection with few calls in flight holds a few entries,
+//! not its whole call table's.
 //!
 //! A pipelining client removed the earliest of 32 entries of a binary heap at every call's
 //! response (a sift-down through five levels); that was the largest part of the 250
@@ -25,31 +27,58 @@ const DEAD: u32 = u32::MAX;
 #[derive(Debug)]
 pub(crate) struct Deadlines {
     /// `(deadline, slot)`, heap-ordered (ties by slot): the deadlines that came out of order.
-    heap: Box<[(u64, u32)]>,
+    heap: Vec<(u64, u32)>,
     len: usize,
     /// `(deadline, slot)` in deadline order from `head`, `run_n` entries (the dead ones
     /// included, never first or last); a power of two long.
-    run: Box<[(u64, u32)]>,
+    run: Vec<(u64, u32)>,
     head: usize,
     run_n: usize,
     /// Live entries of the run.
     run_live: usize,
     /// `pos[slot]`: the slot's index in `heap`, or in `run` with [`IN_RUN`]; [`ABSENT`].
-    pos: Box<[u32]>,
+    pos: Vec<u32>,
+    /// Slots `pos` (and `heap`) may grow to.
+    capacity: usize,
 }
 
 impl Deadlines {
     /// Deadlines for slots `0..capacity`. `capacity` is at most 65,536 (a call table's size).
+    /// Nothing is allocated until the first insert.
     pub(crate) fn new(capacity: usize) -> Deadlines {
-        let ring = (2 * capacity).next_power_of_two().max(2);
         Deadlines {
-            heap: vec![(0, 0); capacity].into_boxed_slice(),
+            heap: Vec::new(),
             len: 0,
-            run: vec![(0, DEAD); ring].into_boxed_slice(),
+            run: Vec::new(),
             head: 0,
             run_n: 0,
             run_live: 0,
-            pos: vec![ABSENT; capacity].into_boxed_slice(),
+            pos: Vec::new(),
+            capacity,
+        }
+    }
+
+    /// Makes room for `slot` (within the capacity): at least doubles the slots covered, and
+    /// the run's ring with them (its entries moved to its start, in order).
+    #[cold]
+    fn grow(&mut self, slot: usize) {
+        let n = (slot + 1).max(2 * self.pos.len()).min(self.capacity);
+        if n <= self.pos.len() {
+            return;
+        }
+        self.pos.resize(n, ABSENT);
+        self.heap.resize(n, (0, 0));
+        let ring = (2 * n).next_power_of_two().max(2);
+        if ring > self.run.len() {
+            let mut run = vec![(0, DEAD); ring];
+            for (k, e) in run.iter_mut().enumerate().take(self.run_n) {
+                *e = self.run[self.index(k)];
+                if e.1 != DEAD {
+                    self.pos[e.1 as usize] = IN_RUN | k as u32;
+                }
+            }
+            self.run = run;
+            self.head = 0;
         }
     }
 
@@ -70,6 +99,9 @@ impl Deadlines {
     /// Adds `slot` with `deadline`, or moves it there if it is already in.
     pub(crate) fn insert(&mut self, slot: u32, deadline: u64) {
         let s = slot as usize;
+        if s >= self.pos.len() {
+            self.grow(s);
+        }
         let Some(&p) = self.pos.get(s) else {
             debug_assert!(false, "slot {slot} beyond heap capacity");
             return;
@@ -354,5 +386,42 @@ mod tests {
         assert_eq!(h.len, 1);
         assert_eq!(h.pop_due(u64::MAX), Some((5, 0)));
         assert_eq!(h.check(), Ok(()));
+    }
+
+    /// Nothing is allocated before the first deadline; the arrays then cover the highest
+    /// slot used (doubling, up to the capacity), and growing keeps the run's order even when
+    /// its ring had wrapped.
+    #[test]
+    fn arrays_grow_with_the_highest_slot_and_keep_the_order() {
+        let mut h = Deadlines::new(64);
+        assert_eq!((h.pos.len(), h.run.len(), h.heap.len()), (0, 0, 0));
+        h.insert(0, 10);
+        assert_eq!((h.pos.len(), h.run.len()), (1, 2));
+        h.insert(1, 11);
+        assert_eq!((h.pos.len(), h.run.len()), (2, 4));
+        // The earliest call ends and its slot is used again, later: the run moves round the
+        // four-entry ring until it wraps.
+        for (slot, d) in [(0, 12), (1, 13), (0, 14)] {
+            h.remove(slot);
+            h.insert(slot, d);
+        }
+        assert_eq!((h.head, h.run_n), (3, 2), "the run wraps the ring's end");
+        h.insert(2, 30);
+        h.insert(3, 5); // out of order: the heap
+        assert_eq!((h.pos.len(), h.run.len(), h.head), (4, 8, 0));
+        assert_eq!(h.check(), Ok(()));
+        h.insert(40, 50);
+        assert_eq!(h.pos.len(), 41);
+        h.insert(63, 60);
+        assert_eq!(h.pos.len(), 64);
+        assert_eq!(h.check(), Ok(()));
+        let mut order = Vec::new();
+        while let Some((d, s)) = h.pop_due(u64::MAX) {
+            order.push((d, s));
+        }
+        assert_eq!(
+            order,
+            [(5, 3), (13, 1), (14, 0), (30, 2), (50, 40), (60, 63)]
+        );
     }
 }

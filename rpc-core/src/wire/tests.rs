@@ -217,6 +217,51 @@ fn slots_are_reused_with_new_generations() {
     assert_eq!(gens.len(), 20, "every call of a slot has a new generation");
 }
 
+/// Call tables hold entries up to the highest slot used (and deadlines as many), not the
+/// whole table: a connection that made one call at a time holds one entry per side; a frame
+/// naming a slot never used meets a free entry (stale), not a missing one.
+#[test]
+fn call_tables_grow_with_the_highest_slot_used() {
+    let mut l = Link::new(cfg());
+    assert_eq!((l.c.table_entries(), l.s.table_entries()), (0, 0));
+    for i in 0..5u8 {
+        let call = l.unary(&[i], Some(10_000));
+        l.deliver_to_server().unwrap();
+        let h = l.s.status(call, 0, 0, 0).unwrap();
+        l.send_s(h, &[], &[]);
+        l.deliver_to_client().unwrap();
+        assert!(l.c.finish(call) && l.s.finish(call));
+        l.check();
+    }
+    assert_eq!((l.c.table_entries(), l.s.table_entries()), (1, 1));
+    // Three in flight: slots 0..3, the tables double to 4 entries.
+    let calls: Vec<CallId> = (0..3u8).map(|i| l.unary(&[i], Some(10_000))).collect();
+    for _ in &calls {
+        l.deliver_to_server().unwrap();
+    }
+    assert_eq!((l.c.table_entries(), l.s.table_entries()), (4, 4));
+    l.check();
+    // A cancel for slot 6, never used: a stale frame; the server's table covers it now
+    // (doubled: all 8 slots).
+    let ghost = CallId::new(6, 1);
+    let h = FrameHeader::new(FrameKind::Cancel, ghost.0);
+    l.send_c(h, &[], &[]);
+    assert!(matches!(
+        l.deliver_to_server().unwrap().ev,
+        Event::Stale { call, .. } if call == ghost
+    ));
+    assert_eq!(l.s.table_entries(), 8);
+    // Beyond the table (8 slots): a protocol error, and the table stays.
+    let h = FrameHeader::new(FrameKind::Cancel, CallId::new(8, 1).0);
+    l.send_c(h, &[], &[]);
+    assert!(matches!(
+        l.deliver_to_server(),
+        Err(ProtocolError::BadCallId(_))
+    ));
+    assert_eq!(l.s.table_entries(), 8);
+    l.check();
+}
+
 #[test]
 fn too_many_calls_is_back_pressure() {
     let mut l = Link::new(Config {
