@@ -62,7 +62,7 @@ impl<C> Calls<C> {
 
     #[cold]
     fn grow(&mut self, slot: usize) {
-        let want = (slot + 1).max(self.recs.len() * 2).max(4).min(self.max);
+        let want = (slot + 1).max(self.recs.len() * 2).min(self.max);
         self.recs.reserve_exact(want - self.recs.len());
         let empty = self.empty;
         self.recs.resize_with(want, empty);
@@ -133,10 +133,18 @@ mod tests {
         assert_eq!(t.len(), 0);
         assert!(t.live::<Soft>(CallId::new(0, 1)).is_none());
         t.get_mut(0).unwrap().0 = CallId::new(0, 1);
-        assert_eq!(t.len(), 4);
+        assert_eq!(
+            t.len(),
+            1,
+            "a connection with one call at a time holds one record"
+        );
         assert!(t.live::<Soft>(CallId::new(0, 1)).is_some());
+        assert!(t.get_mut(2).is_some());
+        assert_eq!(t.len(), 3);
+        assert!(t.get_mut(3).is_some());
+        assert_eq!(t.len(), 6, "at least doubles");
         assert!(t.get_mut(9).is_some());
-        assert_eq!(t.len(), 10);
+        assert_eq!(t.len(), 12);
         assert!(t.get_mut(63).is_some());
         assert_eq!(t.len(), 64);
         assert!(t.get_mut(64).is_none(), "beyond the peer's call table");
