@@ -76,6 +76,7 @@ use crate::Code;
 use crate::buf::Geometry;
 use crate::connect::keepalive::{self, KeepAlive};
 use crate::connect::{self, Hello, Message, Refusal};
+use crate::link::LinkKey;
 use crate::method::MethodDesc;
 use crate::verbs::{Context, Provider, ProviderKind, ProviderVisitor};
 use crate::{Error, TransportErrorKind};
@@ -689,8 +690,12 @@ async fn accept_loop(
                         refuse(&mut stream, peer, Code::Unavailable, "server shutting down").await;
                     }
                     FirstBytes::Handshake => {
-                        serve_connection(stream, peer, cfg, shards, shard).await;
-                        drop(slot);
+                        // The connection's lifetime is a task of its own, much smaller than
+                        // this one (whose state is sized for the handshake and refusals):
+                        // an idle connection holds only what watching it needs.
+                        if let Some(live) = handshake(stream, peer, cfg, shards, shard).await {
+                            tokio::spawn(live.watch(slot));
+                        }
                     }
                     FirstBytes::Closed => {
                         tracing::debug!("{peer} closed the connection before its handshake");
@@ -759,32 +764,32 @@ impl Drop for PeerSlot {
     }
 }
 
-/// One client's TCP side: the handshake, then liveness until either side closes (a shutdown
-/// drains the connection first: the shard closes it once its calls finished).
-async fn serve_connection(
+/// One client's TCP side, up to its Welcome: what watching the connection then needs, or
+/// `None` when it was refused or the handshake failed.
+async fn handshake(
     mut stream: TcpStream,
     peer: SocketAddr,
     cfg: Arc<ServerConfig>,
     shards: Arc<Vec<ShardHandle>>,
     shard: usize,
-) {
+) -> Option<Liveness> {
     let hello = match connect::recv(&mut stream).await {
         Ok(Message::Hello(h)) => h,
         Ok(_) => {
             refuse(&mut stream, peer, Code::InvalidArgument, "expected a Hello").await;
-            return;
+            return None;
         }
         Err(e) => {
             refuse(&mut stream, peer, Code::InvalidArgument, &e.to_string()).await;
-            return;
+            return None;
         }
     };
     if let Err((code, why)) = check_hello(&hello, &cfg) {
         refuse(&mut stream, peer, code, &why).await;
-        return;
+        return None;
     }
     let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
-    let (closed_tx, mut closed_rx) = tokio::sync::oneshot::channel();
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
     let handle = &shards[shard];
     handle.send(ShardMsg::Connect {
         hello,
@@ -797,42 +802,82 @@ async fn serve_connection(
         Ok(Err((code, why))) => {
             // The shard cannot take it (full, out of queue pairs or memory, a bad endpoint).
             refuse(&mut stream, peer, code, &why).await;
-            return;
+            return None;
         }
         Err(_) => {
             refuse(&mut stream, peer, Code::Unavailable, "server shutting down").await;
-            return;
+            return None;
         }
     };
     if let Err(e) = connect::send(&mut stream, &Message::Welcome(welcome)).await {
         warn!("handshake with {peer} failed: {e}");
         handle.send(ShardMsg::Disconnect(key));
-        return;
+        return None;
     }
-    // Liveness: the client never sends more on TCP; EOF or an error (keepalive's included)
-    // means it is gone.
-    let mut byte = [0u8; 1];
-    use tokio::io::AsyncReadExt;
-    tokio::select! {
-        r = stream.read(&mut byte) => {
-            if let Err(e) = r {
-                let k = KeepAlive::from_options(cfg.keep_alive_interval, cfg.keep_alive_timeout);
-                warn!("connection from {peer}: {}", keepalive::why_ended("client", Some(&e), k));
+    Some(Liveness {
+        stream,
+        peer,
+        cfg,
+        shards,
+        shard,
+        key,
+        closed: closed_rx,
+    })
+}
+
+/// A connected client's TCP side, watched until either side closes it (a shutdown drains
+/// the connection first: the shard closes it once its calls finished).
+struct Liveness {
+    stream: TcpStream,
+    peer: SocketAddr,
+    cfg: Arc<ServerConfig>,
+    shards: Arc<Vec<ShardHandle>>,
+    shard: usize,
+    key: LinkKey,
+    /// The shard closed the connection, and why.
+    closed: tokio::sync::oneshot::Receiver<String>,
+}
+
+impl Liveness {
+    /// Watches the connection; `slot` counts it against its peer address meanwhile.
+    async fn watch(self, slot: PeerSlot) {
+        let Liveness {
+            mut stream,
+            peer,
+            cfg,
+            shards,
+            shard,
+            key,
+            closed,
+        } = self;
+        // The client never sends more on TCP; EOF or an error (keepalive's included) means
+        // it is gone.
+        let mut byte = [0u8; 1];
+        use tokio::io::AsyncReadExt;
+        tokio::select! {
+            r = stream.read(&mut byte) => {
+                if let Err(e) = r {
+                    let k =
+                        KeepAlive::from_options(cfg.keep_alive_interval, cfg.keep_alive_timeout);
+                    warn!("connection from {peer}: {}", keepalive::why_ended("client", Some(&e), k));
+                }
+                shards[shard].send(ShardMsg::Disconnect(key));
             }
-            handle.send(ShardMsg::Disconnect(key));
-        }
-        why = &mut closed_rx => {
-            // Tells the client why (its QPs may only see flushes), within a second.
-            if let Ok(reason) = why {
-                let code = Code::Unavailable;
-                let msg = Message::Refusal(Refusal { reason, code });
-                let send = connect::send(&mut stream, &msg);
-                let _ = tokio::time::timeout(std::time::Duration::from_secs(1), send).await;
+            why = closed => {
+                // Tells the client why (its QPs may only see flushes), within a second: a
+                // rare path, boxed so that the idle task stays small.
+                if let Ok(reason) = why {
+                    let msg = Message::Refusal(Refusal { reason, code: Code::Unavailable });
+                    let send = Box::pin(connect::send(&mut stream, &msg));
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), send).await;
+                }
             }
         }
+        // A shutdown does not end this task: the connection drains (its calls in flight
+        // finish and their responses arrive), and the shard closes it, which tells the client
+        // why.
+        drop(slot);
     }
-    // A shutdown does not end this task: the connection drains (its calls in flight finish
-    // and their responses arrive), and the shard closes it, which tells the client why.
 }
 
 /// Whether a client's hello fits this server; else the status its attempt ends with.
