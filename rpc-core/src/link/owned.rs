@@ -128,23 +128,28 @@ pub(super) fn what(wc: &Wc) -> &'static str {
     }
 }
 
+/// SENDs in flight a link has room for at first (see [`PostedSends`]).
+const POSTED_FIRST: usize = 64;
+
 /// The SENDs a link posted whose completions are not polled yet (their first send slots,
 /// oldest first). Completions come back in posting order on the QP, so the one polled is
 /// (almost always) the oldest. Dropped after the link's QPs (field order), it returns the
 /// slots of the SENDs that never completed to the arena: the QPs being destroyed, the NIC no
-/// longer touches them. Sized at creation for as many SENDs as can be posted at once (the
-/// QP's send queue, or the arena's send slots if fewer): no allocation after it.
+/// longer touches them. Bounded by as many SENDs as can be posted at once (the QP's send
+/// queue, or the arena's send slots if fewer); room for [`POSTED_FIRST`] at first, doubled the
+/// first times more are in flight (a few times in a connection's life, never per call).
 pub(crate) struct PostedSends<P: Provider> {
     arena: std::sync::Arc<crate::buf::SlotArena<P>>,
     slots: std::collections::VecDeque<u32>,
 }
 
 impl<P: Provider> PostedSends<P> {
-    /// Room for `max` SENDs in flight.
+    /// Room for `max` SENDs in flight, made as they come ([`POSTED_FIRST`] at first: an
+    /// idle connection holds 256 bytes here, not its whole send queue's worth).
     pub(crate) fn new(arena: std::sync::Arc<crate::buf::SlotArena<P>>, max: usize) -> Self {
         PostedSends {
             arena,
-            slots: std::collections::VecDeque::with_capacity(max),
+            slots: std::collections::VecDeque::with_capacity(max.min(POSTED_FIRST)),
         }
     }
 
