@@ -110,14 +110,29 @@ struct QueuedSend {
 }
 
 /// The frames of one turn of the poll loop, posted together: one doorbell on an RNIC, one ring
-/// of the peer's CQ on the soft provider, and the peer finds them side by side. Fixed size, no
-/// allocation.
+/// of the peer's CQ on the soft provider, and the peer finds them side by side.
+///
+/// Room for one SEND at first, for [`SEND_BATCH`] from the first turn that queues a second
+/// one (the only allocations, once in a link's life): a connection that made a call at a
+/// time holds 160 bytes here, not 2.5 KiB, and one that pipelines has its whole queue after
+/// its first busy turn.
 #[derive(Debug, Default)]
 struct SendQueue {
-    q: [QueuedSend; SEND_BATCH],
+    /// `q[..n]` is queued; entries past `n` are room.
+    q: Vec<QueuedSend>,
     n: usize,
     /// Inline SENDs posted unsignaled since the last signaled one.
     unsignaled: u32,
+}
+
+impl SendQueue {
+    /// Room for one more SEND (see the type's docs): one entry, then all of them.
+    #[cold]
+    fn grow(&mut self) {
+        let want = if self.q.is_empty() { 1 } else { SEND_BATCH };
+        self.q.reserve_exact(want - self.q.len());
+        self.q.resize(want, QueuedSend::default());
+    }
 }
 
 /// Which link a work request belongs to: index and generation.
@@ -779,6 +794,9 @@ impl<P: Provider> Link<P> {
             self.give(slot);
             return Err(e);
         }
+        if self.sends.n == self.sends.q.len() {
+            self.sends.grow();
+        }
         // Written field by field in its place: a whole `QueuedSend` built and moved in is a
         // 160-byte copy per frame (a `memmove` call), and entries past `nsge` are never read.
         let q = &mut self.sends.q[self.sends.n];
@@ -1041,13 +1059,17 @@ impl<P: Provider> Link<P> {
                 self.sends.unsignaled = 0;
             }
         }
-        let q = &self.sends.q;
-        let wrs: [SendWr<'_>; SEND_BATCH] = std::array::from_fn(|i| SendWr {
-            wr_id: ids[i],
+        let mut wrs = [SendWr {
+            wr_id: 0,
             op: WrOp::Send,
-            sg_list: &q[i].sges[..q[i].nsge as usize],
-            flags: flags[i],
-        });
+            sg_list: &[],
+            flags: SendFlags::NONE,
+        }; SEND_BATCH];
+        for (i, (w, s)) in wrs.iter_mut().zip(&self.sends.q[..n]).enumerate() {
+            w.wr_id = ids[i];
+            w.sg_list = &s.sges[..s.nsge as usize];
+            w.flags = flags[i];
+        }
         // SAFETY: each SGE covers bytes of a send slot we own, inside the arena's MR, valid
         // until the send completes (the slots of a SEND are released only by its completion,
         // or right after an inline post, when the NIC has already copied the bytes).
