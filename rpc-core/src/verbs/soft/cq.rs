@@ -61,7 +61,7 @@ impl CqShared {
     /// of completion.
     #[inline]
     pub(crate) fn set_ready(&self, bit: u32, solicited: bool) {
-        let ready = layout::ReadyBit::new(self.entry, bit as usize);
+        let ready = layout::ReadyBit::new(self.slot as usize, bit as usize);
         if ready.raise(|o| self.dev.in64(o), |o| self.dev.in32(o), solicited)
             && let Some(ch) = &self.channel
         {
@@ -78,7 +78,7 @@ impl CqShared {
     pub(crate) fn corrupt_bitmap_for_fault(&self) {
         for w in 0..layout::CQ_WORDS {
             self.dev
-                .in64(layout::cq_bitmap_word(self.entry, w))
+                .in64(layout::cq_bitmap_word(self.slot as usize, w))
                 .store(u64::MAX, Ordering::SeqCst);
         }
         for i in 0..layout::CQ_SUMMARY_WORDS {
@@ -90,7 +90,7 @@ impl CqShared {
 
     /// Offset of the ready-bitmap word holding `bit` (what a peer needs to set it).
     pub(crate) fn bitmap_word(&self, bit: u32) -> usize {
-        layout::cq_bitmap_word(self.entry, bit as usize / 64)
+        layout::cq_bitmap_word(self.slot as usize, bit as usize / 64)
     }
 
     /// Offset of the armed word.
@@ -160,6 +160,16 @@ impl CqShared {
 
 impl Drop for CqShared {
     fn drop(&mut self) {
+        // The slot's next CQ finds its bitmap clear: the words past the head that this one's
+        // sides used are cleared here, not every word at creation (which would touch a page
+        // of the tail for every CQ made). A peer's late ring may still set a bit: a ready bit
+        // is a hint, and a spurious one costs its poll one look at an empty ring.
+        let words = (self.next_bit.load(Ordering::Acquire) as usize).div_ceil(64);
+        for w in 1..words.min(layout::CQ_WORDS) {
+            self.dev
+                .in64(layout::cq_bitmap_word(self.slot as usize, w))
+                .store(0, Ordering::Relaxed);
+        }
         self.dev.cq_slots.free(self.slot);
     }
 }
@@ -250,10 +260,9 @@ impl SoftCq {
         })?;
         let entry = layout::cq_in_entry(slot as usize);
         dev.in32(entry + cq_in::ARMED).store(0, Ordering::Relaxed);
-        for w in 0..layout::CQ_WORDS {
-            dev.in64(layout::cq_bitmap_word(entry, w))
-                .store(0, Ordering::Relaxed);
-        }
+        // Words past the head were cleared by the slot's last CQ (see `Drop`).
+        dev.in64(layout::cq_bitmap_word(slot as usize, 0))
+            .store(0, Ordering::Relaxed);
         for i in 0..layout::CQ_SUMMARY_WORDS {
             dev.in64(layout::cq_summary_word(entry, i))
                 .store(0, Ordering::Relaxed);
@@ -353,7 +362,7 @@ impl Cq for SoftCq {
         // Word 0 has no summary bit (see `summary_of`): it is looked at every time.
         if shared
             .dev
-            .in64(layout::cq_bitmap_word(shared.entry, 0))
+            .in64(layout::cq_bitmap_word(shared.slot as usize, 0))
             .load(Ordering::Relaxed)
             != 0
         {
@@ -375,7 +384,9 @@ impl Cq for SoftCq {
             let mut from = lo;
             while let Some(w) = take_lowest(&mut summary, from, hi) {
                 from = w + 1;
-                let word = shared.dev.in64(layout::cq_bitmap_word(shared.entry, w));
+                let word = shared
+                    .dev
+                    .in64(layout::cq_bitmap_word(shared.slot as usize, w));
                 if word.load(Ordering::Relaxed) == 0 {
                     continue;
                 }

@@ -467,7 +467,6 @@ impl Conn {
         if cq >= layout::MAX_CQ || bit >= layout::CQ_BITS {
             return Err(corrupt("receive CQ"));
         }
-        let cq_entry = layout::cq_in_entry(cq);
         let chan = rd32(qp::CHAN_FD);
         let chan_id = rd32(qp::CHAN_ID);
         let efd = (chan != u32::MAX).then_some((chan, chan_id));
@@ -493,7 +492,7 @@ impl Conn {
             rq_prod,
             rq_claim,
             shared_rq,
-            ready: layout::ReadyBit::new(cq_entry, bit),
+            ready: layout::ReadyBit::new(cq, bit),
             efd,
             efd_held,
             cache: std::array::from_fn(|_| (0, None)),

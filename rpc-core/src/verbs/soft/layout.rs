@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 /// `"SOFTRNIC"` as a little-endian word: first word of both segments.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SOFTRNIC");
 /// Layout version; a peer with another version is refused at connect time.
-pub(crate) const VERSION: u32 = 5;
+pub(crate) const VERSION: u32 = 6;
 
 /// Size of the published segment (sparse).
 pub(crate) const PUB_LEN: usize = 512 << 20;
@@ -217,11 +217,18 @@ pub(crate) const CQ_BITS: usize = 32768;
 pub(crate) const CQ_WORDS: usize = CQ_BITS / 64;
 /// Words of a CQ's summary of its ready bitmap: a bit per bitmap word.
 pub(crate) const CQ_SUMMARY_WORDS: usize = CQ_WORDS / 64;
-/// Bytes per CQ inbox entry: armed word, the summary, then the ready bitmap, each on lines
-/// of its own.
-pub(crate) const CQ_IN_ENTRY: usize = 128 + CQ_WORDS * 8;
-/// Offset of the CQ inbox table.
+/// Bytes per CQ head (its inbox entry): armed word, the summary, then word 0 of the ready
+/// bitmap, each on a line of its own. The heads are packed, 21 to a page, and the rest of
+/// each bitmap (words 1 and up, [`CQ_TAIL`]) lies in a table of its own: a CQ with at most 64
+/// sides (a client connection's) has its producers, its own process and peers alike, touch
+/// its 192-byte head only, not a page of its own in each of their address spaces.
+pub(crate) const CQ_IN_ENTRY: usize = 192;
+/// Offset of the CQ heads.
 pub(crate) const CQ_IN_TABLE: usize = PIN_TABLE + MAX_MR * 4;
+/// Bytes of a CQ's bitmap words 1 and up.
+pub(crate) const CQ_TAIL: usize = (CQ_WORDS - 1) * 8;
+/// Offset of the CQ bitmap tails.
+pub(crate) const CQ_TAIL_TABLE: usize = CQ_IN_TABLE + MAX_CQ * CQ_IN_ENTRY;
 
 /// Words of a CQ inbox entry.
 pub(crate) mod cq_in {
@@ -233,13 +240,18 @@ pub(crate) mod cq_in {
     /// takes (swaps) the summary first, then the words it names: it reads a few words, not the
     /// whole bitmap, with thousands of sides.
     pub(crate) const SUMMARY: usize = 64;
-    /// Start of the ready bitmap (u64 words).
+    /// Word 0 of the ready bitmap (u64); the others are in the CQ's tail.
     pub(crate) const BITMAP: usize = 128;
 }
 
-/// Offset of word `w` of the ready bitmap of the CQ inbox entry at `entry`.
-pub(crate) const fn cq_bitmap_word(entry: usize, w: usize) -> usize {
-    entry + cq_in::BITMAP + w * 8
+/// Offset of word `w` of the ready bitmap of CQ `slot`: word 0 in its head, the others in
+/// its tail.
+pub(crate) const fn cq_bitmap_word(slot: usize, w: usize) -> usize {
+    if w == 0 {
+        cq_in_entry(slot) + cq_in::BITMAP
+    } else {
+        CQ_TAIL_TABLE + slot * CQ_TAIL + (w - 1) * 8
+    }
 }
 
 /// Offset of word `i` of the summary of the CQ inbox entry at `entry`.
@@ -267,10 +279,11 @@ pub(crate) struct ReadyBit {
 }
 
 impl ReadyBit {
-    /// Side `side` of the CQ whose inbox entry starts at offset `entry`.
-    pub(crate) fn new(entry: usize, side: usize) -> ReadyBit {
+    /// Side `side` of CQ `slot`.
+    pub(crate) fn new(slot: usize, side: usize) -> ReadyBit {
+        let entry = cq_in_entry(slot);
         ReadyBit {
-            word: cq_bitmap_word(entry, side / 64),
+            word: cq_bitmap_word(slot, side / 64),
             bit: 1u64 << (side % 64),
             summary: summary_of(side / 64).map(|(w, b)| (entry + w, b)),
             armed: entry + cq_in::ARMED,
@@ -301,7 +314,7 @@ impl ReadyBit {
 }
 
 /// Start of the inbox heap (receive-completion rings).
-pub(crate) const IN_HEAP: usize = CQ_IN_TABLE + MAX_CQ * CQ_IN_ENTRY;
+pub(crate) const IN_HEAP: usize = CQ_TAIL_TABLE + MAX_CQ * CQ_TAIL;
 
 /// Bytes per receive completion (seq, byte_len, imm, meta, qp, claim name).
 pub(crate) const RCQE: usize = 32;
@@ -474,50 +487,83 @@ mod tests {
     use super::*;
 
     /// A side's bit, its word's summary bit (none for word 0) and the armed word, in a
-    /// private copy of one CQ inbox entry; the channel is owed a signal only when armed for
+    /// private copy of CQ 3's head and tail; the channel is owed a signal only when armed for
     /// the completion, once.
     #[test]
     fn a_ready_bit_sets_its_bits_and_disarms_once() {
-        let entry: Vec<AtomicU64> = (0..CQ_IN_ENTRY / 8).map(|_| AtomicU64::new(0)).collect();
-        let at64 = |o: usize| &entry[o / 8];
+        const CQ: usize = 3;
+        let head: Vec<AtomicU64> = (0..CQ_IN_ENTRY / 8).map(|_| AtomicU64::new(0)).collect();
+        let tail: Vec<AtomicU64> = (0..CQ_TAIL / 8).map(|_| AtomicU64::new(0)).collect();
+        let entry = cq_in_entry(CQ);
+        let tail_at = CQ_TAIL_TABLE + CQ * CQ_TAIL;
+        let at64 = |o: usize| {
+            if (entry..entry + CQ_IN_ENTRY).contains(&o) {
+                &head[(o - entry) / 8]
+            } else {
+                assert!((tail_at..tail_at + CQ_TAIL).contains(&o), "outside CQ {CQ}");
+                &tail[(o - tail_at) / 8]
+            }
+        };
         let armed = AtomicU32::new(0);
         let at32 = |o: usize| {
-            assert_eq!(o, cq_in::ARMED);
+            assert_eq!(o, entry + cq_in::ARMED);
             &armed
         };
-        let word = |o: usize| entry[o / 8].load(Ordering::Relaxed);
+        let word = |o: usize| at64(o).load(Ordering::Relaxed);
+        let summary = |i: usize| word(cq_summary_word(entry, i));
 
-        assert!(!ReadyBit::new(0, 5).raise(at64, at32, true), "not armed");
-        assert_eq!(word(cq_in::BITMAP), 1 << 5);
+        assert!(!ReadyBit::new(CQ, 5).raise(at64, at32, true), "not armed");
+        assert_eq!(
+            cq_bitmap_word(CQ, 0),
+            entry + cq_in::BITMAP,
+            "word 0 in the head"
+        );
+        assert_eq!(word(cq_bitmap_word(CQ, 0)), 1 << 5);
         assert!(
-            (0..CQ_SUMMARY_WORDS).all(|i| word(cq_in::SUMMARY + i * 8) == 0),
+            (0..CQ_SUMMARY_WORDS).all(|i| summary(i) == 0),
             "word 0 has no summary bit"
         );
 
         let side = 64 * 70 + 3; // bitmap word 70: summary word 1, bit 6
         armed.store(2, Ordering::Relaxed);
         assert!(
-            !ReadyBit::new(0, side).raise(at64, at32, false),
+            !ReadyBit::new(CQ, side).raise(at64, at32, false),
             "armed for solicited only"
         );
         assert_eq!(armed.load(Ordering::Relaxed), 2);
-        assert_eq!(word(cq_in::BITMAP + 70 * 8), 1 << 3);
-        assert_eq!(word(cq_in::SUMMARY + 8), 1 << 6);
+        assert_eq!(
+            cq_bitmap_word(CQ, 70),
+            tail_at + 69 * 8,
+            "word 70 in the tail"
+        );
+        assert_eq!(word(cq_bitmap_word(CQ, 70)), 1 << 3);
+        assert_eq!(summary(1), 1 << 6);
         assert!(
-            ReadyBit::new(0, side).raise(at64, at32, true),
+            ReadyBit::new(CQ, side).raise(at64, at32, true),
             "solicited: signal"
         );
         assert_eq!(armed.load(Ordering::Relaxed), 0, "disarmed");
 
         armed.store(1, Ordering::Relaxed);
         assert!(
-            ReadyBit::new(0, 1).raise(at64, at32, false),
+            ReadyBit::new(CQ, 1).raise(at64, at32, false),
             "armed for any"
         );
         assert!(
-            !ReadyBit::new(0, 1).raise(at64, at32, false),
+            !ReadyBit::new(CQ, 1).raise(at64, at32, false),
             "signalled once"
         );
+    }
+
+    /// CQ heads are packed (21 to a page) and apart from the tails; the last tail ends
+    /// before the receive rings.
+    #[test]
+    fn cq_heads_are_packed_and_tails_apart() {
+        const { assert!(4096 / CQ_IN_ENTRY >= 21) };
+        assert_eq!(cq_in_entry(1) - cq_in_entry(0), CQ_IN_ENTRY);
+        assert!(cq_in_entry(MAX_CQ - 1) + CQ_IN_ENTRY <= CQ_TAIL_TABLE);
+        assert_eq!(cq_bitmap_word(MAX_CQ - 1, CQ_WORDS - 1) + 8, IN_HEAP);
+        assert!(cq_bitmap_word(0, 1) >= CQ_TAIL_TABLE);
     }
 
     #[test]
