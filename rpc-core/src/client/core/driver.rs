@@ -33,7 +33,7 @@ impl<P: Provider> Driver<P> {
             && let Some((idx, generation)) = core.submitted.pop_if_any()
         {
             work += 1;
-            match core.cells[idx as usize].mb.take() {
+            match core.cells.get(idx).mb.take() {
                 Taken::Run(sub) => self.start(core, idx, generation, sub)?,
                 Taken::Cancelled(sub) => {
                     core.arena.release_send(sub.staged.slot);
@@ -54,7 +54,7 @@ impl<P: Provider> Driver<P> {
         }
         while let Some((idx, generation, n)) = core.grants.pop_if_any() {
             work += 1;
-            if core.cells[idx as usize].generation.load(Ordering::Acquire) == generation
+            if core.cells.get(idx).generation.load(Ordering::Acquire) == generation
                 && let Some(slot) = self.cell_slot[idx as usize]
             {
                 let call = self.calls[slot as usize].id;
@@ -277,7 +277,7 @@ impl<P: Provider> Driver<P> {
     pub(super) fn start_pending(&mut self, core: &ClientCore<P>) -> Result<usize, LinkError> {
         let mut n = 0;
         while let Some((idx, generation, call, sub)) = self.pending.pop_front() {
-            if core.cells[idx as usize].mb.is_cancelled() {
+            if core.cells.get(idx).mb.is_cancelled() {
                 core.arena.release_send(sub.staged.slot);
                 if call.0 != 0 {
                     self.link.wire.cancel_local(call);
@@ -313,7 +313,7 @@ impl<P: Provider> Driver<P> {
         generation: u32,
         o: Outcome<P>,
     ) {
-        let cell = &core.cells[idx as usize];
+        let cell = &core.cells.get(idx);
         if cell.generation.load(Ordering::Acquire) != generation {
             return;
         }
@@ -383,7 +383,7 @@ impl<P: Provider> Driver<P> {
         idx: u32,
         generation: u32,
     ) -> Result<(), LinkError> {
-        if core.cells[idx as usize].generation.load(Ordering::Acquire) != generation {
+        if core.cells.get(idx).generation.load(Ordering::Acquire) != generation {
             return Ok(());
         }
         let Some(slot) = self.cell_slot[idx as usize].take() else {
@@ -513,7 +513,7 @@ impl<P: Provider> Driver<P> {
         }
         while let Some((idx, generation)) = core.submitted.pop_if_any() {
             n += 1;
-            match core.cells[idx as usize].mb.take() {
+            match core.cells.get(idx).mb.take() {
                 Taken::Run(sub) => {
                     core.arena.release_send(sub.staged.slot);
                     self.fail_unsent(core, idx, generation, sub.inbox, unsent.clone());

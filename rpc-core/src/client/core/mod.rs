@@ -20,6 +20,7 @@
 //! [`driver`] (the driver's turn, call life cycle, failure) and [`frames`] (what the server
 //! sends). The per-call machinery shared with the server is in [`crate::call`].
 
+mod cells;
 mod driver;
 mod encode;
 pub(crate) use encode::PENDING_MIN;
@@ -32,6 +33,7 @@ mod stream;
 mod submit;
 
 use crate::queue::ClearIfAny;
+use cells::CellTable;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -163,6 +165,19 @@ struct Cell<P: Provider> {
     send_waker: atomic_waker::AtomicWaker,
     /// Claimed by an async call (the driver task polls for those, not for blocking calls).
     is_async: AtomicBool,
+}
+
+impl<P: Provider> Cell<P> {
+    fn new() -> Cell<P> {
+        Cell {
+            mb: Mailbox::default(),
+            generation: AtomicU32::new(0),
+            window: AtomicU32::new(0),
+            loans: AtomicU32::new(0),
+            send_waker: atomic_waker::AtomicWaker::new(),
+            is_async: AtomicBool::new(false),
+        }
+    }
 }
 
 /// The driver's record of a call on the wire.
@@ -331,8 +346,8 @@ pub(crate) struct ClientCore<P: Provider> {
     /// poller thread's epoll set, the driver task's runtime registration, which shares it).
     /// Declared after `driver`: the CQ is destroyed before the channel.
     channel: Arc<P::CompChannel>,
-    cells: Box<[Cell<P>]>,
-    free: ArrayQueue<u32>,
+    /// Call cells, taken by callers and given back when their call ends.
+    cells: CellTable<Cell<P>>,
     /// Callers waiting for a free cell (slow path only).
     waiters: std::sync::atomic::AtomicUsize,
     cell_freed: tokio::sync::Notify,
@@ -410,8 +425,7 @@ impl<P: Provider> std::fmt::Debug for ClientCore<P> {
 /// waits for the server's Welcome (their memory is new, and zeroing it takes page faults),
 /// not after it.
 pub(crate) struct Tables<P: Provider> {
-    cells: Box<[Cell<P>]>,
-    free: ArrayQueue<u32>,
+    cells: CellTable<Cell<P>>,
     submitted: ArrayQueue<(u32, u32)>,
     cancelled: ArrayQueue<(u32, u32)>,
     calls: Calls<DrvCall<P>>,
@@ -424,22 +438,9 @@ impl<P: Provider> Tables<P> {
     /// Tables for `max_calls` calls in flight.
     pub(crate) fn new(max_calls: u32) -> Tables<P> {
         let n = max_calls as usize;
-        let free = ArrayQueue::new(n);
-        for i in 0..max_calls {
-            let _ = free.push(i);
-        }
         Tables {
-            cells: (0..n)
-                .map(|_| Cell {
-                    mb: Mailbox::default(),
-                    generation: AtomicU32::new(0),
-                    window: AtomicU32::new(0),
-                    loans: AtomicU32::new(0),
-                    send_waker: atomic_waker::AtomicWaker::new(),
-                    is_async: AtomicBool::new(false),
-                })
-                .collect(),
-            free,
+            // Made a chunk at a time as calls in flight need them (see `cells`).
+            cells: CellTable::new(n, Cell::new),
             submitted: ArrayQueue::new(n),
             cancelled: ArrayQueue::new(n),
             // Records are made as wire slots are first used (the lowest free slot goes
@@ -514,7 +515,6 @@ impl<P: Provider> ClientCore<P> {
             driver: Exclusive::new(driver),
             channel,
             cells: t.cells,
-            free: t.free,
             waiters: std::sync::atomic::AtomicUsize::new(0),
             cell_freed: tokio::sync::Notify::new(),
             slot_waiters: std::sync::atomic::AtomicUsize::new(0),
@@ -581,12 +581,12 @@ impl<P: Provider> ClientCore<P> {
         Ok(RegisteredBytesMut::new(Box::new(buf)))
     }
 
-    /// Whether the connection is gone.
     /// Calls this connection may have in flight at once (its call cells).
     pub(crate) fn max_calls(&self) -> usize {
         self.cells.len()
     }
 
+    /// Whether the connection is gone.
     pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
     }

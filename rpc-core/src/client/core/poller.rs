@@ -157,7 +157,7 @@ impl<P: Provider> ClientCore<P> {
             // waiting for the server's credits need the CQ polled although no caller waits:
             // then it looks again every `PENDING_TICK`. So does a driver held by a caller this
             // instant: it may leave a backlog (a dropped pipeline's Cancels) and return.
-            let mut pending = core.free.len() != core.cells.len();
+            let mut pending = core.cells.in_use() != 0;
             match core.driver.try_lock() {
                 Some(mut d) => {
                     d.device_events(&core);
@@ -349,7 +349,7 @@ impl<P: Provider> ClientCore<P> {
         idx: u32,
         drive: &mut Option<CallerDrive<'_, P>>,
     ) -> Outcome<P> {
-        let mb = &self.cells[idx as usize].mb;
+        let mb = &self.cells.get(idx).mb;
         std::future::poll_fn(|cx| {
             if let Some(o) = mb.try_done() {
                 return Poll::Ready(o);
@@ -420,7 +420,7 @@ impl<P: Provider> Member for ClientCore<P> {
     }
 
     fn busy(&self) -> bool {
-        self.free.len() != self.cells.len()
+        self.cells.in_use() != 0
             || !self.submitted.is_empty()
             || !self.cancelled.is_empty()
             || !self.stream_sends.is_empty()
@@ -428,7 +428,7 @@ impl<P: Provider> Member for ClientCore<P> {
     }
 
     fn prepare_sleep(&self, max: Duration) -> Option<(Duration, bool)> {
-        if self.is_dead() && self.free.len() == self.cells.len() {
+        if self.is_dead() && self.cells.in_use() == 0 {
             // Nothing in flight on a dead connection: nothing to wait for.
             return Some((max, true));
         }

@@ -19,7 +19,7 @@ use super::{ClientCore, Outcome, Submission};
 
 impl<P: Provider> ClientCore<P> {
     pub(super) fn claim(&self, idx: u32) -> u32 {
-        let cell = &self.cells[idx as usize];
+        let cell = &self.cells.get(idx);
         // Popped from `free`, which hands each cell to one taker.
         let ok = cell.mb.claim_exclusive();
         debug_assert!(ok, "a free cell must be claimable");
@@ -39,7 +39,7 @@ impl<P: Provider> ClientCore<P> {
             if self.is_dead() {
                 return Err(self.dead_status().not_executed());
             }
-            if let Some(idx) = self.free.pop() {
+            if let Some(idx) = self.cells.take() {
                 return Ok((idx, self.claim_async(idx)));
             }
             // Slow path: register as a waiter, then re-check before sleeping (a cell freed in
@@ -48,7 +48,7 @@ impl<P: Provider> ClientCore<P> {
             let notified = self.cell_freed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let again = self.free.pop();
+            let again = self.cells.take();
             if again.is_none() && !self.is_dead() {
                 // The poller (thread or driver task) frees cells as calls complete.
                 notified.await;
@@ -67,7 +67,7 @@ impl<P: Provider> ClientCore<P> {
                 if self.is_dead() {
                     return Err(self.dead_status().not_executed());
                 }
-                if let Some(idx) = self.free.pop() {
+                if let Some(idx) = self.cells.take() {
                     return Ok((idx, self.claim(idx)));
                 }
                 if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -81,22 +81,20 @@ impl<P: Provider> ClientCore<P> {
 
     /// Claims a cell for an async call.
     pub(super) fn claim_async(&self, idx: u32) -> u32 {
-        self.cells[idx as usize]
-            .is_async
-            .store(true, Ordering::Release);
+        self.cells.get(idx).is_async.store(true, Ordering::Release);
         self.async_calls.fetch_add(1, Ordering::AcqRel);
         self.claim(idx)
     }
 
     pub(super) fn release_cell(&self, idx: u32) {
         // Only the cell's owner (who releases it) writes the flag: no swap needed.
-        let is_async = &self.cells[idx as usize].is_async;
+        let is_async = &self.cells.get(idx).is_async;
         if is_async.load(Ordering::Acquire) {
             is_async.store(false, Ordering::Release);
             self.async_calls.fetch_sub(1, Ordering::AcqRel);
         }
-        self.cells[idx as usize].mb.release();
-        let _ = self.free.push(idx);
+        self.cells.get(idx).mb.release();
+        self.cells.put(idx);
         if self.waiters.load(Ordering::SeqCst) > 0 {
             self.cell_freed.notify_one();
         }
@@ -204,7 +202,7 @@ impl<P: Provider> ClientCore<P> {
         mut sub: Submission<P>,
     ) -> Result<(), Status> {
         let fill = sub.large.as_mut().and_then(|l| l.fill.take());
-        if let Err(sub) = self.cells[idx as usize].mb.submit(sub) {
+        if let Err(sub) = self.cells.get(idx).mb.submit(sub) {
             self.release_send_slot(sub.staged.slot);
             return Err(Status::internal("call cell not owned by the caller"));
         }
@@ -249,7 +247,7 @@ impl<P: Provider> ClientCore<P> {
             // is read or timer armed for it.
             Some(t)
                 if !self.is_dead()
-                    && let Some(idx) = self.free.pop() =>
+                    && let Some(idx) = self.cells.take() =>
             {
                 (idx, self.claim_async(idx), Some(t))
             }
@@ -297,7 +295,7 @@ impl<P: Provider> ClientCore<P> {
     pub(super) async fn outcome(&self, idx: u32) -> Outcome<P> {
         // The poller thread, or in `ClientPoller::Caller` the driver task, completes the call and
         // wakes us: polling here too only repeats the driver's work (measured: slower).
-        std::future::poll_fn(|cx| self.cells[idx as usize].mb.poll_done(cx)).await
+        std::future::poll_fn(|cx| self.cells.get(idx).mb.poll_done(cx)).await
     }
 
     /// A unary call that blocks this thread, which drives the connection itself when it can.
@@ -321,7 +319,7 @@ impl<P: Provider> ClientCore<P> {
         let outcome = with_thread_spinner(|spin| {
             loop {
                 spin.before_turn(Instant::now);
-                if let Some(o) = self.cells[idx as usize].mb.try_done() {
+                if let Some(o) = self.cells.get(idx).mb.try_done() {
                     break o;
                 }
                 if self.progress() == 0 {
@@ -369,11 +367,11 @@ impl<P: Provider> ClientCore<P> {
         let registered = request.take_registered();
         let timeout = request.timeout();
         let (metadata, msg) = (request.metadata(), request.get_ref());
-        let (idx, generation, timeout) = match self.free.pop() {
+        let (idx, generation, timeout) = match self.cells.take() {
             Some(idx) if !self.is_dead() => (idx, self.claim(idx), timeout),
             other => {
                 if let Some(idx) = other {
-                    let _ = self.free.push(idx);
+                    self.cells.put(idx);
                 }
                 let start = Instant::now();
                 let (idx, generation) = self.acquire_blocking(timeout.map(|t| start + t))?;
@@ -396,7 +394,7 @@ impl<P: Provider> ClientCore<P> {
         idx: u32,
         generation: u32,
     ) -> Option<Result<Response<Resp>, Status>> {
-        let outcome = self.cells[idx as usize].mb.try_done()?;
+        let outcome = self.cells.get(idx).mb.try_done()?;
         let guard = CellGuard::new(self, idx, generation, false);
         let r = decode_outcome::<P, Resp>(outcome);
         drop(guard);
@@ -410,7 +408,7 @@ impl<P: Provider> ClientCore<P> {
 
     /// Whether a call cell is free now.
     pub(crate) fn has_free_cell(&self) -> bool {
-        !self.free.is_empty()
+        self.cells.any_free()
     }
 
     /// Whether a poller thread drives the connection (else the pipeline's owner does).
@@ -527,7 +525,7 @@ impl<'a, P: Provider> CellGuard<'a, P> {
 impl<P: Provider> Drop for CellGuard<'_, P> {
     fn drop(&mut self) {
         if self.submitted {
-            match self.core.cells[self.idx as usize].mb.cancel() {
+            match self.core.cells.get(self.idx).mb.cancel() {
                 crate::buf::CancelOutcome::ToDriver => {
                     let _ = self.core.cancelled.push((self.idx, self.generation));
                     match self.core.mode {
