@@ -1,5 +1,7 @@
 //! The sans-IO protocol core: frame codec, calls, credits, stream windows, rendezvous and
-//! deadlines. No I/O, no clock, no `unsafe`, no allocation after [`Conn::new`]: inputs come in
+//! deadlines. No I/O, no clock, no `unsafe`, and no allocation per call: a [`Conn`]'s tables
+//! grow only the first times a higher call slot is used (to at most the call table's size), so
+//! they follow the calls in flight. Inputs come in
 //! with `now` (nanoseconds from any epoch the caller picks), outputs are frame headers and
 //! [`Event`]s. The runtime (`server`, `client`) owns the QP, the slots and the clock.
 //!
