@@ -112,6 +112,7 @@ mod poll_policy;
 mod queue;
 mod request;
 pub mod server;
+mod slot_table;
 pub mod stats;
 mod status;
 pub mod streaming;

@@ -54,18 +54,10 @@ impl<C> Calls<C> {
     /// `None` beyond the table.
     #[inline]
     pub(crate) fn get_mut(&mut self, slot: usize) -> Option<&mut C> {
-        if slot >= self.recs.len() && slot < self.max {
-            self.grow(slot);
+        if slot >= self.recs.len() {
+            crate::slot_table::grow(&mut self.recs, slot, self.max, self.empty);
         }
         self.recs.get_mut(slot)
-    }
-
-    #[cold]
-    fn grow(&mut self, slot: usize) {
-        let want = (slot + 1).max(self.recs.len() * 2).min(self.max);
-        self.recs.reserve_exact(want - self.recs.len());
-        let empty = self.empty;
-        self.recs.resize_with(want, empty);
     }
 
     /// The record of `call` if its slot still holds that very call (not an earlier or later

@@ -1608,8 +1608,8 @@ impl Conn {
     /// used; `None` beyond the table.
     #[inline]
     fn entry(&mut self, slot: usize) -> Option<&mut Call> {
-        if slot >= self.calls.len() && slot < self.table {
-            self.grow(slot);
+        if slot >= self.calls.len() {
+            crate::slot_table::grow(&mut self.calls, slot, self.table, || Call::EMPTY);
         }
         self.calls.get_mut(slot)
     }
@@ -1618,14 +1618,6 @@ impl Conn {
     #[cfg(test)]
     pub(crate) fn table_entries(&self) -> usize {
         self.calls.len()
-    }
-
-    /// Adds free entries up to `slot` (at least doubling, so a table grows a few times).
-    #[cold]
-    fn grow(&mut self, slot: usize) {
-        let want = (slot + 1).max(self.calls.len() * 2).min(self.table);
-        self.calls.reserve_exact(want - self.calls.len());
-        self.calls.resize(want, Call::EMPTY);
     }
 
     fn check_bulk(&self, call: CallId, h: &FrameHeader) -> Result<(), ProtocolError> {

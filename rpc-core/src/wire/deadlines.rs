@@ -62,7 +62,7 @@ impl Deadlines {
     /// the run's ring with them (its entries moved to its start, in order).
     #[cold]
     fn grow(&mut self, slot: usize) {
-        let n = (slot + 1).max(2 * self.pos.len()).min(self.capacity);
+        let n = crate::slot_table::grown_len(self.pos.len(), slot, self.capacity);
         if n <= self.pos.len() {
             return;
         }
