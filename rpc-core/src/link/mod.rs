@@ -1636,13 +1636,17 @@ impl<P: Provider> Link<P> {
         LinkError,
     > {
         let (md, pl) = spans(bytes, frame);
-        let header = frame.header;
+        let event = self.protocol_event(&frame.header)?;
+        Ok((frame.header, md, pl, event))
+    }
+
+    /// Runs a received frame's header through the protocol, now.
+    #[inline(always)]
+    fn protocol_event(&mut self, header: &FrameHeader) -> Result<wire::Event, LinkError> {
         let now = self.now();
-        let event = self
-            .wire
-            .handle_frame(&header, now)
-            .map_err(|e| LinkError::Protocol(format!("{e}")))?;
-        Ok((header, md, pl, event))
+        self.wire
+            .handle_frame(header, now)
+            .map_err(|e| LinkError::Protocol(format!("{e}")))
     }
 
     /// When `wc` is a receive completion of this link, asks the CPU to start loading its frame
@@ -1750,11 +1754,7 @@ impl<P: Provider> Link<P> {
         let next = wire::next_in_batch(bytes, at, &frame)
             .map_err(|e| LinkError::Protocol(format!("{e}")))?;
         let (metadata, payload) = spans(bytes, &frame);
-        let now = self.now();
-        let event = self
-            .wire
-            .handle_frame(&frame.header, now)
-            .map_err(|e| LinkError::Protocol(format!("{e}")))?;
+        let event = self.protocol_event(&frame.header)?;
         if let Some(next) = next {
             let rest = slot.share();
             self.batch = Some((rest, next));
