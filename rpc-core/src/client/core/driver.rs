@@ -313,7 +313,7 @@ impl<P: Provider> Driver<P> {
         generation: u32,
         o: Outcome<P>,
     ) {
-        let cell = &core.cells.get(idx);
+        let cell = core.cells.get(idx);
         if cell.generation.load(Ordering::Acquire) != generation {
             return;
         }

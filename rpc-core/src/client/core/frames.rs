@@ -225,7 +225,7 @@ impl<P: Provider> Driver<P> {
                 let s = call.slot() as usize;
                 if self.calls[s].id == call {
                     if let Some((idx, generation)) = self.calls[s].cell {
-                        let cell = &core.cells.get(idx);
+                        let cell = core.cells.get(idx);
                         if cell.generation.load(Ordering::Acquire) == generation {
                             cell.window.fetch_add(grant, Ordering::AcqRel);
                             cell.send_waker.wake();
@@ -238,7 +238,7 @@ impl<P: Provider> Driver<P> {
                 let s = call.slot() as usize;
                 if self.calls[s].id == call && self.calls[s].stream_lent.release() {
                     if let Some((idx, generation)) = self.calls[s].cell {
-                        let cell = &core.cells.get(idx);
+                        let cell = core.cells.get(idx);
                         if cell.generation.load(Ordering::Acquire) == generation {
                             let _ =
                                 cell.loans

@@ -57,7 +57,7 @@ impl<P: Provider> ClientCore<P> {
 
     /// Whether the call in cell `idx` is still the one of `generation` and not over.
     pub(super) fn call_live(&self, idx: u32, generation: u32) -> bool {
-        let c = &self.cells.get(idx);
+        let c = self.cells.get(idx);
         c.generation.load(Ordering::Acquire) == generation && !self.is_dead() && c.mb.is_running()
     }
 
@@ -71,7 +71,7 @@ impl<P: Provider> ClientCore<P> {
         generation: u32,
         msg: &dyn EncodeMsg,
     ) -> Result<(), Status> {
-        let cell = &self.cells.get(idx);
+        let cell = self.cells.get(idx);
         let len = msg.encoded_len();
         let large = MAX_HEADER_LEN + len > self.eager_limit;
         // Room in the window, and for a large message a loan below `STREAM_LOANS`.
@@ -160,7 +160,7 @@ impl<P: Provider> ClientCore<P> {
         S: futures_core::Stream + Send,
         S::Item: Message,
     {
-        let cell = &self.cells.get(idx);
+        let cell = self.cells.get(idx);
         let mut stream = std::pin::pin!(stream);
         loop {
             let next = std::future::poll_fn(|cx| {
@@ -280,7 +280,7 @@ impl<P: Provider> InboxHost for CallHost<P> {
 
     fn abandon(&self) {
         let core = &self.core;
-        let cell = &core.cells.get(self.idx);
+        let cell = core.cells.get(self.idx);
         if cell.generation.load(Ordering::Acquire) != self.generation {
             return;
         }
@@ -318,7 +318,7 @@ impl<P: Provider> Driver<P> {
         core: &ClientCore<P>,
         ss: StreamSend<P>,
     ) -> Result<(), LinkError> {
-        let cell = &core.cells.get(ss.idx);
+        let cell = core.cells.get(ss.idx);
         if cell.generation.load(Ordering::Acquire) != ss.generation || cell.mb.is_cancelled() {
             self.discard(ss);
             return Ok(());

@@ -19,7 +19,7 @@ use super::{ClientCore, Outcome, Submission};
 
 impl<P: Provider> ClientCore<P> {
     pub(super) fn claim(&self, idx: u32) -> u32 {
-        let cell = &self.cells.get(idx);
+        let cell = self.cells.get(idx);
         // Popped from `free`, which hands each cell to one taker.
         let ok = cell.mb.claim_exclusive();
         debug_assert!(ok, "a free cell must be claimable");
