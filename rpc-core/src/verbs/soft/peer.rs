@@ -358,12 +358,7 @@ impl Peer {
     /// A duplicate of the peer's descriptor `fd`, checked to be an eventfd.
     fn dup_eventfd(&self, fd: u32) -> Option<OwnedFd> {
         let dup = self.live.dup_fd(self.pid, fd).ok()?;
-        let link = std::fs::read_link(format!(
-            "/proc/self/fd/{}",
-            std::os::fd::AsRawFd::as_raw_fd(&dup)
-        ))
-        .ok()?;
-        (link.to_string_lossy() == "anon_inode:[eventfd]").then_some(dup)
+        shm::is_eventfd(dup.as_fd()).then_some(dup)
     }
 }
 
