@@ -334,18 +334,60 @@ impl Message {
 /// # Errors
 /// On I/O failure.
 pub async fn send<S: AsyncWriteExt + Unpin>(stream: &mut S, msg: &Message) -> Result<(), Error> {
+    send_bytes(stream, &framed(msg)).await
+}
+
+/// Writes bytes of a message already framed (by [`framed`]).
+///
+/// # Errors
+/// On I/O failure.
+pub(crate) async fn send_bytes<S: AsyncWriteExt + Unpin>(
+    stream: &mut S,
+    bytes: &[u8],
+) -> Result<(), Error> {
+    let failed = |e| Error::with_source(TransportErrorKind::Connect, "sending handshake", e);
+    stream.write_all(bytes).await.map_err(failed)?;
+    stream.flush().await.map_err(failed)
+}
+
+/// `msg` with its length prefix: the bytes [`send`] writes.
+pub(crate) fn framed(msg: &Message) -> Vec<u8> {
     let body = msg.encode();
     let mut framed = Vec::with_capacity(4 + body.len());
     framed.extend_from_slice(&(body.len() as u32).to_le_bytes());
     framed.extend_from_slice(&body);
-    stream
-        .write_all(&framed)
-        .await
-        .map_err(|e| Error::with_source(TransportErrorKind::Connect, "sending handshake", e))?;
-    stream
-        .flush()
-        .await
-        .map_err(|e| Error::with_source(TransportErrorKind::Connect, "sending handshake", e))
+    framed
+}
+
+/// Writes what the socket `fd` takes of `bytes` now, without waiting (`MSG_DONTWAIT`): how
+/// many bytes went. A handshake message fits the send buffer of a fresh connection, so this is
+/// all of it but for a peer that stopped reading; the caller sends the rest the usual way.
+///
+/// # Errors
+/// When the connection failed (reset, closed: `EPIPE` raises no signal).
+pub(crate) fn send_now(fd: std::os::fd::BorrowedFd<'_>, bytes: &[u8]) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: reads `bytes.len()` bytes from a live slice; `fd` is a valid descriptor for
+        // the duration of the call.
+        let n = unsafe {
+            libc::send(
+                fd.as_raw_fd(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => {}
+            std::io::ErrorKind::WouldBlock => return Ok(0),
+            _ => return Err(e),
+        }
+    }
 }
 
 /// Reads one length-prefixed message within [`HANDSHAKE_TIMEOUT`].

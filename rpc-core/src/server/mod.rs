@@ -60,6 +60,7 @@ mod router;
 mod shard;
 
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -82,7 +83,7 @@ use crate::verbs::{Context, Provider, ProviderKind, ProviderVisitor};
 use crate::{Error, TransportErrorKind};
 use detect::FirstBytes;
 use router::Router;
-use shard::{ShardHandle, ShardMsg};
+use shard::{Accepted, ShardHandle, ShardMsg};
 
 /// A service the server can dispatch to. Generated `*Server<T>` types implement it; users do not
 /// need to.
@@ -791,13 +792,18 @@ async fn handshake(
     let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
     let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
     let handle = &shards[shard];
+    let control = stream.as_fd().try_clone_to_owned().ok();
+    if let Some(fd) = &control {
+        crate::fdtable::opened(fd);
+    }
     handle.send(ShardMsg::Connect {
         hello,
         peer,
+        control,
         reply: reply_tx,
         closed: closed_tx,
     });
-    let (welcome, key) = match reply_rx.await {
+    let Accepted { key, unsent } = match reply_rx.await {
         Ok(Ok(x)) => x,
         Ok(Err((code, why))) => {
             // The shard cannot take it (full, out of queue pairs or memory, a bad endpoint).
@@ -809,7 +815,17 @@ async fn handshake(
             return None;
         }
     };
-    if let Err(e) = connect::send(&mut stream, &Message::Welcome(welcome)).await {
+    // The shard wrote the Welcome (all of it, but for a client that stopped reading).
+    let sent = match unsent {
+        Ok(rest) if rest.is_empty() => Ok(()),
+        Ok(rest) => connect::send_bytes(&mut stream, &rest).await,
+        Err(e) => Err(Error::with_source(
+            TransportErrorKind::Connect,
+            "sending handshake",
+            e,
+        )),
+    };
+    if let Err(e) = sent {
         warn!("handshake with {peer} failed: {e}");
         handle.send(ShardMsg::Disconnect(key));
         return None;

@@ -5,6 +5,7 @@
 
 use crate::queue::PopIfAny;
 use std::collections::VecDeque;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -16,7 +17,7 @@ use crate::Status;
 use crate::buf::encode::MAX_PIECES;
 use crate::buf::{BulkPool, Geometry, RecvPool, SlotArena};
 use crate::call::{Calls, Record};
-use crate::connect::{Hello, Welcome};
+use crate::connect::{self, Hello, Message, Welcome};
 use crate::doorbell::Doorbell;
 use crate::link::{Lanes, Link, LinkKey, WrKind, lane_caps, wr_id};
 use crate::server::ServerConfig;
@@ -31,7 +32,7 @@ use crate::wire::{self, CallId, Role};
 
 use super::bulk::InflightOp;
 use super::grants::{FLOOR, Grants};
-use super::{POLL_BATCH, ServerConn, Shard, ShardHandle, ShardMsg, retire};
+use super::{Accepted, POLL_BATCH, ServerConn, Shard, ShardHandle, ShardMsg, retire};
 
 /// Connections the shard's CQ is first sized for (it grows with more).
 const FIRST_CQ_CONNS: u32 = 64;
@@ -213,34 +214,43 @@ pub(super) fn qp_caps(caps: &crate::verbs::Caps, peer_ring: u32, peer_calls: u32
     }
 }
 
+/// Writes `welcome` on `control` (the client's TCP socket) now, from the shard's thread: the
+/// client goes on without waiting for the acceptor's task to be woken (on a busy host, a
+/// scheduler slice) and write it. Returns what is left to send (see [`Accepted::unsent`]).
+fn send_welcome(control: Option<OwnedFd>, welcome: Welcome) -> std::io::Result<Vec<u8>> {
+    let mut bytes = connect::framed(&Message::Welcome(welcome));
+    if let Some(fd) = control {
+        let sent = connect::send_now(fd.as_fd(), &bytes)?;
+        bytes.drain(..sent);
+    }
+    Ok(bytes)
+}
+
 impl<P: Provider> Shard<P> {
     pub(super) fn drain_inbox(&mut self) -> usize {
         let mut n = 0;
-        let mut connected = false;
         while let Some(msg) = self.inbox.pop_if_any() {
             n += 1;
             match msg {
                 ShardMsg::Connect {
                     hello,
                     peer,
+                    control,
                     reply,
                     closed,
                 } => {
-                    let r = self.connect(hello, peer, closed);
+                    let r = self
+                        .connect(hello, peer, closed)
+                        .map(|(welcome, key)| Accepted {
+                            key,
+                            unsent: send_welcome(control, welcome),
+                        });
                     let _ = reply.send(r);
-                    connected = true;
                 }
                 ShardMsg::Disconnect(key) => {
                     self.close(key, &Status::unavailable("client disconnected"));
                 }
             }
-        }
-        if connected {
-            // The acceptor task that sends the Welcome was just woken, and may wait for this
-            // very core (a server on one core; a contended host): a shard that goes on
-            // spinning holds it up for a scheduler slice, milliseconds, while the client
-            // waits. A connect is rare enough for one yield.
-            std::thread::yield_now();
         }
         n
     }

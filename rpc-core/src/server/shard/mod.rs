@@ -37,7 +37,7 @@ use crossbeam_queue::SegQueue;
 
 use crate::buf::{BulkBuf, BulkPool, RecvPool, SlotArena, TaskId};
 use crate::call::{Calls, Ledger, Record, StreamIn};
-use crate::connect::{Hello, Welcome};
+use crate::connect::Hello;
 use crate::doorbell::Doorbell;
 use crate::link::{Link, LinkKey, Staged};
 use crate::server::ServerConfig;
@@ -83,12 +83,25 @@ pub(crate) enum ShardMsg {
     Connect {
         hello: Hello,
         peer: std::net::SocketAddr,
-        reply: tokio::sync::oneshot::Sender<Result<(Welcome, LinkKey), (crate::Code, String)>>,
+        /// A duplicate of the client's TCP socket, on which the shard writes the Welcome
+        /// itself: the client has it without a hand-off back to the acceptor's task first
+        /// (`None` when the acceptor could not duplicate it: the acceptor sends it).
+        control: Option<std::os::fd::OwnedFd>,
+        reply: tokio::sync::oneshot::Sender<Result<Accepted, (crate::Code, String)>>,
         /// Dropped by the shard when it closes the connection: the acceptor then closes TCP.
         closed: tokio::sync::oneshot::Sender<String>,
     },
     /// The client's TCP connection ended: drop its calls and QP.
     Disconnect(LinkKey),
+}
+
+/// A shard's answer to a [`ShardMsg::Connect`] it took.
+pub(crate) struct Accepted {
+    pub(crate) key: LinkKey,
+    /// The framed Welcome's bytes the shard did not write (all of them without a control
+    /// socket; the tail a full send buffer left), for the acceptor to send; or why writing it
+    /// failed (the client went away).
+    pub(crate) unsent: std::io::Result<Vec<u8>>,
 }
 
 /// What the acceptor and the server handle see of a shard.
