@@ -443,6 +443,7 @@ pub fn token_matches(expected: &[u8], got: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     fn ep() -> Endpoint {
         Endpoint {
@@ -604,6 +605,38 @@ mod tests {
         assert!(!token_matches(b"abc", b"abd"));
         assert!(!token_matches(b"abc", b"ab"));
         assert!(token_matches(b"", b""));
+    }
+
+    /// What the shard writes at once with `send_now` reads back as the message `recv` gets;
+    /// a socket that takes nothing more says so (0 bytes sent), and a closed peer is an error
+    /// without a signal.
+    #[tokio::test]
+    async fn framed_messages_sent_now_arrive_whole() {
+        let msg = Message::Welcome(Welcome {
+            endpoint: ep(),
+            geometry: Geometry::default(),
+            initial_credits: 4,
+            max_calls: 64,
+            shard: 1,
+            shards: 2,
+            data_endpoints: vec![ep()],
+        });
+        let bytes = framed(&msg);
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert_eq!(send_now(a.as_fd(), &bytes).unwrap(), bytes.len());
+        b.set_nonblocking(true).unwrap();
+        let mut b = tokio::net::UnixStream::from_std(b).unwrap();
+        assert_eq!(recv(&mut b).await.unwrap(), msg);
+
+        // Fill the socket's buffer: what does not fit is left to the caller, not waited for.
+        a.set_nonblocking(true).unwrap();
+        let chunk = vec![0u8; 64 << 10];
+        while send_now(a.as_fd(), &chunk).unwrap() > 0 {}
+        assert_eq!(send_now(a.as_fd(), &bytes).unwrap(), 0);
+
+        drop(b);
+        let e = send_now(a.as_fd(), &bytes).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPIPE), "{e}");
     }
 
     #[tokio::test]
