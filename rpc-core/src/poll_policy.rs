@@ -48,7 +48,10 @@
 //!
 //! Once it noticed, the loop is *contended* for a while ([`CONTENDED_FOR`], doubled up to
 //! [`MAX_CONTENDED_FOR`] when contention comes back right after it ended): it spins only
-//! [`Budget::contended_spin`] turns, then sleeps. With no new evidence it returns to full
+//! [`Budget::contended_spin`] turns, then sleeps; longer (up to [`CONTENDED_LINGER_MAX`]) while
+//! its work keeps coming as it spins, which happens when its peer has another core (see
+//! [`Spinner::work`]): there a sleep costs a wake-up the scheduler may serve a time slice
+//! late. With no new evidence it returns to full
 //! spinning when that time is up, so a quiet host gets full spinning back within
 //! [`MAX_CONTENDED_FOR`].
 //!
@@ -89,6 +92,11 @@ pub(crate) const GIVE_WAY: Duration = Duration::from_micros(20);
 /// Idle turns a contended loop spins before it sleeps: enough for two clock reads, so a
 /// contended phase can renew the evidence.
 pub(crate) const CONTENDED_SPIN: u32 = 2 * CLOCK_EVERY;
+
+/// The most idle turns a contended loop spins before it sleeps once its work has been coming
+/// while it spun (see [`Spinner::work`]): about the gap between two calls of a caller on
+/// another core (tens of microseconds).
+pub(crate) const CONTENDED_LINGER_MAX: u32 = 16 * CONTENDED_SPIN;
 
 const _: () = assert!(CONTENDED_SPIN >= 2 * CLOCK_EVERY);
 const _: () = assert!(CONTENDED_FOR.as_nanos() < MAX_CONTENDED_FOR.as_nanos());
@@ -165,7 +173,19 @@ pub(crate) struct Spinner {
     gave_way: GiveWay,
     /// A clock read happened since the last idle turn looked at `gave_way`.
     fresh: bool,
+    /// Idle turns a contended loop spins before it sleeps, at least its budget's
+    /// `contended_spin`: twice the idle turns after which work last came while it spun,
+    /// halved when it slept (see [`Spinner::work`]).
+    linger: u32,
+    /// Idle phases begun (every [`PROBE_EVERY`]th contended one lingers the longest).
+    phases: u32,
+    /// The loop was contended when this idle phase began.
+    phase_contended: bool,
 }
+
+/// Every this many idle phases a contended loop spins up to [`CONTENDED_LINGER_MAX`] turns
+/// before it sleeps, to learn whether work comes while it spins.
+pub(crate) const PROBE_EVERY: u32 = 16;
 
 impl Default for Spinner {
     fn default() -> Self {
@@ -187,11 +207,30 @@ impl Spinner {
             window: None,
             gave_way: GiveWay::new(),
             fresh: false,
+            linger: CONTENDED_SPIN,
+            phases: 0,
+            phase_contended: false,
         }
     }
 
     /// The loop did work: the next idle turn starts a new idle phase.
+    ///
+    /// A contended loop whose work came while it spun lingers next time for twice the idle
+    /// turns it took (up to [`CONTENDED_LINGER_MAX`]); one that had to sleep (see
+    /// [`Spinner::idle`]) half as long as before, and every [`PROBE_EVERY`]th phase spins the
+    /// longest to find out whether work comes meanwhile. When its peer runs on another core,
+    /// each beside a busy thread, the peer's next message comes while it spins: a sleep there
+    /// costs a wake-up that the scheduler may serve a time slice late (milliseconds;
+    /// `benches/HISTORY.md`, "The 64 KiB p99 under load"). When the peer shares its core,
+    /// nothing comes while it spins (the peer cannot run), so it goes on sleeping at once but
+    /// for the probes, and does not hold its peer up.
     pub(crate) fn work(&mut self) {
+        if self.phase_contended && self.idle > 0 {
+            self.linger = self
+                .linger
+                .max(self.idle.saturating_mul(2))
+                .min(CONTENDED_LINGER_MAX);
+        }
         self.idle = 0;
     }
 
@@ -237,6 +276,8 @@ impl Spinner {
             self.since_clock = 0;
             self.gave_way = GiveWay::new();
             self.fresh = false;
+            self.phases = self.phases.wrapping_add(1);
+            self.phase_contended = self.contended;
         }
         self.idle = self.idle.saturating_add(1);
         self.since_clock += 1;
@@ -253,9 +294,15 @@ impl Spinner {
             return Wait::Yield;
         }
         if self.contended {
-            if self.idle <= budget.contended_spin {
+            let linger = if self.phases.is_multiple_of(PROBE_EVERY) {
+                CONTENDED_LINGER_MAX
+            } else {
+                self.linger
+            };
+            if self.idle <= budget.contended_spin.max(linger) {
                 Wait::Spin
             } else {
+                self.linger = (self.linger / 2).max(budget.contended_spin);
                 Wait::Sleep
             }
         } else if self.idle <= budget.spin {
@@ -671,6 +718,69 @@ mod tests {
         s.work();
         assert_eq!(turns(&mut s, &b, &mut c, CONTENDED_SPIN, TURN), Wait::Spin);
         assert_eq!(turns(&mut s, &b, &mut c, 1, TURN), Wait::Sleep);
+    }
+
+    /// One contended idle phase whose work comes after `work_after` idle turns (`None`: never):
+    /// whether the loop slept before it came. A sleep is taken as woken at once.
+    fn contended_phase(
+        s: &mut Spinner,
+        b: &Budget,
+        c: &mut Clock,
+        work_after: Option<u32>,
+    ) -> bool {
+        for i in 1.. {
+            if Some(i) == work_after {
+                s.work();
+                return false;
+            }
+            if turns(s, b, c, 1, TURN) == Wait::Sleep {
+                s.woke(c.now, Duration::ZERO, c.now);
+                return true;
+            }
+            if work_after.is_none() && i > CONTENDED_LINGER_MAX + 1 {
+                unreachable!("a contended phase spun past its longest linger");
+            }
+        }
+        unreachable!()
+    }
+
+    #[test]
+    fn a_contended_loop_lingers_while_its_work_comes_as_it_spins() {
+        let b = Budget::BUSY;
+        let contended = || {
+            let (mut s, mut c) = (Spinner::new(), Clock::new());
+            turns(&mut s, &b, &mut c, 1000, TURN);
+            gap(&mut s, &b, &mut c, Duration::from_millis(3));
+            s.work();
+            assert!(s.is_contended());
+            (s, c)
+        };
+        // The peer on another core: its next message comes 100 idle turns into each phase.
+        // The loop sleeps first (its budget is 32 turns), until a probe lingers long enough
+        // to see the message come; from then on it spins through the gap.
+        let (mut s, mut c) = contended();
+        let slept: Vec<bool> = (0..3 * PROBE_EVERY)
+            .map(|_| contended_phase(&mut s, &b, &mut c, Some(100)))
+            .collect();
+        let first_caught = slept
+            .iter()
+            .position(|&x| !x)
+            .expect("a probe caught the work");
+        assert!(first_caught < PROBE_EVERY as usize, "{slept:?}");
+        assert!(slept[first_caught..].iter().all(|&x| !x), "{slept:?}");
+        assert!(s.is_contended());
+
+        // The peer on this core: nothing comes while the loop spins. It sleeps after its
+        // budget but for one probe in PROBE_EVERY phases.
+        let (mut s, mut c) = contended();
+        let mut spun = 0;
+        for _ in 0..2 * PROBE_EVERY {
+            let before = c.now;
+            assert!(contended_phase(&mut s, &b, &mut c, None));
+            spun += u32::try_from((c.now - before).as_nanos() / TURN.as_nanos()).unwrap();
+        }
+        let most = 2 * PROBE_EVERY * (CONTENDED_SPIN + 1) + 2 * CONTENDED_LINGER_MAX;
+        assert!(spun <= most, "spun {spun} turns, at most {most}");
     }
 
     #[test]
