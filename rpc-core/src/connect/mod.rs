@@ -345,9 +345,13 @@ pub(crate) async fn send_bytes<S: AsyncWriteExt + Unpin>(
     stream: &mut S,
     bytes: &[u8],
 ) -> Result<(), Error> {
-    let failed = |e| Error::with_source(TransportErrorKind::Connect, "sending handshake", e);
-    stream.write_all(bytes).await.map_err(failed)?;
-    stream.flush().await.map_err(failed)
+    stream.write_all(bytes).await.map_err(send_failed)?;
+    stream.flush().await.map_err(send_failed)
+}
+
+/// The error of a handshake message that could not be sent.
+pub(crate) fn send_failed(e: std::io::Error) -> Error {
+    Error::with_source(TransportErrorKind::Connect, "sending handshake", e)
 }
 
 /// `msg` with its length prefix: the bytes [`send`] writes.

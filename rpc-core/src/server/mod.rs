@@ -819,11 +819,7 @@ async fn handshake(
     let sent = match unsent {
         Ok(rest) if rest.is_empty() => Ok(()),
         Ok(rest) => connect::send_bytes(&mut stream, &rest).await,
-        Err(e) => Err(Error::with_source(
-            TransportErrorKind::Connect,
-            "sending handshake",
-            e,
-        )),
+        Err(e) => Err(connect::send_failed(e)),
     };
     if let Err(e) = sent {
         warn!("handshake with {peer} failed: {e}");

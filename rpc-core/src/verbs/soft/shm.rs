@@ -162,15 +162,20 @@ pub(crate) fn add_seals(fd: BorrowedFd<'_>, seals: libc::c_int) -> io::Result<()
     Ok(())
 }
 
-/// Size of the file behind `fd`.
-pub(crate) fn file_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
+/// `fstat` of the file behind `fd`.
+fn stat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
     // SAFETY: `stat` is plain data; zeroed is a valid value and fstat overwrites it.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is a valid out-pointer for the duration of the call.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    u64::try_from(st.st_size).map_err(|_| io::Error::other("negative file size"))
+    Ok(st)
+}
+
+/// Size of the file behind `fd`.
+pub(crate) fn file_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    u64::try_from(stat(fd)?.st_size).map_err(|_| io::Error::other("negative file size"))
 }
 
 /// The seals of a memfd (`F_GET_SEALS`).
@@ -344,13 +349,7 @@ pub(crate) fn is_eventfd(fd: BorrowedFd<'_>) -> bool {
 
 /// The (device, inode) of the file behind `fd`.
 fn inode_of(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
-    // SAFETY: `stat` is plain data; zeroed is a valid value and fstat overwrites it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `st` is a valid out-pointer for the duration of the call.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return None;
-    }
-    Some((st.st_dev, st.st_ino))
+    stat(fd).ok().map(|st| (st.st_dev, st.st_ino))
 }
 
 /// Adds one to the eventfd `fd` (ours or a duplicate of a peer's). Errors are ignored: a full
