@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use super::counters::QpCounters;
 use super::layout::{self, mr, qp, qp_in, rcqe};
 use super::mr::LocalMr;
-use super::peer::{MapError, Peer};
+use super::peer::{MapError, Peer, SharedRing};
 use super::qp::shared_claim_next;
 use super::shm::{self, CmaDir, Mapping};
 use super::{CAPS, Device, vendor};
@@ -455,12 +455,18 @@ impl Conn {
             return Err(corrupt("receive queue index offsets"));
         }
         if shared_rq {
-            peer.populate_shared_ring(
-                rq_wqe,
-                depth as usize * stride,
-                rq_cqe,
-                depth as usize * layout::RCQE,
-            );
+            let head = peer
+                .inbox
+                .u64_at(rq_claim)
+                .map_or(0, |w| layout::claim_index(w.load(Ordering::Acquire)));
+            let ring = SharedRing {
+                wqe: rq_wqe,
+                stride,
+                cqe: rq_cqe,
+                depth,
+                head,
+            };
+            peer.populate_shared_ring(&ring);
         }
         let cq = rd32(qp::RECV_CQ) as usize;
         let bit = rd32(qp::RECV_BIT) as usize;

@@ -27,7 +27,10 @@
 //!   ring; completions name the QP the message arrived on. A claim names its QP in the same
 //!   compare-and-swap, so a receive claimed by a peer that then died is flushed (naming that
 //!   QP) once the QP is in ERROR, and a live peer's claim never is. Limit: every QP of an SRQ
-//!   uses the SRQ's receive CQ.
+//!   uses the SRQ's receive CQ. A peer's process maps the SRQ's rings (megabytes) in ahead of
+//!   its SENDs: the stretch they reach first while it connects, the rest on a helper thread
+//!   at the lowest priority, so the data path takes no page faults and a connect does not
+//!   wait for the whole rings.
 //! - Completions: see [`SoftCq`] (per-QP single-producer rings and a shared ready bitmap; CQ
 //!   overrun is prevented by sizing at [`Pd::create_qp`]).
 //!
@@ -98,6 +101,7 @@ pub mod fault;
 mod layout;
 mod mr;
 mod peer;
+mod populate;
 mod qp;
 mod shm;
 mod srq;

@@ -9,6 +9,7 @@ use std::thread::JoinHandle;
 
 use super::channel::ChannelInner;
 use super::layout::{self, hdr};
+use super::populate;
 use super::shm::{self, EventFd, Mapping};
 use super::{Device, ErrorKind, Result, Verb, VerbsError};
 
@@ -117,6 +118,49 @@ pub(crate) struct Peer {
     /// The peer's shared receive rings already mapped in ([`Peer::populate_shared_ring`]), by
     /// their offsets.
     populated: Mutex<Vec<(usize, usize)>>,
+}
+
+/// Entries of a peer's shared receive queue mapped in while a QP of ours connects to it
+/// ([`Peer::populate_shared_ring`]): 128 KiB of each ring of the default pool's SRQ, what
+/// the next 4096 SENDs into it reach.
+pub(crate) const POPULATE_AHEAD: u32 = 4096;
+
+/// Where a peer's shared receive queue lies: its WQE ring (`depth` entries of `stride` bytes
+/// at `wqe` in the published segment), its completion ring (`depth` entries of
+/// [`layout::RCQE`] bytes at `cqe` in the inbox), and the entry the next SEND claims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SharedRing {
+    pub(crate) wqe: usize,
+    pub(crate) stride: usize,
+    pub(crate) cqe: usize,
+    /// Entries in each ring (a power of two).
+    pub(crate) depth: u32,
+    /// The claim index (any lap).
+    pub(crate) head: u32,
+}
+
+impl SharedRing {
+    /// The entries in the order SENDs reach them, as runs (first entry, entries): up to
+    /// [`POPULATE_AHEAD`] from the head on, not past the ring's end; the rest up to the end;
+    /// the start of the ring up to the head. Runs may be empty.
+    pub(crate) fn runs(&self) -> [(u32, u32); 3] {
+        let first = self.head & (self.depth - 1);
+        let now = POPULATE_AHEAD.min(self.depth - first);
+        [
+            (first, now),
+            (first + now, self.depth - first - now),
+            (0, first),
+        ]
+    }
+
+    /// The bytes of `run` in each ring: ((WQE offset, length), (completion offset, length)).
+    pub(crate) fn bytes(&self, (first, n): (u32, u32)) -> ((usize, usize), (usize, usize)) {
+        let (first, n) = (first as usize, n as usize);
+        (
+            (self.wqe + first * self.stride, n * self.stride),
+            (self.cqe + first * layout::RCQE, n * layout::RCQE),
+        )
+    }
 }
 
 /// Why mapping a peer's region failed.
@@ -261,34 +305,44 @@ impl Peer {
         })
     }
 
-    /// The mapping of the peer's shm region in `slot` with key `key`, whose owner-side
-    /// descriptor is `fd` and length `len`. Slow path (first access): maps and caches.
     /// Maps in, once per ring, the pages of a shared receive queue of the peer that a QP of
-    /// ours connects to: its WQE ring `[wqe, wqe + wqe_len)` in the published segment and its
-    /// completion ring `[cqe, cqe + cqe_len)` in the inbox. An SRQ's rings span megabytes, and
-    /// our SENDs walk all of them before they wrap: unmapped, every few hundred SENDs would
-    /// take a page fault. (An offset reused by a later SRQ is not done again: a hint only.)
-    pub(crate) fn populate_shared_ring(
-        &self,
-        wqe: usize,
-        wqe_len: usize,
-        cqe: usize,
-        cqe_len: usize,
-    ) {
+    /// ours connects to: its WQE ring in the published segment and its completion ring in the
+    /// inbox ([`SharedRing`]). An SRQ's rings span megabytes, and our SENDs walk all of them
+    /// before they wrap: unmapped, every few hundred SENDs would take a page fault. Mapping
+    /// both rings whole takes about half a millisecond of CPU, so the connect maps only the
+    /// [`POPULATE_AHEAD`] entries from the queue's claim position on (where our first SENDs
+    /// land) and queues the rest, nearest pages first, for a helper thread at the lowest
+    /// priority ([`populate`]). (An offset reused by a later SRQ is not done again: a hint
+    /// only.)
+    pub(crate) fn populate_shared_ring(&self, ring: &SharedRing) {
         {
             let mut done = self.populated.lock().unwrap_or_else(|e| e.into_inner());
-            if done.contains(&(wqe, cqe)) {
+            if done.contains(&(ring.wqe, ring.cqe)) {
                 return;
             }
             if done.len() >= 64 {
                 done.clear();
             }
-            done.push((wqe, cqe));
+            done.push((ring.wqe, ring.cqe));
         }
-        self.pub_map.populate(wqe, wqe_len);
-        self.inbox.populate(cqe, cqe_len);
+        let [now, later @ ..] = ring.runs();
+        self.populate_entries(ring, now);
+        for run in later.into_iter().filter(|r| r.1 > 0) {
+            let (w, c) = ring.bytes(run);
+            populate::later(&self.pub_map, w.0, w.1);
+            populate::later(&self.inbox, c.0, c.1);
+        }
     }
 
+    /// Maps in `run` (first entry, entries) of both rings of `ring` now.
+    fn populate_entries(&self, ring: &SharedRing, run: (u32, u32)) {
+        let ((w, wl), (c, cl)) = ring.bytes(run);
+        self.pub_map.populate(w, wl);
+        self.inbox.populate(c, cl);
+    }
+
+    /// The mapping of the peer's shm region in `slot` with key `key`, whose owner-side
+    /// descriptor is `fd` and length `len`. Slow path (first access): maps and caches.
     pub(crate) fn map_mr(
         &self,
         slot: u32,
@@ -674,6 +728,45 @@ mod tests {
         };
         assert_eq!(ino(fd as i32), ino(std::os::fd::AsRawFd::as_raw_fd(&dup)));
         assert!(live.dup_fd(dev.pid, u32::MAX).is_err());
+    }
+
+    #[test]
+    fn a_shared_ring_is_mapped_from_its_head_on_nearest_first() {
+        let ring = |depth, head| SharedRing {
+            wqe: 1 << 20,
+            stride: 32,
+            cqe: 2 << 20,
+            depth,
+            head,
+        };
+        assert_eq!(
+            ring(65_536, 0).runs(),
+            [
+                (0, POPULATE_AHEAD),
+                (POPULATE_AHEAD, 65_536 - POPULATE_AHEAD),
+                (0, 0)
+            ]
+        );
+        // A later lap, near the end: the connect maps up to the end, the helper the start of
+        // the ring first (what the SENDs reach next).
+        assert_eq!(
+            ring(65_536, 65_536 + 65_000).runs(),
+            [(65_000, 536), (65_536, 0), (0, 65_000)]
+        );
+        // A ring smaller than the window is mapped whole from its head to its end now.
+        assert_eq!(ring(1024, 5).runs(), [(5, 1019), (1024, 0), (0, 5)]);
+        for (depth, head) in [(65_536, 77), (4096, 4095), (1 << 14, 123_456)] {
+            let r = ring(depth, head);
+            assert_eq!(r.runs().iter().map(|x| x.1).sum::<u32>(), depth);
+        }
+        let r = ring(65_536, 10);
+        assert_eq!(
+            r.bytes((10, 4)),
+            (
+                ((1 << 20) + 320, 128),
+                ((2 << 20) + 10 * layout::RCQE, 4 * layout::RCQE)
+            )
+        );
     }
 
     #[test]
