@@ -44,10 +44,10 @@ pub(crate) fn later(map: &Arc<Mapping>, off: usize, len: usize) {
     let started = std::thread::Builder::new()
         .name("soft-rnic-populate".into())
         .stack_size(64 << 10)
-        .spawn(run);
+        .spawn(helper);
     if started.is_err() {
-        // Done by the caller: each range is taken once, so a late helper finds none.
-        run();
+        // Done by the caller, at its own priority: each range is taken once.
+        drain();
     }
 }
 
@@ -67,8 +67,8 @@ fn touch(map: &Mapping, off: usize, len: usize) {
     }
 }
 
-/// The helper: lowest priority, then the queue until it is empty.
-fn run() {
+/// The helper thread: lowest priority, then the queue until it is empty.
+fn helper() {
     // SAFETY: `gettid` and `setpriority` on this thread's id (Linux keeps a nice value per
     // thread) only lower this thread's own priority; a refusal leaves it at the default,
     // which only costs a busy host a little more.
@@ -76,6 +76,11 @@ fn run() {
         let tid = libc::gettid();
         libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
     }
+    drain();
+}
+
+/// Maps the queued ranges in, in order, until none is left; then no helper runs.
+fn drain() {
     loop {
         let next = {
             let mut q = QUEUE.lock().unwrap_or_else(|e| e.into_inner());
