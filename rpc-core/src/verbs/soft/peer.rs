@@ -326,19 +326,14 @@ impl Peer {
             done.push((ring.wqe, ring.cqe));
         }
         let [now, later @ ..] = ring.runs();
-        self.populate_entries(ring, now);
+        let (w, c) = ring.bytes(now);
+        self.pub_map.populate(w.0, w.1);
+        self.inbox.populate(c.0, c.1);
         for run in later.into_iter().filter(|r| r.1 > 0) {
             let (w, c) = ring.bytes(run);
             populate::later(&self.pub_map, w.0, w.1);
             populate::later(&self.inbox, c.0, c.1);
         }
-    }
-
-    /// Maps in `run` (first entry, entries) of both rings of `ring` now.
-    fn populate_entries(&self, ring: &SharedRing, run: (u32, u32)) {
-        let ((w, wl), (c, cl)) = ring.bytes(run);
-        self.pub_map.populate(w, wl);
-        self.inbox.populate(c, cl);
     }
 
     /// The mapping of the peer's shm region in `slot` with key `key`, whose owner-side
