@@ -9,6 +9,9 @@
 //! thread per process, started on demand at nice 19, maps the queued ranges in order and
 //! ends when none is left. It takes an idle core's time, or a small share of a busy one:
 //! pages it has not reached yet fault on first touch as they would without it.
+//!
+//! The queue names the process whose helper runs: a child forked while its parent's helper
+//! ran inherits the queue, but not the thread, and starts a helper of its own.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,15 +19,15 @@ use std::sync::{Arc, Mutex};
 
 use super::shm::{self, Mapping};
 
-/// Ranges waiting to be mapped in, and whether the helper thread runs.
+/// Ranges waiting to be mapped in, and the process whose helper thread runs (none: 0).
 struct Queue {
     ranges: VecDeque<(Arc<Mapping>, usize, usize)>,
-    running: bool,
+    running: u32,
 }
 
 static QUEUE: Mutex<Queue> = Mutex::new(Queue {
     ranges: VecDeque::new(),
-    running: false,
+    running: 0,
 });
 
 /// Ranges mapped in by [`later`] so far (tests wait on it).
@@ -36,10 +39,13 @@ static DONE: AtomicU64 = AtomicU64::new(0);
 pub(crate) fn later(map: &Arc<Mapping>, off: usize, len: usize) {
     let mut q = QUEUE.lock().unwrap_or_else(|e| e.into_inner());
     q.ranges.push_back((Arc::clone(map), off, len));
-    if q.running {
+    let me = std::process::id();
+    if q.running == me {
         return;
     }
-    q.running = true;
+    // None runs, or the one that runs is a parent's (this process is a child forked while it
+    // ran, and has no such thread).
+    q.running = me;
     drop(q);
     let started = std::thread::Builder::new()
         .name("soft-rnic-populate".into())
@@ -86,7 +92,7 @@ fn drain() {
             let mut q = QUEUE.lock().unwrap_or_else(|e| e.into_inner());
             let next = q.ranges.pop_front();
             if next.is_none() {
-                q.running = false;
+                q.running = 0;
             }
             next
         };
@@ -124,7 +130,7 @@ mod tests {
         later(&map, LEN / 2, LEN / 2);
         let start = Instant::now();
         // Other tests may queue ranges too: at least ours are done then (in order).
-        while DONE.load(Ordering::Acquire) < before + 2 || QUEUE.lock().unwrap().running {
+        while DONE.load(Ordering::Acquire) < before + 2 || QUEUE.lock().unwrap().running != 0 {
             assert!(
                 start.elapsed() < Duration::from_secs(60),
                 "the helper never mapped the ranges in"
@@ -141,5 +147,40 @@ mod tests {
             "writing {} pages the helper mapped in took {faults} page faults",
             LEN / shm::PAGE
         );
+    }
+
+    /// A child forked while its parent's helper ran sees the queue say a helper runs, in the
+    /// parent: it starts its own (simulated here with another process's id in the queue).
+    #[test]
+    fn a_child_forked_while_the_helper_ran_starts_its_own() {
+        const LEN: usize = 256 << 10;
+        let fd = shm::memfd("populate-fork-test", LEN as u64).unwrap();
+        let map = Arc::new(Mapping::map(fd.as_fd(), LEN, true).unwrap());
+        let parent = std::process::id().wrapping_add(1).max(1);
+        let start = Instant::now();
+        // Other tests' helpers may run now: wait until none does, then pose as the child.
+        loop {
+            let mut q = QUEUE.lock().unwrap();
+            if q.running == 0 {
+                q.running = parent;
+                break;
+            }
+            drop(q);
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "a helper never ended"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let before = DONE.load(Ordering::Acquire);
+        later(&map, 0, LEN);
+        while DONE.load(Ordering::Acquire) == before {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "with the parent's helper named in the queue, the range was never mapped in"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_ne!(QUEUE.lock().unwrap().running, parent);
     }
 }
