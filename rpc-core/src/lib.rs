@@ -134,7 +134,7 @@ pub mod testing {
 }
 pub use client::{
     Balancer, Channel, ChannelBuilder, ClientPoller, Lease, Pipeline, Region, RegisteredBytes,
-    RegisteredBytesMut, RetryPolicy,
+    RegisteredBytesMut, RetryPolicy, SendSlots,
 };
 pub use error::{Error, TransportErrorKind};
 /// The `Stream` trait streaming methods take and return (`futures_core::Stream`), re-exported

@@ -139,6 +139,71 @@ async fn open_and_serve(srv: &TestServer, n: usize) -> Vec<rpc_core::Channel> {
     chans
 }
 
+/// The channels of a process take their send slots from one pool, registered as their calls
+/// need them, not 128 slots (1 MiB) registered per channel: a hundred channels with four calls
+/// each in flight register a few chunks of slots, each channel stays within its cap, and
+/// every slot comes back. Runs on every provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channels_take_their_send_slots_from_one_pool() {
+    // A slot size no other test of this process uses: a pool of these channels' own (the
+    // process keeps one per slot size), which the other tests' calls do not grow meanwhile.
+    const SLOT: u32 = 8128;
+    let srv = TestServer::start().await;
+    let geometry = rpc_core::Geometry {
+        slot_size: SLOT,
+        ..rpc_core::Geometry::default()
+    };
+    let mut chans = Vec::new();
+    for i in 0..100 {
+        let connect = srv
+            .builder()
+            .poller(ClientPoller::Caller)
+            .geometry(geometry)
+            .connect();
+        let ch = within(Duration::from_secs(20), "connect", connect)
+            .await
+            .unwrap_or_else(|e| panic!("connection {i} refused: {e}"));
+        echo_seq(&ch, i).await;
+        chans.push(ch);
+    }
+    let all = chans
+        .iter()
+        .enumerate()
+        .flat_map(|(i, ch)| (0..4).map(move |k| echo_seq(ch, 100_000 + 4 * i as u64 + k)));
+    within(
+        Duration::from_secs(60),
+        "4 calls at once on every channel",
+        futures_util::future::join_all(all),
+    )
+    .await;
+    let s = chans[0].send_slots();
+    assert_eq!((s.cap, s.slot_size), (128, SLOT), "{s:?}");
+    // Four calls at once on each of 100 channels: at most 400 requests staged at a time.
+    assert!(
+        s.registered >= 32 && s.registered <= 448,
+        "100 channels registered {} send slots (one arena each: 12,800)",
+        s.registered
+    );
+    for (i, ch) in chans.iter().enumerate() {
+        let t = ch.send_slots();
+        assert_eq!(
+            t.registered, s.registered,
+            "channel {i} has a pool of its own: {t:?}"
+        );
+        assert!(t.held <= t.cap, "channel {i}: {t:?}");
+    }
+    // Idle again, and calls made once more: the slots came back (the pool did not grow).
+    for (i, ch) in chans.iter().enumerate() {
+        echo_seq(ch, 500_000 + i as u64).await;
+    }
+    let after = chans[99].send_slots();
+    assert_eq!(after.registered, s.registered, "{after:?}");
+    assert!(
+        after.free + 100 >= after.registered,
+        "slots still held after every call ended: {after:?}"
+    );
+}
+
 /// A server with default settings holds hundreds of connections on one shard, past the old
 /// walls (64 connections by default; 140 when raised, where the CQ sized for the sum of its
 /// QPs' worst cases ran out; about 90 on Soft-RoCE, whose CQs hold 32,767 entries): its CQ

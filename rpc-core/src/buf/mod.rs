@@ -2,7 +2,9 @@
 //!
 //! - [`slots`]: a connection's arena carved into send and receive slot rings, with receive-slot
 //!   guards that repost their RECV when dropped.
-//! - `stack`: the lock-free LIFO of an arena's free send slots (the warmest slot first).
+//! - [`sends`]: registered send slots, in chunks, shared by the connections that send from
+//!   them (a server shard's, a client process's channels on one device).
+//! - `stack`: the lock-free LIFO of a pool's free send slots (the warmest slot first).
 //! - [`pool`]: a server shard's receive slots, shared by its connections through one SRQ.
 //! - [`bulk`]: the pool of registered buffers for rendezvous payloads and landing zones.
 //! - [`decode`]: a `Buf` that decodes prost messages from registered memory, borrowing it for
@@ -14,6 +16,7 @@ pub mod decode;
 pub mod encode;
 pub mod handoff;
 pub mod pool;
+pub mod sends;
 pub mod slots;
 mod stack;
 pub mod task;

@@ -1,7 +1,9 @@
-//! One registered arena per connection, carved into fixed-size send and receive slots.
+//! A connection's slots: its receive slots (one registered region) and the send slots it
+//! takes from a [`SendPool`] (see [`super::sends`]: its own, its shard's, or its process's).
 //!
 //! ```text
-//! arena (one MR, LOCAL_WRITE):  [ send 0 | send 1 | ... | send S-1 | recv 0 | ... | recv R-1 ]
+//! receive slots (one MR, LOCAL_WRITE):  [ recv 0 | recv 1 | ... | recv R-1 ]
+//! send slots (the pool's chunks):       [ send 0 | send 1 | ... ] [ ... ] ...
 //! ```
 //!
 //! Ownership of a slot moves between the runtime and the NIC and is never shared:
@@ -17,7 +19,7 @@
 //!   counts once in the lending budget however many of its frames are kept.
 //!
 //! Both are lock-free (the repost queue is `crossbeam-queue`'s); nothing here allocates after
-//! construction.
+//! construction (a growing send pool registers a chunk when it first runs out).
 
 use crate::queue::PopIfAny;
 use std::fmt;
@@ -26,7 +28,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use crossbeam_queue::ArrayQueue;
 
-use super::stack::SlotStack;
+use super::sends::SendPool;
 use crate::verbs::{Access, Mr, Pd, Provider, Result, Sge};
 
 /// Sizes of a connection's slot rings.
@@ -55,10 +57,6 @@ impl Geometry {
             && (1..=Self::MAX_SLOTS).contains(&self.send_slots)
             && (1..=Self::MAX_SLOTS).contains(&self.recv_slots)
     }
-
-    fn arena_len(&self) -> usize {
-        self.slot_size as usize * (self.send_slots as usize + self.recv_slots as usize)
-    }
 }
 
 impl Default for Geometry {
@@ -71,13 +69,19 @@ impl Default for Geometry {
     }
 }
 
-/// The registered slot memory of one connection and its two free/repost queues. Shared (in an
-/// `Arc`) by the connection's driver and every [`RecvSlot`] guard, so the memory outlives any
-/// guard still held by user code after the connection is gone.
+/// The slot memory of one connection: its receive slots (one MR) with their repost queue, and
+/// the send slots it takes from a [`SendPool`] (its own, a server shard's, or its process's,
+/// counted against a cap). Shared (in an `Arc`) by the connection's driver and every
+/// [`RecvSlot`] guard, so the memory outlives any guard still held by user code after the
+/// connection is gone.
 pub struct SlotArena<P: Provider> {
-    mr: P::Mr,
+    /// The receive slots (none for a shard's arena, which receives through its pool).
+    recv_mr: Option<P::Mr>,
     geometry: Geometry,
-    free_send: SlotStack,
+    sends: Arc<SendPool<P>>,
+    /// Send slots taken and not back, counted only under a cap (`cap != u32::MAX`).
+    held: AtomicU32,
+    cap: u32,
     repost: ArrayQueue<u32>,
     /// Receive slots lent out of the ring (kept by user `Bytes` or unread stream messages).
     lent: AtomicU32,
@@ -86,13 +90,9 @@ pub struct SlotArena<P: Provider> {
     /// Per receive slot shared by several guards (a batch): the live guards, and [`LENT`]
     /// when the slot is counted in `lent`. Zero, untouched, for a slot with one guard.
     shares: Box<[AtomicU32]>,
-    /// Per send slot: the send slot of the next frame coalesced into the same SEND, or
-    /// [`NO_SLOT`] (see [`SlotArena::chain`]). Written and read by the slot's owner only.
-    next: Box<[AtomicU32]>,
 }
 
-/// No next slot in a SEND's chain of send slots.
-pub const NO_SLOT: u32 = u32::MAX;
+pub use super::sends::NO_SLOT;
 
 /// In a receive slot's share count: the slot is counted in the lending budget.
 const LENT: u32 = 1 << 31;
@@ -112,22 +112,48 @@ pub(crate) fn lending_budget(recv_slots: u32) -> u32 {
     recv_slots / 2
 }
 
+fn invalid(what: &'static str) -> crate::verbs::VerbsError {
+    crate::verbs::VerbsError::new(
+        crate::verbs::Verb::AllocMr,
+        crate::verbs::ErrorKind::InvalidArgument,
+        what,
+    )
+}
+
 impl<P: Provider> SlotArena<P> {
-    /// Allocates and registers the arena (local access only: slots are reached by SEND/RECV,
-    /// never by a peer's one-sided operation). All send slots start free; all receive slots
-    /// start on the repost queue, so the driver's first batch posts them.
+    /// Allocates and registers the arena with send slots of its own (local access only:
+    /// slots are reached by SEND/RECV, never by a peer's one-sided operation). All send slots
+    /// start free; all receive slots start on the repost queue, so the driver's first batch
+    /// posts them.
     ///
     /// # Errors
     /// When the geometry is invalid or registration fails.
+    #[cfg(test)]
     pub fn new(pd: &P::Pd, geometry: Geometry) -> Result<Arc<SlotArena<P>>> {
         if !geometry.is_valid() {
-            return Err(crate::verbs::VerbsError::new(
-                crate::verbs::Verb::AllocMr,
-                crate::verbs::ErrorKind::InvalidArgument,
-                "slot geometry out of range",
+            return Err(invalid("slot geometry out of range"));
+        }
+        let sends = SendPool::fixed(pd, geometry.slot_size, geometry.send_slots)?;
+        Self::alloc(pd, geometry, sends, u32::MAX)
+    }
+
+    /// An arena whose send slots come from `sends`, shared with other connections (a client
+    /// process's channels on one device): this connection holds at most
+    /// `geometry.send_slots` of them at once.
+    ///
+    /// # Errors
+    /// When the geometry is invalid, does not match the pool's slots, or registration fails.
+    pub fn with_sends(
+        pd: &P::Pd,
+        geometry: Geometry,
+        sends: Arc<SendPool<P>>,
+    ) -> Result<Arc<SlotArena<P>>> {
+        if !geometry.is_valid() || sends.slot_size() != geometry.slot_size {
+            return Err(invalid(
+                "slot geometry out of range, or not the send pool's",
             ));
         }
-        Self::alloc(pd, geometry)
+        Self::alloc(pd, geometry, sends, geometry.send_slots)
     }
 
     /// An arena of send slots only, shared by the connections of a server shard (which
@@ -147,101 +173,145 @@ impl<P: Provider> SlotArena<P> {
         })
         .is_valid()
         {
-            return Err(crate::verbs::VerbsError::new(
-                crate::verbs::Verb::AllocMr,
-                crate::verbs::ErrorKind::InvalidArgument,
-                "send slot sizes out of range",
-            ));
+            return Err(invalid("send slot sizes out of range"));
         }
-        Self::alloc(pd, geometry)
+        let sends = SendPool::fixed(pd, slot_size, send_slots)?;
+        Self::alloc(pd, geometry, sends, u32::MAX)
     }
 
-    fn alloc(pd: &P::Pd, geometry: Geometry) -> Result<Arc<SlotArena<P>>> {
-        let mr = pd.alloc_mr(geometry.arena_len(), Access::LOCAL_WRITE)?;
-        let free_send = SlotStack::full(geometry.send_slots);
+    fn alloc(
+        pd: &P::Pd,
+        geometry: Geometry,
+        sends: Arc<SendPool<P>>,
+        cap: u32,
+    ) -> Result<Arc<SlotArena<P>>> {
+        let recv_mr = match geometry.recv_slots {
+            0 => None,
+            n => Some(pd.alloc_mr(
+                geometry.slot_size as usize * n as usize,
+                Access::LOCAL_WRITE,
+            )?),
+        };
         let repost = ArrayQueue::new(geometry.recv_slots.max(1) as usize);
         for i in 0..geometry.recv_slots {
             let _ = repost.push(i);
         }
         Ok(Arc::new(SlotArena {
-            mr,
+            recv_mr,
             geometry,
-            free_send,
+            sends,
+            held: AtomicU32::new(0),
+            cap,
             repost,
             lent: AtomicU32::new(0),
             lend_max: lending_budget(geometry.recv_slots),
             shares: (0..geometry.recv_slots)
                 .map(|_| AtomicU32::new(0))
                 .collect(),
-            next: (0..geometry.send_slots)
-                .map(|_| AtomicU32::new(NO_SLOT))
-                .collect(),
         }))
     }
 
-    /// The geometry.
+    /// The geometry (for an arena with shared send slots, `send_slots` is its cap).
     pub fn geometry(&self) -> Geometry {
         self.geometry
     }
 
-    fn offset_send(&self, idx: u32) -> usize {
-        debug_assert!(idx < self.geometry.send_slots);
-        idx as usize * self.geometry.slot_size as usize
+    /// Send slots this connection holds (counted under a cap only; 0 else).
+    pub fn held_sends(&self) -> u32 {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// The pool the send slots come from.
+    pub fn send_pool(&self) -> &Arc<SendPool<P>> {
+        &self.sends
+    }
+
+    fn recv_base(&self) -> (*mut u8, u64, u32) {
+        match &self.recv_mr {
+            Some(mr) => (mr.as_ptr(), mr.addr(), mr.lkey()),
+            None => (std::ptr::null_mut(), 0, 0),
+        }
     }
 
     fn offset_recv(&self, idx: u32) -> usize {
         debug_assert!(idx < self.geometry.recv_slots);
-        (self.geometry.send_slots as usize + idx as usize) * self.geometry.slot_size as usize
+        idx as usize * self.geometry.slot_size as usize
     }
 
-    /// Takes a free send slot; `None` when all are in flight (back-pressure).
+    /// Takes a free send slot; `None` when this connection holds its cap, or the pool has
+    /// none (back-pressure).
+    #[inline]
     pub fn take_send(&self) -> Option<u32> {
-        self.free_send.pop()
+        if self.cap == u32::MAX {
+            return self.sends.take();
+        }
+        if self.held.fetch_add(1, Ordering::Relaxed) >= self.cap {
+            self.held.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        let s = self.sends.take();
+        if s.is_none() {
+            self.held.fetch_sub(1, Ordering::Relaxed);
+        }
+        s
     }
 
-    /// Returns a send slot whose send completed.
-    pub fn release_send(&self, idx: u32) {
-        debug_assert!(idx < self.geometry.send_slots);
-        self.free_send.push(idx);
-    }
-
-    /// Chains send slot `next` after send slot `slot` (`NO_SLOT`: `slot` is the last) in a
-    /// SEND that coalesces several frames; read back with [`SlotArena::next_in_chain`] when the
-    /// SEND completes. The caller owns `slot`.
-    pub fn chain(&self, slot: u32, next: u32) {
-        if let Some(n) = self.next.get(slot as usize) {
-            n.store(next, Ordering::Relaxed);
+    /// `n` send slots went back to the pool.
+    #[inline]
+    fn gave(&self, n: u32) {
+        if self.cap != u32::MAX {
+            self.held.fetch_sub(n, Ordering::Relaxed);
         }
     }
 
-    /// The slot chained after send slot `slot` ([`SlotArena::chain`]), or `NO_SLOT`.
-    pub fn next_in_chain(&self, slot: u32) -> u32 {
-        self.next
-            .get(slot as usize)
-            .map_or(NO_SLOT, |n| n.load(Ordering::Relaxed))
+    /// Returns a send slot whose send completed.
+    #[inline]
+    pub fn release_send(&self, idx: u32) {
+        self.sends.release(idx);
+        self.gave(1);
+    }
+
+    /// Chains send slot `next` after send slot `slot` (`NO_SLOT`: `slot` is the last) in a
+    /// SEND that coalesces several frames; followed by [`SlotArena::release_chain`] when the
+    /// SEND completes. The caller owns `slot`.
+    #[inline]
+    pub fn chain(&self, slot: u32, next: u32) {
+        self.sends.chain(slot, next);
     }
 
     /// Returns the send slots of a SEND whose first frame is in `slot` (chained with
     /// [`SlotArena::chain`]) to the free stack: its completion was polled, it was never
     /// posted, or its QP is destroyed.
     /// Returns how many slots went back.
+    #[inline]
     pub fn release_chain(&self, slot: u32) -> u32 {
-        let mut s = slot;
-        // A chain never holds more than a SEND's frames; bounded all the same.
-        for n in 1..=self.next.len().min(64) as u32 {
-            let next = self.next_in_chain(s);
-            self.release_send(s);
-            if next == NO_SLOT {
-                return n;
-            }
-            s = next;
-        }
-        self.next.len().min(64) as u32
+        let n = self.sends.release_chain(slot);
+        self.gave(n);
+        n
     }
 
-    /// How many send slots are free.
+    /// How many send slots this connection may take now: what is left of its cap, as far as
+    /// the shared pool has them (free, or still to be registered); or the free slots of a
+    /// pool of its own or its shard's. Data frames leave the last few to control frames
+    /// (`Link::control_reserve`), so near the pool's limit every channel keeps its credits
+    /// flowing.
+    #[inline]
     pub fn free_sends(&self) -> usize {
-        self.free_send.len()
+        if self.cap == u32::MAX {
+            self.sends.free()
+        } else {
+            (self.cap.saturating_sub(self.held.load(Ordering::Relaxed)) as usize)
+                .min(self.sends.available())
+        }
+    }
+
+    /// Whether this connection could take a send slot by its cap, but the shared pool has
+    /// none (it is at its limit): a waiter then waits for the pool's [`SendPool::freed`]
+    /// (this connection's driver does not see other channels' slots come back).
+    pub fn pool_exhausted(&self) -> bool {
+        self.cap != u32::MAX
+            && self.held.load(Ordering::Relaxed) < self.cap
+            && self.sends.available() == 0
     }
 
     /// The bytes of send slot `idx`, to encode a frame into.
@@ -250,35 +320,25 @@ impl<P: Provider> SlotArena<P> {
     /// The caller owns slot `idx` (took it with [`SlotArena::take_send`] and has not posted or
     /// released it), so nothing else reads or writes it while the slice lives.
     #[allow(clippy::mut_from_ref)]
+    #[inline]
     pub unsafe fn send_buf(&self, idx: u32) -> &mut [u8] {
-        let off = self.offset_send(idx);
-        // SAFETY: `off + slot_size` is inside the MR (idx < send_slots, arena_len covers all
-        // slots); the caller owns the slot exclusively, so no other reference to these bytes
-        // exists and the NIC does not touch them until they are posted.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                self.mr.as_ptr().add(off),
-                self.geometry.slot_size as usize,
-            )
-        }
+        // SAFETY: forwarded contract.
+        unsafe { self.sends.buf(idx) }
     }
 
     /// The SGE covering the first `len` bytes of send slot `idx`.
+    #[inline]
     pub fn send_sge(&self, idx: u32, len: u32) -> Sge {
-        debug_assert!(len <= self.geometry.slot_size);
-        Sge {
-            addr: self.mr.addr() + self.offset_send(idx) as u64,
-            length: len,
-            lkey: self.mr.lkey(),
-        }
+        self.sends.sge(idx, len)
     }
 
     /// The SGE covering receive slot `idx` (for `post_recv`).
     pub fn recv_sge(&self, idx: u32) -> Sge {
+        let (_, addr, lkey) = self.recv_base();
         Sge {
-            addr: self.mr.addr() + self.offset_recv(idx) as u64,
+            addr: addr + self.offset_recv(idx) as u64,
             length: self.geometry.slot_size,
-            lkey: self.mr.lkey(),
+            lkey,
         }
     }
 
@@ -292,7 +352,7 @@ impl<P: Provider> SlotArena<P> {
         if idx >= self.geometry.recv_slots {
             return;
         }
-        prefetch_lines(self.mr.as_ptr().wrapping_add(self.offset_recv(idx)), len);
+        prefetch_lines(self.recv_base().0.wrapping_add(self.offset_recv(idx)), len);
     }
 
     /// Whether receive slots wait to be posted again.
@@ -320,7 +380,7 @@ impl<P: Provider> SlotArena<P> {
         let len = len.min(self.geometry.slot_size);
         let off = self.offset_recv(idx);
         // SAFETY: `off` is inside the MR (idx < recv_slots).
-        let ptr = unsafe { self.mr.as_ptr().add(off) };
+        let ptr = unsafe { self.recv_base().0.add(off) };
         let owner: Arc<dyn Repost> = Arc::clone(self) as Arc<dyn Repost>;
         // SAFETY: forwarded contract; the slot's bytes lie in the MR, which `owner` keeps.
         unsafe { RecvSlot::new(owner, ptr, idx, len) }
@@ -338,7 +398,8 @@ impl<P: Provider> fmt::Debug for SlotArena<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SlotArena")
             .field("geometry", &self.geometry)
-            .field("free_send", &self.free_send.len())
+            .field("sends", &self.sends)
+            .field("held", &self.held.load(Ordering::Relaxed))
             .field("repost", &self.repost.len())
             .finish()
     }

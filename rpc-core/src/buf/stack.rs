@@ -13,6 +13,18 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+/// `n` zeroed atomics, allocated zeroed: pages of the table that are never used are never
+/// touched (a pool's tables are sized for its limit, its use is far below it).
+pub(crate) fn zeroed<T: Copy + Default, A>(n: usize) -> Box<[A]> {
+    assert!(size_of::<A>() == size_of::<T>() && align_of::<A>() == align_of::<T>());
+    let mut v = std::mem::ManuallyDrop::new(vec![T::default(); n]);
+    // SAFETY: `A` (an atomic) has the size and alignment of `T` (its integer) and all-zero is
+    // a valid value of both; the vector's allocation is handed over whole (pointer, length,
+    // capacity), and `v` is not dropped.
+    let v = unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<A>(), v.len(), v.capacity()) };
+    v.into_boxed_slice()
+}
+
 /// No slot: the bottom of the stack.
 const NIL: u32 = u32::MAX;
 
@@ -35,6 +47,7 @@ fn unpack(h: u64) -> (u32, u32) {
 
 impl SlotStack {
     /// A stack holding slots `0..n`, slot 0 on top (the lowest addresses are used first).
+    #[cfg(test)]
     pub(crate) fn full(n: u32) -> SlotStack {
         let next = (0..n)
             .map(|i| AtomicU32::new(if i + 1 < n { i + 1 } else { NIL }))
@@ -43,6 +56,16 @@ impl SlotStack {
             head: AtomicU64::new(pack(0, if n > 0 { 0 } else { NIL })),
             next,
             len: AtomicU32::new(n),
+        }
+    }
+
+    /// An empty stack with room for slots `0..cap` ([`SlotStack::push`] them as they come;
+    /// a slot's link is written when it is pushed, so the table starts zeroed, untouched).
+    pub(crate) fn empty(cap: u32) -> SlotStack {
+        SlotStack {
+            head: AtomicU64::new(pack(0, NIL)),
+            next: zeroed::<u32, AtomicU32>(cap as usize),
+            len: AtomicU32::new(0),
         }
     }
 
@@ -119,6 +142,11 @@ mod tests {
         s.push(1);
         assert_eq!((s.pop(), s.pop(), s.pop()), (Some(1), Some(3), None));
         assert_eq!(SlotStack::full(0).pop(), None);
+        let e = SlotStack::empty(8);
+        assert_eq!((e.len(), e.pop()), (0, None));
+        e.push(5);
+        e.push(6);
+        assert_eq!((e.pop(), e.pop(), e.pop()), (Some(6), Some(5), None));
     }
 
     #[test]

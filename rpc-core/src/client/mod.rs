@@ -23,6 +23,7 @@ use prost::Message;
 use tokio::net::TcpStream;
 use tracing::{Instrument as _, info, warn};
 
+use crate::buf::sends::SendPool;
 use crate::buf::{BulkPool, Geometry, SlotArena};
 use crate::connect::keepalive::{self, KeepAlive};
 use crate::connect::{self, Hello, Message as Handshake};
@@ -854,6 +855,17 @@ impl Channel {
         with_any!(AnyCore, &conn.core, c => c.alloc_bytes(len))
     }
 
+    /// The send slots of the current connection: frames are encoded into registered send
+    /// slots that every channel of the process on the same device (with the same slot size)
+    /// takes from one pool, registered as they are first needed, so idle channels hold
+    /// none. Default (all zero) when not connected.
+    pub fn send_slots(&self) -> SendSlots {
+        let Some(c) = self.current() else {
+            return SendSlots::default();
+        };
+        with_any!(AnyCore, &c.core, c => c.send_slots())
+    }
+
     /// Payload bytes of requests sent without a copy since the connection was made: the
     /// `bytes` fields that lay in memory from [`Channel::alloc_bytes`] (counted when posted).
     pub fn zero_copy_request_bytes(&self) -> u64 {
@@ -1232,9 +1244,27 @@ async fn start<F: std::future::Future + Unpin>(fut: &mut F) -> std::task::Poll<F
 /// while its loan lasts, so a server that guessed the fresh key of a loan to another server
 /// of this process could reach those bytes until the loan ends (NCCL and UCX share one PD per
 /// NIC the same way).
+/// What [`Channel::send_slots`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendSlots {
+    /// Slots the process's pool has registered (for all of its channels on this device).
+    pub registered: u64,
+    /// Of those, slots no channel holds now.
+    pub free: u64,
+    /// Slots this connection holds now (frames being encoded, queued, or sent and not yet
+    /// completed).
+    pub held: u64,
+    /// The most this connection may hold at once (`Geometry::send_slots`).
+    pub cap: u64,
+    /// Bytes per slot.
+    pub slot_size: u32,
+}
+
 struct DeviceShare<P: Provider> {
     pd: Arc<P::Pd>,
     bulk: Arc<BulkPool<P>>,
+    /// The send slots of the process's channels, one pool per slot size.
+    sends: std::sync::Mutex<Vec<Arc<SendPool<P>>>>,
 }
 
 impl<P: Provider> DeviceShare<P> {
@@ -1244,7 +1274,23 @@ impl<P: Provider> DeviceShare<P> {
     fn new(ctx: &P::Context) -> crate::verbs::Result<DeviceShare<P>> {
         let pd = Arc::new(ctx.alloc_pd()?);
         let bulk = BulkPool::new(Arc::clone(&pd), Self::BULK_CACHED);
-        Ok(DeviceShare { pd, bulk })
+        Ok(DeviceShare {
+            pd,
+            bulk,
+            sends: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The process's send slots of `slot_size` bytes on this device, registered as its
+    /// channels first need them (see [`crate::buf::sends`]).
+    fn send_pool(&self, slot_size: u32) -> crate::verbs::Result<Arc<SendPool<P>>> {
+        let mut pools = self.sends.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = pools.iter().find(|p| p.slot_size() == slot_size) {
+            return Ok(Arc::clone(p));
+        }
+        let p = SendPool::growing(Arc::clone(&self.pd), slot_size, u32::MAX)?;
+        pools.push(Arc::clone(&p));
+        Ok(p)
     }
 }
 
@@ -1265,8 +1311,8 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
     // not depend on the server until the Hello.
     let mut connecting = Box::pin(connect_tcp(&b));
     let started = start(&mut connecting).await;
-    // One context, PD and bulk pool per device and process: a new connection costs its CQ,
-    // QPs and slot arena.
+    // One context, PD, bulk pool and send slot pool per device and process: a new connection
+    // costs its CQ, QPs and receive slots.
     let dev = crate::verbs::shared::SharedDevice::<P>::open(b.device.as_deref())?;
     let ctx = dev.ctx();
     let shared = dev.per_context(DeviceShare::<P>::new)?;
@@ -1319,7 +1365,8 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
     };
     connect::send(&mut stream, &Handshake::Hello(hello)).await?;
     // Made while the server sets up its side (the Hello names neither).
-    let arena = SlotArena::<P>::new(&pd, b.geometry)?;
+    let arena =
+        SlotArena::<P>::with_sends(&pd, b.geometry, shared.send_pool(b.geometry.slot_size)?)?;
     let bulk = Arc::clone(&shared.bulk);
     let tables = Tables::new(b.max_calls);
     let welcome = match connect::recv(&mut stream).await? {

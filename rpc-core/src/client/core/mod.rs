@@ -570,6 +570,19 @@ impl<P: Provider> ClientCore<P> {
         super::region::alloc::<P>(&self.pd, self.window_target, len)
     }
 
+    /// The connection's send slots and its process's pool of them.
+    pub(crate) fn send_slots(&self) -> crate::client::SendSlots {
+        let pool = self.arena.send_pool();
+        let g = self.arena.geometry();
+        crate::client::SendSlots {
+            registered: u64::from(pool.registered()),
+            free: pool.free() as u64,
+            held: u64::from(self.arena.held_sends()),
+            cap: u64::from(g.send_slots),
+            slot_size: g.slot_size,
+        }
+    }
+
     /// Registered memory for request payloads, from the bulk pool (`Channel::alloc_bytes`).
     pub(crate) fn alloc_bytes(&self, len: usize) -> Result<RegisteredBytesMut, Status> {
         let mut buf = self

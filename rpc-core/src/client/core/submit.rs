@@ -112,11 +112,21 @@ impl<P: Provider> ClientCore<P> {
                 return Ok(SlotLoan { core: self, slot });
             }
             // Slow path: register as a waiter, then look again before waiting (a slot freed
-            // in between is seen here, or its release sees us and notifies).
+            // in between is seen here, or its release sees us and notifies). Below our cap
+            // with the process's pool at its limit, a slot other channels give back ends the
+            // wait too (their drivers do not know us).
             self.slot_waiters.fetch_add(1, Ordering::SeqCst);
+            let pool = self.arena.send_pool();
+            let exhausted = self.arena.pool_exhausted();
+            if exhausted {
+                pool.waiters().fetch_add(1, Ordering::SeqCst);
+            }
             let notified = self.slot_freed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            let pool_freed = pool.freed().notified();
+            tokio::pin!(pool_freed);
+            pool_freed.as_mut().enable();
             let again = self.arena.take_send();
             if again.is_none() && !self.is_dead() {
                 // Slots come back with their SEND completions (or when queued requests get
@@ -130,7 +140,17 @@ impl<P: Provider> ClientCore<P> {
                         self.drive.notify_one();
                     }
                 }
-                notified.await;
+                if exhausted {
+                    tokio::select! {
+                        () = notified => {}
+                        () = pool_freed => {}
+                    }
+                } else {
+                    notified.await;
+                }
+            }
+            if exhausted {
+                pool.waiters().fetch_sub(1, Ordering::SeqCst);
             }
             self.slot_waiters.fetch_sub(1, Ordering::SeqCst);
             if let Some(slot) = again {
