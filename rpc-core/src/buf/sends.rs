@@ -7,8 +7,8 @@
 //! ...                                                        up to `max` slots
 //! ```
 //!
-//! A server shard's connections send from one pool of fixed size (one chunk). A client
-//! process's channels on one device send from one growing pool ([`SendPool::growing`]): a
+//! A server shard's connections send from one growing pool ([`SendPool::growing`]), and so do
+//! a client process's channels on one device (one pool per slot size): a
 //! channel takes a slot while it encodes a frame and gives it back when the SEND completes
 //! (at once for an inline SEND), so the slots in use at any moment follow the frames in
 //! flight of the whole process, not its number of channels. A chunk is registered the first
@@ -41,6 +41,9 @@ pub const NO_SLOT: u32 = u32::MAX;
 
 /// Bytes a growing pool registers at a time (at least one slot).
 const CHUNK_BYTES: usize = 256 << 10;
+
+/// Chunks a growing pool registers when it is made.
+const FIRST_CHUNKS: u32 = 2;
 
 /// Bytes a growing pool registers at most.
 const MAX_BYTES: usize = 1 << 30;
@@ -80,20 +83,25 @@ pub struct SendPool<P: Provider> {
 }
 
 impl<P: Provider> SendPool<P> {
-    /// A pool of `slots` slots of `slot_size` bytes, all registered now, never more.
+    /// A pool of `slots` slots of `slot_size` bytes, all registered now, never more (the
+    /// unit tests' arenas).
     ///
     /// # Errors
     /// When registration fails.
+    #[cfg(test)]
     pub fn fixed(pd: &P::Pd, slot_size: u32, slots: u32) -> Result<Arc<SendPool<P>>> {
         let per_chunk = slots.max(1).next_power_of_two();
         let pool = Self::empty(slot_size, per_chunk, slots, None);
         let mr = pd.alloc_mr(slot_size as usize * slots as usize, Access::LOCAL_WRITE)?;
-        pool.publish_first(mr, slots);
+        {
+            let mut g = pool.grow.lock().unwrap_or_else(|p| p.into_inner());
+            pool.publish(&mut g.mrs, 0, mr, slots, false);
+        }
         Ok(Arc::new(pool))
     }
 
-    /// A pool that registers [`CHUNK_BYTES`] of slots now and as much again whenever every
-    /// registered slot is taken, up to `max_slots` (and [`MAX_BYTES`]).
+    /// A pool that registers [`FIRST_CHUNKS`] chunks of [`CHUNK_BYTES`] of slots now and a chunk
+    /// more whenever every registered slot is taken, up to `max_slots` (and [`MAX_BYTES`]).
     ///
     /// # Errors
     /// When the first chunk's registration fails.
@@ -101,19 +109,25 @@ impl<P: Provider> SendPool<P> {
         let per_chunk = (CHUNK_BYTES / slot_size.max(1) as usize).max(1);
         // A power of two, so that a slot's chunk is a shift away.
         let per_chunk = 1u32 << per_chunk.ilog2();
+        // Whole chunks: at least what was asked (within the byte limit).
         let max = (max_slots as usize)
             .min(MAX_BYTES / slot_size.max(1) as usize)
-            .max(per_chunk as usize) as u32;
-        let max = max - max % per_chunk;
-        let first = pd.alloc_mr(slot_size as usize * per_chunk as usize, Access::LOCAL_WRITE)?;
+            .next_multiple_of(per_chunk as usize) as u32;
+        // The first chunks now: a burst of a few dozen frames (a turn's responses, a pipeline's
+        // requests) then needs no registration on the data path.
+        let first = FIRST_CHUNKS.min(max / per_chunk);
+        let mrs = (0..first)
+            .map(|_| pd.alloc_mr(slot_size as usize * per_chunk as usize, Access::LOCAL_WRITE))
+            .collect::<Result<Vec<_>>>()?;
         let pool = Self::empty(slot_size, per_chunk, max, Some(pd));
-        pool.publish_first(first, per_chunk);
+        {
+            let mut g = pool.grow.lock().unwrap_or_else(|p| p.into_inner());
+            // The last chunk first: the lowest slot ends on top of the stack.
+            for (i, mr) in mrs.into_iter().enumerate().rev() {
+                pool.publish(&mut g.mrs, i as u32, mr, per_chunk, false);
+            }
+        }
         Ok(Arc::new(pool))
-    }
-
-    fn publish_first(&self, mr: P::Mr, n: u32) {
-        let mut g = self.grow.lock().unwrap_or_else(|p| p.into_inner());
-        self.publish(&mut g.mrs, 0, mr, n, false);
     }
 
     fn empty(slot_size: u32, per_chunk: u32, max: u32, pd: Option<Arc<P::Pd>>) -> SendPool<P> {
@@ -154,7 +168,7 @@ impl<P: Provider> SendPool<P> {
         self.lkeys[i as usize].store(mr.lkey(), Ordering::Relaxed);
         mrs.push(mr);
         let first = i << self.shift;
-        self.registered.store(first + n, Ordering::Release);
+        self.registered.fetch_max(first + n, Ordering::Release);
         // Pushed with release: a taker that pops one sees the entry above.
         let from = first + u32::from(keep_first);
         for s in (from..first + n).rev() {
@@ -342,19 +356,19 @@ mod tests {
 
     #[test]
     fn a_growing_pool_registers_a_chunk_when_every_slot_is_taken() {
-        // 4 KiB slots: 64 per 256 KiB chunk; at most 3 chunks.
+        // 4 KiB slots: 64 per 256 KiB chunk, two at first; at most 3 chunks.
         let pool = SendPool::<Soft>::growing(pd(), 4096, 192).unwrap();
-        assert_eq!((pool.registered(), pool.free()), (64, 64));
-        let mut taken: Vec<u32> = (0..64).map(|_| pool.take().unwrap()).collect();
+        assert_eq!((pool.registered(), pool.free()), (128, 128));
+        let mut taken: Vec<u32> = (0..128).map(|_| pool.take().unwrap()).collect();
         assert_eq!(
             pool.registered(),
-            64,
+            128,
             "nothing registered while slots were free"
         );
-        assert_eq!(taken, (0..64).collect::<Vec<_>>(), "the lowest first");
+        assert_eq!(taken, (0..128).collect::<Vec<_>>(), "the lowest first");
         taken.push(pool.take().unwrap());
-        assert_eq!(pool.registered(), 128, "one chunk more");
-        assert_eq!(*taken.last().unwrap(), 64, "the new chunk's first slot");
+        assert_eq!(pool.registered(), 192, "one chunk more");
+        assert_eq!(*taken.last().unwrap(), 128, "the new chunk's first slot");
         while let Some(s) = pool.take() {
             taken.push(s);
         }
@@ -406,7 +420,7 @@ mod tests {
             (40, 0),
             "a stops at its cap"
         );
-        assert_eq!(pool.registered(), 64, "32 slots a chunk: two chunks");
+        assert_eq!(pool.registered(), 64, "32 slots a chunk: the first two");
         let held_b: Vec<u32> = (0..10).map(|_| b.take_send().unwrap()).collect();
         assert_eq!(b.free_sends(), 30, "b has its own cap");
         assert!(held_b.iter().all(|s| !held_a.contains(s)));
@@ -464,6 +478,23 @@ mod tests {
         });
         assert!(!a.pool_exhausted());
         assert_eq!(a.take_send(), Some(held[5]));
+    }
+
+    #[test]
+    fn a_shards_send_slots_are_registered_as_it_needs_them() {
+        let pd = pd();
+        let a = SlotArena::<Soft>::send_only(&pd, 8192, 2048).unwrap();
+        let pool = Arc::clone(a.send_pool());
+        assert_eq!((pool.registered(), a.free_sends()), (64, 2048));
+        let held: Vec<u32> = (0..65).map(|_| a.take_send().unwrap()).collect();
+        assert_eq!((pool.registered(), a.free_sends()), (96, 2048 - 65));
+        for s in held {
+            a.release_send(s);
+        }
+        assert_eq!(a.free_sends(), 2048);
+        // Asked in whole chunks: 100 slots of 8 KiB round up to 128.
+        let b = SlotArena::<Soft>::send_only(&pd, 8192, 100).unwrap();
+        assert_eq!(b.free_sends(), 128);
     }
 
     #[test]

@@ -157,11 +157,16 @@ impl<P: Provider> SlotArena<P> {
     }
 
     /// An arena of send slots only, shared by the connections of a server shard (which
-    /// receive through the shard's [`super::RecvPool`]).
+    /// receive through the shard's [`super::RecvPool`]): up to `send_slots` of them,
+    /// registered as the shard first needs them (see [`super::sends`]).
     ///
     /// # Errors
     /// When the sizes are out of range or registration fails.
-    pub fn send_only(pd: &P::Pd, slot_size: u32, send_slots: u32) -> Result<Arc<SlotArena<P>>> {
+    pub fn send_only(
+        pd: &Arc<P::Pd>,
+        slot_size: u32,
+        send_slots: u32,
+    ) -> Result<Arc<SlotArena<P>>> {
         let geometry = Geometry {
             slot_size,
             send_slots,
@@ -175,7 +180,7 @@ impl<P: Provider> SlotArena<P> {
         {
             return Err(invalid("send slot sizes out of range"));
         }
-        let sends = SendPool::fixed(pd, slot_size, send_slots)?;
+        let sends = SendPool::growing(Arc::clone(pd), slot_size, send_slots)?;
         Self::alloc(pd, geometry, sends, u32::MAX)
     }
 
@@ -291,14 +296,14 @@ impl<P: Provider> SlotArena<P> {
     }
 
     /// How many send slots this connection may take now: what is left of its cap, as far as
-    /// the shared pool has them (free, or still to be registered); or the free slots of a
-    /// pool of its own or its shard's. Data frames leave the last few to control frames
+    /// the shared pool has them (free, or still to be registered); or what a pool of its own
+    /// or its shard's has. Data frames leave the last few to control frames
     /// (`Link::control_reserve`), so near the pool's limit every channel keeps its credits
     /// flowing.
     #[inline]
     pub fn free_sends(&self) -> usize {
         if self.cap == u32::MAX {
-            self.sends.free()
+            self.sends.available()
         } else {
             (self.cap.saturating_sub(self.held.load(Ordering::Relaxed)) as usize)
                 .min(self.sends.available())

@@ -361,9 +361,10 @@ impl ServerBuilder {
     }
 
     /// Slot sizes: `slot_size` is the largest eager frame; `recv_slots` the most receive
-    /// credits one client may hold (default 128: its pipelining depth); `send_slots` the send
-    /// slots of each shard, shared by its connections (default 2048). Receive slots belong to
-    /// the shard, not the connection: see [`ServerBuilder::receive_pool_slots`].
+    /// credits one client may hold (default 128: its pipelining depth); `send_slots` the most
+    /// send slots of each shard, shared by its connections and registered 256 KiB at a time as
+    /// they are first needed (default 2048). Receive slots belong to the shard, not the
+    /// connection: see [`ServerBuilder::receive_pool_slots`].
     pub fn geometry(mut self, geometry: Geometry) -> Self {
         self.cfg.geometry = geometry;
         self

@@ -77,7 +77,7 @@ pub(crate) fn open<P: Provider>(
         max_wr: pool.max_slots(),
         max_sge: 1,
     })?;
-    let sends = SlotArena::send_only(&*pd, cfg.geometry.slot_size, cfg.geometry.send_slots)?;
+    let sends = SlotArena::send_only(&pd, cfg.geometry.slot_size, cfg.geometry.send_slots)?;
     // CQ room for the SRQ and the send queues of the first connections of default size (at
     // most `max_conns_per_shard`); the CQ grows as more come (`create_qp`), so an idle shard
     // does not hold a CQ sized for the most it may ever serve, and past `cq_limit` the shard
@@ -114,7 +114,7 @@ pub(crate) fn open<P: Provider>(
     info!(
         shard = id,
         "shard {id}/{nshards}: {} device {} (port {}, {:?}), CQ depth {cqe}, receive pool of \
-         up to {} slots on one SRQ, {} send slots",
+         up to {} slots on one SRQ, up to {} send slots",
         P::TAG,
         ctx.info().name,
         ctx.info().port,
