@@ -1235,15 +1235,6 @@ async fn start<F: std::future::Future + Unpin>(fut: &mut F) -> std::task::Poll<F
     std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx))).await
 }
 
-/// What the channels of a process share per device context (issue 14): one protection domain
-/// and one bulk pool, whose buffers of large payloads stay registered and warm from one
-/// channel's calls to another's.
-///
-/// Peers reach this memory only through windows ([`crate::buf::BulkBuf::lend`]) bound for one
-/// loan: on soft to that connection's peer RNIC alone; on ib any QP of the PD may use a key
-/// while its loan lasts, so a server that guessed the fresh key of a loan to another server
-/// of this process could reach those bytes until the loan ends (NCCL and UCX share one PD per
-/// NIC the same way).
 /// What [`Channel::send_slots`] reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SendSlots {
@@ -1260,6 +1251,15 @@ pub struct SendSlots {
     pub slot_size: u32,
 }
 
+/// What the channels of a process share per device context (issue 14): one protection domain,
+/// one bulk pool, whose buffers of large payloads stay registered and warm from one
+/// channel's calls to another's, and the send slot pools.
+///
+/// Peers reach this memory only through windows ([`crate::buf::BulkBuf::lend`]) bound for one
+/// loan: on soft to that connection's peer RNIC alone; on ib any QP of the PD may use a key
+/// while its loan lasts, so a server that guessed the fresh key of a loan to another server
+/// of this process could reach those bytes until the loan ends (NCCL and UCX share one PD per
+/// NIC the same way).
 struct DeviceShare<P: Provider> {
     pd: Arc<P::Pd>,
     bulk: Arc<BulkPool<P>>,
