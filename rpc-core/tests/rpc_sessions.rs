@@ -13,6 +13,10 @@ use rpc_core::ClientPoller;
 
 const CHANNELS: usize = 24;
 
+/// Held by the tests that open a hundred connections or more: one at a time, they stay within
+/// a 1024-descriptor limit (the Soft-RoCE VM's; each connection takes a few on each side).
+static MANY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Channels add no thread each, whoever polls them: the device context (and, on soft, its
 /// service thread) is opened once per process, and `ClientPoller::Thread` channels share the
 /// process's poller thread.
@@ -109,6 +113,29 @@ async fn channels_share_one_bulk_pool() {
     echo_seq(&a, 1).await;
 }
 
+/// Opens `n` caller-polled channels of `geometry` to `srv` one after another, each answering
+/// a call.
+async fn open_with(
+    srv: &TestServer,
+    n: u64,
+    geometry: rpc_core::Geometry,
+) -> Vec<rpc_core::Channel> {
+    let mut chans = Vec::new();
+    for i in 0..n {
+        let connect = srv
+            .builder()
+            .poller(ClientPoller::Caller)
+            .geometry(geometry)
+            .connect();
+        let ch = within(Duration::from_secs(20), "connect", connect)
+            .await
+            .unwrap_or_else(|e| panic!("connection {i} refused: {e}"));
+        echo_seq(&ch, i).await;
+        chans.push(ch);
+    }
+    chans
+}
+
 /// Opens `n` caller-polled channels to `srv` one after another, each answering a call; then
 /// every one answers again, and all of them at once, several calls each.
 async fn open_and_serve(srv: &TestServer, n: usize) -> Vec<rpc_core::Channel> {
@@ -145,6 +172,7 @@ async fn open_and_serve(srv: &TestServer, n: usize) -> Vec<rpc_core::Channel> {
 /// every slot comes back. Runs on every provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn channels_take_their_send_slots_from_one_pool() {
+    let _many = MANY.lock().await;
     // A slot size no other test of this process uses: a pool of these channels' own (the
     // process keeps one per slot size), which the other tests' calls do not grow meanwhile.
     const SLOT: u32 = 8128;
@@ -153,19 +181,7 @@ async fn channels_take_their_send_slots_from_one_pool() {
         slot_size: SLOT,
         ..rpc_core::Geometry::default()
     };
-    let mut chans = Vec::new();
-    for i in 0..100 {
-        let connect = srv
-            .builder()
-            .poller(ClientPoller::Caller)
-            .geometry(geometry)
-            .connect();
-        let ch = within(Duration::from_secs(20), "connect", connect)
-            .await
-            .unwrap_or_else(|e| panic!("connection {i} refused: {e}"));
-        echo_seq(&ch, i).await;
-        chans.push(ch);
-    }
+    let chans = open_with(&srv, 100, geometry).await;
     let all = chans
         .iter()
         .enumerate()
@@ -210,6 +226,7 @@ async fn channels_take_their_send_slots_from_one_pool() {
 /// grows as they come, up to the device's `max_cqe`, and then the shard adds CQs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_default_server_holds_hundreds_of_connections_on_one_shard() {
+    let _many = MANY.lock().await;
     let srv = TestServer::start_with(|b| b.shards(1)).await;
     let chans = open_and_serve(&srv, 300).await;
     assert_eq!(srv.server.connections(), 300);
@@ -221,6 +238,7 @@ async fn a_default_server_holds_hundreds_of_connections_on_one_shard() {
 /// connection on every one of them, one call at a time and many at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_at_its_cq_limit_adds_cqs_and_serves_every_connection() {
+    let _many = MANY.lock().await;
     let srv = TestServer::start_with(|b| b.shards(1).max_cq_entries(4096)).await;
     let chans = open_and_serve(&srv, 120).await;
     // Connections that close give their QPs' room back; new ones are served.
@@ -240,19 +258,7 @@ async fn a_deep_send_queue_that_does_not_fit_beside_the_pool_gets_a_cq_of_its_ow
         recv_slots: 1024,
         ..rpc_core::Geometry::default()
     };
-    let mut chans = Vec::new();
-    for i in 0..6 {
-        let connect = srv
-            .builder()
-            .poller(ClientPoller::Caller)
-            .geometry(deep)
-            .connect();
-        let ch = within(Duration::from_secs(20), "connect", connect)
-            .await
-            .unwrap_or_else(|e| panic!("connection {i} refused: {e}"));
-        echo_seq(&ch, i).await;
-        chans.push(ch);
-    }
+    let chans = open_with(&srv, 6, deep).await;
     for (i, ch) in chans.iter().enumerate() {
         echo_seq(ch, 100 + i as u64).await;
     }
