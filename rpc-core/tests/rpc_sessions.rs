@@ -136,6 +136,20 @@ async fn open_with(
     chans
 }
 
+/// Four calls at once on every channel of `chans`, all in flight together.
+async fn four_calls_at_once_on_each(chans: &[rpc_core::Channel]) {
+    let all = chans
+        .iter()
+        .enumerate()
+        .flat_map(|(i, ch)| (0..4).map(move |k| echo_seq(ch, 100_000 + 4 * i as u64 + k)));
+    within(
+        Duration::from_secs(60),
+        "4 calls at once on every channel",
+        futures_util::future::join_all(all),
+    )
+    .await;
+}
+
 /// Opens `n` caller-polled channels to `srv` one after another, each answering a call; then
 /// every one answers again, and all of them at once, several calls each.
 async fn open_and_serve(srv: &TestServer, n: usize) -> Vec<rpc_core::Channel> {
@@ -153,16 +167,7 @@ async fn open_and_serve(srv: &TestServer, n: usize) -> Vec<rpc_core::Channel> {
     for (i, ch) in chans.iter().enumerate() {
         echo_seq(ch, 10_000 + i as u64).await;
     }
-    let all = chans
-        .iter()
-        .enumerate()
-        .flat_map(|(i, ch)| (0..4).map(move |k| echo_seq(ch, 100_000 + 4 * i as u64 + k)));
-    within(
-        Duration::from_secs(60),
-        "4 calls at once on every channel",
-        futures_util::future::join_all(all),
-    )
-    .await;
+    four_calls_at_once_on_each(&chans).await;
     chans
 }
 
@@ -182,16 +187,7 @@ async fn channels_take_their_send_slots_from_one_pool() {
         ..rpc_core::Geometry::default()
     };
     let chans = open_with(&srv, 100, geometry).await;
-    let all = chans
-        .iter()
-        .enumerate()
-        .flat_map(|(i, ch)| (0..4).map(move |k| echo_seq(ch, 100_000 + 4 * i as u64 + k)));
-    within(
-        Duration::from_secs(60),
-        "4 calls at once on every channel",
-        futures_util::future::join_all(all),
-    )
-    .await;
+    four_calls_at_once_on_each(&chans).await;
     let s = chans[0].send_slots();
     assert_eq!((s.cap, s.slot_size), (128, SLOT), "{s:?}");
     // Four calls at once on each of 100 channels: at most 400 requests staged at a time.

@@ -48,13 +48,11 @@ const FIRST_CHUNKS: u32 = 2;
 /// Bytes a growing pool registers at most.
 const MAX_BYTES: usize = 1 << 30;
 
-/// What growing needs: the PD to register with (none for a fixed pool) and the regions,
-/// owned here until the pool goes (declared before `pd`: dropped first).
+/// What growing needs: the PD to register with and the regions, owned here until the pool
+/// goes (declared before `pd`: dropped first).
 struct Grow<P: Provider> {
     mrs: Vec<P::Mr>,
-    pd: Option<Arc<P::Pd>>,
-    /// A registration failed: logged once, not retried on every take.
-    failed: bool,
+    pd: Arc<P::Pd>,
 }
 
 /// Registered send slots, in chunks (see the module docs).
@@ -74,7 +72,7 @@ pub struct SendPool<P: Provider> {
     /// stored XORed with `NO_SLOT` (so a zeroed entry reads `NO_SLOT`). Written and read by
     /// the slot's owner only.
     next: Box<[AtomicU32]>,
-    /// A registration failed: the pool stays as it is.
+    /// A registration failed (logged once): the pool stays as it is, no take retries it.
     stuck: std::sync::atomic::AtomicBool,
     /// Async takers waiting for a slot of the pool (not for their own cap), and their wake-up.
     waiters: AtomicU32,
@@ -83,23 +81,6 @@ pub struct SendPool<P: Provider> {
 }
 
 impl<P: Provider> SendPool<P> {
-    /// A pool of `slots` slots of `slot_size` bytes, all registered now, never more (the
-    /// unit tests' arenas).
-    ///
-    /// # Errors
-    /// When registration fails.
-    #[cfg(test)]
-    pub fn fixed(pd: &P::Pd, slot_size: u32, slots: u32) -> Result<Arc<SendPool<P>>> {
-        let per_chunk = slots.max(1).next_power_of_two();
-        let pool = Self::empty(slot_size, per_chunk, slots, None);
-        let mr = pd.alloc_mr(slot_size as usize * slots as usize, Access::LOCAL_WRITE)?;
-        {
-            let mut g = pool.grow.lock().unwrap_or_else(|p| p.into_inner());
-            pool.publish(&mut g.mrs, 0, mr, slots, false);
-        }
-        Ok(Arc::new(pool))
-    }
-
     /// A pool that registers [`FIRST_CHUNKS`] chunks of [`CHUNK_BYTES`] of slots now and a chunk
     /// more whenever every registered slot is taken, up to `max_slots` (and [`MAX_BYTES`]).
     ///
@@ -119,7 +100,7 @@ impl<P: Provider> SendPool<P> {
         let mrs = (0..first)
             .map(|_| pd.alloc_mr(slot_size as usize * per_chunk as usize, Access::LOCAL_WRITE))
             .collect::<Result<Vec<_>>>()?;
-        let pool = Self::empty(slot_size, per_chunk, max, Some(pd));
+        let pool = Self::empty(slot_size, per_chunk, max, pd);
         {
             let mut g = pool.grow.lock().unwrap_or_else(|p| p.into_inner());
             // The last chunk first: the lowest slot ends on top of the stack.
@@ -130,7 +111,7 @@ impl<P: Provider> SendPool<P> {
         Ok(Arc::new(pool))
     }
 
-    fn empty(slot_size: u32, per_chunk: u32, max: u32, pd: Option<Arc<P::Pd>>) -> SendPool<P> {
+    fn empty(slot_size: u32, per_chunk: u32, max: u32, pd: Arc<P::Pd>) -> SendPool<P> {
         SendPool {
             slot_size,
             shift: per_chunk.trailing_zeros(),
@@ -147,7 +128,6 @@ impl<P: Provider> SendPool<P> {
             grow: Mutex::new(Grow {
                 mrs: Vec::new(),
                 pd,
-                failed: false,
             }),
         }
     }
@@ -218,19 +198,17 @@ impl<P: Provider> SendPool<P> {
             return Some(s);
         }
         let have = self.registered.load(Ordering::Relaxed);
-        if have >= self.max || g.failed {
+        if have >= self.max || self.stuck.load(Ordering::Relaxed) {
             return None;
         }
-        let pd = g.pd.clone()?;
         let per_chunk = 1u32 << self.shift;
         // Registered under the lock: the slow path of a process's first burst, once per chunk.
-        match pd.alloc_mr(
+        match g.pd.alloc_mr(
             self.slot_size as usize * per_chunk as usize,
             Access::LOCAL_WRITE,
         ) {
             Ok(mr) => self.publish(&mut g.mrs, have >> self.shift, mr, per_chunk, true),
             Err(e) => {
-                g.failed = true;
                 self.stuck.store(true, Ordering::Relaxed);
                 warn!(
                     "cannot register more send slots ({have} of {} registered, {} bytes \
@@ -495,14 +473,5 @@ mod tests {
         // Asked in whole chunks: 100 slots of 8 KiB round up to 128.
         let b = SlotArena::<Soft>::send_only(&pd, 8192, 100).unwrap();
         assert_eq!(b.free_sends(), 128);
-    }
-
-    #[test]
-    fn a_fixed_pool_never_grows() {
-        let pd = pd();
-        let pool = SendPool::<Soft>::fixed(&*pd, 256, 3).unwrap();
-        let t: Vec<u32> = std::iter::from_fn(|| pool.take()).collect();
-        assert_eq!(t, [0, 1, 2]);
-        assert_eq!(pool.registered(), 3);
     }
 }

@@ -121,7 +121,7 @@ fn invalid(what: &'static str) -> crate::verbs::VerbsError {
 }
 
 impl<P: Provider> SlotArena<P> {
-    /// Allocates and registers the arena with send slots of its own (local access only:
+    /// Allocates and registers the arena with a send pool of its own (local access only:
     /// slots are reached by SEND/RECV, never by a peer's one-sided operation). All send slots
     /// start free; all receive slots start on the repost queue, so the driver's first batch
     /// posts them.
@@ -129,11 +129,11 @@ impl<P: Provider> SlotArena<P> {
     /// # Errors
     /// When the geometry is invalid or registration fails.
     #[cfg(test)]
-    pub fn new(pd: &P::Pd, geometry: Geometry) -> Result<Arc<SlotArena<P>>> {
+    pub fn new(pd: &Arc<P::Pd>, geometry: Geometry) -> Result<Arc<SlotArena<P>>> {
         if !geometry.is_valid() {
             return Err(invalid("slot geometry out of range"));
         }
-        let sends = SendPool::fixed(pd, geometry.slot_size, geometry.send_slots)?;
+        let sends = SendPool::growing(Arc::clone(pd), geometry.slot_size, geometry.send_slots)?;
         Self::alloc(pd, geometry, sends, u32::MAX)
     }
 
@@ -619,7 +619,7 @@ mod tests {
 
     fn arena(recv_slots: u32) -> Arc<SlotArena<Soft>> {
         let ctx = Soft::open(None).unwrap();
-        let pd = ctx.alloc_pd().unwrap();
+        let pd = Arc::new(ctx.alloc_pd().unwrap());
         let a = SlotArena::new(
             &pd,
             Geometry {
