@@ -133,8 +133,8 @@ pub mod testing {
     pub use crate::link::{ParkedStats, SIGNAL_EVERY, parked_stats};
 }
 pub use client::{
-    Balancer, Channel, ChannelBuilder, ClientPoller, Lease, Pipeline, Region, RegisteredBytes,
-    RegisteredBytesMut, RetryPolicy, SendSlots,
+    Balancer, Channel, ChannelBuilder, ChannelSlots, ClientPoller, Lease, Pipeline, Region,
+    RegisteredBytes, RegisteredBytesMut, RetryPolicy,
 };
 pub use error::{Error, TransportErrorKind};
 /// The `Stream` trait streaming methods take and return (`futures_core::Stream`), re-exported

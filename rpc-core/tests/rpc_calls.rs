@@ -1456,6 +1456,7 @@ async fn a_forged_endpoint_is_refused_as_invalid() {
         provider: rpc_core::verbs::Endpoint::PROVIDER_SOFT,
         endpoint: forged,
         geometry: rpc_core::Geometry::default(),
+        initial_credits: 8,
         max_calls: 8,
         token: Vec::new(),
         data_endpoints: Vec::new(),

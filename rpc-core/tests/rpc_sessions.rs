@@ -172,11 +172,13 @@ async fn open_and_serve(srv: &TestServer, n: usize) -> Vec<rpc_core::Channel> {
 }
 
 /// The channels of a process take their send slots from one pool, registered as their calls
-/// need them, not 128 slots (1 MiB) registered per channel: a hundred channels with four calls
-/// each in flight register a few chunks of slots, each channel stays within its cap, and
-/// every slot comes back. Runs on every provider.
+/// need them, and each registers a small receive window that grows with its calls in flight:
+/// not 128 + 128 slots (2 MiB) registered per channel. A hundred channels with four calls
+/// each in flight register a few chunks of send slots and windows of 8 slots, each channel
+/// stays within its cap, and every send slot comes back. A channel with many calls in flight
+/// grows its window. Runs on every provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn channels_take_their_send_slots_from_one_pool() {
+async fn channels_share_send_slots_and_grow_small_receive_windows() {
     let _many = MANY.lock().await;
     // A slot size no other test of this process uses: a pool of these channels' own (the
     // process keeps one per slot size), which the other tests' calls do not grow meanwhile.
@@ -188,8 +190,12 @@ async fn channels_take_their_send_slots_from_one_pool() {
     };
     let chans = open_with(&srv, 100, geometry).await;
     four_calls_at_once_on_each(&chans).await;
-    let s = chans[0].send_slots();
-    assert_eq!((s.cap, s.slot_size), (128, SLOT), "{s:?}");
+    let s = chans[0].slots();
+    assert_eq!(
+        (s.send_cap, s.recv_max, s.slot_size),
+        (128, 128, SLOT),
+        "{s:?}"
+    );
     // Four calls at once on each of 100 channels: at most 400 requests staged at a time.
     assert!(
         s.registered >= 32 && s.registered <= 448,
@@ -197,22 +203,35 @@ async fn channels_take_their_send_slots_from_one_pool() {
         s.registered
     );
     for (i, ch) in chans.iter().enumerate() {
-        let t = ch.send_slots();
+        let t = ch.slots();
         assert_eq!(
             t.registered, s.registered,
             "channel {i} has a pool of its own: {t:?}"
         );
-        assert!(t.held <= t.cap, "channel {i}: {t:?}");
+        assert!(t.send_held <= t.send_cap, "channel {i}: {t:?}");
+        assert!(
+            (8..=16).contains(&t.recv_window),
+            "channel {i}: four calls at once need no more than 16 receive slots: {t:?}"
+        );
     }
     // Idle again, and calls made once more: the slots came back (the pool did not grow).
     for (i, ch) in chans.iter().enumerate() {
         echo_seq(ch, 500_000 + i as u64).await;
     }
-    let after = chans[99].send_slots();
+    let after = chans[99].slots();
     assert_eq!(after.registered, s.registered, "{after:?}");
     assert!(
         after.free + 100 >= after.registered,
         "slots still held after every call ended: {after:?}"
+    );
+    // Many calls at once on one channel: its window grows to hold them.
+    let ch = &chans[0];
+    let calls: Vec<_> = (0..48u64).map(|i| echo_seq(ch, 900_000 + i)).collect();
+    futures_util::future::join_all(calls).await;
+    let grown = ch.slots();
+    assert!(
+        grown.recv_window >= 32 && grown.recv_window <= grown.recv_max,
+        "48 calls at once: {grown:?}"
     );
 }
 

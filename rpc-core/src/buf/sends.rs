@@ -390,8 +390,8 @@ mod tests {
             send_slots: 40,
             recv_slots: 8,
         };
-        let a = SlotArena::with_sends(&*pd, g, Arc::clone(&pool)).unwrap();
-        let b = SlotArena::with_sends(&*pd, g, Arc::clone(&pool)).unwrap();
+        let a = SlotArena::with_sends(&pd, g, Arc::clone(&pool), 4).unwrap();
+        let b = SlotArena::with_sends(&pd, g, Arc::clone(&pool), 4).unwrap();
         let held_a: Vec<u32> = std::iter::from_fn(|| a.take_send()).collect();
         assert_eq!(
             (held_a.len(), a.free_sends()),
@@ -422,7 +422,7 @@ mod tests {
             slot_size: 4096,
             ..g
         };
-        assert!(SlotArena::with_sends(&*pd, g4, pool).is_err());
+        assert!(SlotArena::with_sends(&pd, g4, pool, 4).is_err());
     }
 
     #[test]
@@ -434,7 +434,7 @@ mod tests {
             send_slots: 128,
             recv_slots: 8,
         };
-        let a = SlotArena::with_sends(&*pd, g, Arc::clone(&pool)).unwrap();
+        let a = SlotArena::with_sends(&pd, g, Arc::clone(&pool), 4).unwrap();
         let held: Vec<u32> = std::iter::from_fn(|| a.take_send()).collect();
         assert_eq!(held.len(), 32, "the pool's limit, below the cap");
         assert!(a.pool_exhausted());

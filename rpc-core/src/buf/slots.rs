@@ -1,16 +1,17 @@
-//! A connection's slots: its receive slots (one registered region) and the send slots it
-//! takes from a [`SendPool`] (see [`super::sends`]: its own, its shard's, or its process's).
+//! A connection's slots: the send slots it takes from a [`SendPool`] (see [`super::sends`]:
+//! its own, its shard's, or its process's), and its receive window: receive slots it
+//! registers itself, in chunks, and posts to its own receive queue.
 //!
 //! ```text
-//! receive slots (one MR, LOCAL_WRITE):  [ recv 0 | recv 1 | ... | recv R-1 ]
-//! send slots (the pool's chunks):       [ send 0 | send 1 | ... ] [ ... ] ...
+//! send slots (the pool's chunks):   [ send 0 | send 1 | ... ] [ ... ] ...
+//! receive window (its own MRs):     [ recv 0 .. W-1 ] [ W .. 2W-1 ] [ 2W .. 4W-1 ] ...
 //! ```
 //!
 //! Ownership of a slot moves between the runtime and the NIC and is never shared:
 //!
-//! - a **send slot** is taken from the free stack by whoever encodes a frame into it, handed
-//!   to the NIC by `post_send`, and returned to the free stack when the send's completion is
-//!   polled (last in, first out: the next frame goes to the warmest slot, see [`super::stack`]);
+//! - a **send slot** is taken from the pool by whoever encodes a frame into it, handed to the
+//!   NIC by `post_send`, and returned to the pool when the send's completion is polled (last
+//!   in, first out: the next frame goes to the warmest slot, see [`super::stack`]);
 //! - a **receive slot** is owned by the NIC while its RECV is posted; its completion hands it to
 //!   a [`RecvSlot`] guard; dropping the guard (on any thread) puts the index on the repost
 //!   queue, and the connection's driver posts the RECV again in its next batch. A slot that
@@ -18,18 +19,33 @@
 //!   ([`RecvSlot::share`]): the slot goes back to the ring when the last of them drops, and it
 //!   counts once in the lending budget however many of its frames are kept.
 //!
+//! **The receive window.** A client channel starts with [`RECV_WINDOW_START`] receive slots
+//! (the credits its server starts with) and doubles it, a chunk registered at a time
+//! ([`SlotArena::grow_recv`], driven by its calls in flight: see `Link::maybe_grow_recv`), up
+//! to its `Geometry::recv_slots`. An idle channel thus holds a few slots of registered memory,
+//! not a whole ring. Receive memory is the connection's alone and goes with its arena, after
+//! its QP: it is never handed to another connection, because a destroyed QP's receives may
+//! still be written by a peer that was already writing (the soft RNIC's peer does the
+//! responder's work; an RNIC stops at `ibv_destroy_qp`), where a deregistered region takes
+//! the write harmlessly.
+//!
 //! Both are lock-free (the repost queue is `crossbeam-queue`'s); nothing here allocates after
-//! construction (a growing send pool registers a chunk when it first runs out).
+//! construction but a growing pool or window registering a chunk (at a new high-water mark).
 
 use crate::queue::PopIfAny;
 use std::fmt;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crossbeam_queue::ArrayQueue;
+use tracing::warn;
 
 use super::sends::SendPool;
 use crate::verbs::{Access, Mr, Pd, Provider, Result, Sge};
+
+/// Receive slots a client channel starts with: the reserve of two control credits, and room
+/// for a few calls before the window grows (with 8 KiB slots, 64 KiB).
+pub const RECV_WINDOW_START: u32 = 8;
 
 /// Sizes of a connection's slot rings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,7 +54,8 @@ pub struct Geometry {
     pub slot_size: u32,
     /// Number of send slots.
     pub send_slots: u32,
-    /// Number of receive slots (the credits the peer gets).
+    /// The most receive slots (the most credits the peer gets; a client channel starts with
+    /// fewer and grows to this as its calls in flight need them).
     pub recv_slots: u32,
 }
 
@@ -69,27 +86,45 @@ impl Default for Geometry {
     }
 }
 
-/// The slot memory of one connection: its receive slots (one MR) with their repost queue, and
-/// the send slots it takes from a [`SendPool`] (its own, a server shard's, or its process's,
-/// counted against a cap). Shared (in an `Arc`) by the connection's driver and every
-/// [`RecvSlot`] guard, so the memory outlives any guard still held by user code after the
-/// connection is gone.
+/// The slots of one connection: the send slots it takes from a [`SendPool`] (its own, a
+/// server shard's, or its process's, counted against a cap), and its receive window (slots of
+/// the same pool) with their repost queue. Shared (in an `Arc`) by the connection's driver and
+/// every [`RecvSlot`] guard, so the memory outlives any guard still held by user code after
+/// the connection is gone.
 pub struct SlotArena<P: Provider> {
-    /// The receive slots (none for a shard's arena, which receives through its pool).
-    recv_mr: Option<P::Mr>,
     geometry: Geometry,
-    sends: Arc<SendPool<P>>,
+    pool: Arc<SendPool<P>>,
     /// Send slots taken and not back, counted only under a cap (`cap != u32::MAX`).
     held: AtomicU32,
     cap: u32,
+    /// Per receive slot of the window (index below `window`): where it is mapped, its
+    /// address for the NIC and its key. Written only as the window grows, by the
+    /// connection's driver, before the slot is posted.
+    recv: Box<[RecvAt]>,
+    /// Receive slots in the window (none for a shard's arena, which receives through its
+    /// pool); grows, never shrinks; written only by the connection's driver.
+    window: AtomicU32,
     repost: ArrayQueue<u32>,
     /// Receive slots lent out of the ring (kept by user `Bytes` or unread stream messages).
     lent: AtomicU32,
-    /// Most receive slots that may be lent at once ([`lending_budget`]).
-    lend_max: u32,
+    /// Most receive slots that may be lent at once ([`lending_budget`] of the window).
+    lend_max: AtomicU32,
     /// Per receive slot shared by several guards (a batch): the live guards, and [`LENT`]
     /// when the slot is counted in `lent`. Zero, untouched, for a slot with one guard.
     shares: Box<[AtomicU32]>,
+    /// Registering a region of the window failed (logged once): it grows no more.
+    stuck: AtomicBool,
+    /// The window's regions. Declared before `pd`: dropped first.
+    chunks: Mutex<Vec<P::Mr>>,
+    pd: Option<Arc<P::Pd>>,
+}
+
+/// Where one receive slot lies (see [`SlotArena::recv`]).
+#[derive(Default)]
+struct RecvAt {
+    ptr: AtomicU64,
+    addr: AtomicU64,
+    lkey: AtomicU32,
 }
 
 pub use super::sends::NO_SLOT;
@@ -99,17 +134,17 @@ const LENT: u32 = 1 << 31;
 /// In a receive slot's share count: the number of live guards.
 const GUARDS: u32 = LENT - 1;
 
-/// How many of a connection's `recv_slots` receive slots received data may keep out of the
-/// ring at once: half of them, so the other half keeps serving every call whatever the user
-/// keeps.
+/// How many of a connection's `window` receive slots received data may keep out of the ring
+/// at once: half of them, so the other half keeps serving every call whatever the user keeps.
 ///
 /// A received frame stays in its slot (zero copy) while a `bytes` field decoded from it, or an
 /// unread stream message, is alive. With no bound, a user that keeps what it receives would
 /// hold every slot, and with no slot to repost the connection has no credit left for any call.
 /// Past the budget the data is copied out of the slot (one allocation) and the slot goes back
-/// to the ring at once.
-pub(crate) fn lending_budget(recv_slots: u32) -> u32 {
-    recv_slots / 2
+/// to the ring at once. The budget follows the window as it grows: slots kept out leave the
+/// peer short of credits, which grows the window (up to `Geometry::recv_slots`).
+pub(crate) fn lending_budget(window: u32) -> u32 {
+    window / 2
 }
 
 fn invalid(what: &'static str) -> crate::verbs::VerbsError {
@@ -121,10 +156,8 @@ fn invalid(what: &'static str) -> crate::verbs::VerbsError {
 }
 
 impl<P: Provider> SlotArena<P> {
-    /// Allocates and registers the arena with a send pool of its own (local access only:
-    /// slots are reached by SEND/RECV, never by a peer's one-sided operation). All send slots
-    /// start free; all receive slots start on the repost queue, so the driver's first batch
-    /// posts them.
+    /// An arena with a send pool of its own and its whole receive window at once (tests).
+    /// All receive slots start on the repost queue, so the driver's first batch posts them.
     ///
     /// # Errors
     /// When the geometry is invalid or registration fails.
@@ -134,26 +167,33 @@ impl<P: Provider> SlotArena<P> {
             return Err(invalid("slot geometry out of range"));
         }
         let sends = SendPool::growing(Arc::clone(pd), geometry.slot_size, geometry.send_slots)?;
-        Self::alloc(pd, geometry, sends, u32::MAX)
+        Self::alloc(pd, geometry, sends, u32::MAX, geometry.recv_slots)
     }
 
     /// An arena whose send slots come from `sends`, shared with other connections (a client
     /// process's channels on one device): this connection holds at most
-    /// `geometry.send_slots` of them at once.
+    /// `geometry.send_slots` of them at once. Its receive window starts at `window` slots
+    /// (at least 4: the reserve of two control credits and two data credits), registered now
+    /// and on the repost queue, and grows up to `geometry.recv_slots`.
     ///
     /// # Errors
-    /// When the geometry is invalid, does not match the pool's slots, or registration fails.
+    /// When the geometry is invalid or not the pool's, `window` is out of range, or
+    /// registration fails.
     pub fn with_sends(
-        pd: &P::Pd,
+        pd: &Arc<P::Pd>,
         geometry: Geometry,
         sends: Arc<SendPool<P>>,
+        window: u32,
     ) -> Result<Arc<SlotArena<P>>> {
-        if !geometry.is_valid() || sends.slot_size() != geometry.slot_size {
+        if !geometry.is_valid()
+            || sends.slot_size() != geometry.slot_size
+            || !(4..=geometry.recv_slots).contains(&window)
+        {
             return Err(invalid(
-                "slot geometry out of range, or not the send pool's",
+                "slot geometry or receive window out of range, or not the send pool's",
             ));
         }
-        Self::alloc(pd, geometry, sends, geometry.send_slots)
+        Self::alloc(pd, geometry, sends, geometry.send_slots, window)
     }
 
     /// An arena of send slots only, shared by the connections of a server shard (which
@@ -181,39 +221,96 @@ impl<P: Provider> SlotArena<P> {
             return Err(invalid("send slot sizes out of range"));
         }
         let sends = SendPool::growing(Arc::clone(pd), slot_size, send_slots)?;
-        Self::alloc(pd, geometry, sends, u32::MAX)
+        Self::alloc(pd, geometry, sends, u32::MAX, 0)
     }
 
     fn alloc(
-        pd: &P::Pd,
+        pd: &Arc<P::Pd>,
         geometry: Geometry,
-        sends: Arc<SendPool<P>>,
+        pool: Arc<SendPool<P>>,
         cap: u32,
+        window: u32,
     ) -> Result<Arc<SlotArena<P>>> {
-        let recv_mr = match geometry.recv_slots {
-            0 => None,
-            n => Some(pd.alloc_mr(
-                geometry.slot_size as usize * n as usize,
-                Access::LOCAL_WRITE,
-            )?),
-        };
-        let repost = ArrayQueue::new(geometry.recv_slots.max(1) as usize);
-        for i in 0..geometry.recv_slots {
-            let _ = repost.push(i);
-        }
-        Ok(Arc::new(SlotArena {
-            recv_mr,
+        let n = geometry.recv_slots as usize;
+        let arena = SlotArena {
             geometry,
-            sends,
+            pool,
             held: AtomicU32::new(0),
             cap,
-            repost,
+            recv: (0..n).map(|_| RecvAt::default()).collect(),
+            window: AtomicU32::new(0),
+            repost: ArrayQueue::new(n.max(1)),
             lent: AtomicU32::new(0),
-            lend_max: lending_budget(geometry.recv_slots),
-            shares: (0..geometry.recv_slots)
-                .map(|_| AtomicU32::new(0))
-                .collect(),
-        }))
+            lend_max: AtomicU32::new(0),
+            shares: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            stuck: AtomicBool::new(false),
+            chunks: Mutex::new(Vec::new()),
+            pd: (n > 0).then(|| Arc::clone(pd)),
+        };
+        if window > 0 {
+            for i in arena.register_recv(window)? {
+                let _ = arena.repost.push(i);
+            }
+        }
+        Ok(Arc::new(arena))
+    }
+
+    /// Doubles the receive window (adds up to `n` slots, as one registered chunk, never past
+    /// `geometry.recv_slots`) and returns the new slots' indices: unposted, for the caller to
+    /// post (the NIC's from then on) and grant to the peer as credits. None when the window
+    /// is whole, or registering failed (logged once; the window stays as it is). Only the
+    /// connection's driver calls it.
+    #[cold]
+    pub fn grow_recv(&self, n: u32) -> std::ops::Range<u32> {
+        let w = self.recv_window();
+        if self.stuck.load(Ordering::Relaxed) {
+            return w..w;
+        }
+        match self.register_recv(n) {
+            Ok(r) => r,
+            Err(e) => {
+                self.stuck.store(true, Ordering::Relaxed);
+                warn!(
+                    "cannot register more receive slots ({w} of {} in the window, {} bytes \
+                     each): {e}; the connection keeps the window it has",
+                    self.geometry.recv_slots, self.geometry.slot_size
+                );
+                w..w
+            }
+        }
+    }
+
+    /// Registers up to `n` more receive slots (as one region) and adds them to the window.
+    fn register_recv(&self, n: u32) -> Result<std::ops::Range<u32>> {
+        let from = self.recv_window();
+        let k = n.min(self.geometry.recv_slots - from);
+        let Some(pd) = self.pd.as_ref().filter(|_| k > 0) else {
+            return Ok(from..from);
+        };
+        let size = self.geometry.slot_size as usize;
+        let mr = pd.alloc_mr(size * k as usize, Access::LOCAL_WRITE)?;
+        for i in 0..k {
+            let at = &self.recv[(from + i) as usize];
+            let off = i as usize * size;
+            at.ptr
+                .store(mr.as_ptr() as u64 + off as u64, Ordering::Relaxed);
+            at.addr.store(mr.addr() + off as u64, Ordering::Relaxed);
+            at.lkey.store(mr.lkey(), Ordering::Relaxed);
+        }
+        self.chunks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(mr);
+        self.window.store(from + k, Ordering::Relaxed);
+        self.lend_max
+            .store(lending_budget(from + k), Ordering::Relaxed);
+        Ok(from..from + k)
+    }
+
+    /// Receive slots in the window now.
+    #[inline]
+    pub fn recv_window(&self) -> u32 {
+        self.window.load(Ordering::Relaxed)
     }
 
     /// The geometry (for an arena with shared send slots, `send_slots` is its cap).
@@ -228,19 +325,14 @@ impl<P: Provider> SlotArena<P> {
 
     /// The pool the send slots come from.
     pub fn send_pool(&self) -> &Arc<SendPool<P>> {
-        &self.sends
+        &self.pool
     }
 
-    fn recv_base(&self) -> (*mut u8, u64, u32) {
-        match &self.recv_mr {
-            Some(mr) => (mr.as_ptr(), mr.addr(), mr.lkey()),
-            None => (std::ptr::null_mut(), 0, 0),
-        }
-    }
-
-    fn offset_recv(&self, idx: u32) -> usize {
-        debug_assert!(idx < self.geometry.recv_slots);
-        idx as usize * self.geometry.slot_size as usize
+    /// Where receive slot `idx` of the window is mapped.
+    #[inline]
+    fn recv_ptr(&self, idx: u32) -> *mut u8 {
+        debug_assert!(idx < self.recv_window());
+        self.recv[idx as usize].ptr.load(Ordering::Relaxed) as *mut u8
     }
 
     /// Takes a free send slot; `None` when this connection holds its cap, or the pool has
@@ -248,13 +340,13 @@ impl<P: Provider> SlotArena<P> {
     #[inline]
     pub fn take_send(&self) -> Option<u32> {
         if self.cap == u32::MAX {
-            return self.sends.take();
+            return self.pool.take();
         }
         if self.held.fetch_add(1, Ordering::Relaxed) >= self.cap {
             self.held.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
-        let s = self.sends.take();
+        let s = self.pool.take();
         if s.is_none() {
             self.held.fetch_sub(1, Ordering::Relaxed);
         }
@@ -272,7 +364,7 @@ impl<P: Provider> SlotArena<P> {
     /// Returns a send slot whose send completed.
     #[inline]
     pub fn release_send(&self, idx: u32) {
-        self.sends.release(idx);
+        self.pool.release(idx);
         self.gave(1);
     }
 
@@ -281,7 +373,7 @@ impl<P: Provider> SlotArena<P> {
     /// SEND completes. The caller owns `slot`.
     #[inline]
     pub fn chain(&self, slot: u32, next: u32) {
-        self.sends.chain(slot, next);
+        self.pool.chain(slot, next);
     }
 
     /// Returns the send slots of a SEND whose first frame is in `slot` (chained with
@@ -290,7 +382,7 @@ impl<P: Provider> SlotArena<P> {
     /// Returns how many slots went back.
     #[inline]
     pub fn release_chain(&self, slot: u32) -> u32 {
-        let n = self.sends.release_chain(slot);
+        let n = self.pool.release_chain(slot);
         self.gave(n);
         n
     }
@@ -303,10 +395,10 @@ impl<P: Provider> SlotArena<P> {
     #[inline]
     pub fn free_sends(&self) -> usize {
         if self.cap == u32::MAX {
-            self.sends.available()
+            self.pool.available()
         } else {
             (self.cap.saturating_sub(self.held.load(Ordering::Relaxed)) as usize)
-                .min(self.sends.available())
+                .min(self.pool.available())
         }
     }
 
@@ -316,7 +408,7 @@ impl<P: Provider> SlotArena<P> {
     pub fn pool_exhausted(&self) -> bool {
         self.cap != u32::MAX
             && self.held.load(Ordering::Relaxed) < self.cap
-            && self.sends.available() == 0
+            && self.pool.available() == 0
     }
 
     /// The bytes of send slot `idx`, to encode a frame into.
@@ -328,22 +420,24 @@ impl<P: Provider> SlotArena<P> {
     #[inline]
     pub unsafe fn send_buf(&self, idx: u32) -> &mut [u8] {
         // SAFETY: forwarded contract.
-        unsafe { self.sends.buf(idx) }
+        unsafe { self.pool.buf(idx) }
     }
 
     /// The SGE covering the first `len` bytes of send slot `idx`.
     #[inline]
     pub fn send_sge(&self, idx: u32, len: u32) -> Sge {
-        self.sends.sge(idx, len)
+        self.pool.sge(idx, len)
     }
 
-    /// The SGE covering receive slot `idx` (for `post_recv`).
+    /// The SGE covering receive slot `idx` of the window (for `post_recv`).
+    #[inline]
     pub fn recv_sge(&self, idx: u32) -> Sge {
-        let (_, addr, lkey) = self.recv_base();
+        debug_assert!(idx < self.recv_window());
+        let at = &self.recv[idx as usize];
         Sge {
-            addr: addr + self.offset_recv(idx) as u64,
+            addr: at.addr.load(Ordering::Relaxed),
             length: self.geometry.slot_size,
-            lkey,
+            lkey: at.lkey.load(Ordering::Relaxed),
         }
     }
 
@@ -354,10 +448,10 @@ impl<P: Provider> SlotArena<P> {
     /// A hint only: no effect on what is read.
     #[inline]
     pub fn prefetch_recv(&self, idx: u32, len: u32) {
-        if idx >= self.geometry.recv_slots {
+        if idx >= self.recv_window() {
             return;
         }
-        prefetch_lines(self.recv_base().0.wrapping_add(self.offset_recv(idx)), len);
+        prefetch_lines(self.recv_ptr(idx), len);
     }
 
     /// Whether receive slots wait to be posted again.
@@ -381,19 +475,17 @@ impl<P: Provider> SlotArena<P> {
     /// The RECV of slot `idx` has completed (its completion was polled) and it is not posted
     /// again until the guard is dropped; `len` is the completion's byte length.
     pub unsafe fn recv_slot(self: &Arc<Self>, idx: u32, len: u32) -> RecvSlot {
-        debug_assert!(idx < self.geometry.recv_slots);
         let len = len.min(self.geometry.slot_size);
-        let off = self.offset_recv(idx);
-        // SAFETY: `off` is inside the MR (idx < recv_slots).
-        let ptr = unsafe { self.recv_base().0.add(off) };
+        let ptr = self.recv_ptr(idx);
         let owner: Arc<dyn Repost> = Arc::clone(self) as Arc<dyn Repost>;
-        // SAFETY: forwarded contract; the slot's bytes lie in the MR, which `owner` keeps.
+        // SAFETY: forwarded contract; the slot's bytes lie in a region of the window, which
+        // `owner` keeps registered and mapped.
         unsafe { RecvSlot::new(owner, ptr, idx, len) }
     }
 
     /// Returns a receive slot to the repost queue without a guard (e.g. a flushed receive).
     pub fn repost_later(&self, idx: u32) {
-        debug_assert!(idx < self.geometry.recv_slots);
+        debug_assert!(idx < self.recv_window());
         // Capacity equals the number of receive slots and each index is held once.
         let _ = self.repost.push(idx);
     }
@@ -403,8 +495,9 @@ impl<P: Provider> fmt::Debug for SlotArena<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SlotArena")
             .field("geometry", &self.geometry)
-            .field("sends", &self.sends)
+            .field("pool", &self.pool)
             .field("held", &self.held.load(Ordering::Relaxed))
+            .field("window", &self.recv_window())
             .field("repost", &self.repost.len())
             .finish()
     }
@@ -432,10 +525,11 @@ impl<P: Provider> Repost for SlotArena<P> {
     fn try_lend(&self, _idx: u32) -> bool {
         // A load first: past the budget (a user keeping everything) no write to the shared
         // counter is made at all.
-        if self.lent.load(Ordering::Relaxed) >= self.lend_max {
+        let max = self.lend_max.load(Ordering::Relaxed);
+        if self.lent.load(Ordering::Relaxed) >= max {
             return false;
         }
-        if self.lent.fetch_add(1, Ordering::AcqRel) < self.lend_max {
+        if self.lent.fetch_add(1, Ordering::AcqRel) < max {
             return true;
         }
         self.lent.fetch_sub(1, Ordering::AcqRel);
@@ -741,5 +835,58 @@ mod tests {
             assert!(!a.has_reposts());
             assert_eq!(a.lent.load(Ordering::Relaxed), 0);
         }
+    }
+
+    #[test]
+    fn a_receive_window_doubles_in_regions_of_its_own() {
+        let ctx = Soft::open(None).unwrap();
+        let pd = Arc::new(ctx.alloc_pd().unwrap());
+        let sends = SendPool::<Soft>::growing(Arc::clone(&pd), 4096, 64).unwrap();
+        let g = Geometry {
+            slot_size: 4096,
+            send_slots: 8,
+            recv_slots: 40,
+        };
+        let a = SlotArena::with_sends(&pd, g, Arc::clone(&sends), 8).unwrap();
+        assert_eq!(
+            (a.recv_window(), a.lend_max.load(Ordering::Relaxed)),
+            (8, 4)
+        );
+        let first: Vec<u32> = std::iter::from_fn(|| a.take_repost()).collect();
+        assert_eq!(first, (0..8).collect::<Vec<_>>(), "all on the repost queue");
+        assert_eq!(a.grow_recv(8), 8..16);
+        assert_eq!(a.grow_recv(16), 16..32);
+        assert_eq!(a.grow_recv(32), 32..40, "never past recv_slots");
+        assert_eq!(a.grow_recv(1), 40..40);
+        assert_eq!(
+            (a.recv_window(), a.lend_max.load(Ordering::Relaxed)),
+            (40, 20)
+        );
+        assert_eq!(a.chunks.lock().unwrap().len(), 4, "a region per growth");
+        // Every receive slot is its own 4 KiB, apart from the others and from the send slots.
+        let send = a.take_send().unwrap();
+        let mut spans: Vec<(u64, u32)> = (0..40)
+            .map(|i| {
+                let sge = a.recv_sge(i);
+                assert_eq!(sge.length, 4096);
+                // SAFETY: slot `i` is not posted (never was) and has no other guard.
+                let mut g = unsafe { a.recv_slot(i, 4096) };
+                assert_eq!(g.bytes().as_ptr(), a.recv_ptr(i).cast_const());
+                assert!(g.try_lend() || i >= 20, "slot {i}: within the budget");
+                (sge.addr, sge.lkey)
+            })
+            .collect();
+        assert_eq!(a.lent.load(Ordering::Relaxed), 0, "every guard dropped");
+        spans.push((sends.sge(send, 4096).addr, sends.sge(send, 4096).lkey));
+        spans.sort_unstable();
+        assert!(
+            spans
+                .windows(2)
+                .all(|w| w[1].0 >= w[0].0 + 4096 || w[1].1 != w[0].1)
+        );
+        a.release_send(send);
+        // A window below the reserve, or above recv_slots, is refused.
+        assert!(SlotArena::with_sends(&pd, g, Arc::clone(&sends), 3).is_err());
+        assert!(SlotArena::with_sends(&pd, g, sends, 41).is_err());
     }
 }

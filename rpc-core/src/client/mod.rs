@@ -855,15 +855,16 @@ impl Channel {
         with_any!(AnyCore, &conn.core, c => c.alloc_bytes(len))
     }
 
-    /// The send slots of the current connection: frames are encoded into registered send
-    /// slots that every channel of the process on the same device (with the same slot size)
-    /// takes from one pool, registered as they are first needed, so idle channels hold
-    /// none. Default (all zero) when not connected.
-    pub fn send_slots(&self) -> SendSlots {
+    /// The registered slots of the current connection: frames are encoded into send slots,
+    /// and received into the slots of its receive window, that every channel of the process
+    /// on the same device (with the same slot size) takes from one pool, registered as they
+    /// are first needed. A channel's receive window starts at a few slots and grows with its
+    /// calls in flight, so idle channels hold little. Default (all zero) when not connected.
+    pub fn slots(&self) -> ChannelSlots {
         let Some(c) = self.current() else {
-            return SendSlots::default();
+            return ChannelSlots::default();
         };
-        with_any!(AnyCore, &c.core, c => c.send_slots())
+        with_any!(AnyCore, &c.core, c => c.slots())
     }
 
     /// Payload bytes of requests sent without a copy since the connection was made: the
@@ -1235,18 +1236,22 @@ async fn start<F: std::future::Future + Unpin>(fut: &mut F) -> std::task::Poll<F
     std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx))).await
 }
 
-/// What [`Channel::send_slots`] reports.
+/// What [`Channel::slots`] reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SendSlots {
+pub struct ChannelSlots {
     /// Slots the process's pool has registered (for all of its channels on this device).
     pub registered: u64,
     /// Of those, slots no channel holds now.
     pub free: u64,
-    /// Slots this connection holds now (frames being encoded, queued, or sent and not yet
-    /// completed).
-    pub held: u64,
-    /// The most this connection may hold at once (`Geometry::send_slots`).
-    pub cap: u64,
+    /// Send slots this connection holds now (frames being encoded, queued, or sent and not
+    /// yet completed).
+    pub send_held: u64,
+    /// The most send slots this connection may hold at once (`Geometry::send_slots`).
+    pub send_cap: u64,
+    /// Receive slots in this connection's window now (posted, or holding received frames).
+    pub recv_window: u64,
+    /// The most its receive window grows to (`Geometry::recv_slots`).
+    pub recv_max: u64,
     /// Bytes per slot.
     pub slot_size: u32,
 }
@@ -1355,18 +1360,25 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
         std::task::Poll::Ready(r) => r?,
         std::task::Poll::Pending => connecting.await?,
     };
+    // The receive window the server starts with; it grows with the calls in flight.
+    let window = crate::buf::slots::RECV_WINDOW_START.min(b.geometry.recv_slots);
     let hello = Hello {
         provider: P::KIND.wire_tag(),
         endpoint: qp.endpoint(),
         geometry: b.geometry,
+        initial_credits: window,
         max_calls: b.max_calls,
         token: b.token.clone(),
         data_endpoints: lanes.iter().map(Qp::endpoint).collect(),
     };
     connect::send(&mut stream, &Handshake::Hello(hello)).await?;
     // Made while the server sets up its side (the Hello names neither).
-    let arena =
-        SlotArena::<P>::with_sends(&pd, b.geometry, shared.send_pool(b.geometry.slot_size)?)?;
+    let arena = SlotArena::<P>::with_sends(
+        &pd,
+        b.geometry,
+        shared.send_pool(b.geometry.slot_size)?,
+        window,
+    )?;
     let bulk = Arc::clone(&shared.bulk);
     let tables = Tables::new(b.max_calls);
     let welcome = match connect::recv(&mut stream).await? {
@@ -1413,7 +1425,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
         peer_max_calls: welcome.max_calls,
         initial_send_credits: welcome.initial_credits,
         max_send_credits: welcome.geometry.recv_slots,
-        recv_depth: b.geometry.recv_slots,
+        recv_depth: window,
         recv_max: b.geometry.recv_slots,
         reserved_credits: 2,
         credit_update_threshold: (b.geometry.recv_slots / 4).max(2),

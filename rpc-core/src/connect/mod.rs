@@ -29,8 +29,9 @@ pub const MAGIC: [u8; 4] = *b"RRPC";
 /// pool shared by its connections, starting at `Welcome::initial_credits`; 5: stream windows
 /// start at 16 messages and are opened to at most 256 by the receiver's grants, where a
 /// version-4 peer refused any window above 16; 6: wire format 4, small stream messages packed
-/// several to a frame; 7: wire format 5, request payloads READ while they are written).
-pub const VERSION: u16 = 7;
+/// several to a frame; 7: wire format 5, request payloads READ while they are written; 8: the
+/// client's receive window starts at `Hello::initial_credits` and grows by its grants).
+pub const VERSION: u16 = 8;
 /// Largest handshake message.
 pub const MAX_MESSAGE: usize = 1024;
 /// Most data QPs (besides the primary) one connection may have.
@@ -51,8 +52,11 @@ pub struct Hello {
     pub provider: u8,
     /// The client QP's endpoint.
     pub endpoint: Endpoint,
-    /// The client's slot geometry (its receive ring is the server's credit limit).
+    /// The client's slot geometry: `recv_slots` is the most receive credits the server may
+    /// hold (the client's receive window grows to it, granting credits as its calls need).
     pub geometry: Geometry,
+    /// The receive credits the server starts with (at most `geometry.recv_slots`).
+    pub initial_credits: u32,
     /// Size of the client's call table.
     pub max_calls: u32,
     /// Shared-secret token (empty when none).
@@ -196,6 +200,18 @@ impl<'a> R<'a> {
         }
         (0..n).map(|_| self.endpoint()).collect()
     }
+    /// The credits a peer starts us with: the reserve of two control credits plus two data
+    /// credits, at least, and no more than its `recv_slots`.
+    fn initial_credits(&mut self, geometry: &Geometry) -> Result<u32, Error> {
+        let n = self.u32()?;
+        if !(4..=geometry.recv_slots).contains(&n) {
+            return Err(handshake_err(format!(
+                "peer's initial credits {n} out of range (4..={})",
+                geometry.recv_slots
+            )));
+        }
+        Ok(n)
+    }
 }
 
 impl Message {
@@ -209,6 +225,7 @@ impl Message {
                 w.bytes(&h.token[..h.token.len().min(MAX_TOKEN)]);
                 w.bytes(&h.endpoint.to_bytes());
                 w.geometry(&h.geometry);
+                w.u32(h.initial_credits);
                 w.u32(h.max_calls);
                 w.endpoints(&h.data_endpoints);
                 w.0
@@ -266,6 +283,7 @@ impl Message {
                 let token = r.take(tlen)?.to_vec();
                 let endpoint = r.endpoint()?;
                 let geometry = r.geometry()?;
+                let initial_credits = r.initial_credits(&geometry)?;
                 let max_calls = r.u32()?;
                 if max_calls == 0 || max_calls > Geometry::MAX_SLOTS {
                     return Err(handshake_err("peer call table size out of range"));
@@ -275,6 +293,7 @@ impl Message {
                     provider,
                     endpoint,
                     geometry,
+                    initial_credits,
                     max_calls,
                     token,
                     data_endpoints,
@@ -283,14 +302,7 @@ impl Message {
             KIND_WELCOME => {
                 let endpoint = r.endpoint()?;
                 let geometry = r.geometry()?;
-                let initial_credits = r.u32()?;
-                // The reserve of two control credits plus two data credits, at least.
-                if !(4..=geometry.recv_slots).contains(&initial_credits) {
-                    return Err(handshake_err(format!(
-                        "peer's initial credits {initial_credits} out of range (4..={})",
-                        geometry.recv_slots
-                    )));
-                }
+                let initial_credits = r.initial_credits(&geometry)?;
                 let max_calls = r.u32()?;
                 if max_calls == 0 || max_calls > Geometry::MAX_SLOTS {
                     return Err(handshake_err("peer call table size out of range"));
@@ -470,6 +482,7 @@ mod tests {
                 provider: 1,
                 endpoint: ep(),
                 geometry: g,
+                initial_credits: 8,
                 max_calls: 64,
                 token: b"secret".to_vec(),
                 data_endpoints: vec![ep(), ep(), ep()],
@@ -530,7 +543,7 @@ mod tests {
         let e = Message::decode(&m).unwrap_err();
         assert!(
             e.to_string()
-                .contains("version 2 not supported (this side speaks 7)"),
+                .contains("version 2 not supported (this side speaks 8)"),
             "{e}"
         );
         // A peer of the release before credits from a shared pool (handshake 3, wire 2).
@@ -549,10 +562,15 @@ mod tests {
         m[4] = 6;
         let e = Message::decode(&m).unwrap_err();
         assert!(e.to_string().contains("version 6 not supported"), "{e}");
+        // A peer of the release before growing client windows (handshake 7, wire 5).
+        m[4] = 7;
+        let e = Message::decode(&m).unwrap_err();
+        assert!(e.to_string().contains("version 7 not supported"), "{e}");
         let good = Message::Hello(Hello {
             provider: 1,
             endpoint: ep(),
             geometry: Geometry::default(),
+            initial_credits: 8,
             max_calls: 64,
             token: vec![],
             data_endpoints: vec![],
@@ -561,10 +579,17 @@ mod tests {
         for cut in 0..good.len() {
             assert!(Message::decode(&good[..cut]).is_err());
         }
+        // Geometry (12 bytes), initial credits, call table size, data QP count.
         let mut bad_geom = good.clone();
-        let off = good.len() - 17;
+        let off = good.len() - 21;
         bad_geom[off..off + 4].copy_from_slice(&7u32.to_le_bytes());
         assert!(Message::decode(&bad_geom).is_err());
+        for credits in [0u32, 3, 129] {
+            let mut bad = good.clone();
+            bad[off + 12..off + 16].copy_from_slice(&credits.to_le_bytes());
+            let e = Message::decode(&bad).unwrap_err();
+            assert!(e.to_string().contains("initial credits"), "{e}");
+        }
     }
 
     #[test]
@@ -573,6 +598,7 @@ mod tests {
             provider: 1,
             endpoint: ep(),
             geometry: Geometry::default(),
+            initial_credits: 8,
             max_calls: 64,
             token: vec![],
             data_endpoints: vec![],

@@ -660,9 +660,9 @@ impl<P: Provider> Link<P> {
     /// # Errors
     /// As [`Link::post_recvs`].
     pub fn repost_batched(&mut self, idle: bool) -> Result<u32, LinkError> {
-        // Small rings repost sooner: a batch never holds more than an eighth of the ring.
-        let ring = self.arena.geometry().recv_slots as usize;
-        let batch = Self::REPOST_BATCH.min((ring / 8).max(1));
+        // Small windows repost sooner: a batch never holds more than an eighth of the window.
+        let window = self.arena.recv_window() as usize;
+        let batch = Self::REPOST_BATCH.min((window / 8).max(1));
         if idle || self.arena.reposts_waiting() >= batch {
             self.post_recvs(true)
         } else {
@@ -676,49 +676,65 @@ impl<P: Provider> Link<P> {
     /// # Errors
     /// When `post_recv` fails.
     pub fn post_recvs(&mut self, report: bool) -> Result<u32, LinkError> {
-        const BATCH: usize = 16;
         if !self.arena.has_reposts() {
             return Ok(0);
         }
-        let mut total = 0;
-        loop {
-            let mut sges = [Sge::default(); BATCH];
-            let mut ids = [0u64; BATCH];
-            let mut n = 0;
-            while n < BATCH {
-                let Some(idx) = self.arena.take_repost() else {
-                    break;
-                };
-                sges[n] = self.arena.recv_sge(idx);
-                ids[n] = wr_id(self.key, WrKind::Recv, idx);
-                n += 1;
-            }
-            if n == 0 {
-                break;
-            }
-            let wrs: [RecvWr<'_>; BATCH] = std::array::from_fn(|i| RecvWr {
-                wr_id: ids[i],
-                sg_list: std::slice::from_ref(&sges[i]),
-            });
-            // SAFETY: each SGE names a receive slot of this link's arena, which lives (in
-            // `self.arena`, and in any guard) until the QP is gone; the slot is owned by the
-            // NIC from now until its completion is polled (it came off the repost queue, so no
-            // guard refers to it).
-            let r = unsafe { self.qp.post_recv(&wrs[..n]) };
-            if let Err(e) = r {
-                for id in &ids[e.posted.min(n)..n] {
-                    self.arena.repost_later(split_wr_id(*id).2);
-                }
-                return Err(post_err("post_recv", &e));
-            }
-            total += n as u32;
-        }
+        let arena = &*self.arena;
+        let total = post_slots(
+            &mut self.qp,
+            arena,
+            self.key,
+            || arena.take_repost(),
+            |idx| arena.repost_later(idx),
+        )?;
         if report && total > 0 {
             self.wire
                 .recv_reposted(total)
                 .map_err(|e| LinkError::Protocol(format!("credit accounting: {e}")))?;
         }
         Ok(total)
+    }
+
+    /// Grows the receive window of a link whose arena takes its receive slots from a pool
+    /// (a client channel's: see [`crate::buf::slots`]) when its calls in flight need more:
+    /// the peer said it ran out of data credits, or is at its reserve by our count
+    /// ([`wire::Conn::peer_wants_credit`]), or the calls in flight fill the window but for the
+    /// reserve. The window doubles, as far as `Geometry::recv_slots` and the pool allow: the
+    /// new slots are posted and their credits owed to the peer (they ride on the next frame,
+    /// or on a CreditUpdate). A few compares when nothing grows.
+    ///
+    /// # Errors
+    /// When `post_recv` fails.
+    #[inline]
+    pub fn maybe_grow_recv(&mut self) -> Result<(), LinkError> {
+        let window = self.arena.recv_window();
+        if window >= self.arena.geometry().recv_slots {
+            return Ok(());
+        }
+        let busy = self.wire.calls_in_flight() + self.wire.config().reserved_credits >= window;
+        if !self.wire.peer_wants_credit() && !busy {
+            return Ok(());
+        }
+        self.grow_recv(window)
+    }
+
+    #[cold]
+    fn grow_recv(&mut self, n: u32) -> Result<(), LinkError> {
+        let new = self.arena.grow_recv(n);
+        if new.is_empty() {
+            return Ok(());
+        }
+        let mut next = new.clone();
+        // A slot that could not be posted stays in the window, unposted and never granted:
+        // the link has failed (the error below closes it).
+        let posted = post_slots(&mut self.qp, &self.arena, self.key, || next.next(), |_| {})?;
+        let granted = self.wire.grant(posted);
+        if granted != posted {
+            return Err(LinkError::Protocol(format!(
+                "receive window: {posted} slots posted, {granted} granted"
+            )));
+        }
+        Ok(())
     }
 
     /// Encodes `metadata` and `msg` into send slot `slot` after the header room; returns the
@@ -1681,7 +1697,7 @@ impl<P: Provider> Link<P> {
             completion(wc)?;
             return Ok(());
         }
-        if slot_idx >= self.arena.geometry().recv_slots {
+        if slot_idx >= self.arena.recv_window() {
             return Err(LinkError::Protocol(
                 "receive completion for an unknown slot".into(),
             ));
@@ -1856,6 +1872,52 @@ impl<P: Provider> Link<P> {
         }
         Ok(())
     }
+}
+
+/// Posts the receive slots `next` yields, in batches of one `post_recv`; a slot that could
+/// not be posted goes to `unposted`. Returns how many were posted.
+fn post_slots<P: Provider>(
+    qp: &mut P::Qp,
+    arena: &SlotArena<P>,
+    key: LinkKey,
+    mut next: impl FnMut() -> Option<u32>,
+    mut unposted: impl FnMut(u32),
+) -> Result<u32, LinkError> {
+    const BATCH: usize = 16;
+    let mut total = 0;
+    loop {
+        let mut sges = [Sge::default(); BATCH];
+        let mut ids = [0u64; BATCH];
+        let mut n = 0;
+        while n < BATCH {
+            let Some(idx) = next() else {
+                break;
+            };
+            sges[n] = arena.recv_sge(idx);
+            ids[n] = wr_id(key, WrKind::Recv, idx);
+            n += 1;
+        }
+        if n == 0 {
+            break;
+        }
+        let wrs: [RecvWr<'_>; BATCH] = std::array::from_fn(|i| RecvWr {
+            wr_id: ids[i],
+            sg_list: std::slice::from_ref(&sges[i]),
+        });
+        // SAFETY: each SGE names a receive slot of the window of `arena`, the link's, which
+        // lives (in the link, and in any guard) until `qp` is gone; the slot is owned by the
+        // NIC from now until its completion is polled (it came off the repost queue, or
+        // is new to the window, so no guard refers to it).
+        let r = unsafe { qp.post_recv(&wrs[..n]) };
+        if let Err(e) = r {
+            for id in &ids[e.posted.min(n)..n] {
+                unposted(split_wr_id(*id).2);
+            }
+            return Err(post_err("post_recv", &e));
+        }
+        total += n as u32;
+    }
+    Ok(total)
 }
 
 /// The verbs view of a peer's advertised buffer.

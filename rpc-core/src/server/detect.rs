@@ -111,6 +111,7 @@ mod tests {
             provider: 1,
             endpoint: ep,
             geometry: Geometry::default(),
+            initial_credits: 8,
             max_calls: 64,
             token: b"PRI * HTTP/2.0".to_vec(),
             data_endpoints: vec![],

@@ -576,6 +576,13 @@ impl Conn {
         std::mem::take(&mut self.peer_starved)
     }
 
+    /// Whether the peer needs more credits than its window gives: a frame said it ran out
+    /// for data frames ([`Conn::take_peer_starved`], cleared), or by our count it is down to
+    /// its reserve. A receiver that grants ([`Conn::grant`]) grows the window of such a peer.
+    pub fn peer_wants_credit(&mut self) -> bool {
+        self.take_peer_starved() || self.peer_credits <= self.cfg.reserved_credits
+    }
+
     /// Whether the runtime should send a CreditUpdate now (if no other frame is about to carry
     /// the credits back): at least 2 credits are owed (a CreditUpdate costs the peer one) and
     /// either the threshold is reached or the peer, by our count, is down to its reserve. Ask

@@ -94,6 +94,9 @@ impl<P: Provider> Driver<P> {
             // Idle turn: repost whatever waits (a busy turn waits for a batch).
             self.link.post_recvs(true)?;
         }
+        // More receive slots when the calls in flight need them (their credits go out now
+        // when the server is at its reserve, else on the next request).
+        self.link.maybe_grow_recv()?;
         self.link.maybe_credit_update()?;
         self.link.flush_sends()?;
         Ok(work)

@@ -570,15 +570,17 @@ impl<P: Provider> ClientCore<P> {
         super::region::alloc::<P>(&self.pd, self.window_target, len)
     }
 
-    /// The connection's send slots and its process's pool of them.
-    pub(crate) fn send_slots(&self) -> crate::client::SendSlots {
+    /// The connection's slots and its process's pool of them.
+    pub(crate) fn slots(&self) -> crate::client::ChannelSlots {
         let pool = self.arena.send_pool();
         let g = self.arena.geometry();
-        crate::client::SendSlots {
+        crate::client::ChannelSlots {
             registered: u64::from(pool.registered()),
             free: pool.free() as u64,
-            held: u64::from(self.arena.held_sends()),
-            cap: u64::from(g.send_slots),
+            send_held: u64::from(self.arena.held_sends()),
+            send_cap: u64::from(g.send_slots),
+            recv_window: u64::from(self.arena.recv_window()),
+            recv_max: u64::from(g.recv_slots),
             slot_size: g.slot_size,
         }
     }

@@ -559,7 +559,8 @@ impl<P: Provider> Shard<P> {
         let wcfg = wire::Config {
             max_calls: hello.max_calls,
             peer_max_calls: hello.max_calls,
-            initial_send_credits: hello.geometry.recv_slots,
+            // The client's window starts small and grows by its grants (see `buf::slots`).
+            initial_send_credits: hello.initial_credits,
             max_send_credits: hello.geometry.recv_slots,
             recv_depth: FLOOR,
             recv_max: cfg.geometry.recv_slots.max(FLOOR),

@@ -311,8 +311,7 @@ impl Grants {
     /// ([`wire::FrameFlags::STARVED`]), or is left without one by our count, gets its window
     /// doubled from the free slots, while enough are free.
     pub(crate) fn maybe_grow(&mut self, w: &mut wire::Conn) {
-        let starved = w.take_peer_starved();
-        if !starved && w.peer_credits() > w.config().reserved_credits || self.free <= LOW {
+        if !w.peer_wants_credit() || self.free <= LOW {
             return;
         }
         let g = w.grant(w.window().min(self.free - LOW));
