@@ -97,10 +97,10 @@ pub struct SlotArena<P: Provider> {
     /// Send slots taken and not back, counted only under a cap (`cap != u32::MAX`).
     held: AtomicU32,
     cap: u32,
-    /// Per receive slot of the window (index below `window`): where it is mapped, its
-    /// address for the NIC and its key. Written only as the window grows, by the
-    /// connection's driver, before the slot is posted.
-    recv: Box<[RecvAt]>,
+    /// Per region of the window ([`Regions`]): where it is mapped, its address for the NIC
+    /// and its key. Written only as the window grows, by the connection's driver, before
+    /// its slots are posted.
+    regions: Regions,
     /// Receive slots in the window (none for a shard's arena, which receives through its
     /// pool); grows, never shrinks; written only by the connection's driver.
     window: AtomicU32,
@@ -119,12 +119,43 @@ pub struct SlotArena<P: Provider> {
     pd: Option<Arc<P::Pd>>,
 }
 
-/// Where one receive slot lies (see [`SlotArena::recv`]).
-#[derive(Default)]
-struct RecvAt {
-    ptr: AtomicU64,
-    addr: AtomicU64,
-    lkey: AtomicU32,
+/// Regions a window can have: the first, and one per doubling up to `Geometry::MAX_SLOTS`.
+const MAX_REGIONS: usize = 14;
+
+/// The regions of a receive window: the first holds slots `0..first`, and region `k >= 1`,
+/// registered when the window doubled the `k`th time, slots `first << (k - 1) .. first << k`
+/// (the last one cut at `Geometry::recv_slots`), so a slot's region is a shift and a count of
+/// leading zeros away. `first` is a power of two, or the whole window (which never grows).
+struct Regions {
+    first: u32,
+    shift: u32,
+    ptr: [AtomicU64; MAX_REGIONS],
+    addr: [AtomicU64; MAX_REGIONS],
+    lkey: [AtomicU32; MAX_REGIONS],
+}
+
+impl Regions {
+    fn new(first: u32) -> Regions {
+        Regions {
+            first,
+            shift: first.max(1).trailing_zeros(),
+            ptr: Default::default(),
+            addr: Default::default(),
+            lkey: Default::default(),
+        }
+    }
+
+    /// Slot `idx`'s region and its byte offset there (`slot_size` bytes a slot).
+    #[inline]
+    fn find(&self, idx: u32, slot_size: u32) -> (usize, usize) {
+        let (k, start) = if idx < self.first {
+            (0, 0)
+        } else {
+            let k = u32::BITS - (idx >> self.shift).leading_zeros();
+            (k as usize, self.first << (k - 1))
+        };
+        (k, (idx - start) as usize * slot_size as usize)
+    }
 }
 
 pub use super::sends::NO_SLOT;
@@ -172,9 +203,9 @@ impl<P: Provider> SlotArena<P> {
 
     /// An arena whose send slots come from `sends`, shared with other connections (a client
     /// process's channels on one device): this connection holds at most
-    /// `geometry.send_slots` of them at once. Its receive window starts at `window` slots
-    /// (at least 4: the reserve of two control credits and two data credits), registered now
-    /// and on the repost queue, and grows up to `geometry.recv_slots`.
+    /// `geometry.send_slots` of them at once. Its receive window starts at `window` slots (a
+    /// power of two, at least 4: the reserve of two control credits and two data credits),
+    /// registered now and on the repost queue, and doubles up to `geometry.recv_slots`.
     ///
     /// # Errors
     /// When the geometry is invalid or not the pool's, `window` is out of range, or
@@ -188,6 +219,7 @@ impl<P: Provider> SlotArena<P> {
         if !geometry.is_valid()
             || sends.slot_size() != geometry.slot_size
             || !(4..=geometry.recv_slots).contains(&window)
+            || !window.is_power_of_two()
         {
             return Err(invalid(
                 "slot geometry or receive window out of range, or not the send pool's",
@@ -237,7 +269,7 @@ impl<P: Provider> SlotArena<P> {
             pool,
             held: AtomicU32::new(0),
             cap,
-            recv: (0..n).map(|_| RecvAt::default()).collect(),
+            regions: Regions::new(window),
             window: AtomicU32::new(0),
             repost: ArrayQueue::new(n.max(1)),
             lent: AtomicU32::new(0),
@@ -248,25 +280,29 @@ impl<P: Provider> SlotArena<P> {
             pd: (n > 0).then(|| Arc::clone(pd)),
         };
         if window > 0 {
-            for i in arena.register_recv(window)? {
+            for i in arena.register_recv(window, 0)? {
                 let _ = arena.repost.push(i);
             }
         }
         Ok(Arc::new(arena))
     }
 
-    /// Doubles the receive window (adds up to `n` slots, as one registered chunk, never past
-    /// `geometry.recv_slots`) and returns the new slots' indices: unposted, for the caller to
-    /// post (the NIC's from then on) and grant to the peer as credits. None when the window
-    /// is whole, or registering failed (logged once; the window stays as it is). Only the
-    /// connection's driver calls it.
+    /// Doubles the receive window (one registered region, never past `geometry.recv_slots`)
+    /// and returns the new slots' indices: unposted, for the caller to post (the NIC's from
+    /// then on) and grant to the peer as credits. None when the window is whole, or
+    /// registering failed (logged once; the window stays as it is). Only the connection's
+    /// driver calls it.
     #[cold]
-    pub fn grow_recv(&self, n: u32) -> std::ops::Range<u32> {
+    pub fn grow_recv(&self) -> std::ops::Range<u32> {
         let w = self.recv_window();
-        if self.stuck.load(Ordering::Relaxed) {
+        let k = 1 + (w >> self.regions.shift).max(1).ilog2() as usize;
+        if self.stuck.load(Ordering::Relaxed)
+            || !self.regions.first.is_power_of_two()
+            || k >= MAX_REGIONS
+        {
             return w..w;
         }
-        match self.register_recv(n) {
+        match self.register_recv(w, k) {
             Ok(r) => r,
             Err(e) => {
                 self.stuck.store(true, Ordering::Relaxed);
@@ -280,31 +316,29 @@ impl<P: Provider> SlotArena<P> {
         }
     }
 
-    /// Registers up to `n` more receive slots (as one region) and adds them to the window.
-    fn register_recv(&self, n: u32) -> Result<std::ops::Range<u32>> {
+    /// Registers up to `n` more receive slots as region `k` and adds them to the window.
+    fn register_recv(&self, n: u32, k: usize) -> Result<std::ops::Range<u32>> {
         let from = self.recv_window();
-        let k = n.min(self.geometry.recv_slots - from);
-        let Some(pd) = self.pd.as_ref().filter(|_| k > 0) else {
+        let n = n.min(self.geometry.recv_slots - from);
+        let Some(pd) = self.pd.as_ref().filter(|_| n > 0) else {
             return Ok(from..from);
         };
-        let size = self.geometry.slot_size as usize;
-        let mr = pd.alloc_mr(size * k as usize, Access::LOCAL_WRITE)?;
-        for i in 0..k {
-            let at = &self.recv[(from + i) as usize];
-            let off = i as usize * size;
-            at.ptr
-                .store(mr.as_ptr() as u64 + off as u64, Ordering::Relaxed);
-            at.addr.store(mr.addr() + off as u64, Ordering::Relaxed);
-            at.lkey.store(mr.lkey(), Ordering::Relaxed);
-        }
+        let mr = pd.alloc_mr(
+            self.geometry.slot_size as usize * n as usize,
+            Access::LOCAL_WRITE,
+        )?;
+        let r = &self.regions;
+        r.ptr[k].store(mr.as_ptr() as u64, Ordering::Relaxed);
+        r.addr[k].store(mr.addr(), Ordering::Relaxed);
+        r.lkey[k].store(mr.lkey(), Ordering::Relaxed);
         self.chunks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(mr);
-        self.window.store(from + k, Ordering::Relaxed);
+        self.window.store(from + n, Ordering::Relaxed);
         self.lend_max
-            .store(lending_budget(from + k), Ordering::Relaxed);
-        Ok(from..from + k)
+            .store(lending_budget(from + n), Ordering::Relaxed);
+        Ok(from..from + n)
     }
 
     /// Receive slots in the window now.
@@ -332,7 +366,8 @@ impl<P: Provider> SlotArena<P> {
     #[inline]
     fn recv_ptr(&self, idx: u32) -> *mut u8 {
         debug_assert!(idx < self.recv_window());
-        self.recv[idx as usize].ptr.load(Ordering::Relaxed) as *mut u8
+        let (k, off) = self.regions.find(idx, self.geometry.slot_size);
+        (self.regions.ptr[k].load(Ordering::Relaxed) as *mut u8).wrapping_add(off)
     }
 
     /// Takes a free send slot; `None` when this connection holds its cap, or the pool has
@@ -433,11 +468,11 @@ impl<P: Provider> SlotArena<P> {
     #[inline]
     pub fn recv_sge(&self, idx: u32) -> Sge {
         debug_assert!(idx < self.recv_window());
-        let at = &self.recv[idx as usize];
+        let (k, off) = self.regions.find(idx, self.geometry.slot_size);
         Sge {
-            addr: at.addr.load(Ordering::Relaxed),
+            addr: self.regions.addr[k].load(Ordering::Relaxed) + off as u64,
             length: self.geometry.slot_size,
-            lkey: at.lkey.load(Ordering::Relaxed),
+            lkey: self.regions.lkey[k].load(Ordering::Relaxed),
         }
     }
 
@@ -854,10 +889,10 @@ mod tests {
         );
         let first: Vec<u32> = std::iter::from_fn(|| a.take_repost()).collect();
         assert_eq!(first, (0..8).collect::<Vec<_>>(), "all on the repost queue");
-        assert_eq!(a.grow_recv(8), 8..16);
-        assert_eq!(a.grow_recv(16), 16..32);
-        assert_eq!(a.grow_recv(32), 32..40, "never past recv_slots");
-        assert_eq!(a.grow_recv(1), 40..40);
+        assert_eq!(a.grow_recv(), 8..16);
+        assert_eq!(a.grow_recv(), 16..32);
+        assert_eq!(a.grow_recv(), 32..40, "never past recv_slots");
+        assert_eq!(a.grow_recv(), 40..40);
         assert_eq!(
             (a.recv_window(), a.lend_max.load(Ordering::Relaxed)),
             (40, 20)
@@ -885,8 +920,9 @@ mod tests {
                 .all(|w| w[1].0 >= w[0].0 + 4096 || w[1].1 != w[0].1)
         );
         a.release_send(send);
-        // A window below the reserve, or above recv_slots, is refused.
+        // A window below the reserve, above recv_slots, or not a power of two, is refused.
         assert!(SlotArena::with_sends(&pd, g, Arc::clone(&sends), 3).is_err());
+        assert!(SlotArena::with_sends(&pd, g, Arc::clone(&sends), 12).is_err());
         assert!(SlotArena::with_sends(&pd, g, sends, 41).is_err());
     }
 }

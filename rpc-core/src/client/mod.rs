@@ -1361,7 +1361,12 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
         std::task::Poll::Pending => connecting.await?,
     };
     // The receive window the server starts with; it grows with the calls in flight.
-    let window = crate::buf::slots::RECV_WINDOW_START.min(b.geometry.recv_slots);
+    // (A power of two: below 4 slots no configuration works, and `Conn::new` says so.)
+    let window = 1
+        << crate::buf::slots::RECV_WINDOW_START
+            .min(b.geometry.recv_slots)
+            .max(4)
+            .ilog2();
     let hello = Hello {
         provider: P::KIND.wire_tag(),
         endpoint: qp.endpoint(),

@@ -655,15 +655,22 @@ impl<P: Provider> Link<P> {
     /// idle loop reposts whatever waits ([`Link::post_recvs`]).
     pub const REPOST_BATCH: usize = 8;
 
-    /// [`Link::post_recvs`] when at least [`Link::REPOST_BATCH`] slots wait, or when `idle`.
+    /// [`Link::post_recvs`] when at least [`Link::REPOST_BATCH`] slots wait, when the peer is
+    /// down to half the window, or when `idle`.
     ///
     /// # Errors
     /// As [`Link::post_recvs`].
     pub fn repost_batched(&mut self, idle: bool) -> Result<u32, LinkError> {
-        // Small windows repost sooner: a batch never holds more than an eighth of the window.
-        let window = self.arena.recv_window() as usize;
-        let batch = Self::REPOST_BATCH.min((window / 8).max(1));
-        if idle || self.arena.reposts_waiting() >= batch {
+        // Small rings repost sooner: a batch never holds more than an eighth of the ring; and
+        // a window that starts small (a client's) reposts once the peer, by our count, is
+        // down to half of it, so slots held back never cost the peer more than that.
+        let ring = self.arena.geometry().recv_slots as usize;
+        let batch = Self::REPOST_BATCH.min((ring / 8).max(1));
+        let waiting = self.arena.reposts_waiting();
+        if idle
+            || waiting >= batch
+            || waiting > 0 && self.wire.peer_credits() * 2 <= self.arena.recv_window()
+        {
             self.post_recvs(true)
         } else {
             Ok(0)
@@ -715,12 +722,12 @@ impl<P: Provider> Link<P> {
         if !self.wire.peer_wants_credit() && !busy {
             return Ok(());
         }
-        self.grow_recv(window)
+        self.grow_recv()
     }
 
     #[cold]
-    fn grow_recv(&mut self, n: u32) -> Result<(), LinkError> {
-        let new = self.arena.grow_recv(n);
+    fn grow_recv(&mut self) -> Result<(), LinkError> {
+        let new = self.arena.grow_recv();
         if new.is_empty() {
             return Ok(());
         }
