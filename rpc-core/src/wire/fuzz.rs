@@ -161,7 +161,8 @@ impl Wire {
 
 /// The configuration the fuzzer runs: tiny tables, rings and windows so every limit is hit.
 /// The server grants from a shared pool (windows of 4 to 10: [`Conn::grant`],
-/// [`Conn::recv_withheld`], [`Conn::reclaim`]); the client's ring of 4 never grows.
+/// [`Conn::recv_withheld`], [`Conn::reclaim`]); the client's window of 4 grows to 10 by its
+/// grants too (as a channel's receive window doubles).
 pub const FUZZ_CONFIG: Config = Config {
     max_calls: 4,
     peer_max_calls: 4,
@@ -452,7 +453,12 @@ pub fn conn_events(data: &[u8]) {
                 }
             }
             15 => {
-                let _ = server.grant(u32::from(inp.u8() % 8));
+                let n = u32::from(inp.u8() % 8);
+                let _ = if side_is_client {
+                    client.grant(n)
+                } else {
+                    server.grant(n)
+                };
             }
             16 => {
                 let keep = u32::from(inp.u8() % 8);
@@ -522,6 +528,12 @@ pub fn conn_events(data: &[u8]) {
             "the client holds {} credits, more than the server's view {}",
             client.send_credits(),
             server.peer_credits()
+        );
+        assert!(
+            !honest || server.send_credits() <= client.peer_credits(),
+            "the server holds {} credits, more than the client's view {}",
+            server.send_credits(),
+            client.peer_credits()
         );
     }
 }
