@@ -136,6 +136,32 @@ async fn open_with(
     chans
 }
 
+/// `n` calls at once on `ch` that each take 20 ms in the handler: all in flight together.
+async fn slow_calls_at_once(ch: &rpc_core::Channel, n: u64) {
+    let calls = (0..n).map(|seq| {
+        let req = rpc_core::Request::new(common::SleepRequest {
+            seq,
+            ms: 20,
+            reply_len: 16,
+            pad: bytes::Bytes::new(),
+        });
+        ch.unary::<_, common::Blob>(&common::lab_server::SLEEP, req)
+    });
+    let all = futures_util::future::join_all(calls);
+    for (seq, r) in within(Duration::from_secs(60), "slow calls", all)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        let r = r.unwrap_or_else(|st| panic!("slow call {seq} failed: {st:?}"));
+        assert_eq!(
+            r.get_ref().seq,
+            seq as u64,
+            "slow call {seq}: answered another call"
+        );
+    }
+}
+
 /// Four calls at once on every channel of `chans`, all in flight together.
 async fn four_calls_at_once_on_each(chans: &[rpc_core::Channel]) {
     let all = chans
@@ -174,7 +200,7 @@ async fn open_and_serve(srv: &TestServer, n: usize) -> Vec<rpc_core::Channel> {
 /// The channels of a process take their send slots from one pool, registered as their calls
 /// need them, and each registers a small receive window that grows with its calls in flight:
 /// not 128 + 128 slots (2 MiB) registered per channel. A hundred channels with four calls
-/// each in flight register a few chunks of send slots and windows of 8 slots, each channel
+/// each in flight register a few chunks of send slots and windows of 8 to 32 slots, each channel
 /// stays within its cap, and every send slot comes back. A channel with many calls in flight
 /// grows its window. Runs on every provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -210,8 +236,8 @@ async fn channels_share_send_slots_and_grow_small_receive_windows() {
         );
         assert!(t.send_held <= t.send_cap, "channel {i}: {t:?}");
         assert!(
-            (8..=16).contains(&t.recv_window),
-            "channel {i}: four calls at once need no more than 16 receive slots: {t:?}"
+            (8..=32).contains(&t.recv_window),
+            "channel {i}: four calls at once need no more than 32 receive slots: {t:?}"
         );
     }
     // Idle again, and calls made once more: the slots came back (the pool did not grow).
@@ -226,13 +252,35 @@ async fn channels_share_send_slots_and_grow_small_receive_windows() {
     );
     // Many calls at once on one channel: its window grows to hold them.
     let ch = &chans[0];
-    let calls: Vec<_> = (0..48u64).map(|i| echo_seq(ch, 900_000 + i)).collect();
-    futures_util::future::join_all(calls).await;
+    slow_calls_at_once(ch, 48).await;
     let grown = ch.slots();
     assert!(
         grown.recv_window >= 32 && grown.recv_window <= grown.recv_max,
         "48 calls at once: {grown:?}"
     );
+}
+
+/// A ring too small for the reserve of control credits, or a window of 4 to 7 slots (the first
+/// window is a power of two): the first is refused before anything is made, with the reason;
+/// the second works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receive_rings_below_four_slots_are_refused_with_the_reason() {
+    let srv = TestServer::start().await;
+    let small = |recv_slots| rpc_core::Geometry {
+        recv_slots,
+        ..rpc_core::Geometry::default()
+    };
+    let connect = srv.builder().geometry(small(3)).connect();
+    let e = within(Duration::from_secs(20), "connect", connect)
+        .await
+        .expect_err("a ring of 3 receive slots");
+    assert!(e.to_string().contains("4 to 16,384 receive slots"), "{e}");
+    let chans = open_with(&srv, 1, small(6)).await;
+    let s = chans[0].slots();
+    assert_eq!((s.recv_window, s.recv_max), (4, 6), "{s:?}");
+    // Calls that fill the window grow it to the ring, not past it.
+    slow_calls_at_once(&chans[0], 12).await;
+    assert_eq!(chans[0].slots().recv_window, 6);
 }
 
 /// A server with default settings holds hundreds of connections on one shard, past the old

@@ -855,11 +855,11 @@ impl Channel {
         with_any!(AnyCore, &conn.core, c => c.alloc_bytes(len))
     }
 
-    /// The registered slots of the current connection: frames are encoded into send slots,
-    /// and received into the slots of its receive window, that every channel of the process
-    /// on the same device (with the same slot size) takes from one pool, registered as they
-    /// are first needed. A channel's receive window starts at a few slots and grows with its
-    /// calls in flight, so idle channels hold little. Default (all zero) when not connected.
+    /// The registered slots of the current connection: frames are encoded into send slots
+    /// that every channel of the process on the same device (with the same slot size) takes
+    /// from one pool, registered as they are first needed; they are received into the
+    /// connection's own receive window, which starts at 8 slots and doubles while its calls
+    /// in flight need more. Idle channels hold little. Default (all zero) when not connected.
     pub fn slots(&self) -> ChannelSlots {
         let Some(c) = self.current() else {
             return ChannelSlots::default();
@@ -1239,9 +1239,10 @@ async fn start<F: std::future::Future + Unpin>(fut: &mut F) -> std::task::Poll<F
 /// What [`Channel::slots`] reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ChannelSlots {
-    /// Slots the process's pool has registered (for all of its channels on this device).
+    /// Send slots the process's pool has registered (for all of its channels on this
+    /// device).
     pub registered: u64,
-    /// Of those, slots no channel holds now.
+    /// Of those, send slots no channel holds now.
     pub free: u64,
     /// Send slots this connection holds now (frames being encoded, queued, or sent and not
     /// yet completed).
@@ -1312,6 +1313,17 @@ impl ProviderVisitor for OpenConn {
 }
 
 async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
+    if !b.geometry.is_valid() || b.geometry.recv_slots < 4 {
+        return Err(Error::new(
+            TransportErrorKind::Config,
+            format!(
+                "slot geometry {:?} out of range: slots of 256 B to 1 MiB (a multiple of 64), \
+                 1 to 16,384 send slots, and 4 to 16,384 receive slots (two credits are kept \
+                 for control frames, two at least for calls)",
+                b.geometry
+            ),
+        ));
+    }
     // The TCP handshake (and a name lookup) runs while the verbs objects are made: they do
     // not depend on the server until the Hello.
     let mut connecting = Box::pin(connect_tcp(&b));
@@ -1361,7 +1373,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
         std::task::Poll::Pending => connecting.await?,
     };
     // The receive window the server starts with; it grows with the calls in flight.
-    // (A power of two: below 4 slots no configuration works, and `Conn::new` says so.)
+    // (A power of two, at least 4: a ring of fewer slots is refused by `with_sends`.)
     let window = 1
         << crate::buf::slots::RECV_WINDOW_START
             .min(b.geometry.recv_slots)

@@ -702,11 +702,11 @@ impl<P: Provider> Link<P> {
         Ok(total)
     }
 
-    /// Grows the receive window of a link whose arena takes its receive slots from a pool
-    /// (a client channel's: see [`crate::buf::slots`]) when its calls in flight need more:
+    /// Grows the receive window of a link whose arena has one (a client channel's: see
+    /// [`crate::buf::slots`]) when its calls in flight need more:
     /// the peer said it ran out of data credits, or is at its reserve by our count
     /// ([`wire::Conn::peer_wants_credit`]), or the calls in flight fill the window but for the
-    /// reserve. The window doubles, as far as `Geometry::recv_slots` and the pool allow: the
+    /// reserve. The window doubles, up to `Geometry::recv_slots` (one region registered): the
     /// new slots are posted and their credits owed to the peer (they ride on the next frame,
     /// or on a CreditUpdate). A few compares when nothing grows.
     ///
