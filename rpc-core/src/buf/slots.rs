@@ -134,6 +134,18 @@ struct Regions {
     lkey: [AtomicU32; MAX_REGIONS],
 }
 
+/// Regions a window that starts at `first` slots has when it has grown to `max`: the first,
+/// and one per doubling.
+fn regions_to_reach(first: u32, max: u32) -> usize {
+    let mut n = 1;
+    let mut w = first.max(1);
+    while w < max && n < MAX_REGIONS {
+        w = w.saturating_mul(2);
+        n += 1;
+    }
+    n
+}
+
 impl Regions {
     fn new(first: u32) -> Regions {
         Regions {
@@ -276,7 +288,12 @@ impl<P: Provider> SlotArena<P> {
             lend_max: AtomicU32::new(0),
             shares: (0..n).map(|_| AtomicU32::new(0)).collect(),
             stuck: AtomicBool::new(false),
-            chunks: Mutex::new(Vec::new()),
+            // Room for every region the window may grow to, so growing allocates nothing.
+            chunks: Mutex::new(Vec::with_capacity(if window == 0 {
+                0
+            } else {
+                regions_to_reach(window, geometry.recv_slots)
+            })),
             pd: (n > 0).then(|| Arc::clone(pd)),
         };
         if window > 0 {
@@ -897,7 +914,13 @@ mod tests {
             (a.recv_window(), a.lend_max.load(Ordering::Relaxed)),
             (40, 20)
         );
-        assert_eq!(a.chunks.lock().unwrap().len(), 4, "a region per growth");
+        let chunks = a.chunks.lock().unwrap();
+        assert_eq!(chunks.len(), 4, "a region per growth");
+        assert_eq!(chunks.capacity(), 4, "room for them all from the start");
+        drop(chunks);
+        assert_eq!(regions_to_reach(8, 128), 5);
+        assert_eq!(regions_to_reach(8, 8), 1);
+        assert_eq!(regions_to_reach(4, 6), 2);
         // Every receive slot is its own 4 KiB, apart from the others and from the send slots.
         let send = a.take_send().unwrap();
         let mut spans: Vec<(u64, u32)> = (0..40)

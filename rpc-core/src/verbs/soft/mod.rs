@@ -245,14 +245,14 @@ impl Device {
         let verb = Verb::OpenDevice;
         let pid = std::process::id();
         let nonce = shm::random_u64();
-        let pub_fd = shm::memfd("soft-rnic-pub", layout::PUB_LEN as u64).map_err(|e| {
+        let pub_fd = shm::memfd(c"soft-rnic-pub", layout::PUB_LEN as u64).map_err(|e| {
             os_err(
                 verb,
                 e,
                 "soft RNIC: cannot create the shared control segment",
             )
         })?;
-        let inbox_fd = shm::memfd("soft-rnic-inbox", layout::INBOX_LEN as u64)
+        let inbox_fd = shm::memfd(c"soft-rnic-inbox", layout::INBOX_LEN as u64)
             .map_err(|e| os_err(verb, e, "soft RNIC: cannot create the shared inbox segment"))?;
         let pub_map = Mapping::map(pub_fd.as_fd(), layout::PUB_LEN, true)
             .map_err(|e| os_err(verb, e, "soft RNIC: cannot map the control segment"))?;

@@ -84,7 +84,7 @@ impl SoftMr {
         let size = len.checked_add(page - 1).ok_or_else(|| {
             VerbsError::new(verb, ErrorKind::InvalidArgument, "region length overflows")
         })? & !(page - 1);
-        let fd = shm::memfd("soft-rnic-mr", size as u64).map_err(|e| {
+        let fd = shm::memfd(c"soft-rnic-mr", size as u64).map_err(|e| {
             VerbsError::from_errno(
                 verb,
                 e.raw_os_error().unwrap_or(libc::ENOMEM),

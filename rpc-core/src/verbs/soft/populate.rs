@@ -123,7 +123,7 @@ mod tests {
     #[test]
     fn queued_ranges_are_mapped_in_for_every_thread_of_the_process() {
         const LEN: usize = 4 << 20;
-        let fd = shm::memfd("populate-test", LEN as u64).unwrap();
+        let fd = shm::memfd(c"populate-test", LEN as u64).unwrap();
         let map = Arc::new(Mapping::map(fd.as_fd(), LEN, true).unwrap());
         let before = DONE.load(Ordering::Acquire);
         later(&map, 0, LEN / 2);
@@ -154,7 +154,7 @@ mod tests {
     #[test]
     fn a_child_forked_while_the_helper_ran_starts_its_own() {
         const LEN: usize = 256 << 10;
-        let fd = shm::memfd("populate-fork-test", LEN as u64).unwrap();
+        let fd = shm::memfd(c"populate-fork-test", LEN as u64).unwrap();
         let map = Arc::new(Mapping::map(fd.as_fd(), LEN, true).unwrap());
         let parent = std::process::id().wrapping_add(1).max(1);
         let start = Instant::now();

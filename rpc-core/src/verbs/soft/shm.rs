@@ -134,11 +134,10 @@ impl Drop for Mapping {
 }
 
 /// Creates an anonymous memory file of `len` bytes (`memfd_create` + `ftruncate`).
-pub(crate) fn memfd(name: &str, len: u64) -> io::Result<OwnedFd> {
-    let cname = std::ffi::CString::new(name).map_err(|_| io::Error::other("memfd name has NUL"))?;
-    // SAFETY: `cname` is a valid NUL-terminated string for the duration of the call.
+pub(crate) fn memfd(name: &std::ffi::CStr, len: u64) -> io::Result<OwnedFd> {
+    // SAFETY: `name` is a valid NUL-terminated string for the duration of the call.
     let fd =
-        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -489,7 +488,7 @@ mod tests {
 
     #[test]
     fn memfd_map_and_seal() {
-        let fd = memfd("soft-test", 8192).unwrap();
+        let fd = memfd(c"soft-test", 8192).unwrap();
         add_seals(fd.as_fd(), libc::F_SEAL_SHRINK | libc::F_SEAL_GROW).unwrap();
         assert_eq!(file_size(fd.as_fd()).unwrap(), 8192);
         let m = Mapping::map(fd.as_fd(), 8192, true).unwrap();
@@ -505,7 +504,7 @@ mod tests {
 
     #[test]
     fn getfd_from_self() {
-        let fd = memfd("soft-test-self", 4096).unwrap();
+        let fd = memfd(c"soft-test-self", 4096).unwrap();
         let pidfd = pidfd_open(std::process::id()).unwrap();
         let dup = pidfd_getfd(pidfd.as_fd(), std::process::id(), fd.as_raw_fd() as u32).unwrap();
         assert_eq!(file_size(dup.as_fd()).unwrap(), 4096);
@@ -517,7 +516,7 @@ mod tests {
         assert!(is_eventfd(e.0.as_fd()));
         let dup = e.0.try_clone().unwrap();
         assert!(is_eventfd(dup.as_fd()));
-        let fd = memfd("soft-test-not-eventfd", 4096).unwrap();
+        let fd = memfd(c"soft-test-not-eventfd", 4096).unwrap();
         assert!(!is_eventfd(fd.as_fd()));
         let (r, w) = std::io::pipe().unwrap();
         assert!(!is_eventfd(r.as_fd()));
