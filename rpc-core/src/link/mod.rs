@@ -226,13 +226,16 @@ impl std::fmt::Display for LinkError {
 
 impl LinkError {
     /// Whether the failure says the peer is gone or stuck (its NIC never acknowledged, or it
-    /// never posted a receive): the peer may know why better than we do.
+    /// never posted a receive), or that our QP entered ERROR with no failed request of its
+    /// own (the first failure is a flush: most often as the responder of a request of the
+    /// peer that our NIC rejected, see [`Link::explain`]): the peer may know why better than
+    /// we do, so its reason is worth waiting for.
     pub fn peer_silent(&self) -> bool {
         match self {
             LinkError::Completion(e) => {
                 matches!(
                     e.wc.status,
-                    WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr
+                    WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr | WcStatus::WrFlushErr
                 )
             }
             LinkError::Explained(e, _) => e.peer_silent(),
