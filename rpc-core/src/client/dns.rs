@@ -138,11 +138,6 @@ impl Names {
             .collect()
     }
 
-    /// Whether the name `dial` is resolved.
-    fn has(&self, dial: &str) -> bool {
-        lock(&self.list).iter().any(|n| n.name == dial)
-    }
-
     /// Removes the name `dial` (its task ends); whether there was one.
     pub(crate) fn remove(&self, dial: &str) -> bool {
         let mut list = lock(&self.list);
@@ -250,9 +245,13 @@ impl Balance {
 
     /// Makes the replicas of the name `prefix` those of `addrs`: new addresses added (with
     /// `template`'s options), gone ones removed; the others keep their connection and health.
-    /// Returns the keys added and removed.
+    /// Returns the keys added and removed. Changes nothing once `name` is removed, checked
+    /// in the same update as the change: a removal's own update (after it marks the name)
+    /// either comes after this one and takes its replicas away, or makes this one start
+    /// again and see the mark, so a removed name's replicas never come back.
     fn apply(
         &self,
+        name: &Name,
         prefix: &str,
         template: &ChannelBuilder,
         mut addrs: Vec<SocketAddr>,
@@ -268,6 +267,9 @@ impl Balance {
             })
             .collect();
         let old = self.replicas.rcu(|v| {
+            if name.removed.load(Ordering::Acquire) {
+                return v.to_vec();
+            }
             let mut out: Vec<Arc<Replica>> = v
                 .iter()
                 .filter(|r| !r.key.starts_with(prefix) || fresh.iter().any(|f| f.key == r.key))
@@ -338,13 +340,10 @@ impl Resolver {
             }
             let why = match got {
                 Ok(Ok(addrs)) if !addrs.is_empty() => {
-                    let (added, removed) = b.apply(&prefix, &self.template, addrs);
+                    let (added, removed) = b.apply(&self.name, &prefix, &self.template, addrs);
                     if self.name.removed.load(Ordering::Acquire) {
-                        // Removed while this lookup was applied: undo it (unless the name
-                        // was resolved anew: its new task owns the replicas).
-                        if !b.names.has(&self.name.name) {
-                            b.apply(&prefix, &self.template, Vec::new());
-                        }
+                        // Removed while this lookup was applied: the removal took away
+                        // what it added (or it added nothing).
                         return;
                     }
                     if !added.is_empty() || !removed.is_empty() {
