@@ -114,6 +114,9 @@ pub struct SlotArena<P: Provider> {
     shares: Box<[AtomicU32]>,
     /// Registering a region of the window failed (logged once): it grows no more.
     stuck: AtomicBool,
+    /// Tests: registering a region fails, as with RLIMIT_MEMLOCK reached.
+    #[cfg(test)]
+    refuse_growth: AtomicBool,
     /// The window's regions. Declared before `pd`: dropped first.
     chunks: Mutex<Vec<P::Mr>>,
     pd: Option<Arc<P::Pd>>,
@@ -288,6 +291,8 @@ impl<P: Provider> SlotArena<P> {
             lend_max: AtomicU32::new(0),
             shares: (0..n).map(|_| AtomicU32::new(0)).collect(),
             stuck: AtomicBool::new(false),
+            #[cfg(test)]
+            refuse_growth: AtomicBool::new(false),
             // Room for every region the window may grow to, so growing allocates nothing.
             chunks: Mutex::new(Vec::with_capacity(if window == 0 {
                 0
@@ -340,6 +345,14 @@ impl<P: Provider> SlotArena<P> {
         let Some(pd) = self.pd.as_ref().filter(|_| n > 0) else {
             return Ok(from..from);
         };
+        #[cfg(test)]
+        if self.refuse_growth.load(Ordering::Relaxed) {
+            return Err(crate::verbs::VerbsError::new(
+                crate::verbs::Verb::AllocMr,
+                crate::verbs::ErrorKind::OutOfMemory,
+                "refused by the test",
+            ));
+        }
         let mr = pd.alloc_mr(
             self.geometry.slot_size as usize * n as usize,
             Access::LOCAL_WRITE,
@@ -356,6 +369,12 @@ impl<P: Provider> SlotArena<P> {
         self.lend_max
             .store(lending_budget(from + n), Ordering::Relaxed);
         Ok(from..from + n)
+    }
+
+    /// Tests: every registration of a new region fails from now on.
+    #[cfg(test)]
+    pub(crate) fn refuse_growth(&self) {
+        self.refuse_growth.store(true, Ordering::Relaxed);
     }
 
     /// Receive slots in the window now.
@@ -947,5 +966,32 @@ mod tests {
         assert!(SlotArena::with_sends(&pd, g, Arc::clone(&sends), 3).is_err());
         assert!(SlotArena::with_sends(&pd, g, Arc::clone(&sends), 12).is_err());
         assert!(SlotArena::with_sends(&pd, g, sends, 41).is_err());
+    }
+
+    #[test]
+    fn a_window_whose_registration_fails_keeps_what_it_has() {
+        let ctx = Soft::open(None).unwrap();
+        let pd = Arc::new(ctx.alloc_pd().unwrap());
+        let sends = SendPool::<Soft>::growing(Arc::clone(&pd), 4096, 64).unwrap();
+        let g = Geometry {
+            slot_size: 4096,
+            send_slots: 8,
+            recv_slots: 64,
+        };
+        let a = SlotArena::with_sends(&pd, g, sends, 8).unwrap();
+        assert_eq!(a.grow_recv(), 8..16);
+        a.refuse_growth();
+        assert_eq!(a.grow_recv(), 16..16, "a failed registration adds nothing");
+        a.refuse_growth.store(false, Ordering::Relaxed);
+        assert_eq!(a.grow_recv(), 16..16, "and the window grows no more");
+        assert_eq!(
+            (a.recv_window(), a.lend_max.load(Ordering::Relaxed)),
+            (16, 8)
+        );
+        assert_eq!(a.chunks.lock().unwrap().len(), 2);
+        // The slots it has are whole and usable.
+        for i in 0..16 {
+            assert_eq!(a.recv_sge(i).length, 4096);
+        }
     }
 }

@@ -31,6 +31,8 @@ mod poller;
 mod sizes;
 mod stream;
 mod submit;
+#[cfg(test)]
+mod window_tests;
 
 use crate::queue::ClearIfAny;
 use cells::CellTable;
