@@ -21,8 +21,10 @@
 //!
 //! **The receive window.** A client channel starts with [`RECV_WINDOW_START`] receive slots
 //! (the credits its server starts with) and doubles it, a chunk registered at a time
-//! ([`SlotArena::grow_recv`], driven by its calls in flight: see `Link::maybe_grow_recv`), up
-//! to its `Geometry::recv_slots`. An idle channel thus holds a few slots of registered memory,
+//! ([`SlotArena::grow_recv`], driven by its calls in flight: see `Link::maybe_resize_recv`), up
+//! to its `Geometry::recv_slots`; after a quiet spell it gives back the chunks its calls no
+//! longer need ([`SlotArena::shrink_recv`], once its driver holds every slot of them back). A
+//! channel thus holds a few slots of registered memory beyond what its calls in flight need,
 //! not a whole ring. Receive memory is the connection's alone and goes with its arena, after
 //! its QP: it is never handed to another connection, because a destroyed QP's receives may
 //! still be written by a peer that was already writing (the soft RNIC's peer does the
@@ -102,7 +104,7 @@ pub struct SlotArena<P: Provider> {
     /// its slots are posted.
     regions: Regions,
     /// Receive slots in the window (none for a shard's arena, which receives through its
-    /// pool); grows, never shrinks; written only by the connection's driver.
+    /// pool); written only by the connection's driver, as it grows and shrinks.
     window: AtomicU32,
     repost: ArrayQueue<u32>,
     /// Receive slots lent out of the ring (kept by user `Bytes` or unread stream messages).
@@ -158,6 +160,11 @@ impl Regions {
             addr: Default::default(),
             lkey: Default::default(),
         }
+    }
+
+    /// Where region `k` ends (slots; before `Geometry::recv_slots` cuts the last one).
+    fn end(&self, k: usize) -> u32 {
+        self.first << k
     }
 
     /// Slot `idx`'s region and its byte offset there (`slot_size` bytes a slot).
@@ -369,6 +376,72 @@ impl<P: Provider> SlotArena<P> {
         self.lend_max
             .store(lending_budget(from + n), Ordering::Relaxed);
         Ok(from..from + n)
+    }
+
+    /// Receive slots lent out of the ring now (kept by user `Bytes` or unread stream
+    /// messages).
+    #[inline]
+    pub fn lent_recv(&self) -> u32 {
+        self.lent.load(Ordering::Relaxed)
+    }
+
+    /// The window the arena started with (its first region): it never shrinks below it.
+    #[inline]
+    pub fn first_window(&self) -> u32 {
+        self.regions.first
+    }
+
+    /// The smallest window of whole regions that holds `n` slots (at least the first
+    /// region, at most the window now).
+    pub fn window_for(&self, n: u32) -> u32 {
+        let w = self.recv_window();
+        if n <= self.regions.first || w <= self.regions.first {
+            return self.regions.first.min(w);
+        }
+        // The window ends where the region holding slot `n - 1` does.
+        self.regions
+            .end(self.regions.find(n.min(w) - 1, 1).0)
+            .min(w)
+    }
+
+    /// Shrinks the receive window to `to` slots (a value [`SlotArena::window_for`] gave):
+    /// the regions above it are deregistered. Returns the window now.
+    ///
+    /// The caller (the connection's driver) must hold every slot from `to` on out of the
+    /// NIC's and everyone's hands: not posted, no guard alive, not on the repost queue
+    /// (`Link` parks them as they come back, and shrinks once all of them are parked).
+    pub fn shrink_recv(&self, to: u32) -> u32 {
+        let w = self.recv_window();
+        if to >= w || to < self.regions.first {
+            return w;
+        }
+        let regions = |w: u32| self.regions.find(w - 1, 1).0 + 1;
+        let keep = regions(to);
+        self.window.store(to, Ordering::Relaxed);
+        self.lend_max.store(lending_budget(to), Ordering::Relaxed);
+        // Popped under the lock, deregistered after it (the Vec keeps its capacity, so
+        // growing again allocates nothing).
+        let mut gone: [Option<P::Mr>; MAX_REGIONS] = Default::default();
+        {
+            let mut chunks = self.chunks.lock().unwrap_or_else(|p| p.into_inner());
+            let mut i = 0;
+            while chunks.len() > keep {
+                gone[i] = chunks.pop();
+                i += 1;
+            }
+        }
+        drop(gone);
+        to
+    }
+
+    /// Tests: the receive slot of the window that `p` points into.
+    #[cfg(test)]
+    pub(crate) fn slot_holding(&self, p: *const u8) -> Option<u32> {
+        let size = self.geometry.slot_size as usize;
+        (0..self.recv_window()).find(|&i| {
+            let start = self.recv_ptr(i) as usize;
+            (start..start + size).contains(&(p as usize))
+        })
     }
 
     /// Tests: every registration of a new region fails from now on.
@@ -966,6 +1039,54 @@ mod tests {
         assert!(SlotArena::with_sends(&pd, g, Arc::clone(&sends), 3).is_err());
         assert!(SlotArena::with_sends(&pd, g, Arc::clone(&sends), 12).is_err());
         assert!(SlotArena::with_sends(&pd, g, sends, 41).is_err());
+    }
+
+    #[test]
+    fn a_window_shrinks_by_whole_regions_and_grows_again() {
+        let ctx = Soft::open(None).unwrap();
+        let pd = Arc::new(ctx.alloc_pd().unwrap());
+        let sends = SendPool::<Soft>::growing(Arc::clone(&pd), 4096, 64).unwrap();
+        let g = Geometry {
+            slot_size: 4096,
+            send_slots: 8,
+            recv_slots: 40,
+        };
+        let a = SlotArena::with_sends(&pd, g, sends, 8).unwrap();
+        assert_eq!(a.window_for(3), 8, "never below the first region");
+        assert_eq!(a.window_for(30), 8, "never above the window now");
+        for _ in 0..3 {
+            a.grow_recv();
+        }
+        assert_eq!(a.recv_window(), 40);
+        let fits: Vec<u32> = [0, 8, 9, 16, 17, 32, 33, 40, 99]
+            .iter()
+            .map(|&n| a.window_for(n))
+            .collect();
+        assert_eq!(fits, [8, 8, 16, 16, 32, 32, 40, 40, 40]);
+        let before: Vec<u64> = (0..16).map(|i| a.recv_sge(i).addr).collect();
+        assert_eq!(a.shrink_recv(16), 16);
+        assert_eq!(
+            (a.recv_window(), a.lend_max.load(Ordering::Relaxed)),
+            (16, 8)
+        );
+        assert_eq!(
+            a.chunks.lock().unwrap().len(),
+            2,
+            "two regions deregistered"
+        );
+        let kept: Vec<u64> = (0..16).map(|i| a.recv_sge(i).addr).collect();
+        assert_eq!(kept, before, "the slots that stay are where they were");
+        assert_eq!(a.shrink_recv(20), 16, "not a growth");
+        assert_eq!(a.shrink_recv(4), 16, "never below the first region");
+        // It grows again region by region, without allocating a place for them.
+        assert_eq!(a.grow_recv(), 16..32);
+        assert_eq!(a.grow_recv(), 32..40);
+        let chunks = a.chunks.lock().unwrap();
+        assert_eq!((chunks.len(), chunks.capacity()), (4, 4));
+        drop(chunks);
+        assert_eq!(a.shrink_recv(8), 8);
+        assert_eq!(a.chunks.lock().unwrap().len(), 1);
+        assert_eq!(a.grow_recv(), 8..16);
     }
 
     #[test]

@@ -52,6 +52,7 @@
 
 pub mod owned;
 mod stripe;
+mod window;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -403,6 +404,8 @@ pub struct Link<P: Provider> {
     /// be shared with other links) when their completions are polled, or when the link is
     /// dropped, after its QPs. Declared after `qp` and `lanes` for that order.
     posted: owned::PostedSends<P>,
+    /// Where the receive window is heading (a client's: see [`window`]).
+    window: window::RecvWindow,
     /// Buffers of posted work requests (and lent to the peer) of a failed or closed link.
     /// Declared after `qp` and `lanes` on purpose: fields drop in declaration order, so
     /// these are freed only after every QP of the link is destroyed (see [`owned`]).
@@ -474,6 +477,10 @@ impl<P: Provider> Link<P> {
             slot_cap: u32::MAX,
             batch: None,
             posted: owned::PostedSends::new(Arc::clone(&arena_for_posted), max_posted),
+            window: window::RecvWindow::new(
+                arena_for_posted.first_window(),
+                arena_for_posted.geometry().recv_slots,
+            ),
             graveyard: Graveyard::default(),
         };
         link.gather = (link.qp.caps().max_send_sge as usize).clamp(1, BATCH_FRAMES);
@@ -690,61 +697,35 @@ impl<P: Provider> Link<P> {
             return Ok(0);
         }
         let arena = &*self.arena;
+        // Slots of regions being retired are parked, not posted (see `window`).
+        let retire_to = self.window.retire_to();
+        let window = &mut self.window;
+        let mut parked = 0;
         let total = post_slots(
             &mut self.qp,
             arena,
             self.key,
-            || arena.take_repost(),
+            || loop {
+                let idx = arena.take_repost()?;
+                if idx < retire_to {
+                    return Some(idx);
+                }
+                window.park(idx);
+                parked += 1;
+            },
             |idx| arena.repost_later(idx),
         )?;
-        if report && total > 0 {
-            self.wire
-                .recv_reposted(total)
-                .map_err(|e| LinkError::Protocol(format!("credit accounting: {e}")))?;
+        if report {
+            self.window.consumed(total + parked);
+            let credits = |e| LinkError::Protocol(format!("credit accounting: {e}"));
+            if total > 0 {
+                self.wire.recv_reposted(total).map_err(credits)?;
+            }
+            if parked > 0 {
+                self.wire.recv_withheld(parked).map_err(credits)?;
+            }
         }
         Ok(total)
-    }
-
-    /// Grows the receive window of a link whose arena has one (a client channel's: see
-    /// [`crate::buf::slots`]) when its calls in flight need more:
-    /// the peer said it ran out of data credits, or is at its reserve by our count
-    /// ([`wire::Conn::peer_wants_credit`]), or the calls in flight fill the window but for the
-    /// reserve. The window doubles, up to `Geometry::recv_slots` (one region registered): the
-    /// new slots are posted and their credits owed to the peer (they ride on the next frame,
-    /// or on a CreditUpdate). A few compares when nothing grows.
-    ///
-    /// # Errors
-    /// When `post_recv` fails.
-    #[inline]
-    pub fn maybe_grow_recv(&mut self) -> Result<(), LinkError> {
-        let window = self.arena.recv_window();
-        if window >= self.arena.geometry().recv_slots {
-            return Ok(());
-        }
-        let busy = self.wire.calls_in_flight() + self.wire.config().reserved_credits >= window;
-        if !self.wire.peer_wants_credit() && !busy {
-            return Ok(());
-        }
-        self.grow_recv()
-    }
-
-    #[cold]
-    fn grow_recv(&mut self) -> Result<(), LinkError> {
-        let new = self.arena.grow_recv();
-        if new.is_empty() {
-            return Ok(());
-        }
-        let mut next = new.clone();
-        // A slot that could not be posted stays in the window, unposted and never granted:
-        // the link has failed (the error below closes it).
-        let posted = post_slots(&mut self.qp, &self.arena, self.key, || next.next(), |_| {})?;
-        let granted = self.wire.grant(posted);
-        if granted != posted {
-            return Err(LinkError::Protocol(format!(
-                "receive window: {posted} slots posted, {granted} granted"
-            )));
-        }
-        Ok(())
     }
 
     /// Encodes `metadata` and `msg` into send slot `slot` after the header room; returns the

@@ -162,7 +162,8 @@ impl Wire {
 /// The configuration the fuzzer runs: tiny tables, rings and windows so every limit is hit.
 /// The server grants from a shared pool (windows of 4 to 10: [`Conn::grant`],
 /// [`Conn::recv_withheld`], [`Conn::reclaim`]); the client's window of 4 grows to 10 by its
-/// grants too (as a channel's receive window doubles).
+/// grants too, and shrinks by withholding (as a channel's receive window doubles, and gives
+/// regions back).
 pub const FUZZ_CONFIG: Config = Config {
     max_calls: 4,
     peer_max_calls: 4,
@@ -444,7 +445,12 @@ pub fn conn_events(data: &[u8]) {
             14 => {
                 let n = u32::from(inp.u8() % 8);
                 if side_is_client {
-                    let _ = client.recv_reposted(n);
+                    if inp.bool() {
+                        // A channel's window shrinking: slots parked, not reposted.
+                        let _ = client.recv_withheld(n);
+                    } else {
+                        let _ = client.recv_reposted(n);
+                    }
                 } else if inp.bool() {
                     // The slots go back to the shared pool, not to the client.
                     let _ = server.recv_withheld(n);

@@ -95,8 +95,9 @@ impl<P: Provider> Driver<P> {
             self.link.post_recvs(true)?;
         }
         // More receive slots when the calls in flight need them (their credits go out now
-        // when the server is at its reserve, else on the next request).
-        self.link.maybe_grow_recv()?;
+        // when the server is at its reserve, else on the next request), fewer after a
+        // quiet spell.
+        self.link.maybe_resize_recv()?;
         self.link.maybe_credit_update()?;
         self.link.flush_sends()?;
         Ok(work)
