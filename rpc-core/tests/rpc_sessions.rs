@@ -202,7 +202,8 @@ async fn open_and_serve(srv: &TestServer, n: usize) -> Vec<rpc_core::Channel> {
 /// not 128 + 128 slots (2 MiB) registered per channel. A hundred channels with four calls
 /// each in flight register a few chunks of send slots and windows of 8 to 32 slots, each channel
 /// stays within its cap, and every send slot comes back. A channel with many calls in flight
-/// grows its window. Runs on every provider.
+/// grows its window, gives it back after a quiet spell, and grows it again. Runs on every
+/// provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn channels_share_send_slots_and_grow_small_receive_windows() {
     let _many = MANY.lock().await;
@@ -258,6 +259,27 @@ async fn channels_share_send_slots_and_grow_small_receive_windows() {
         grown.recv_window >= 32 && grown.recv_window <= grown.recv_max,
         "48 calls at once: {grown:?}"
     );
+    // Calls one at a time: after a quiet spell (a second, at least) the window gives its
+    // regions back, down to the 8 slots it started with.
+    let start = std::time::Instant::now();
+    let mut seq = 900_000;
+    while ch.slots().recv_window > 8 {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "one call at a time for 120 s, and the window is still {:?}",
+            ch.slots()
+        );
+        echo_seq(ch, seq).await;
+        seq += 1;
+    }
+    assert!(
+        start.elapsed() >= Duration::from_secs(1),
+        "shrank after {:?}",
+        start.elapsed()
+    );
+    // And grows again for the next burst.
+    slow_calls_at_once(ch, 48).await;
+    assert!(ch.slots().recv_window >= 32, "{:?}", ch.slots());
 }
 
 /// A ring too small for the reserve of control credits, or a window of 4 to 7 slots (the first
