@@ -92,7 +92,9 @@
 //! borrows its region mutably, so safe code cannot read bytes the server may be writing.
 //!
 //! Posted buffers belong to the NIC: nothing named by a posted work request is reused before
-//! its completion is polled or its QP destroyed.
+//! its completion is polled or its QP destroyed. A client's receive window, which grows and
+//! shrinks with its calls in flight, deregisters a region only once every slot of it is back
+//! from the NIC and from whoever borrowed it.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
