@@ -983,15 +983,12 @@ mod tests {
 
     #[test]
     fn a_receive_window_doubles_in_regions_of_its_own() {
-        let ctx = Soft::open(None).unwrap();
-        let pd = Arc::new(ctx.alloc_pd().unwrap());
-        let sends = SendPool::<Soft>::growing(Arc::clone(&pd), 4096, 64).unwrap();
-        let g = Geometry {
-            slot_size: 4096,
-            send_slots: 8,
-            recv_slots: 40,
-        };
-        let a = SlotArena::with_sends(&pd, g, Arc::clone(&sends), 8).unwrap();
+        let (_ctx, a) = window_arena(40);
+        let (pd, sends, g) = (
+            a.pd.clone().unwrap(),
+            Arc::clone(a.send_pool()),
+            a.geometry(),
+        );
         assert_eq!(
             (a.recv_window(), a.lend_max.load(Ordering::Relaxed)),
             (8, 4)
@@ -1041,17 +1038,24 @@ mod tests {
         assert!(SlotArena::with_sends(&pd, g, sends, 41).is_err());
     }
 
-    #[test]
-    fn a_window_shrinks_by_whole_regions_and_grows_again() {
+    /// An arena of 4 KiB slots whose receive window starts at 8 slots and may grow to
+    /// `recv_slots` (with the context it lives in).
+    fn window_arena(recv_slots: u32) -> (crate::verbs::soft::SoftContext, Arc<SlotArena<Soft>>) {
         let ctx = Soft::open(None).unwrap();
         let pd = Arc::new(ctx.alloc_pd().unwrap());
         let sends = SendPool::<Soft>::growing(Arc::clone(&pd), 4096, 64).unwrap();
         let g = Geometry {
             slot_size: 4096,
             send_slots: 8,
-            recv_slots: 40,
+            recv_slots,
         };
         let a = SlotArena::with_sends(&pd, g, sends, 8).unwrap();
+        (ctx, a)
+    }
+
+    #[test]
+    fn a_window_shrinks_by_whole_regions_and_grows_again() {
+        let (_ctx, a) = window_arena(40);
         assert_eq!(a.window_for(3), 8, "never below the first region");
         assert_eq!(a.window_for(30), 8, "never above the window now");
         for _ in 0..3 {
@@ -1091,15 +1095,7 @@ mod tests {
 
     #[test]
     fn a_window_whose_registration_fails_keeps_what_it_has() {
-        let ctx = Soft::open(None).unwrap();
-        let pd = Arc::new(ctx.alloc_pd().unwrap());
-        let sends = SendPool::<Soft>::growing(Arc::clone(&pd), 4096, 64).unwrap();
-        let g = Geometry {
-            slot_size: 4096,
-            send_slots: 8,
-            recv_slots: 64,
-        };
-        let a = SlotArena::with_sends(&pd, g, sends, 8).unwrap();
+        let (_ctx, a) = window_arena(64);
         assert_eq!(a.grow_recv(), 8..16);
         a.refuse_growth();
         assert_eq!(a.grow_recv(), 16..16, "a failed registration adds nothing");

@@ -27,12 +27,13 @@ struct Gen {
     len: u64,
 }
 
+/// A numbered blob (the window tests' answers too).
 #[derive(Clone, PartialEq, prost::Message)]
-struct Blob {
+pub(super) struct Blob {
     #[prost(uint64, tag = "1")]
-    seq: u64,
+    pub(super) seq: u64,
     #[prost(bytes = "bytes", tag = "2")]
-    data: Bytes,
+    pub(super) data: Bytes,
 }
 
 static GEN: MethodDesc = MethodDesc::new("/rogue.Gen/Gen", CallKind::Unary);

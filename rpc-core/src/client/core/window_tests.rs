@@ -9,7 +9,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use std::sync::Arc;
+
+use crate::client::rogue_tests::Blob;
 use crate::client::{AnyCore, Channel, ClientPoller};
+use crate::verbs::soft::Soft;
+
+use super::ClientCore;
 use crate::server::{Dispatched, IncomingCall, Server, Service};
 use crate::{CallKind, Geometry, MethodDesc, Request, Response};
 
@@ -22,14 +28,6 @@ struct Num {
 }
 
 const SLOW: u64 = 1 << 63;
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct Blob {
-    #[prost(uint64, tag = "1")]
-    seq: u64,
-    #[prost(bytes = "bytes", tag = "2")]
-    data: Bytes,
-}
 
 static BLOB: MethodDesc = MethodDesc::new("/window.Blobs/Blob", CallKind::Unary);
 static METHODS: [MethodDesc; 1] = [BLOB];
@@ -115,6 +113,16 @@ async fn calls_until_window(ch: &Channel, to: u64) -> Duration {
     start.elapsed()
 }
 
+/// The soft provider's core of the channel's connection (`None` on another provider).
+#[allow(irrefutable_let_patterns)] // refutable with the ibverbs feature
+fn soft_core(ch: &Channel) -> Option<Arc<ClientCore<Soft>>> {
+    let conn = ch.current().expect("a connection");
+    let AnyCore::Soft(core) = &conn.core else {
+        return None;
+    };
+    Some(Arc::clone(core))
+}
+
 async fn server() -> (crate::server::RunningServer, String) {
     let server = Server::builder()
         .add_service(Blobs)
@@ -137,15 +145,13 @@ async fn connect(addr: &str, poller: ClientPoller) -> Channel {
         .expect("connect")
 }
 
-#[allow(irrefutable_let_patterns)] // refutable with the ibverbs feature
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_that_cannot_grow_keeps_serving_its_calls() {
     let (_server, addr) = server().await;
     for poller in [ClientPoller::Thread, ClientPoller::Caller] {
         let stuck = connect(&addr, poller).await;
         let grows = connect(&addr, poller).await;
-        let conn = stuck.current().expect("a connection");
-        let AnyCore::Soft(core) = &conn.core else {
+        let Some(core) = soft_core(&stuck) else {
             println!("skipped: the test's fault hook is in the soft provider's arena");
             return;
         };
@@ -168,14 +174,12 @@ async fn a_window_that_cannot_grow_keeps_serving_its_calls() {
     }
 }
 
-#[allow(irrefutable_let_patterns)] // refutable with the ibverbs feature
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_shrinks_after_its_burst_never_under_kept_data() {
     let (_server, addr) = server().await;
     for poller in [ClientPoller::Thread, ClientPoller::Caller] {
         let ch = connect(&addr, poller).await;
-        let conn = ch.current().expect("a connection");
-        let AnyCore::Soft(core) = &conn.core else {
+        let Some(core) = soft_core(&ch) else {
             println!("skipped: the test finds slots in the soft provider's arena");
             return;
         };
