@@ -1249,7 +1249,8 @@ pub struct ChannelSlots {
     pub send_held: u64,
     /// The most send slots this connection may hold at once (`Geometry::send_slots`).
     pub send_cap: u64,
-    /// Receive slots in this connection's window now (posted, or holding received frames).
+    /// Receive slots in this connection's window now (posted, holding received frames, or
+    /// parked while the window shrinks after a quiet spell).
     pub recv_window: u64,
     /// The most its receive window grows to (`Geometry::recv_slots`).
     pub recv_max: u64,
