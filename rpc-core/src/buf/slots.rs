@@ -167,15 +167,21 @@ impl Regions {
         self.first << k
     }
 
+    /// The region of slot `idx`.
+    #[inline]
+    fn region(&self, idx: u32) -> usize {
+        if idx < self.first {
+            0
+        } else {
+            (u32::BITS - (idx >> self.shift).leading_zeros()) as usize
+        }
+    }
+
     /// Slot `idx`'s region and its byte offset there (`slot_size` bytes a slot).
     #[inline]
     fn find(&self, idx: u32, slot_size: u32) -> (usize, usize) {
-        let (k, start) = if idx < self.first {
-            (0, 0)
-        } else {
-            let k = u32::BITS - (idx >> self.shift).leading_zeros();
-            (k as usize, self.first << (k - 1))
-        };
+        let k = self.region(idx);
+        let start = if k == 0 { 0 } else { self.first << (k - 1) };
         (k, (idx - start) as usize * slot_size as usize)
     }
 }
@@ -399,9 +405,7 @@ impl<P: Provider> SlotArena<P> {
             return self.regions.first.min(w);
         }
         // The window ends where the region holding slot `n - 1` does.
-        self.regions
-            .end(self.regions.find(n.min(w) - 1, 1).0)
-            .min(w)
+        self.regions.end(self.regions.region(n.min(w) - 1)).min(w)
     }
 
     /// Shrinks the receive window to `to` slots (a value [`SlotArena::window_for`] gave):
@@ -415,8 +419,8 @@ impl<P: Provider> SlotArena<P> {
         if to >= w || to < self.regions.first {
             return w;
         }
-        let regions = |w: u32| self.regions.find(w - 1, 1).0 + 1;
-        let keep = regions(to);
+        // The regions up to the one holding slot `to - 1`.
+        let keep = self.regions.region(to - 1) + 1;
         self.window.store(to, Ordering::Relaxed);
         self.lend_max.store(lending_budget(to), Ordering::Relaxed);
         // Popped under the lock, deregistered after it (the Vec keeps its capacity, so
