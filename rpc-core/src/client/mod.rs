@@ -21,7 +21,7 @@ use arc_swap::ArcSwap;
 use futures_core::Stream;
 use prost::Message;
 use tokio::net::TcpStream;
-use tracing::{Instrument as _, info, warn};
+use tracing::{Instrument as _, debug, info, warn};
 
 use crate::buf::sends::SendPool;
 use crate::buf::{BulkPool, Geometry, SlotArena};
@@ -37,7 +37,7 @@ use crate::verbs::{
 use crate::wire::{self, Role};
 use crate::{Error, Request, Response, Status, TransportErrorKind};
 pub use balance::Balancer;
-use core::{CLIENT_LINK, ClientCore, Parts, Tables, epoch};
+use core::{CLIENT_LINK, ClientCore, Cqs, Hub, Parts, Tables, epoch};
 pub use region::{Lease, Region};
 pub(crate) use registered::RegHandle;
 pub use registered::{RegisteredBytes, RegisteredBytesMut};
@@ -1272,6 +1272,9 @@ struct DeviceShare<P: Provider> {
     bulk: Arc<BulkPool<P>>,
     /// The send slots of the process's channels, one pool per slot size.
     sends: std::sync::Mutex<Vec<Arc<SendPool<P>>>>,
+    /// The CQ the process's thread-polled channels share, made with the first of them, and
+    /// the process it belongs to (a child forked since makes its own, with its own poller).
+    hub: std::sync::Mutex<Option<(u32, Arc<Hub<P>>)>>,
 }
 
 impl<P: Provider> DeviceShare<P> {
@@ -1285,7 +1288,33 @@ impl<P: Provider> DeviceShare<P> {
             pd,
             bulk,
             sends: std::sync::Mutex::new(Vec::new()),
+            hub: std::sync::Mutex::new(None),
         })
+    }
+
+    /// The CQ the process's `ClientPoller::Thread` channels share on this device; `None`
+    /// (each makes its own) when it cannot be made.
+    fn hub(&self, ctx: &P::Context) -> Option<Arc<Hub<P>>> {
+        let pid = std::process::id();
+        let mut hub = self.hub.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((owner, h)) = &*hub
+            && *owner == pid
+        {
+            return Some(Arc::clone(h));
+        }
+        let made = core::Poller::get()
+            .map_err(|e| e.to_string())
+            .and_then(|p| Hub::new(ctx, p).map_err(|e| e.to_string()));
+        match made {
+            Ok(h) => {
+                *hub = Some((pid, Arc::clone(&h)));
+                Some(h)
+            }
+            Err(e) => {
+                warn!("no shared CQ for this process's channels ({e}): each makes its own");
+                None
+            }
+        }
     }
 
     /// The process's send slots of `slot_size` bytes on this device, registered as its
@@ -1335,7 +1364,6 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
     let ctx = dev.ctx();
     let shared = dev.per_context(DeviceShare::<P>::new)?;
     let pd = Arc::clone(&shared.pd);
-    let channel = ctx.create_comp_channel()?;
     let caps = QpCaps {
         // Every send slot in flight, a READ (rendezvous response, stream message) per call,
         // and control frames.
@@ -1359,16 +1387,47 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
     let lcaps = lane_caps(&caps, ctx.caps());
     let cqe = (caps.max_send_wr + caps.max_recv_wr)
         .saturating_add((qps - 1).saturating_mul(lcaps.max_send_wr + lcaps.max_recv_wr));
-    let cq = ctx.create_cq(cqe, Some(&channel))?;
-    let mut qp = pd.create_qp(&cq, &cq, caps)?;
     let access = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-    qp.modify_to_init(access)?;
-    let mut lanes = Vec::with_capacity(qps as usize - 1);
-    for _ in 1..qps {
-        let mut q = pd.create_qp(&cq, &cq, lcaps)?;
-        q.modify_to_init(access)?;
-        lanes.push(q);
-    }
+    let make = |cq: &P::Cq| -> crate::verbs::Result<(P::Qp, Vec<P::Qp>)> {
+        let mut qp = pd.create_qp(cq, cq, caps)?;
+        qp.modify_to_init(access)?;
+        let mut lanes = Vec::with_capacity(qps as usize - 1);
+        for _ in 1..qps {
+            let mut q = pd.create_qp(cq, cq, lcaps)?;
+            q.modify_to_init(access)?;
+            lanes.push(q);
+        }
+        Ok((qp, lanes))
+    };
+    // A thread-polled channel's QPs go on the process's shared CQ when they fit there; a
+    // caller-polled one (driven by its callers alone) has a CQ of its own.
+    let joined = match (b.poller == ClientPoller::Thread)
+        .then(|| shared.hub(ctx))
+        .flatten()
+    {
+        Some(hub) => match hub.join(cqe, make) {
+            Ok(j) => Some(j),
+            Err(e) if e.kind() == crate::verbs::ErrorKind::ExceedsCaps => {
+                debug!("{e}: the channel makes a CQ of its own");
+                None
+            }
+            Err(e) => return Err(e.into()),
+        },
+        None => None,
+    };
+    let (cqs, channel, mut qp, mut lanes) = match joined {
+        Some((seat, (qp, lanes))) => (Cqs::Shared(seat), None, qp, lanes),
+        None => {
+            let channel = ctx.create_comp_channel()?;
+            let cq = ctx.create_cq(cqe, Some(&channel))?;
+            let (qp, lanes) = make(&cq)?;
+            (Cqs::Own(cq), Some(channel), qp, lanes)
+        }
+    };
+    let link_key = match &cqs {
+        Cqs::Shared(seat) => seat.key(),
+        Cqs::Own(_) => CLIENT_LINK,
+    };
     let mut stream = match started {
         std::task::Poll::Ready(r) => r?,
         std::task::Poll::Pending => connecting.await?,
@@ -1467,7 +1526,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
         arena,
         wire,
         bulk,
-        CLIENT_LINK,
+        link_key,
         caps.max_inline_data,
         epoch(),
     )
@@ -1503,7 +1562,7 @@ async fn open_with<P: Provider>(b: ChannelBuilder) -> Result<Conn, Error> {
         stream_window_max: wcfg.stream_window_max,
         dev,
         pd,
-        cq,
+        cqs,
         channel,
         link,
         tables,

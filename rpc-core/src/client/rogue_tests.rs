@@ -15,7 +15,7 @@ use bytes::Bytes;
 
 use super::{AnyCore, Channel, ClientPoller};
 use crate::server::{Dispatched, IncomingCall, Server, Service};
-use crate::verbs::{Cq, Qp, SendFlags, SendWr, Wc, WcStatus, WrOp};
+use crate::verbs::{Qp, SendFlags, SendWr, Wc, WcStatus, WrOp};
 use crate::wire::BulkDesc;
 use crate::{CallKind, MethodDesc, Request, Response, Status};
 
@@ -153,7 +153,7 @@ fn replay(ch: &Channel, desc: BulkDesc, write: bool, len: u32) -> WcStatus {
             start.elapsed() < Duration::from_secs(10),
             "no completion for the rogue access"
         );
-        let n = d.cq.poll(&mut wcs).expect("poll");
+        let n = d.cqs.poll(&mut wcs).expect("poll");
         if let Some(wc) = wcs[..n].iter().find(|w| w.wr_id == ROGUE) {
             return wc.status;
         }

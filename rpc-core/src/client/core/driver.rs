@@ -13,7 +13,7 @@ use crate::buf::{Taken, encode::MAX_PIECES};
 use crate::call::Record;
 use crate::link::{CommitError, Control, LinkError};
 use crate::streaming::Inbox;
-use crate::verbs::{Cq, Provider};
+use crate::verbs::Provider;
 use crate::wire::{self, BulkDesc, CallId};
 
 use super::{ClientCore, Driver, DrvCall, Large, Lent, Outcome, Submission, overlap};
@@ -67,7 +67,7 @@ impl<P: Provider> Driver<P> {
         // What this turn queued goes out before we look for answers (one post for the lot).
         self.link.flush_sends()?;
         let n = self
-            .cq
+            .cqs
             .poll(&mut self.wcs)
             .map_err(|e| LinkError::Verbs(e.to_string()))?;
         if n > 1 {

@@ -36,7 +36,7 @@ use crate::queue::PopIfAny;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
@@ -73,6 +73,9 @@ const READY_CAP: usize = if cfg!(test) { 64 } else { 4096 };
 /// The epoll data of the doorbell (members use their slab key).
 const DOORBELL: u64 = u64::MAX;
 
+/// The epoll data of a shared CQ's channel: this bit and its key among the sources.
+const SOURCE: u64 = 1 << 62;
+
 /// A connection driven by the process's poller thread.
 pub(crate) trait Member: Send + Sync {
     /// Drives the connection once; the work done.
@@ -96,6 +99,21 @@ pub(crate) trait Member: Send + Sync {
     fn with_channel_fd(&self, f: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>));
     /// Its place on the thread's list.
     fn listing(&self) -> &Listing;
+}
+
+/// A CQ shared by members ([`super::hub`]): a listed member's turn polls it (routing what
+/// it finds for the others), and the thread routes it for idle members when its channel
+/// fires, within [`IDLE_CHECK`] while it spins, and before it sleeps.
+pub(crate) trait Source: Send + Sync {
+    /// Polls the CQ and hands each completion to its member (which is listed); how many.
+    fn route_all(&self) -> usize;
+    /// Gets ready to sleep: arms the CQ and routes once more (`needed`: members the thread
+    /// drives have calls in flight). Whether nothing came.
+    fn arm(&self, needed: bool) -> bool;
+    /// After a sleep its completion channel woke: clears it.
+    fn woke(&self);
+    /// Runs `f` with its completion channel's descriptor (for the epoll set).
+    fn with_channel_fd(&self, f: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>));
 }
 
 /// What a member shares with the thread about the list: whether it is on it, and its key.
@@ -132,7 +150,11 @@ struct Entry {
 
 struct Group {
     doorbell: Arc<Doorbell>,
+    /// The thread's epoll set (a shared CQ takes its channel out when it goes).
+    ep: OwnedFd,
     joining: SegQueue<Arc<dyn Member>>,
+    /// Shared CQs to take in.
+    sources: SegQueue<Weak<dyn Source>>,
     /// The thread's next sleep has no timeout (it has no member): a joining connection rings
     /// the doorbell. Otherwise it is taken in at the next wake-up, within [`MAX_SLEEP`].
     sleeps_unbounded: AtomicBool,
@@ -193,6 +215,21 @@ impl Poller {
         }
     }
 
+    /// Hands a shared CQ to the thread, which routes it and sleeps on its channel for as long
+    /// as its connections hold it (the thread holds it only while it looks at it: it goes
+    /// with its last connection, as a connection's own CQ does). The thread is rung (it may
+    /// sleep without a timeout).
+    pub(crate) fn add_source(&self, s: Weak<dyn Source>) {
+        self.0.sources.push(s);
+        self.0.doorbell.ring_always();
+    }
+
+    /// A shared CQ goes: its channel leaves the epoll set (before it is closed: the server
+    /// holds a duplicate of it, so closing ours would not take it out).
+    pub(crate) fn forget_source(&self, fd: std::os::fd::BorrowedFd<'_>) {
+        let _ = epoll::delete(&self.0.ep, fd);
+    }
+
     /// A member queued work (before this call): lists it if it is not listed. No allocation
     /// or lock: a fence and a load when it is listed already, a swap and a bounded push when
     /// it is not.
@@ -223,14 +260,16 @@ fn start() -> Result<&'static Group, String> {
     .map_err(|e| format!("epoll_ctl(ADD, doorbell): {e}"))?;
     let group: &'static Group = Box::leak(Box::new(Group {
         doorbell,
+        ep,
         joining: SegQueue::new(),
+        sources: SegQueue::new(),
         sleeps_unbounded: AtomicBool::new(true),
         ready: ArrayQueue::new(READY_CAP),
         overflow: AtomicBool::new(false),
     }));
     std::thread::Builder::new()
         .name("rpc-client-poller".into())
-        .spawn(move || run(group, ep))
+        .spawn(move || run(group))
         .map_err(|e| format!("spawn: {e}"))?;
     Ok(group)
 }
@@ -349,6 +388,14 @@ impl Members {
         quiet
     }
 
+    /// Whether a listed member the thread drives has work (calls in flight).
+    fn busy_undriven(&self) -> bool {
+        self.active.iter().any(|&k| {
+            let m = &self.all[k].m;
+            !m.driven() && m.busy()
+        })
+    }
+
     /// Lists every member (after `ready` overflowed, and every [`FULL_EVERY`]). No
     /// allocation: the keys are walked up to the slab's capacity.
     fn list_all(&mut self) {
@@ -388,12 +435,14 @@ impl Members {
     }
 }
 
-fn run(g: &Group, ep: OwnedFd) {
+fn run(g: &Group) {
+    let ep = &g.ep;
     let mut members = Members {
         all: slab::Slab::new(),
         active: Vec::new(),
         unarmed: Vec::new(),
     };
+    let mut sources: slab::Slab<Weak<dyn Source>> = slab::Slab::new();
     let mut events = [MaybeUninit::<epoll::Event>::uninit(); 64];
     let mut spin = Spinner::new();
     let mut sweeps = 0u32;
@@ -416,7 +465,7 @@ fn run(g: &Group, ep: OwnedFd) {
             m.listing().key.store(key, Ordering::Release);
             m.with_channel_fd(&mut |fd| {
                 if let Err(e) = epoll::add(
-                    &ep,
+                    ep,
                     fd,
                     epoll::EventData::new_u64(key as u64),
                     epoll::EventFlags::IN,
@@ -436,11 +485,27 @@ fn run(g: &Group, ep: OwnedFd) {
                 .reserve(n.saturating_sub(members.unarmed.len()));
             members.activate(key);
         }
+        while let Some(s) = g.sources.pop_if_any() {
+            let Some(live) = s.upgrade() else {
+                continue;
+            };
+            let key = sources.insert(s);
+            live.with_channel_fd(&mut |fd| {
+                if let Err(e) = epoll::add(
+                    ep,
+                    fd,
+                    epoll::EventData::new_u64(SOURCE | key as u64),
+                    epoll::EventFlags::IN,
+                ) {
+                    warn!("client poller: epoll_ctl(ADD) of a shared CQ's channel: {e}");
+                }
+            });
+        }
+        let mut work = 0;
         while let Some(key) = g.ready.pop_if_any() {
             members.activate(key);
         }
         sweeps = sweeps.wrapping_add(1);
-        let mut work = 0;
         if g.overflow.load(Ordering::Relaxed) && g.overflow.swap(false, Ordering::SeqCst) {
             members.list_all();
         }
@@ -453,21 +518,28 @@ fn run(g: &Group, ep: OwnedFd) {
             };
             if let Ok((fired, _)) = epoll::wait(ep.as_fd(), &mut events, Some(&zero)) {
                 for ev in fired.iter() {
-                    let key = ev.data.u64();
-                    if key != DOORBELL {
-                        members.fired(key as usize);
-                    }
+                    fired_one(ev.data.u64(), &mut members, &sources);
                 }
             }
             if !members.arm_unarmed(&mut None) {
                 work += 1;
             }
+            // What came on the shared CQs for idle members (a listed member's turn polls its
+            // CQ itself, routing the others', and a caller driving its own connection does).
+            for (_, s) in &sources {
+                if let Some(s) = s.upgrade() {
+                    work += s.route_all();
+                }
+            }
             if full_at.elapsed() >= FULL_EVERY {
                 full_at = Instant::now();
                 members.list_all();
+                // The shared CQs gone with their connections leave (each took its channel
+                // out of the epoll set as it went).
+                sources.retain(|_, s| s.strong_count() > 0);
             }
         }
-        work += members.sweep(&ep);
+        work += members.sweep(ep);
         if work > 0 {
             spin.work();
             woke = false;
@@ -502,9 +574,15 @@ fn run(g: &Group, ep: OwnedFd) {
                 g.sleeps_unbounded
                     .store(timeout.is_none(), Ordering::SeqCst);
                 let timeout = if g.joining.is_empty()
+                    && g.sources.is_empty()
                     && g.ready.is_empty()
                     && !g.overflow.load(Ordering::SeqCst)
-                {
+                    && {
+                        let needed = members.busy_undriven();
+                        sources
+                            .iter()
+                            .all(|(_, s)| s.upgrade().is_none_or(|s| s.arm(needed)))
+                    } {
                     members.prepare_sleep(timeout)
                 } else {
                     None
@@ -521,10 +599,7 @@ fn run(g: &Group, ep: OwnedFd) {
                 });
                 if let Ok((fired, _)) = epoll::wait(ep.as_fd(), &mut events, ts.as_ref()) {
                     for ev in fired.iter() {
-                        let key = ev.data.u64();
-                        if key != DOORBELL {
-                            members.fired(key as usize);
-                        }
+                        fired_one(ev.data.u64(), &mut members, &sources);
                     }
                 }
                 g.doorbell.awake();
@@ -533,6 +608,25 @@ fn run(g: &Group, ep: OwnedFd) {
             }
         }
     }
+}
+
+/// What an epoll event names: a shared CQ's channel, a member's, or the doorbell.
+fn fired_one(data: u64, members: &mut Members, sources: &slab::Slab<Weak<dyn Source>>) {
+    if data == DOORBELL {
+        return;
+    }
+    if data & SOURCE != 0 {
+        if let Some(s) = sources
+            .get((data & !SOURCE) as usize)
+            .and_then(Weak::upgrade)
+        {
+            s.woke();
+            // Its members get their completions (and are listed).
+            s.route_all();
+        }
+        return;
+    }
+    members.fired(data as usize);
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! One client connection, generic over the provider: the lock-free front that callers use from
 //! any thread (call cells, submission and cancellation queues, send slots) and the driver that
-//! owns the QP, the CQ and the protocol state.
+//! owns the QP, its completions (a CQ of its own, or its seat on the CQ the process's
+//! thread-polled connections share: [`hub`]) and the protocol state.
 //!
 //! ```text
 //! caller (any thread)                          driver (whoever holds the token)
@@ -26,6 +27,11 @@ mod encode;
 pub(crate) use encode::PENDING_MIN;
 mod frames;
 mod group;
+mod hub;
+pub(crate) use group::Poller;
+pub(crate) use hub::{Cqs, Hub};
+#[cfg(test)]
+mod hub_tests;
 mod overlap;
 mod poller;
 mod sizes;
@@ -288,7 +294,9 @@ pub(crate) struct Driver<P: Provider> {
     /// Calls whose payload is still being written: the call, how much of it the caller has
     /// written, and how much BulkReady frames told the server so far.
     filling: Vec<(CallId, Arc<encode::Fill>, u64)>,
-    pub(crate) cq: P::Cq,
+    /// Its CQ, or its seat on the process's shared one (declared after `link`: the QPs are
+    /// destroyed first).
+    pub(crate) cqs: Cqs<P>,
     /// The rendezvous descriptors the server sent (the rogue-peer tests replay them).
     #[cfg(test)]
     pub(crate) seen_bulk: Vec<crate::wire::BulkDesc>,
@@ -345,9 +353,10 @@ impl std::ops::Deref for Bell {
 pub(crate) struct ClientCore<P: Provider> {
     pub(crate) driver: Exclusive<Driver<P>>,
     /// The completion channel of the driver's CQ, reachable without the driver's lock (the
-    /// poller thread's epoll set, the driver task's runtime registration, which shares it).
-    /// Declared after `driver`: the CQ is destroyed before the channel.
-    channel: Arc<P::CompChannel>,
+    /// poller thread's epoll set, the driver task's runtime registration, which shares it);
+    /// `None` on the shared CQ ([`hub`]), whose channel the poller thread watches. Declared
+    /// after `driver`: the CQ is destroyed before the channel.
+    channel: Option<Arc<P::CompChannel>>,
     /// Call cells, taken by callers and given back when their call ends.
     cells: CellTable<Cell<P>>,
     /// Callers waiting for a free cell (slow path only).
@@ -389,7 +398,10 @@ pub(crate) struct ClientCore<P: Provider> {
     /// `ClientPoller::Thread`: the process's poller, and this connection's place on its list
     /// of connections with work ([`group`]).
     poller: Option<group::Poller>,
-    listing: group::Listing,
+    /// Its place on the poller thread's list, and the completions the hub routed to it.
+    routed: Arc<hub::Routed>,
+    /// The shared CQ it is on, if it is.
+    hub: Option<Arc<Hub<P>>>,
     dead: AtomicBool,
     /// The server sent GoAway: calls in flight finish here, new calls go to a new connection.
     draining: AtomicBool,
@@ -462,8 +474,9 @@ impl<P: Provider> Tables<P> {
 pub(crate) struct Parts<P: Provider> {
     pub(crate) dev: SharedDevice<P>,
     pub(crate) pd: Arc<P::Pd>,
-    pub(crate) cq: P::Cq,
-    pub(crate) channel: P::CompChannel,
+    pub(crate) cqs: Cqs<P>,
+    /// `None` on the shared CQ.
+    pub(crate) channel: Option<P::CompChannel>,
     pub(crate) link: Link<P>,
     /// Sized by the connection's call limit.
     pub(crate) tables: Tables<P>,
@@ -487,7 +500,11 @@ impl<P: Provider> ClientCore<P> {
         let bulk = Arc::clone(&parts.link.bulk);
         let pd = Arc::clone(&parts.pd);
         let window_target = crate::verbs::Qp::window_target(&parts.link.qp);
-        let channel = Arc::new(parts.channel);
+        let channel = parts.channel.map(Arc::new);
+        let (routed, hub) = match &parts.cqs {
+            Cqs::Shared(seat) => (Arc::clone(seat.routed()), Some(Arc::clone(seat.hub()))),
+            Cqs::Own(_) => (hub::Routed::unrouted(), None),
+        };
         let poller = match parts.mode {
             ClientPoller::Thread => Some(group::Poller::get()?),
             ClientPoller::Caller => None,
@@ -507,7 +524,7 @@ impl<P: Provider> ClientCore<P> {
             out_calls: t.out_calls,
             filling: Vec::new(),
             link: parts.link,
-            cq: parts.cq,
+            cqs: parts.cqs,
             wcs: [Wc::default(); POLL_BATCH],
             _pd: parts.pd,
             dev: parts.dev,
@@ -544,7 +561,8 @@ impl<P: Provider> ClientCore<P> {
                 None => OnceLock::new(),
             },
             poller,
-            listing: group::Listing::new(),
+            routed,
+            hub,
             dead: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             dead_status: OnceLock::new(),

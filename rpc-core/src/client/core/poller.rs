@@ -14,7 +14,7 @@ use crate::Status;
 use crate::client::ClientPoller;
 use crate::doorbell::{Doorbell, wait_readable};
 use crate::poll_policy::{Budget, CLOCK_EVERY, TimedSpin, Wait, with_thread_spinner};
-use crate::verbs::{AsyncEvent, CompChannel, Cq, Provider};
+use crate::verbs::{AsyncEvent, CompChannel, Provider};
 
 use super::group::{Listing, Member};
 use super::submit::CALLER_MAX_SLEEP;
@@ -54,7 +54,7 @@ impl<P: Provider> ClientCore<P> {
     /// Puts the connection on its poller thread's list (`ClientPoller::Thread`).
     fn list(&self) {
         if let Some(p) = self.poller {
-            p.list(&self.listing);
+            p.list(&self.routed.listing);
         }
     }
 
@@ -91,7 +91,10 @@ impl<P: Provider> ClientCore<P> {
     /// when the connection is dropped or stopped.
     pub(crate) fn spawn_drive_task(self: &Arc<Self>) {
         // Registered now, at connect: the registration allocates, which a call must not.
-        let channel = register_channel(Arc::clone(&self.channel));
+        let channel = self
+            .channel
+            .as_ref()
+            .and_then(|c| register_channel(Arc::clone(c)));
         tokio::spawn(Self::drive_task(Arc::downgrade(self), channel));
     }
 
@@ -213,8 +216,10 @@ impl<P: Provider> ClientCore<P> {
                     }
                     () = tokio::time::sleep(asked) => {}
                 }
-                if let Some(_d) = self.driver.try_lock() {
-                    let _ = self.channel.drain();
+                if let Some(_d) = self.driver.try_lock()
+                    && let Some(c) = &self.channel
+                {
+                    let _ = c.drain();
                 }
             }
             _ => {
@@ -327,6 +332,9 @@ impl<P: Provider> ClientCore<P> {
             return None;
         }
         self.caller_drives.fetch_add(1, Ordering::SeqCst);
+        if let Some(h) = &self.hub {
+            h.driving();
+        }
         Some(CallerDrive { core: self })
     }
 
@@ -399,6 +407,9 @@ impl<P: Provider> Drop for CallerDrive<'_, P> {
         // SeqCst against the poller's sleep: it either sees the count fall (and turns the
         // connection), or it had announced its sleep and we ring it.
         self.core.caller_drives.fetch_sub(1, Ordering::SeqCst);
+        if let Some(h) = &self.core.hub {
+            h.stop_driving();
+        }
         if Member::busy(self.core) {
             self.core.ring();
         }
@@ -425,6 +436,7 @@ impl<P: Provider> Member for ClientCore<P> {
             || !self.cancelled.is_empty()
             || !self.stream_sends.is_empty()
             || !self.grants.is_empty()
+            || self.routed.has_work()
     }
 
     fn prepare_sleep(&self, max: Duration) -> Option<(Duration, bool)> {
@@ -440,17 +452,21 @@ impl<P: Provider> Member for ClientCore<P> {
     }
 
     fn woke(&self) {
-        if let Some(_d) = self.driver.try_lock() {
-            let _ = self.channel.drain();
+        if let Some(_d) = self.driver.try_lock()
+            && let Some(c) = &self.channel
+        {
+            let _ = c.drain();
         }
     }
 
     fn listing(&self) -> &Listing {
-        &self.listing
+        &self.routed.listing
     }
 
     fn with_channel_fd(&self, f: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>)) {
-        f(self.channel.fd());
+        if let Some(c) = &self.channel {
+            f(c.fd());
+        }
     }
 }
 
@@ -506,15 +522,16 @@ impl<P: Provider> Driver<P> {
             }
             return None;
         };
-        let lost = core.is_lost();
-        match (bell, lost) {
-            (Some(b), true) => wait_readable(&[b.fd()], timeout),
-            (Some(b), false) => wait_readable(&[b.fd(), core.channel.fd()], timeout),
-            (None, true) => std::thread::sleep(timeout),
-            (None, false) => wait_readable(&[core.channel.fd()], timeout),
+        // A lost connection has nothing to poll (it waits for the kill, which rings).
+        let channel = core.channel.as_deref().filter(|_| !core.is_lost());
+        match (bell, channel) {
+            (Some(b), None) => wait_readable(&[b.fd()], timeout),
+            (Some(b), Some(c)) => wait_readable(&[b.fd(), c.fd()], timeout),
+            (None, None) => std::thread::sleep(timeout),
+            (None, Some(c)) => wait_readable(&[c.fd()], timeout),
         }
-        if !lost {
-            let _ = core.channel.drain();
+        if let Some(c) = channel {
+            let _ = c.drain();
         }
         if let Some(b) = bell {
             b.awake();
@@ -536,7 +553,7 @@ impl<P: Provider> Driver<P> {
         max: Duration,
     ) -> Option<Duration> {
         self.device_events(core);
-        let _ = self.cq.req_notify(false);
+        self.cqs.req_notify();
         if !core.submitted.is_empty() || !core.cancelled.is_empty() || self.progress(core) > 0 {
             return None;
         }
@@ -608,7 +625,7 @@ impl<P: Provider> Driver<P> {
     /// failed; posts nothing. Stops at the first error.
     fn last_completions(&mut self, core: &ClientCore<P>) {
         for _ in 0..64 {
-            let n = match self.cq.poll(&mut self.wcs) {
+            let n = match self.cqs.poll(&mut self.wcs) {
                 Ok(n) => n,
                 Err(_) => return,
             };

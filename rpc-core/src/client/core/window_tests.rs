@@ -22,14 +22,14 @@ use crate::{CallKind, Geometry, MethodDesc, Request, Response};
 /// A call's number: its own in the low 32 bits, the length of its answer in the next 16,
 /// and [`SLOW`] when the server waits 20 ms and more before it answers.
 #[derive(Clone, PartialEq, prost::Message)]
-struct Num {
+pub(super) struct Num {
     #[prost(uint64, tag = "1")]
-    seq: u64,
+    pub(super) seq: u64,
 }
 
-const SLOW: u64 = 1 << 63;
+pub(super) const SLOW: u64 = 1 << 63;
 
-static BLOB: MethodDesc = MethodDesc::new("/window.Blobs/Blob", CallKind::Unary);
+pub(super) static BLOB: MethodDesc = MethodDesc::new("/window.Blobs/Blob", CallKind::Unary);
 static METHODS: [MethodDesc; 1] = [BLOB];
 
 /// Answers each call with the bytes its number asks for, all equal to its low byte.
@@ -58,7 +58,7 @@ impl Service for Blobs {
     }
 }
 
-async fn call(ch: Channel, seq: u64) -> Blob {
+pub(super) async fn call(ch: Channel, seq: u64) -> Blob {
     let mut req = Request::new(Num { seq });
     req.set_timeout(Duration::from_secs(30));
     let r = tokio::time::timeout(Duration::from_secs(60), ch.unary::<Num, Blob>(&BLOB, req))
@@ -74,7 +74,7 @@ async fn call(ch: Channel, seq: u64) -> Blob {
 
 /// `n` slow calls at once, each answering `len` bytes; their answers. All are in flight
 /// together (the first answer comes after 20 ms).
-async fn slow_calls(ch: &Channel, from: u32, n: u32, len: u16) -> Vec<Blob> {
+pub(super) async fn slow_calls(ch: &Channel, from: u32, n: u32, len: u16) -> Vec<Blob> {
     let calls = (from..from + n).map(|i| {
         let seq = SLOW | u64::from(len) << 32 | u64::from(i);
         tokio::spawn(call(ch.clone(), seq))
@@ -115,7 +115,7 @@ async fn calls_until_window(ch: &Channel, to: u64) -> Duration {
 
 /// The soft provider's core of the channel's connection (`None` on another provider).
 #[allow(irrefutable_let_patterns)] // refutable with the ibverbs feature
-fn soft_core(ch: &Channel) -> Option<Arc<ClientCore<Soft>>> {
+pub(super) fn soft_core(ch: &Channel) -> Option<Arc<ClientCore<Soft>>> {
     let conn = ch.current().expect("a connection");
     let AnyCore::Soft(core) = &conn.core else {
         return None;
@@ -123,7 +123,7 @@ fn soft_core(ch: &Channel) -> Option<Arc<ClientCore<Soft>>> {
     Some(Arc::clone(core))
 }
 
-async fn server() -> (crate::server::RunningServer, String) {
+pub(super) async fn server() -> (crate::server::RunningServer, String) {
     let server = Server::builder()
         .add_service(Blobs)
         .bind("127.0.0.1:0")
@@ -133,7 +133,7 @@ async fn server() -> (crate::server::RunningServer, String) {
     (server, addr)
 }
 
-async fn connect(addr: &str, poller: ClientPoller) -> Channel {
+pub(super) async fn connect(addr: &str, poller: ClientPoller) -> Channel {
     Channel::builder(addr)
         .poller(poller)
         .geometry(Geometry {
