@@ -309,22 +309,25 @@ impl<P: Provider> Hub<P> {
 
     /// Routes the spilled completions again, oldest first, as far as their queues take them.
     fn unspill(&self, st: &mut State<P>) {
-        while let Some(wc) = st.spill.front().copied() {
+        let State { routes, spill, .. } = st;
+        while let Some(wc) = spill.front().copied() {
             let (key, _, _) = split_wr_id(wc.wr_id);
-            let to = match st.routes.get(usize::from(key.idx)) {
-                Some(Route {
-                    generation,
-                    to: Some(r),
-                }) if *generation == key.generation => Arc::clone(r),
-                _ => {
-                    st.spill.pop_front();
-                    continue;
-                }
+            let Some(Route {
+                generation,
+                to: Some(to),
+            }) = routes.get(usize::from(key.idx))
+            else {
+                spill.pop_front();
+                continue;
             };
+            if *generation != key.generation {
+                spill.pop_front();
+                continue;
+            }
             if to.wcs.push(wc).is_err() {
                 return;
             }
-            st.spill.pop_front();
+            spill.pop_front();
             self.poller.list(&to.listing);
             self.doorbell.ring();
         }
